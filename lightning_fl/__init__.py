@@ -1,0 +1,27 @@
+"""lightning_fl: communication-efficient (FLITE) and Bayesian (FMP) federated learning on Lightning.
+
+Importing the package imports every plug-in so the CLI can resolve short class names
+(``--model Classifier``, ``--data.source FashionMNIST``).
+"""
+
+__version__ = "0.1.0"
+
+from lightning_fl import data, methods, models
+from lightning_fl.cli import TrainerLike
+from lightning_fl.data import FederatedDataModule
+from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError, UserError
+from lightning_fl.methods import Classifier
+
+__all__ = [
+    "CheckpointError",
+    "Classifier",
+    "ConfigError",
+    "DatasetNotFoundError",
+    "FederatedDataModule",
+    "TrainerLike",
+    "UserError",
+    "__version__",
+    "data",
+    "methods",
+    "models",
+]

@@ -1,0 +1,217 @@
+"""Centralised image classification: the pretraining recipe shared by FLITE and its baselines.
+
+Defaults are the FLITE paper's centralised pretraining (appendix C): SGD with momentum 0.9,
+learning rate 0.05 with a 3-epoch linear warm-up then cosine decay to zero, weight decay 5e-4,
+and the orthogonal classifier head frozen from the first step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_fl.errors import CheckpointError, ConfigError, UserError
+from lightning_fl.methods.schedules import Schedule, warmup_cosine_factor
+from lightning_fl.metrics import classification_metrics
+from lightning_fl.models.backbone import Backbone
+from lightning_fl.models.heads import ClassifierHead, HeadKind
+
+OptimizerName = Literal["sgd", "adam", "adamw"]
+
+
+class TrainingDivergedError(UserError, FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a Lightning checkpoint (its ``state_dict``) or a plain state dict, without unpickling code."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path} could not be read safely (weights_only=True): {err}") from err
+    state = obj.get("state_dict", obj) if isinstance(obj, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"checkpoint {path} holds no state dict of tensors")
+    return state
+
+
+class Classifier(L.LightningModule):
+    """Backbone + classifier head trained with cross-entropy.
+
+    Args:
+        backbone: Feature extractor (``ResNet18``, ``ResNet34``, ``SmallCNN``, or your own ``Backbone``).
+        num_classes: Number of classes; must match the data set.
+        head: ``orthogonal`` (frozen, default), ``kaiming`` (frozen) or ``trainable``.
+        optimizer: ``sgd`` (momentum, optional Nesterov), ``adam`` or ``adamw``. For another optimiser,
+            subclass and override ``configure_optimizers``.
+        lr: Peak learning rate.
+        momentum: SGD momentum (ignored by Adam/AdamW).
+        weight_decay: Weight decay on every trainable parameter.
+        nesterov: Nesterov momentum for SGD.
+        warmup_epochs: Linear warm-up length in epochs (fractions allowed); 0 disables it.
+        schedule: ``cosine`` decays to zero at the end of training; ``constant`` keeps ``lr`` after warm-up.
+        label_smoothing: Cross-entropy label smoothing.
+        init_from: Checkpoint (Lightning ``.ckpt`` or a state dict) whose backbone and head weights to
+            start from, e.g. a pretrained base for fine-tuning. Loaded with ``weights_only=True``.
+    """
+
+    def __init__(
+        self,
+        backbone: Backbone,
+        num_classes: int,
+        head: HeadKind = "orthogonal",
+        optimizer: OptimizerName = "sgd",
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        nesterov: bool = False,
+        warmup_epochs: float = 3.0,
+        schedule: Schedule = "cosine",
+        label_smoothing: float = 0.0,
+        init_from: str | None = None,
+    ) -> None:
+        super().__init__()
+        problems = []
+        if num_classes < 2:
+            problems.append(f"model.num_classes must be >= 2, got {num_classes}")
+        if optimizer not in ("sgd", "adam", "adamw"):
+            problems.append(f"model.optimizer must be 'sgd', 'adam' or 'adamw', got {optimizer!r}")
+        if not lr > 0:
+            problems.append(f"model.lr must be > 0, got {lr}")
+        if not 0 <= momentum < 1:
+            problems.append(f"model.momentum must be in [0, 1), got {momentum}")
+        if weight_decay < 0:
+            problems.append(f"model.weight_decay must be >= 0, got {weight_decay}")
+        if nesterov and (optimizer != "sgd" or momentum == 0):
+            problems.append("model.nesterov needs optimizer 'sgd' and momentum > 0")
+        if warmup_epochs < 0:
+            problems.append(f"model.warmup_epochs must be >= 0, got {warmup_epochs}")
+        if schedule not in ("cosine", "constant"):
+            problems.append(f"model.schedule must be 'cosine' or 'constant', got {schedule!r}")
+        if not 0 <= label_smoothing < 1:
+            problems.append(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        if not isinstance(backbone, nn.Module) or not hasattr(backbone, "out_features"):
+            problems.append("model.backbone must be a Backbone (an nn.Module with an out_features attribute)")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.save_hyperparameters(ignore=["backbone"])
+        self.backbone = backbone
+        self.head = ClassifierHead(backbone.out_features, num_classes, head)
+        self.num_classes = num_classes
+        self.train_metrics = classification_metrics(num_classes, "train/")
+        self.val_metrics = classification_metrics(num_classes, "val/")
+        self.test_metrics = classification_metrics(num_classes, "test/")
+        if init_from is not None:
+            self.load_weights(init_from)
+
+    # ----------------------------------------------------------------------------------- weights
+    def load_weights(self, path: str | Path) -> None:
+        """Load backbone and head weights from ``path``; every weight must be present with the right shape."""
+        state = load_state_dict_file(path)
+        own = {k: v for k, v in self.state_dict().items() if k.startswith(("backbone.", "head."))}
+        missing = sorted(set(own) - set(state))
+        wrong = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
+        if missing or wrong:
+            details = []
+            if missing:
+                details.append(f"missing {len(missing)} weights (first: {missing[:3]})")
+            if wrong:
+                details.append(
+                    f"{len(wrong)} shape mismatches (first: {wrong[0]} is {tuple(state[wrong[0]].shape)} in the "
+                    f"checkpoint, {tuple(own[wrong[0]].shape)} here)"
+                )
+            raise CheckpointError(
+                f"model.init_from={path} does not match this model: {'; '.join(details)}. Check that "
+                "model.backbone and model.num_classes are those the checkpoint was trained with."
+            )
+        self.load_state_dict({k: state[k] for k in own}, strict=False)
+
+    # ----------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))  # (B, num_classes)
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None:
+            self.check_data(datamodule)
+
+    def check_data(self, datamodule: object) -> None:
+        """Refuse data whose classes or channels do not match the model, naming the keys to change."""
+        problems = []
+        num_classes = getattr(datamodule, "num_classes", None)
+        if num_classes is not None and num_classes != self.num_classes:
+            problems.append(f"model.num_classes={self.num_classes} but the data has {num_classes} classes")
+        shape = getattr(datamodule, "input_shape", None)
+        channels = getattr(self.backbone, "in_channels", None)
+        if shape is not None and channels is not None and shape[0] != channels:
+            problems.append(f"model.backbone.in_channels={channels} but the data has {shape[0]} channels")
+        size = getattr(self.backbone, "image_size", None)
+        if shape is not None and size is not None and tuple(shape[1:]) != (size, size):
+            problems.append(f"model.backbone.image_size={size} but the data is {shape[1]}x{shape[2]}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.float(), y, label_smoothing=self.hparams.label_smoothing)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = self._loss(logits, y)
+        if not torch.isfinite(loss):
+            raise TrainingDivergedError(
+                f"train/loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}. "
+                "Lower model.lr, raise model.warmup_epochs, or check the data for NaNs."
+            )
+        self.train_metrics["acc"].update(logits.detach(), y)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y))
+        self.log("train/acc", self.train_metrics["acc"], on_step=False, on_epoch=True, batch_size=len(y))
+        return loss
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        x, y = batch
+        logits = self(x)
+        metrics = self.val_metrics if stage == "val" else self.test_metrics
+        metrics.update(logits.float().softmax(-1), y)
+        self.log(f"{stage}/loss", self._loss(logits, y), on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
+        self.log_dict(metrics, on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    # ----------------------------------------------------------------------------------- optimiser
+    def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=hp.nesterov
+            )
+        cls = torch.optim.Adam if hp.optimizer == "adam" else torch.optim.AdamW
+        return cls(params, lr=hp.lr, weight_decay=hp.weight_decay)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("the model has no trainable parameters; check model.head and the backbone")
+        optimizer = self.make_optimizer(params)
+        if self._trainer is None:  # driven by a loop without epochs: plain optimiser
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)
+        max_epochs = self.trainer.max_epochs
+        steps_per_epoch = total / max_epochs if max_epochs and max_epochs > 0 else total
+        warmup = round(self.hparams.warmup_epochs * steps_per_epoch)
+        schedule = self.hparams.schedule
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine_factor(step, warmup, total, schedule)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

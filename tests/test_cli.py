@@ -1,0 +1,163 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import CONFIGS, REPO, run_cli
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_fl.cli import main
+
+DIGITS = str(CONFIGS / "pretrain_digits.yaml")
+QUIET = ["--trainer.enable_model_summary", "false"]
+
+
+def events(run_dir: Path) -> EventAccumulator:
+    return EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+
+
+def test_fit_writes_config_events_and_checkpoints_then_resumes_at_epoch_2(in_tmp):
+    assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "1", *QUIET) == 0
+    run = in_tmp / "runs" / "pretrain_digits" / "version_0"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["seed_everything"] == 0 and saved["trainer"]["init_args"]["max_epochs"] == 1
+    assert saved["model"]["init_args"]["nesterov"] is False  # defaults are written too
+    assert saved["data"]["init_args"]["source"]["class_path"] == "lightning_fl.data.Digits"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]
+    acc = events(run)
+    assert {"train/loss_epoch", "val/acc", "val/ece", "val/loss"} <= set(acc.Tags()["scalars"])
+    assert "config/text_summary" in acc.Tags()["tensors"]
+    assert len(acc.Scalars("val/acc")) == 1
+
+    last = run / "checkpoints" / "last.ckpt"
+    assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "2", "--ckpt_path", str(last), *QUIET) == 0
+    resumed = in_tmp / "runs" / "pretrain_digits" / "version_1"
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["epoch001.ckpt", "last.ckpt"]
+    state = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    first = torch.load(last, weights_only=True)
+    assert state["epoch"] == 1 and state["global_step"] == 2 * first["global_step"]
+    assert [e.step for e in events(resumed).Scalars("epoch")][-1] == state["global_step"] - 1
+
+
+def test_validate_and_test_load_the_checkpoint(in_tmp):
+    assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "2", *QUIET) == 0
+    ckpt = str(in_tmp / "runs" / "pretrain_digits" / "version_0" / "checkpoints" / "last.ckpt")
+    (metrics,) = main(["test", "--config", DIGITS, "--ckpt_path", ckpt, *QUIET])
+    assert set(metrics) == {"test/acc", "test/ece", "test/loss"} and metrics["test/acc"] > 0.8
+    (val,) = main(["validate", "--config", DIGITS, "--ckpt_path", ckpt, *QUIET])
+    assert val["val/acc"] == pytest.approx(metrics["test/acc"])  # val is the test split without val_fraction
+    assert (in_tmp / "runs" / "pretrain_digits" / "version_2" / "config.yaml").is_file()
+
+
+def test_print_config_shows_every_default(capsys):
+    assert run_cli("fit", "--config", DIGITS, "--model.lr", "0.1", "--print_config") == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["init_args"]["lr"] == 0.1
+    assert printed["model"]["init_args"]["label_smoothing"] == 0.0
+    assert printed["data"]["init_args"]["partition"]["class_path"] == "lightning_fl.data.IID"
+
+
+def test_short_class_names_and_a_plugin_trainer(in_tmp):
+    import helpers
+
+    args = [
+        "--model",
+        "Classifier",
+        "--model.backbone",
+        "SmallCNN",
+        "--model.backbone.image_size",
+        "8",
+        "--model.num_classes",
+        "10",
+        "--data",
+        "FederatedDataModule",
+        "--data.source",
+        "Digits",
+        "--data.partition",
+        "Dirichlet",
+        "--data.partition.alpha",
+        "0.3",
+    ]
+    assert run_cli("fit", "--trainer", "RecordingTrainer", "--trainer.rounds", "3", *args) == 0
+    trainer = helpers.RecordingTrainer.last
+    assert trainer.rounds == 3
+    ((name, model, data, ckpt),) = trainer.calls
+    assert (name, type(model).__name__, type(data).__name__, ckpt) == ("fit", "Classifier", "FederatedDataModule", None)
+    assert data.partition.alpha == 0.3
+    assert "class_path: helpers.RecordingTrainer" in trainer.config_yaml
+    assert run_cli("test", "--trainer", "helpers.RecordingTrainer", *args) == 0
+    assert helpers.RecordingTrainer.last.calls[0][0] == "test"
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+BAD_CASES = {
+    "misspelt key": (["--model.lrr", "0.1"], ["model.lrr", "Did you mean 'model.lr'?", "Accepted: backbone"]),
+    "misspelt nested key": (["--data.source.test_fractoin", "0.1"], ["data.source.test_fractoin", "test_fraction"]),
+    "misspelt trainer key": (["--trainer.max_epoch", "3"], ["trainer.max_epoch", "'trainer.max_epochs'"]),
+    "wrong type": (["--model.lr", "fast"], ["model.lr: expected float, got 'fast'"]),
+    "wrong literal": (["--model.head", "orthognal"], ["model.head", "'orthogonal', 'kaiming', 'trainable'"]),
+    "unknown class": (["--data.source", "CIFAR11"], ["data.source: unknown class 'CIFAR11'", "CIFAR10, CIFAR100"]),
+    "unknown trainer": (["--trainer", "Trainr"], ["trainer: unknown class 'Trainr'", "Trainer"]),
+    "missing config file": (["--config", "nope.yaml"], ["config file", "nope.yaml does not exist"]),
+    "invalid value": (["--model.lr", "-1"], ["model.lr must be > 0"]),
+    "missing checkpoint": (["--ckpt_path", "gone.ckpt"], ["ckpt_path gone.ckpt does not exist"]),
+    "missing data set": (
+        [
+            "--data.source",
+            "CIFAR10",
+            "--data.source.root",
+            "c10",
+            "--data.source.download",
+            "false",
+            "--model.backbone",
+            "ResNet18",
+            "--model.backbone.width",
+            "8",
+            "--model.backbone.norm_groups",
+            "4",
+        ],
+        ["CIFAR-10 was not found", "c10/cifar-10-batches-py (root given)", "--data.source.root DIR"],
+    ),
+    "mismatched classes": (["--model.num_classes", "7"], ["model.num_classes=7 but the data has 10 classes"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES), ids=list(BAD_CASES))
+def test_bad_input_exits_2_with_one_clear_message(case, in_tmp, capsys):
+    args, expected = BAD_CASES[case]
+    assert run_cli("fit", "--config", DIGITS, *args, "--trainer.max_epochs", "1", *QUIET) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    for text in expected:
+        assert text in err
+    assert "Traceback" not in err
+
+
+def test_yaml_typos_are_named(in_tmp, capsys):
+    top = write(in_tmp / "top.yaml", "modle:\n  class_path: Classifier\n")
+    assert run_cli("fit", "--config", DIGITS, "--config", top) == 2
+    assert "unknown key 'modle'. Did you mean 'model'?" in capsys.readouterr().err
+    nested = write(in_tmp / "nested.yaml", "model:\n  init_args:\n    wieght_decay: 0.1\n")
+    assert run_cli("fit", "--config", DIGITS, "--config", nested) == 2
+    assert "Did you mean 'model.weight_decay'?" in capsys.readouterr().err
+    assert run_cli("fitt", "--config", DIGITS) == 2
+    assert "unknown subcommand 'fitt'. Did you mean 'fit'?" in capsys.readouterr().err
+
+
+def test_real_process_prints_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_fl", "fit", "--config", DIGITS, "--data.num_clientz", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+    )
+    assert proc.returncode == 2
+    assert "Did you mean 'data.num_clients'?" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,241 @@
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_fl.data import (
+    CIFAR10,
+    CIFAR100,
+    IID,
+    Digits,
+    Dirichlet,
+    FashionMNIST,
+    FederatedDataModule,
+    ImageTransform,
+    Synthetic,
+    TinyImageNet,
+    read_idx,
+)
+from lightning_fl.errors import ConfigError, DatasetNotFoundError
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        data = gzip.compress(data)
+    path.write_bytes(data)
+
+
+def fake_mnist_folder(folder: Path, n_train=40, n_test=20, gz=True) -> tuple[np.ndarray, np.ndarray]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 256, (n_train, 28, 28))
+    labels = np.arange(n_train) % 10
+    write_idx(folder / "train-images-idx3-ubyte", train, gz)
+    write_idx(folder / "train-labels-idx1-ubyte", labels, gz)
+    write_idx(folder / "t10k-images-idx3-ubyte", rng.integers(0, 256, (n_test, 28, 28)), gz)
+    write_idx(folder / "t10k-labels-idx1-ubyte", np.arange(n_test) % 10, gz)
+    return train, labels
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_reads_idx_files_from_the_given_root(tmp_path, gz):
+    train, labels = fake_mnist_folder(tmp_path / "fm", gz=gz)
+    source = FashionMNIST(root=str(tmp_path / "fm"), download=False)
+    split = source.load("train")
+    assert split.images.shape == (40, 1, 28, 28) and split.images.dtype == torch.uint8
+    assert np.array_equal(split.images[:, 0].numpy(), train) and np.array_equal(split.targets, labels)
+    assert len(source.load("test")) == 20
+
+
+def test_torchvision_layout_is_found_under_root(tmp_path):
+    fake_mnist_folder(tmp_path / "FashionMNIST" / "raw")
+    assert FashionMNIST(root=str(tmp_path), download=False).locate() == tmp_path / "FashionMNIST" / "raw"
+
+
+def test_idx_reader_rejects_truncated_files():
+    header = bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10)
+    assert read_idx(header + bytes(10)).shape == (10,)
+    with pytest.raises(DatasetNotFoundError, match="truncated"):
+        read_idx(header + bytes(9), "x.idx")
+    with pytest.raises(DatasetNotFoundError, match="not an IDX"):
+        read_idx(b"\x01\x02\x03\x04")
+
+
+def test_missing_data_set_error_names_paths_and_fixes(in_tmp, monkeypatch):
+    monkeypatch.setattr("lightning_fl.data.sources.system_data_dirs", lambda: [in_tmp / "system"])
+    source = FashionMNIST(root=str(in_tmp / "nowhere"), download=False)
+    source.system_paths = (str(in_tmp / "not-installed"),)
+    with pytest.raises(DatasetNotFoundError) as info:
+        source.prepare()
+    msg = str(info.value)
+    assert "Fashion-MNIST was not found" in msg
+    assert str(in_tmp / "nowhere") in msg and str(in_tmp / "not-installed") in msg
+    assert "apt-get install -y dataset-fashion-mnist" in msg
+    assert "--data.source.root" in msg and "download is off" in msg
+
+
+def test_failed_download_is_reported(in_tmp, monkeypatch):
+    def offline(self, target):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(CIFAR10, "fetch", offline)
+    with pytest.raises(DatasetNotFoundError, match=r"download into .* failed: OSError: Name or service not known"):
+        CIFAR10(root=str(in_tmp / "c10")).prepare()
+
+
+def fake_cifar(folder: Path, names: list[str], label_key: bytes, n=20, classes=10) -> None:
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in names:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), label_key: list(np.arange(n) % classes)}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+
+
+def test_cifar10_and_cifar100_read_python_batches(tmp_path):
+    fake_cifar(tmp_path / "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], b"labels")
+    c10 = CIFAR10(root=str(tmp_path), download=False)
+    train = c10.load("train")
+    assert train.images.shape == (100, 3, 32, 32) and len(c10.load("test")) == 20
+    fake_cifar(tmp_path / "cifar-100-python", ["train", "test"], b"fine_labels", classes=100)
+    assert len(CIFAR100(root=str(tmp_path), download=False).load("train")) == 20
+
+
+def test_cifar_reader_refuses_pickled_code(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    for name in ("train", "test"):
+        (folder / name).write_bytes(pickle.dumps({b"data": Evil()}))
+    with pytest.raises(DatasetNotFoundError, match="refusing to load builtins.print"):
+        CIFAR100(root=str(tmp_path), download=False).load("train")
+
+
+def test_tinyimagenet_folder_layout(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "tiny-imagenet-200"
+    wnids = ["n01", "n02"]
+    (root / "val" / "images").mkdir(parents=True)
+    (root / "wnids.txt").write_text("\n".join(wnids))
+    lines = []
+    for k, w in enumerate(wnids):
+        (root / "train" / w / "images").mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (64, 64), (k * 100, i, 0)).save(root / "train" / w / "images" / f"{w}_{i}.JPEG")
+        Image.new("RGB", (64, 64), (k * 100, 0, 0)).save(root / "val" / "images" / f"val_{k}.JPEG")
+        lines.append(f"val_{k}.JPEG\t{w}\t0\t0\t63\t63")
+    (root / "val" / "val_annotations.txt").write_text("\n".join(lines))
+    source = TinyImageNet(root=str(tmp_path), download=False)
+    train, test = source.load("train"), source.load("test")
+    assert len(train) == 6 and train.targets.tolist() == [0, 0, 0, 1, 1, 1]
+    image, label = test[1]
+    assert image.shape == (3, 64, 64) and image.dtype == torch.uint8 and label == 1
+
+
+def test_digits_split_is_fixed_and_stratified():
+    a, b = Digits().load("train"), Digits().load("train")
+    assert torch.equal(a.images, b.images) and len(a) + len(Digits().load("test")) == 1797
+    assert a.images.shape[1:] == (1, 8, 8) and int(a.images.max()) == 255
+    counts = np.bincount(Digits().load("test").targets)
+    assert counts.min() >= 34 and counts.max() <= 37
+
+
+@pytest.mark.parametrize("source", [Digits(), pytest.param(FashionMNIST(download=False), id="fashion")])
+def test_normalisation_constants_match_the_training_split(source):
+    try:
+        images = source.load("train").images.float() / 255
+    except DatasetNotFoundError:
+        pytest.skip("Fashion-MNIST is not installed (apt-get install -y dataset-fashion-mnist)")
+    assert abs(images.mean().item() - source.mean[0]) < 1e-3
+    assert abs(images.std().item() - source.std[0]) < 1e-3
+
+
+def test_cifar_transform_crops_with_padding_and_flips():
+    source = CIFAR10(download=False)
+    train_tf, test_tf = source.transform(train=True), source.transform(train=False)
+    assert train_tf.crop_padding == 4 and train_tf.hflip and test_tf.crop_padding == 0 and not test_tf.hflip
+    image = torch.full((3, 32, 32), 255, dtype=torch.uint8)
+    torch.manual_seed(0)
+    outs = [train_tf(image) for _ in range(20)]
+    assert all(o.shape == (3, 32, 32) for o in outs)
+    white = (1 - torch.tensor(source.mean)) / torch.tensor(source.std)
+    black = -torch.tensor(source.mean) / torch.tensor(source.std)
+    # some crops show the zero padding (black) at a border; the untouched test transform never does
+    assert any(torch.isclose(o[:, 0, 0], black).all() or torch.isclose(o[:, -1, -1], black).all() for o in outs)
+    torch.testing.assert_close(test_tf(image)[:, 0, 0], white)
+    assert source.transform(train=True, augment=False).crop_padding == 0
+
+
+def test_image_transform_flip_is_a_mirror():
+    tf = ImageTransform((0.0,), (1.0,), hflip=True)
+    image = torch.arange(16, dtype=torch.uint8).view(1, 4, 4)
+    seen = {tuple(round(v * 255) for v in tf(image)[0, 0].tolist()) for _ in range(50)}
+    assert seen == {(0, 1, 2, 3), (3, 2, 1, 0)}
+
+
+def make_dm(**kwargs) -> FederatedDataModule:
+    defaults = {"source": Synthetic(train_size=600, test_size=100), "num_clients": 5, "batch_size": 32}
+    dm = FederatedDataModule(**{**defaults, **kwargs})
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def test_datamodule_splits_are_disjoint_and_cover_the_training_set():
+    dm = make_dm(public_fraction=0.2, val_fraction=0.1, partition=Dirichlet(alpha=0.5))
+    clients = [dm.client_indices(c) for c in range(5)]
+    parts = [dm.split_indices("val"), dm.split_indices("public"), *clients]
+    everything = np.concatenate(parts)
+    assert len(everything) == len(np.unique(everything)) == 600
+    assert len(dm.split_indices("val")) == 60 and len(dm.split_indices("public")) == 120
+    assert sum(dm.client_num_samples(c) for c in range(5)) == 420
+    assert dm.label_histograms().sum() == 420 and dm.label_histograms().shape == (5, 10)
+
+
+def test_datamodule_is_deterministic_and_the_public_split_ignores_the_partition():
+    a = make_dm(public_fraction=0.25, partition=IID())
+    b = make_dm(public_fraction=0.25, partition=Dirichlet(alpha=0.1))
+    assert np.array_equal(a.split_indices("public"), b.split_indices("public"))
+    assert np.array_equal(a.split_indices("clients"), b.split_indices("clients"))
+    c = make_dm(public_fraction=0.25, partition=IID())
+    assert all(np.array_equal(a.client_indices(k), c.client_indices(k)) for k in range(5))
+
+
+def test_loaders_serve_the_right_splits():
+    dm = make_dm(public_fraction=0.2, train_split="public")
+    assert len(dm.train_dataloader().dataset) == 120
+    pooled = make_dm(public_fraction=0.2)
+    assert len(pooled.train_dataloader().dataset) == 480
+    x, y = next(iter(dm.client_dataloader(2, seed=1)))
+    assert x.dtype == torch.float32 and x.shape[1:] == (1, 8, 8) and len(y) <= 32
+    first = [b[1].tolist() for b in dm.client_dataloader(2, seed=7)]
+    assert first == [b[1].tolist() for b in dm.client_dataloader(2, seed=7)]
+    assert len(dm.val_dataloader().dataset) == len(dm.test_dataloader().dataset) == 100  # no val split: test set
+    assert len(make_dm(val_fraction=0.1).val_dataloader().dataset) == 60
+
+
+def test_max_samples_shrink_the_run():
+    dm = make_dm(max_train_samples=100, max_eval_samples=30)
+    assert len(dm.split_indices("clients")) == 100 and len(dm.test_dataloader().dataset) == 30
+
+
+def test_datamodule_rejects_bad_settings_with_the_key_names():
+    with pytest.raises(ConfigError, match="data.train_split is 'public' but data.public_fraction is 0"):
+        FederatedDataModule(Synthetic(), train_split="public")
+    with pytest.raises(ConfigError, match=r"data.public_fraction \+ data.val_fraction"):
+        FederatedDataModule(Synthetic(), public_fraction=0.6, val_fraction=0.5)
+    with pytest.raises(ConfigError, match="left for 500 clients"):
+        make_dm(num_clients=500, max_train_samples=100)
+    with pytest.raises(IndexError, match=r"client id in \[0, 5\)"):
+        make_dm().client_indices(5)
