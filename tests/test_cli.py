@@ -87,8 +87,9 @@ def test_short_class_names_and_a_plugin_trainer(in_tmp):
     assert (name, type(model).__name__, type(data).__name__, ckpt) == ("fit", "Classifier", "FederatedDataModule", None)
     assert data.partition.alpha == 0.3
     assert "class_path: helpers.RecordingTrainer" in trainer.config_yaml
-    assert run_cli("test", "--trainer", "helpers.RecordingTrainer", *args) == 0
+    assert run_cli("test", "--trainer", "helpers.RecordingTrainer", "--seed_everything", "true", *args) == 0
     assert helpers.RecordingTrainer.last.calls[0][0] == "test"
+    assert "seed_everything: 0\n" in helpers.RecordingTrainer.last.config_yaml  # the concrete seed is recorded
 
 
 def write(path: Path, text: str) -> str:
@@ -161,3 +162,28 @@ def test_real_process_prints_no_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert "Did you mean 'data.num_clients'?" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_readme_baseline_example_runs_through_the_cli(in_tmp, monkeypatch):
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Adding a baseline") :]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    package = in_tmp / "my_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "methods.py").write_text(code)
+    monkeypatch.syspath_prepend(str(in_tmp))
+    args = ["--model", "my_pkg.methods.MixupClassifier", "--model.mixup_alpha", "0.4",
+            "--model.backbone", "SmallCNN", "--model.backbone.image_size", "8", "--model.num_classes", "10"]
+    assert run_cli("fit", "--config", DIGITS, *args, "--trainer.max_epochs", "1", *QUIET) == 0
+    saved = (in_tmp / "runs" / "pretrain_digits" / "version_0" / "config.yaml").read_text()
+    assert "class_path: my_pkg.methods.MixupClassifier" in saved and "mixup_alpha: 0.4" in saved
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
+    assert "lightning_fl fit --config configs/pretrain_digits.yaml" in blocks[0]
+    assert "pytest" in blocks[1]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert blocks[1] in ci

@@ -158,13 +158,14 @@ class Classifier(L.LightningModule):
         if problems:
             raise ConfigError("; ".join(problems))
 
-    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def compute_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (with ``label_smoothing``) computed in float32."""
         return nn.functional.cross_entropy(logits.float(), y, label_smoothing=self.hparams.label_smoothing)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        loss = self._loss(logits, y)
+        loss = self.compute_loss(logits, y)
         if not torch.isfinite(loss):
             raise TrainingDivergedError(
                 f"train/loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}. "
@@ -180,7 +181,7 @@ class Classifier(L.LightningModule):
         logits = self(x)
         metrics = self.val_metrics if stage == "val" else self.test_metrics
         metrics.update(logits.float().softmax(-1), y)
-        self.log(f"{stage}/loss", self._loss(logits, y), on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
+        self.log(f"{stage}/loss", self.compute_loss(logits, y), on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
         self.log_dict(metrics, on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
