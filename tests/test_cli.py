@@ -173,8 +173,18 @@ def test_readme_baseline_example_runs_through_the_cli(in_tmp, monkeypatch):
     (package / "__init__.py").write_text("")
     (package / "methods.py").write_text(code)
     monkeypatch.syspath_prepend(str(in_tmp))
-    args = ["--model", "my_pkg.methods.MixupClassifier", "--model.mixup_alpha", "0.4",
-            "--model.backbone", "SmallCNN", "--model.backbone.image_size", "8", "--model.num_classes", "10"]
+    args = [
+        "--model",
+        "my_pkg.methods.MixupClassifier",
+        "--model.mixup_alpha",
+        "0.4",
+        "--model.backbone",
+        "SmallCNN",
+        "--model.backbone.image_size",
+        "8",
+        "--model.num_classes",
+        "10",
+    ]
     assert run_cli("fit", "--config", DIGITS, *args, "--trainer.max_epochs", "1", *QUIET) == 0
     saved = (in_tmp / "runs" / "pretrain_digits" / "version_0" / "config.yaml").read_text()
     assert "class_path: my_pkg.methods.MixupClassifier" in saved and "mixup_alpha: 0.4" in saved
@@ -187,3 +197,35 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "pytest" in blocks[1]
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert blocks[1] in ci
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_cpu_processes_write_one_run_folder(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_fl",
+            "fit",
+            "--config",
+            DIGITS,
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            *QUIET,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = sorted((tmp_path / "runs" / "pretrain_digits").iterdir())
+    assert [r.name for r in runs] == ["version_0"]
+    assert (runs[0] / "config.yaml").is_file() and (runs[0] / "checkpoints" / "last.ckpt").is_file()

@@ -172,7 +172,7 @@ class Classifier(L.LightningModule):
                 "Lower model.lr, raise model.warmup_epochs, or check the data for NaNs."
             )
         self.train_metrics["acc"].update(logits.detach(), y)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y))
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y), sync_dist=True)
         self.log("train/acc", self.train_metrics["acc"], on_step=False, on_epoch=True, batch_size=len(y))
         return loss
 
@@ -181,7 +181,8 @@ class Classifier(L.LightningModule):
         logits = self(x)
         metrics = self.val_metrics if stage == "val" else self.test_metrics
         metrics.update(logits.float().softmax(-1), y)
-        self.log(f"{stage}/loss", self.compute_loss(logits, y), on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
+        loss = self.compute_loss(logits, y)
+        self.log(f"{stage}/loss", loss, on_epoch=True, prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
         self.log_dict(metrics, on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -1,0 +1,222 @@
+"""The federated data module: one training set split into a public part, a validation part and clients."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from jsonargparse import lazy_instance
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_fl.data.partition import IID, Partitioner, label_histograms
+from lightning_fl.data.sources import DataSource, ImageTransform, LabeledImages
+from lightning_fl.errors import ConfigError
+
+
+class TransformedSubset(Dataset):
+    """``base[indices[i]]`` with a per-sample transform applied to the image."""
+
+    def __init__(self, base: LabeledImages, indices: np.ndarray, transform: ImageTransform) -> None:
+        self.base = base
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image, label = self.base[int(self.indices[i])]
+        return self.transform(image), label
+
+
+class FederatedDataModule(L.LightningDataModule):
+    """A data source split for federated and centralised training.
+
+    The training split is shuffled once with ``seed`` and cut, in order, into a validation part
+    (``val_fraction``), a public part (``public_fraction``, for centralised pretraining disjoint from
+    the clients) and the client pool, which ``partition`` divides among ``num_clients`` clients.
+    The same ``seed``, fractions and partition always give the same split, so a pretraining run on
+    ``train_split: public`` and a federated run on the clients never share a sample.
+
+    Args:
+        source: The data set (``FashionMNIST``, ``CIFAR10``, ``Digits``, ...).
+        num_clients: Number of clients the client pool is divided among.
+        partition: How the client pool is divided (``IID``, ``Dirichlet``, ``Shards``).
+        public_fraction: Share of the training split held out as the public (server-side) split.
+        val_fraction: Share of the training split held out for validation. With 0, ``val_dataloader``
+            serves the test split, which is how the papers report accuracy per epoch/round.
+        train_split: What ``train_dataloader`` (centralised training) serves: ``clients`` = the pooled
+            client data, ``public`` = the public split.
+        batch_size: Training batch size (centralised and per client).
+        eval_batch_size: Batch size for validation and test.
+        num_workers: DataLoader worker processes.
+        augment: Apply the data set's standard training augmentation (e.g. crop + flip on CIFAR).
+        max_train_samples: Use only this many training samples (a seeded random subset) for quick runs.
+        max_eval_samples: Use only this many test (and validation) samples for quick runs.
+        seed: Seed of the split and the partition.
+    """
+
+    def __init__(
+        self,
+        source: DataSource,
+        num_clients: int = 8,
+        partition: Partitioner = lazy_instance(IID),
+        public_fraction: float = 0.0,
+        val_fraction: float = 0.0,
+        train_split: Literal["clients", "public"] = "clients",
+        batch_size: int = 128,
+        eval_batch_size: int = 512,
+        num_workers: int = 0,
+        augment: bool = True,
+        max_train_samples: int | None = None,
+        max_eval_samples: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        problems = []
+        if num_clients < 1:
+            problems.append(f"data.num_clients must be >= 1, got {num_clients}")
+        for key, value in (("public_fraction", public_fraction), ("val_fraction", val_fraction)):
+            if not 0.0 <= value < 1.0:
+                problems.append(f"data.{key} must be in [0, 1), got {value}")
+        if public_fraction + val_fraction >= 1.0:
+            problems.append(
+                f"data.public_fraction + data.val_fraction must leave data for the clients, got "
+                f"{public_fraction} + {val_fraction}"
+            )
+        if train_split == "public" and public_fraction == 0:
+            problems.append("data.train_split is 'public' but data.public_fraction is 0; set e.g. --data.public_fraction 0.2")
+        if batch_size < 1 or eval_batch_size < 1:
+            problems.append(f"data.batch_size and data.eval_batch_size must be >= 1, got {batch_size}, {eval_batch_size}")
+        if num_workers < 0:
+            problems.append(f"data.num_workers must be >= 0, got {num_workers}")
+        for key, value in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
+            if value is not None and value < 1:
+                problems.append(f"data.{key} must be >= 1 or null, got {value}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.source = source
+        self.num_clients = num_clients
+        self.partition = partition
+        self.public_fraction = public_fraction
+        self.val_fraction = val_fraction
+        self.train_split = train_split
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.augment = augment
+        self.max_train_samples = max_train_samples
+        self.max_eval_samples = max_eval_samples
+        self.seed = seed
+        self._train: LabeledImages | None = None
+        self._test: LabeledImages | None = None
+        self._splits: dict[str, np.ndarray] = {}
+        self._clients: list[np.ndarray] = []
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def num_classes(self) -> int:
+        return self.source.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(self.source.input_shape)
+
+    # ------------------------------------------------------------------------------ set-up
+    def prepare_data(self) -> None:
+        self.source.prepare()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._train is not None:
+            return
+        train, test = self.source.load("train"), self.source.load("test")
+        rng = np.random.default_rng(self.seed)
+        order = rng.permutation(len(train))
+        if self.max_train_samples is not None:
+            order = order[: self.max_train_samples]
+        n = len(order)
+        n_val, n_public = int(round(self.val_fraction * n)), int(round(self.public_fraction * n))
+        if n - n_val - n_public < self.num_clients:
+            raise ConfigError(
+                f"Only {n - n_val - n_public} training samples are left for {self.num_clients} clients after "
+                f"val_fraction={self.val_fraction} and public_fraction={self.public_fraction}; lower data.num_clients "
+                "or the fractions, or raise data.max_train_samples"
+            )
+        val, public, pool = np.split(order, [n_val, n_val + n_public])
+        test_idx = np.arange(len(test))
+        if self.max_eval_samples is not None and self.max_eval_samples < len(test):
+            test_idx = np.sort(np.random.default_rng(self.seed + 1).permutation(len(test))[: self.max_eval_samples])
+            val = val[: self.max_eval_samples]
+        parts = self.partition(train.targets[pool], self.num_clients, self.seed)
+        self._clients = [pool[p] for p in parts]
+        self._splits = {"val": np.sort(val), "public": np.sort(public), "clients": np.sort(pool), "test": test_idx}
+        self._train, self._test = train, test
+
+    def _require_setup(self) -> None:
+        if self._train is None:
+            self.setup()
+
+    # ------------------------------------------------------------------------------ indices and stats
+    def split_indices(self, name: Literal["val", "public", "clients", "test"]) -> np.ndarray:
+        """Indices (into the source's train split, or its test split for ``test``) of a split."""
+        self._require_setup()
+        return self._splits[name]
+
+    def client_indices(self, cid: int) -> np.ndarray:
+        """Indices into the source's training split held by client ``cid``."""
+        self._require_setup()
+        if not 0 <= cid < self.num_clients:
+            raise IndexError(f"Expected a client id in [0, {self.num_clients}), got {cid}")
+        return self._clients[cid]
+
+    def client_num_samples(self, cid: int) -> int:
+        return len(self.client_indices(cid))
+
+    def label_histograms(self) -> np.ndarray:
+        """Samples per client and class, shape ``(num_clients, num_classes)``, for logging partitions."""
+        self._require_setup()
+        return label_histograms(self._clients, self._train.targets, self.num_classes)
+
+    # ------------------------------------------------------------------------------ loaders
+    def _loader(self, dataset: Dataset, train: bool, generator: torch.Generator | None = None) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            shuffle=train,
+            generator=generator,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _train_subset(self, indices: np.ndarray) -> TransformedSubset:
+        return TransformedSubset(self._train, indices, self.source.transform(train=True, augment=self.augment))
+
+    def client_dataloader(self, cid: int, seed: int | None = None) -> DataLoader:
+        """Shuffled training loader over client ``cid``'s data; ``seed`` fixes the shuffling order."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return self._loader(self._train_subset(self.client_indices(cid)), train=True, generator=generator)
+
+    def train_dataloader(self) -> DataLoader:
+        """Centralised training loader: pooled client data, or the public split (``train_split``)."""
+        self._require_setup()
+        return self._loader(self._train_subset(self._splits[self.train_split]), train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self._require_setup()
+        if self.val_fraction == 0:
+            return self.test_dataloader()
+        transform = self.source.transform(train=False)
+        return self._loader(TransformedSubset(self._train, self._splits["val"], transform), train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        self._require_setup()
+        transform = self.source.transform(train=False)
+        return self._loader(TransformedSubset(self._test, self._splits["test"], transform), train=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"FederatedDataModule(source={self.source!r}, num_clients={self.num_clients}, partition={self.partition!r}, "
+            f"public_fraction={self.public_fraction}, val_fraction={self.val_fraction}, train_split={self.train_split!r})"
+        )
