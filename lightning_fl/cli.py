@@ -99,7 +99,7 @@ def _subcommand_parser(name: str) -> ArgumentParser:
     return parser
 
 
-def build_parser() -> ArgumentParser:
+def _build() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
     import lightning_fl  # noqa: F401  (imports every plug-in so short class names resolve)
 
     root = ArgumentParser(
@@ -108,9 +108,15 @@ def build_parser() -> ArgumentParser:
         exit_on_error=False,
     )
     subcommands = root.add_subcommands(required=True, dest="subcommand")
-    for name, help_text in SUBCOMMANDS.items():
-        subcommands.add_subcommand(name, _subcommand_parser(name), help=help_text)
-    return root
+    parsers = {name: _subcommand_parser(name) for name in SUBCOMMANDS}
+    for name, parser in parsers.items():
+        subcommands.add_subcommand(name, parser, help=SUBCOMMANDS[name])
+    return root, parsers
+
+
+def build_parser() -> ArgumentParser:
+    """The root parser with the ``fit``, ``validate`` and ``test`` subcommands."""
+    return _build()[0]
 
 
 def dump_config(parser: ArgumentParser, cfg: Namespace) -> str:
@@ -149,11 +155,18 @@ def _resolve_class(path: str) -> type | None:
 
 
 def _init_params(cls: type) -> list[str]:
-    try:
-        params = inspect.signature(cls.__init__).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    """Constructor arguments of ``cls``, following ``**kwargs`` into the parent classes."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        try:
+            params = list(inspect.signature(klass.__init__).parameters.values())
+        except (TypeError, ValueError):
+            break
+        skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        names += [p.name for p in params if p.name != "self" and p.kind not in skip and p.name not in names]
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def _base_for(keys: list[str], class_paths: list[str]) -> type | None:
@@ -292,7 +305,7 @@ def _check_ckpt_path(path: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> Any:
     """Parse, seed, build the four plug-ins, save the resolved config, and run the subcommand."""
-    parser = build_parser()
+    parser, subparsers = _build()
     args = sys.argv[1:] if argv is None else list(argv)
     subcommand = next((a for a in args if a in SUBCOMMANDS), None)
     try:
@@ -304,7 +317,7 @@ def main(argv: list[str] | None = None) -> Any:
     seed = _resolve_seed(sub_cfg.seed_everything)
     if seed is not None:
         sub_cfg.seed_everything = seed
-    config_yaml = dump_config(parser._subcommands_action._name_parser_map[subcommand], sub_cfg)
+    config_yaml = dump_config(subparsers[subcommand], sub_cfg)
     try:
         init = parser.instantiate(cfg) if hasattr(parser, "instantiate") else parser.instantiate_classes(cfg)
     except (UserError, ValueError, TypeError) as err:

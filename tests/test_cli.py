@@ -28,7 +28,7 @@ def test_fit_writes_config_events_and_checkpoints_then_resumes_at_epoch_2(in_tmp
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]
     acc = events(run)
     assert {"train/loss_epoch", "val/acc", "val/ece", "val/loss"} <= set(acc.Tags()["scalars"])
-    assert "config/text_summary" in acc.Tags()["tensors"]
+    assert {"config/text_summary", "data/partition/text_summary"} <= set(acc.Tags()["tensors"])
     assert len(acc.Scalars("val/acc")) == 1
 
     last = run / "checkpoints" / "last.ckpt"

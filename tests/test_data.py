@@ -201,6 +201,10 @@ def test_datamodule_splits_are_disjoint_and_cover_the_training_set():
     assert len(dm.split_indices("val")) == 60 and len(dm.split_indices("public")) == 120
     assert sum(dm.client_num_samples(c) for c in range(5)) == 420
     assert dm.label_histograms().sum() == 420 and dm.label_histograms().shape == (5, 10)
+    table = dm.partition_table()
+    assert (
+        "Dirichlet(alpha=0.5" in table and "val: 60, public: 120" in table and table.count("\n| ") == 7
+    )  # header, separator, 5 clients
 
 
 def test_datamodule_is_deterministic_and_the_public_split_ignores_the_partition():

@@ -87,9 +87,13 @@ class FederatedDataModule(L.LightningDataModule):
                 f"{public_fraction} + {val_fraction}"
             )
         if train_split == "public" and public_fraction == 0:
-            problems.append("data.train_split is 'public' but data.public_fraction is 0; set e.g. --data.public_fraction 0.2")
+            problems.append(
+                "data.train_split is 'public' but data.public_fraction is 0; set e.g. --data.public_fraction 0.2"
+            )
         if batch_size < 1 or eval_batch_size < 1:
-            problems.append(f"data.batch_size and data.eval_batch_size must be >= 1, got {batch_size}, {eval_batch_size}")
+            problems.append(
+                f"data.batch_size and data.eval_batch_size must be >= 1, got {batch_size}, {eval_batch_size}"
+            )
         if num_workers < 0:
             problems.append(f"data.num_workers must be >= 0, got {num_workers}")
         for key, value in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
@@ -137,7 +141,7 @@ class FederatedDataModule(L.LightningDataModule):
         if self.max_train_samples is not None:
             order = order[: self.max_train_samples]
         n = len(order)
-        n_val, n_public = int(round(self.val_fraction * n)), int(round(self.public_fraction * n))
+        n_val, n_public = round(self.val_fraction * n), round(self.public_fraction * n)
         if n - n_val - n_public < self.num_clients:
             raise ConfigError(
                 f"Only {n - n_val - n_public} training samples are left for {self.num_clients} clients after "
@@ -153,6 +157,17 @@ class FederatedDataModule(L.LightningDataModule):
         self._clients = [pool[p] for p in parts]
         self._splits = {"val": np.sort(val), "public": np.sort(public), "clients": np.sort(pool), "test": test_idx}
         self._train, self._test = train, test
+        self._log_partition()
+
+    def _log_partition(self) -> None:
+        """Write the split sizes and per-client label histograms to the trainer's TensorBoard, if any."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or not getattr(trainer, "is_global_zero", True):
+            return
+        for logger in getattr(trainer, "loggers", []):
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                experiment.add_text("data/partition", self.partition_table())
 
     def _require_setup(self) -> None:
         if self._train is None:
@@ -178,6 +193,17 @@ class FederatedDataModule(L.LightningDataModule):
         """Samples per client and class, shape ``(num_clients, num_classes)``, for logging partitions."""
         self._require_setup()
         return label_histograms(self._clients, self._train.targets, self.num_classes)
+
+    def partition_table(self) -> str:
+        """Markdown table: sizes of the val/public splits and each client's label histogram."""
+        hist = self.label_histograms()
+        header = "| client | samples | " + " | ".join(str(c) for c in range(self.num_classes)) + " |"
+        rows = [header, "|" + " --- |" * (self.num_classes + 2)]
+        rows += [f"| {k} | {row.sum()} | " + " | ".join(map(str, row)) + " |" for k, row in enumerate(hist)]
+        sizes = (
+            f"val: {len(self._splits['val'])}, public: {len(self._splits['public'])}, test: {len(self._splits['test'])}"
+        )
+        return f"{self.partition!r} over {self.num_clients} clients; {sizes}\n\n" + "\n".join(rows)
 
     # ------------------------------------------------------------------------------ loaders
     def _loader(self, dataset: Dataset, train: bool, generator: torch.Generator | None = None) -> DataLoader:
@@ -217,6 +243,7 @@ class FederatedDataModule(L.LightningDataModule):
 
     def __repr__(self) -> str:
         return (
-            f"FederatedDataModule(source={self.source!r}, num_clients={self.num_clients}, partition={self.partition!r}, "
-            f"public_fraction={self.public_fraction}, val_fraction={self.val_fraction}, train_split={self.train_split!r})"
+            f"FederatedDataModule(source={self.source!r}, num_clients={self.num_clients}, "
+            f"partition={self.partition!r}, public_fraction={self.public_fraction}, "
+            f"val_fraction={self.val_fraction}, train_split={self.train_split!r})"
         )

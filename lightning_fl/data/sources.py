@@ -56,9 +56,7 @@ class ImageTransform:
     torchvision's ``RandomCrop(padding=...)`` on PIL images.
     """
 
-    def __init__(
-        self, mean: Sequence[float], std: Sequence[float], crop_padding: int = 0, hflip: bool = False
-    ) -> None:
+    def __init__(self, mean: Sequence[float], std: Sequence[float], crop_padding: int = 0, hflip: bool = False) -> None:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
         self.crop_padding = crop_padding
@@ -126,7 +124,12 @@ def default_data_dir() -> Path:
 
 def system_data_dirs() -> list[Path]:
     """Well-known places a data set may already live, searched after the ``root`` given."""
-    dirs = [default_data_dir(), Path.home() / ".cache" / "lightning_fl" / "data", Path.cwd() / "data", Path("/usr/share/datasets")]
+    dirs = [
+        default_data_dir(),
+        Path.home() / ".cache" / "lightning_fl" / "data",
+        Path.cwd() / "data",
+        Path("/usr/share/datasets"),
+    ]
     out: list[Path] = []
     for d in dirs:
         d = d.expanduser()
@@ -223,7 +226,7 @@ class FileDataSource(DataSource):
         lines.append(f"Download: {download_note}.")
         lines.append("Fix it with one of:")
         lines += [f"  - {hint}" for hint in self.install_hints]
-        lines.append(f"  - put the files in a folder and pass it with --data.source.root DIR")
+        lines.append("  - put the files in a folder and pass it with --data.source.root DIR")
         lines.append(f"  - go online and keep --data.source.download true (files go to {target})")
         return "\n".join(lines)
 

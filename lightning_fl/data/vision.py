@@ -12,6 +12,7 @@ import gzip
 import io
 import pickle
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -55,8 +56,11 @@ class _IDXSource(FileDataSource):
 
     num_classes = 10
     input_shape = (1, 28, 28)
-    expected_files = "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (optionally .gz)"
-    _files = {
+    expected_files = (
+        "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
+        "(optionally .gz)"
+    )
+    _files: ClassVar[dict[str, tuple[str, str]]] = {
         "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
     }
@@ -111,7 +115,9 @@ class FashionMNIST(_IDXSource):
     _subdirs = ("fashion-mnist", "fashion_mnist", "FashionMNIST/raw")
     _torchvision_class = "FashionMNIST"
     system_paths = ("/usr/share/datasets/fashion-mnist",)
-    install_hints = ("apt-get install -y dataset-fashion-mnist   (Debian/Ubuntu; files land in /usr/share/datasets/fashion-mnist)",)
+    install_hints = (
+        "apt-get install -y dataset-fashion-mnist   (Debian/Ubuntu; files land in /usr/share/datasets/fashion-mnist)",
+    )
 
 
 # ------------------------------------------------------------------------------------------- CIFAR
@@ -120,7 +126,7 @@ class FashionMNIST(_IDXSource):
 class _NumpyOnlyUnpickler(pickle.Unpickler):
     """Unpickler for CIFAR's python batches that refuses anything but numpy arrays and builtins."""
 
-    _allowed = {
+    _allowed: ClassVar[set[tuple[str, str]]] = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
@@ -151,7 +157,7 @@ class _CIFARSource(FileDataSource):
     crop_padding = 4
     hflip = True
     _folder = ""
-    _batches: dict[str, tuple[str, ...]] = {}
+    _batches: ClassVar[dict[str, tuple[str, ...]]] = {}
     _label_key = b"labels"
     _torchvision_class = ""
 
@@ -189,7 +195,10 @@ class CIFAR10(_CIFARSource):
     mean = (0.4914, 0.4822, 0.4465)
     std = (0.2470, 0.2435, 0.2616)
     _folder = "cifar-10-batches-py"
-    _batches = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
+    _batches: ClassVar[dict[str, tuple[str, ...]]] = {
+        "train": tuple(f"data_batch_{i}" for i in range(1, 6)),
+        "test": ("test_batch",),
+    }
     _torchvision_class = "CIFAR10"
 
 
@@ -201,7 +210,7 @@ class CIFAR100(_CIFARSource):
     mean = (0.5071, 0.4865, 0.4409)
     std = (0.2673, 0.2564, 0.2762)
     _folder = "cifar-100-python"
-    _batches = {"train": ("train",), "test": ("test",)}
+    _batches: ClassVar[dict[str, tuple[str, ...]]] = {"train": ("train",), "test": ("test",)}
     _label_key = b"fine_labels"
     _torchvision_class = "CIFAR100"
 
