@@ -6,11 +6,12 @@ Importing the package imports every plug-in so the CLI can resolve short class n
 
 __version__ = "0.1.0"
 
-from lightning_fl import data, methods, models
+from lightning_fl import compress, data, mapping, methods, models
 from lightning_fl.cli import TrainerLike
 from lightning_fl.data import FederatedDataModule
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError, UserError
-from lightning_fl.methods import Classifier
+from lightning_fl.federated import FederatedTrainer
+from lightning_fl.methods import Classifier, LatentClassifier
 
 __all__ = [
     "CheckpointError",
@@ -18,10 +19,14 @@ __all__ = [
     "ConfigError",
     "DatasetNotFoundError",
     "FederatedDataModule",
+    "FederatedTrainer",
+    "LatentClassifier",
     "TrainerLike",
     "UserError",
     "__version__",
+    "compress",
     "data",
+    "mapping",
     "methods",
     "models",
 ]

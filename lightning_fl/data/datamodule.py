@@ -128,6 +128,19 @@ class FederatedDataModule(L.LightningDataModule):
     def input_shape(self) -> tuple[int, int, int]:
         return tuple(self.source.input_shape)
 
+    def describe(self) -> dict[str, object]:
+        """Everything that determines the centralised training data and its batches (cache keys use it)."""
+        return {
+            "source": repr(self.source),
+            "seed": self.seed,
+            "public_fraction": self.public_fraction,
+            "val_fraction": self.val_fraction,
+            "train_split": self.train_split,
+            "max_train_samples": self.max_train_samples,
+            "batch_size": self.batch_size,
+            "augment": self.augment,
+        }
+
     # ------------------------------------------------------------------------------ set-up
     def prepare_data(self) -> None:
         self.source.prepare()

@@ -1,6 +1,14 @@
 """Methods: LightningModules that train under ``lightning.Trainer`` and, per round, under federated trainers."""
 
 from lightning_fl.methods.classifier import Classifier, TrainingDivergedError, load_state_dict_file
+from lightning_fl.methods.latent import LatentClassifier, Pretraining
 from lightning_fl.methods.schedules import warmup_cosine_factor
 
-__all__ = ["Classifier", "TrainingDivergedError", "load_state_dict_file", "warmup_cosine_factor"]
+__all__ = [
+    "Classifier",
+    "LatentClassifier",
+    "Pretraining",
+    "TrainingDivergedError",
+    "load_state_dict_file",
+    "warmup_cosine_factor",
+]

@@ -58,6 +58,8 @@ class Classifier(L.LightningModule):
         warmup_epochs: Linear warm-up length in epochs (fractions allowed); 0 disables it.
         schedule: ``cosine`` decays to zero at the end of training; ``constant`` keeps ``lr`` after warm-up.
         label_smoothing: Cross-entropy label smoothing.
+        grad_clip: Clip the gradient norm to this value every step (``null``: no clipping). Applied by
+            ``lightning.Trainer`` (unless its own ``gradient_clip_val`` is set) and by federated trainers alike.
         init_from: Checkpoint (Lightning ``.ckpt`` or a state dict) whose backbone and head weights to
             start from, e.g. a pretrained base for fine-tuning. Loaded with ``weights_only=True``.
     """
@@ -75,6 +77,7 @@ class Classifier(L.LightningModule):
         warmup_epochs: float = 3.0,
         schedule: Schedule = "cosine",
         label_smoothing: float = 0.0,
+        grad_clip: float | None = None,
         init_from: str | None = None,
     ) -> None:
         super().__init__()
@@ -95,21 +98,26 @@ class Classifier(L.LightningModule):
             problems.append(f"model.warmup_epochs must be >= 0, got {warmup_epochs}")
         if schedule not in ("cosine", "constant"):
             problems.append(f"model.schedule must be 'cosine' or 'constant', got {schedule!r}")
+        if grad_clip is not None and not grad_clip > 0:
+            problems.append(f"model.grad_clip must be > 0 or null, got {grad_clip}")
         if not 0 <= label_smoothing < 1:
             problems.append(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if not isinstance(backbone, nn.Module) or not hasattr(backbone, "out_features"):
             problems.append("model.backbone must be a Backbone (an nn.Module with an out_features attribute)")
         if problems:
             raise ConfigError("; ".join(problems))
-        self.save_hyperparameters(ignore=["backbone"])
+        self.save_hyperparameters(ignore=self._hparams_ignore())
         self.backbone = backbone
         self.head = ClassifierHead(backbone.out_features, num_classes, head)
         self.num_classes = num_classes
-        self.train_metrics = classification_metrics(num_classes, "train/")
         self.val_metrics = classification_metrics(num_classes, "val/")
         self.test_metrics = classification_metrics(num_classes, "test/")
         if init_from is not None:
             self.load_weights(init_from)
+
+    def _hparams_ignore(self) -> list[str]:
+        """Constructor arguments kept out of ``hparams`` (modules and objects that are not plain values)."""
+        return ["backbone"]
 
     # ----------------------------------------------------------------------------------- weights
     def load_weights(self, path: str | Path) -> None:
@@ -171,9 +179,10 @@ class Classifier(L.LightningModule):
                 f"train/loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}. "
                 "Lower model.lr, raise model.warmup_epochs, or check the data for NaNs."
             )
-        self.train_metrics["acc"].update(logits.detach(), y)
+        # Plain tensors (not Metric objects) so the same step logs under lightning.Trainer and federated loops.
+        acc = (logits.detach().argmax(-1) == y).float().mean()
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y), sync_dist=True)
-        self.log("train/acc", self.train_metrics["acc"], on_step=False, on_epoch=True, batch_size=len(y))
+        self.log("train/acc", acc, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
         return loss
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
@@ -183,13 +192,39 @@ class Classifier(L.LightningModule):
         metrics.update(logits.float().softmax(-1), y)
         loss = self.compute_loss(logits, y)
         self.log(f"{stage}/loss", loss, on_epoch=True, prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
-        self.log_dict(metrics, on_epoch=True, prog_bar=stage == "val", batch_size=len(y))
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        metrics = self.val_metrics if stage == "val" else self.test_metrics
+        values = metrics.compute()  # synchronised across processes by torchmetrics
+        metrics.reset()
+        self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    # ----------------------------------------------------------------------------------- federated
+    def federated_state(self) -> dict[str, torch.Tensor]:
+        """What a client uploads and the server averages: every trainable parameter, detached."""
+        return {name: p.detach().clone() for name, p in self.named_parameters() if p.requires_grad}
+
+    def load_federated_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the trainable parameters from a (global) federated state."""
+        params = dict(self.named_parameters())
+        expected = {n for n, p in params.items() if p.requires_grad}
+        if set(state) != expected:
+            raise ValueError(f"Expected federated state keys {sorted(expected)}, got {sorted(state)}")
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(value)
 
     # ----------------------------------------------------------------------------------- optimiser
     def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -200,6 +235,15 @@ class Classifier(L.LightningModule):
             )
         cls = torch.optim.Adam if hp.optimizer == "adam" else torch.optim.AdamW
         return cls(params, lr=hp.lr, weight_decay=hp.weight_decay)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        clip = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
+        if clip is not None:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=clip, gradient_clip_algorithm=gradient_clip_algorithm or "norm"
+            )
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]

@@ -1,0 +1,156 @@
+"""Seeded orthonormal projection factors, identical on every client and process.
+
+All randomness comes from one 64-bit seed. A counter-based derivation (SplitMix64) turns
+``(seed, layer, stream, chunk)`` into the seed of a CPU ``torch.Generator``, so every process on
+every machine regenerates the same numbers without communicating. Factors are always drawn on the
+CPU (GPU generators give other streams) and moved afterwards.
+
+The family: a ``(rows, r)`` Gaussian matrix ``G`` (float32 draws, widened to float64) drawn in fixed chunks of
+``CHUNK_ROWS`` rows, made orthonormal as ``U = G R^{-1}``, where ``R`` is the upper-triangular
+Cholesky factor of the ``r x r`` Gram matrix ``G^T G`` (Cholesky-QR; equal to Householder QR with a
+positive diagonal in exact arithmetic). Because ``R`` needs only one pass over the chunks, ``U``
+can be produced chunk by chunk: the ``stored`` mode concatenates the chunks once, ``regenerate``
+rebuilds the whole ``U_l`` for each use, and ``streamed`` never holds more than one chunk. All three
+give the same factor values. A tall Gaussian matrix is well conditioned (cond ~ 1 + 2 sqrt(r/rows)),
+so Cholesky-QR is accurate to float64 round-off; matrices of at most one chunk use Householder QR
+directly. Results are rounded to float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK64 = (1 << 64) - 1
+#: Rows per generated chunk. Part of the factor definition (chunk seeds depend on it), so not configurable.
+CHUNK_ROWS = 8192
+
+# Stream ids keep the factors of a layer independent of each other.
+STREAM_U, STREAM_V, STREAM_DENSE = 1, 2, 3
+
+
+def splitmix64(x: int) -> int:
+    """One step of SplitMix64 (Steele et al. 2014): a bijective 64-bit mixer."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 64-bit seed determined by a tuple of non-negative integers (counter-based, order-sensitive)."""
+    h = 0x6A09E667F3BCC909
+    for p in parts:
+        h = splitmix64(h ^ (int(p) & MASK64))
+    return h
+
+
+def chunk_bounds(rows: int) -> list[tuple[int, int]]:
+    return [(s, min(s + CHUNK_ROWS, rows)) for s in range(0, rows, CHUNK_ROWS)]
+
+
+def gaussian_chunk(start: int, stop: int, rank: int, seed: int, layer: int, stream: int) -> torch.Tensor:
+    """Rows ``start:stop`` (one aligned chunk) of the float64 Gaussian draw ``G``."""
+    g = torch.Generator(device="cpu").manual_seed(derive_seed(seed, layer, stream, start // CHUNK_ROWS))
+    # Drawn in float32 (twice as fast) and widened: every later step is exact float64 arithmetic on these values.
+    return torch.randn(stop - start, rank, generator=g, dtype=torch.float32).to(torch.float64)
+
+
+class OrthonormalFactor:
+    """The ``(rows, rank)`` factor of one layer and stream, producible whole or chunk by chunk.
+
+    The first use makes one pass over the Gaussian chunks to get ``R^{-1}`` (``rank x rank``), the only
+    state kept; :meth:`chunk` and :meth:`full` regenerate values on demand.
+    """
+
+    def __init__(self, rows: int, rank: int, seed: int, layer: int, stream: int) -> None:
+        if not 1 <= rank <= rows:
+            raise ValueError(f"Expected 1 <= rank <= rows, got rank={rank}, rows={rows}")
+        self.rows, self.rank, self.seed, self.layer, self.stream = rows, rank, seed, layer, stream
+        self.bounds = chunk_bounds(rows)
+        self._small: torch.Tensor | None = None
+        self._r_inv: torch.Tensor | None = None
+
+    def _prepare(self) -> None:
+        """Compute the orthonormalisation once, on first use (one pass over the draw for tall factors)."""
+        if self._small is not None or self._r_inv is not None:
+            return
+        if len(self.bounds) == 1:  # small: Householder QR with a positive diagonal
+            q, r = torch.linalg.qr(self._draw(0, self.rows), mode="reduced")
+            signs = torch.sign(torch.diagonal(r))
+            signs[signs == 0] = 1.0
+            self._small = (q * signs).to(torch.float32)
+            return
+        gram = torch.zeros(self.rank, self.rank, dtype=torch.float64)
+        for a, b in self.bounds:
+            g = self._draw(a, b)
+            gram += g.T @ g
+        upper = torch.linalg.cholesky(gram).T  # G^T G = R^T R
+        eye = torch.eye(self.rank, dtype=torch.float64)
+        self._r_inv = torch.linalg.solve_triangular(upper, eye, upper=True)
+
+    def _draw(self, start: int, stop: int) -> torch.Tensor:
+        return gaussian_chunk(start, stop, self.rank, self.seed, self.layer, self.stream)
+
+    def chunk(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of U (an aligned chunk), float32."""
+        self._prepare()
+        if self._small is not None:
+            return self._small[start:stop]
+        return (self._draw(start, stop) @ self._r_inv).to(torch.float32)
+
+    def full(self) -> torch.Tensor:
+        """The whole ``(rows, rank)`` float32 factor."""
+        self._prepare()
+        if self._small is not None:
+            return self._small
+        out = torch.empty(self.rows, self.rank, dtype=torch.float32)
+        for a, b in self.bounds:
+            out[a:b] = self.chunk(a, b)
+        return out
+
+
+def orthonormal_factor(rows: int, rank: int, seed: int, layer: int, stream: int) -> torch.Tensor:
+    """``(rows, rank)`` float32 matrix with orthonormal columns, a pure function of its arguments."""
+    return OrthonormalFactor(rows, rank, seed, layer, stream).full()
+
+
+class _RegeneratedProjection(torch.autograd.Function):
+    """``U @ c`` with the whole U rebuilt for forward and again for backward; never kept between uses."""
+
+    @staticmethod
+    def forward(ctx, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+        ctx.factor = factor
+        return factor.full().to(coeff.device, coeff.dtype) @ coeff  # (rows,)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        u = ctx.factor.full().to(grad.device, grad.dtype)
+        return u.T @ grad, None
+
+
+class _StreamedProjection(torch.autograd.Function):
+    """``U @ c`` with U's rows produced one chunk at a time in forward and backward; never materialised."""
+
+    @staticmethod
+    def forward(ctx, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+        ctx.factor = factor
+        out = coeff.new_empty(factor.rows)
+        for a, b in factor.bounds:
+            out[a:b] = factor.chunk(a, b).to(coeff.device, coeff.dtype) @ coeff
+        return out  # (rows,)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        factor = ctx.factor
+        acc = grad.new_zeros(factor.rank)
+        for a, b in factor.bounds:
+            acc += factor.chunk(a, b).to(grad.device, grad.dtype).T @ grad[a:b]
+        return acc, None
+
+
+def regenerated_projection(coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+    return _RegeneratedProjection.apply(coeff, factor)
+
+
+def streamed_projection(coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+    return _StreamedProjection.apply(coeff, factor)

@@ -1,0 +1,291 @@
+"""FLITE's delta low-rank mapping: ``theta_l = theta_pre_l + U_l V_l^T z_l`` (flite.md section 3.3).
+
+Only the latents ``z`` (one flat vector of ``D = sum_l d_l`` floats) train. ``U_l`` (``P_l x r``) and
+``V_l`` (``d_l x r``) are frozen, with orthonormal columns, regenerated from one 64-bit seed and the
+layer index (see :mod:`lightning_fl.mapping.factors`), so every client builds the same map and
+averaging latents is exactly averaging weights (equation 4). ``z`` starts at zero, so the mapped
+model starts exactly at the pretrained one.
+
+Factor modes (``mode``) trade memory for recomputation; the first three give the same factors
+(and the same fingerprint), so clients may pick different modes within one federation:
+
+- ``stored``: U and V materialised once as buffers (``4 r (P_l + d_l)`` bytes per layer).
+- ``regenerate``: V stored (tiny); U_l rebuilt from the seed whenever it is used, in forward and
+  again in backward, and dropped after use: peak extra memory one layer's U.
+- ``streamed``: V stored; U's rows produced in chunks of ``CHUNK_ROWS`` and consumed at once,
+  never materialised: peak extra memory a few MB, at the cost of regenerating U twice per step.
+- ``dense``: the original mapping network's dense projection ``theta = theta_pre + W z``, ``W`` a
+  ``P x d`` matrix with orthonormal columns: for small models only (``max_dense_bytes`` guards it).
+
+``rank`` is capped per layer at ``min(rank, d_l, P_l)``: ``U V^T`` cannot have a larger rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_fl.errors import ConfigError
+from lightning_fl.mapping.factors import (
+    CHUNK_ROWS,
+    STREAM_DENSE,
+    STREAM_U,
+    STREAM_V,
+    OrthonormalFactor,
+    regenerated_projection,
+    streamed_projection,
+)
+
+FactorMode = Literal["stored", "regenerate", "streamed", "dense"]
+LayerSelection = Literal["conv", "linear", "conv+linear"]
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class MappedLayer:
+    """One mapped weight tensor: where its latent lives in the flat ``z`` and its factor sizes."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    numel: int  # P_l
+    latent_dim: int  # d_l
+    rank: int  # r_l = min(rank, d_l, P_l)
+    offset: int  # start of z_l in the flat latent
+
+
+def select_weights(module: nn.Module, layers: LayerSelection | Sequence[str]) -> list[str]:
+    """Names of the weight tensors to map, in module order.
+
+    ``conv``: every ``nn.Conv{1,2,3}d`` weight; ``linear``: every ``nn.Linear`` weight; ``conv+linear``:
+    both; a list: ``fnmatch`` patterns matched against parameter names (e.g. ``["layer4.*.conv*.weight"]``).
+    """
+    if isinstance(layers, str):
+        kinds = {"conv": (nn.Conv1d, nn.Conv2d, nn.Conv3d), "linear": (nn.Linear,)}
+        if layers not in ("conv", "linear", "conv+linear"):
+            raise ConfigError(
+                f"model.layers must be 'conv', 'linear', 'conv+linear' or a list of patterns, got {layers!r}"
+            )
+        types = tuple(t for part in layers.split("+") for t in kinds[part])
+        names = [f"{m}.weight" if m else "weight" for m, mod in module.named_modules() if isinstance(mod, types)]
+    else:
+        params = [n for n, _ in module.named_parameters()]
+        names = [n for n in params if any(fnmatch.fnmatchcase(n, p) for p in layers)]
+    if not names:
+        raise ConfigError(f"model.layers={layers!r} selects no weight of {type(module).__name__}")
+    return names
+
+
+def plan_layers(
+    module: nn.Module, latent_dim: int | Sequence[int], rank: int, layers: LayerSelection | Sequence[str]
+) -> list[MappedLayer]:
+    """The mapped layers with their latent sizes and ranks, without allocating any factor."""
+    names = select_weights(module, layers)
+    dims = [latent_dim] * len(names) if isinstance(latent_dim, int) else list(latent_dim)
+    if len(dims) != len(names):
+        raise ConfigError(
+            f"model.latent_dim has {len(dims)} entries but model.layers selects {len(names)} weights; give one "
+            "int for all layers or one per layer"
+        )
+    if min(dims) < 1 or rank < 1:
+        raise ConfigError(f"model.latent_dim and model.rank must be >= 1, got {latent_dim} and {rank}")
+    params = dict(module.named_parameters())
+    plan, offset = [], 0
+    for i, (name, d) in enumerate(zip(names, dims, strict=True)):
+        shape = tuple(params[name].shape)
+        numel = params[name].numel()
+        plan.append(MappedLayer(i, name, shape, numel, d, min(rank, d, numel), offset))
+        offset += d
+    return plan
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes the projection needs beyond the model itself, per factor mode (fp32)."""
+
+    layers: int
+    mapped_weights: int  # sum_l P_l
+    latent_size: int  # D = sum_l d_l
+    dense_bytes: int  # sum_l P_l d_l
+    stored_bytes: int  # sum_l r_l (P_l + d_l)
+    regenerate_peak_bytes: int  # V stored + the largest layer's U + one float64 chunk
+    streamed_peak_bytes: int  # V stored + one chunk of U (float64 draw and product, float32 copy)
+
+    def as_table(self) -> str:
+        mib = 2**20
+        return "\n".join(
+            [
+                f"mapped layers: {self.layers}, mapped weights P: {self.mapped_weights:,}, "
+                f"latent D: {self.latent_size:,}",
+                f"dense projection:        {self.dense_bytes:>16,} bytes ({self.dense_bytes / mib:,.1f} MiB)",
+                f"low-rank stored:         {self.stored_bytes:>16,} bytes ({self.stored_bytes / mib:,.1f} MiB)",
+                f"low-rank regenerate:     {self.regenerate_peak_bytes:>16,} bytes peak "
+                f"({self.regenerate_peak_bytes / mib:,.1f} MiB)",
+                f"low-rank streamed:       {self.streamed_peak_bytes:>16,} bytes peak "
+                f"({self.streamed_peak_bytes / mib:,.1f} MiB)",
+            ]
+        )
+
+
+def memory_report(
+    module: nn.Module,
+    latent_dim: int | Sequence[int] = 64,
+    rank: int = 32,
+    layers: LayerSelection | Sequence[str] = "conv",
+) -> MemoryReport:
+    """Analytic memory of each factor mode for ``module``; allocates nothing (safe for dense on big models)."""
+    plan = plan_layers(module, latent_dim, rank, layers)
+    v_bytes = sum(lay.latent_dim * lay.rank for lay in plan) * FLOAT_BYTES
+    max_rank = max(lay.rank for lay in plan)
+    chunk_bytes = min(CHUNK_ROWS, max(lay.numel for lay in plan)) * max_rank * (8 + 8 + FLOAT_BYTES)
+    return MemoryReport(
+        layers=len(plan),
+        mapped_weights=sum(lay.numel for lay in plan),
+        latent_size=sum(lay.latent_dim for lay in plan),
+        dense_bytes=sum(lay.numel * lay.latent_dim for lay in plan) * FLOAT_BYTES,
+        stored_bytes=sum(lay.rank * (lay.numel + lay.latent_dim) for lay in plan) * FLOAT_BYTES,
+        regenerate_peak_bytes=v_bytes + max(lay.numel * lay.rank for lay in plan) * FLOAT_BYTES + chunk_bytes,
+        streamed_peak_bytes=v_bytes + chunk_bytes,
+    )
+
+
+class LatentMapping(nn.Module):
+    """The latent ``z`` and the frozen factors that map it to weight deltas of ``module``.
+
+    Args:
+        module: The network whose weights are mapped (only shapes are read; weights stay where they are).
+        latent_dim: ``d``: one value for every layer, or one per mapped layer.
+        rank: ``r``: rank of ``U_l V_l^T`` (capped at ``min(d_l, P_l)`` per layer).
+        layers: Which weights to map: ``conv`` (default), ``linear``, ``conv+linear`` or name patterns.
+        mode: ``stored``, ``regenerate``, ``streamed`` or ``dense`` (see the module docstring).
+        seed: The 64-bit seed every client shares.
+        max_dense_bytes: Refuse ``dense`` mode above this many bytes of projection (reported, not allocated).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        latent_dim: int | Sequence[int] = 64,
+        rank: int = 32,
+        layers: LayerSelection | Sequence[str] = "conv",
+        mode: FactorMode = "stored",
+        seed: int = 0,
+        max_dense_bytes: int = 2**31,
+    ) -> None:
+        super().__init__()
+        if mode not in ("stored", "regenerate", "streamed", "dense"):
+            raise ConfigError(f"model.factors must be 'stored', 'regenerate', 'streamed' or 'dense', got {mode!r}")
+        if not 0 <= seed < 2**64:
+            raise ConfigError(f"model.factor_seed must be a 64-bit non-negative integer, got {seed}")
+        self.layers = plan_layers(module, latent_dim, rank, layers)
+        self.mode, self.seed = mode, seed
+        self._u: dict[int, OrthonormalFactor] = {}  # regenerate / streamed: U producers (R^{-1} kept only)
+        if mode == "dense":
+            report = memory_report(module, latent_dim, rank, layers)
+            if report.dense_bytes > max_dense_bytes:
+                raise ConfigError(
+                    f"the dense projection of this model needs {report.dense_bytes:,} bytes "
+                    f"({report.dense_bytes / 2**30:.1f} GiB) > max_dense_bytes={max_dense_bytes:,}; use "
+                    "model.factors 'stored', 'regenerate' or 'streamed', or a smaller model.latent_dim"
+                )
+        self.latent = nn.Parameter(torch.zeros(sum(lay.latent_dim for lay in self.layers)))  # (D,)
+        # Factors are produced on first use, so building a model (e.g. to parse a config) allocates nothing.
+        stream = STREAM_DENSE if mode == "dense" else STREAM_U
+        cols = (lambda lay: lay.latent_dim) if mode == "dense" else (lambda lay: lay.rank)
+        self._u = {lay.index: OrthonormalFactor(lay.numel, cols(lay), seed, lay.index, stream) for lay in self.layers}
+        self._v = {
+            lay.index: OrthonormalFactor(lay.latent_dim, lay.rank, seed, lay.index, STREAM_V)
+            for lay in self.layers
+            if mode != "dense"
+        }
+        self._materialised = False
+
+    def _materialise(self) -> None:
+        """Create the buffers this mode keeps (V always; U in stored mode, W in dense mode) on the latent's device."""
+        if self._materialised:
+            return
+        device = self.latent.device
+        for lay in self.layers:
+            if self.mode != "dense":
+                self.register_buffer(f"v_{lay.index}", self._v[lay.index].full().to(device), persistent=False)
+            if self.mode in ("stored", "dense"):
+                self.register_buffer(f"u_{lay.index}", self._u[lay.index].full().to(device), persistent=False)
+        self._materialised = True
+
+    @property
+    def names(self) -> list[str]:
+        return [lay.name for lay in self.layers]
+
+    @property
+    def latent_size(self) -> int:
+        return self.latent.numel()
+
+    def split(self, z: torch.Tensor) -> list[torch.Tensor]:
+        """The flat latent cut into per-layer ``z_l``."""
+        return list(torch.split(z, [lay.latent_dim for lay in self.layers]))
+
+    def delta(self, lay: MappedLayer, z_l: torch.Tensor) -> torch.Tensor:
+        """``U_l V_l^T z_l`` (or ``W_l z_l`` in dense mode), flat ``(P_l,)``, in ``z_l``'s dtype."""
+        self._materialise()
+        if self.mode == "dense":
+            return getattr(self, f"u_{lay.index}").to(z_l.dtype) @ z_l
+        coeff = getattr(self, f"v_{lay.index}").to(z_l.dtype).T @ z_l  # (r_l,)
+        if self.mode == "stored":
+            return getattr(self, f"u_{lay.index}").to(z_l.dtype) @ coeff
+        if self.mode == "regenerate":
+            return regenerated_projection(coeff, self._u[lay.index])
+        return streamed_projection(coeff, self._u[lay.index])
+
+    def weights(self, base: dict[str, torch.Tensor], z: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``{name: base[name] + delta}`` for every mapped layer; ``z`` defaults to the trained latent."""
+        z = self.latent if z is None else z
+        out = {}
+        for lay, z_l in zip(self.layers, self.split(z), strict=True):
+            b = base[lay.name]
+            out[lay.name] = b + self.delta(lay, z_l.to(b.dtype)).view(lay.shape)
+        return out
+
+    def u_factor(self, lay: MappedLayer) -> torch.Tensor:
+        """``U_l`` (``W_l`` in dense mode) as a float32 CPU tensor, for tests and reports."""
+        return self._u[lay.index].full()
+
+    def v_factor(self, lay: MappedLayer) -> torch.Tensor:
+        """``V_l`` as a float32 CPU tensor (not defined in dense mode)."""
+        return self._v[lay.index].full()
+
+    def fingerprint(self) -> str:
+        """SHA-256 over the mapping's layout and the exact float32 bytes of every factor.
+
+        Equal fingerprints mean identical weights from identical latents. ``stored``, ``regenerate`` and
+        ``streamed`` share one factor family and so one fingerprint; U is hashed chunk by chunk, so the
+        check never materialises it.
+        """
+        h = hashlib.sha256()
+        family = "dense-orthonormal" if self.mode == "dense" else "lowrank-orthonormal"
+        layout = {"family": family, "seed": self.seed, "chunk_rows": CHUNK_ROWS}
+        layout["layers"] = [asdict(lay) for lay in self.layers]
+        h.update(json.dumps(layout, sort_keys=True).encode())
+
+        def feed(t: torch.Tensor) -> None:
+            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+
+        for lay in self.layers:
+            if self.mode != "dense":
+                feed(self._v[lay.index].full())
+            if self._materialised and self.mode in ("stored", "dense"):
+                feed(getattr(self, f"u_{lay.index}"))  # the same bytes as its chunks, already at hand
+                continue
+            factor = self._u[lay.index]
+            for a, b in factor.bounds:  # chunk by chunk: U is never materialised here
+                feed(factor.chunk(a, b))
+        return h.hexdigest()
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, layers={len(self.layers)}, latent_size={self.latent_size}, seed={self.seed}"
