@@ -5,6 +5,7 @@ a :class:`LogSink` lets the module's own ``training_step``/``validation_step`` r
 ``lightning.Trainer``. Values logged in steps are averaged, weighted by batch size; values logged
 in epoch-end hooks (already synchronised, e.g. torchmetrics) are kept as they are. Other attribute
 lookups go to the real Fabric, so ``self.trainer.world_size`` and similar still work in a module.
+With ``sync`` (and a Fabric), :meth:`LogSink.reduce` averages step values over all processes.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch.distributed as dist
 
 
 class LogSink:
-    def __init__(self, fabric: Any, client: int | None = None, round: int | None = None) -> None:
+    def __init__(self, fabric: Any, client: int | None = None, round: int | None = None, sync: bool = True) -> None:
         self._fabric = fabric
+        self.sync = sync and fabric is not None
         self.client_id, self.current_round = client, round
         self.phase = "step"
         self.weight = 1
@@ -49,7 +51,7 @@ class LogSink:
     def reduce(self) -> dict[str, float]:
         """Step values averaged over every process's batches; epoch-end values as logged."""
         keys = sorted(self._sums)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.sync and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
             dist.all_gather_object(everyone, keys)
             keys = sorted({k for ks in everyone for k in ks})

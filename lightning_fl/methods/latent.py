@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.func import functional_call
@@ -30,6 +29,7 @@ from torch.func import functional_call
 from lightning_fl.checkpoint import atomic_save, default_cache_dir
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.mapping.lowrank import FactorMode, LatentMapping, LayerSelection, memory_report
+from lightning_fl.methods.centralised import train_classifier
 from lightning_fl.methods.classifier import Classifier, OptimizerName
 from lightning_fl.methods.schedules import Schedule
 from lightning_fl.models.backbone import Backbone
@@ -50,8 +50,8 @@ class Pretraining:
         weight_decay: Weight decay.
         warmup_epochs: Linear warm-up before the cosine decay.
         seed: Seed of the pretraining run (isolated from the run's own randomness).
-        accelerator: Lightning accelerator for pretraining.
-        precision: Lightning precision for pretraining (``null``: 32-bit).
+        accelerator: Device for pretraining: ``auto`` (a GPU if there is one), ``cpu`` or ``gpu``.
+        precision: ``null``/``32-true``, ``bf16-mixed`` or ``16-mixed`` (autocast, with a grad scaler on GPU).
         cache_dir: Where bases are cached (default ``$LIGHTNING_FL_CACHE`` or ``~/.cache/lightning_fl``).
     """
 
@@ -252,28 +252,14 @@ class LatentClassifier(Classifier):
             warmup_epochs=p.warmup_epochs,
         )
         pre.head.load_state_dict(self.head.state_dict())  # the same frozen class prototypes
-        previous_trainer = getattr(datamodule, "trainer", None)
         with isolate_rng():
-            L.seed_everything(p.seed, verbose=False)
-            trainer = L.Trainer(
-                max_epochs=p.epochs,
-                accelerator=p.accelerator,
-                devices=1,
-                precision=p.precision,
-                default_root_dir=str(path.parent),
-                logger=L.pytorch.loggers.TensorBoardLogger(str(path.parent), name="pretraining", version=0),
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
+            torch.manual_seed(p.seed)
+            metrics = train_classifier(
+                pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=path.parent / "pretraining"
             )
-            trainer.fit(pre, datamodule=datamodule)
-            metrics = trainer.validate(pre, datamodule=datamodule, verbose=False)
-        if hasattr(datamodule, "trainer"):
-            datamodule.trainer = previous_trainer  # the nested trainer must not stay attached
-        state = {k: v for k, v in pre.state_dict().items() if k.startswith(("backbone.", "head."))}
+        state = {k: v.detach().cpu() for k, v in pre.state_dict().items() if k.startswith(("backbone.", "head."))}
         atomic_save({"state_dict": state}, path)
-        meta = {"key": self.base_cache_key(datamodule), "validation": metrics}
+        meta = {"key": self.base_cache_key(datamodule), "final_epoch": metrics}
         (path.parent / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
 
     # ----------------------------------------------------------------------------------- Lightning hooks

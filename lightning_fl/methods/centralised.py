@@ -1,0 +1,117 @@
+"""A plain, collective-free training loop for a Classifier, used to pretrain bases inside other runs.
+
+``lightning.Trainer`` cannot run nested inside a process that is part of a process group (its
+``prepare_data`` barrier creates a new group on one rank only), and one rank of a federated run
+must pretrain the base while the others wait. This loop drives the module's own
+``training_step``, ``make_optimizer`` and the warm-up/cosine schedule on one device, with
+torchmetrics synchronisation switched off, and writes TensorBoard scalars per epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torchmetrics
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_fl.federated.sink import LogSink
+from lightning_fl.methods.classifier import Classifier
+from lightning_fl.methods.schedules import warmup_cosine_factor
+
+
+def resolve_device(accelerator: str) -> torch.device:
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def _autocast(device: torch.device, precision: str | None):
+    if precision in (None, "32", "32-true"):
+        return contextlib.nullcontext()
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if dtype is None:
+        raise ValueError(f"model.pretraining.precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}")
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def train_classifier(
+    model: Classifier,
+    datamodule: object,
+    epochs: int,
+    accelerator: str = "auto",
+    precision: str | None = None,
+    log_dir: str | Path | None = None,
+) -> dict[str, float]:
+    """Train ``model`` on ``datamodule.train_dataloader()`` for ``epochs``; return the final validation metrics."""
+    device = resolve_device(accelerator)
+    model.to(device)
+    for metric in model.modules():  # this process trains alone: never wait for others in compute()
+        if isinstance(metric, torchmetrics.Metric):
+            metric.sync_on_compute = False
+            metric._to_sync = False
+    loader = datamodule.train_dataloader()
+    total = epochs * len(loader)
+    warmup = round(model.hparams.warmup_epochs * len(loader))
+    optimizer = model.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    schedule = model.hparams.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_factor(step, warmup, total, schedule)
+    )
+    use_scaler = precision == "16-mixed" and device.type == "cuda"
+    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    writer = SummaryWriter(str(log_dir)) if log_dir is not None else None
+    clip = model.hparams.grad_clip
+    step = 0
+    metrics: dict[str, float] = {}
+    try:
+        for epoch in range(epochs):
+            model.train()
+            sink = LogSink(None, sync=False)
+            model._fabric = sink
+            try:
+                for batch_idx, (x, y) in enumerate(loader):
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    sink.weight = len(y)
+                    with _autocast(device, precision):
+                        loss = model.training_step((x, y), batch_idx)
+                    scaler.scale(loss).backward()
+                    if clip is not None:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    step += 1
+            finally:
+                model._fabric = None
+            metrics = sink.reduce()
+            metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, precision))
+            if writer is not None:
+                for key, value in metrics.items():
+                    writer.add_scalar(key, value, epoch + 1)
+    finally:
+        if writer is not None:
+            writer.close()
+    return metrics
+
+
+@torch.no_grad()
+def evaluate_classifier(model: Classifier, loader, device: torch.device, precision: str | None = None) -> dict:
+    """The module's own validation step and epoch end, collected without a trainer."""
+    model.eval()
+    sink = LogSink(None, sync=False)
+    model._fabric = sink
+    try:
+        for batch_idx, (x, y) in enumerate(loader):
+            sink.weight = len(y)
+            with _autocast(device, precision):
+                model.validation_step((x.to(device), y.to(device)), batch_idx)
+        sink.phase = "epoch_end"
+        model.on_validation_epoch_end()
+    finally:
+        model._fabric = None
+        model.train()
+    return sink.reduce()

@@ -1,0 +1,59 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from lightning_fl.compress import FP32, Quantize, pack_bits, unpack_bits
+from lightning_fl.errors import ConfigError
+
+values = arrays(np.float32, st.integers(1, 300), elements=st.floats(-1e4, 1e4, width=32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=values, bits=st.sampled_from([2, 4, 8, 16]))
+def test_quantize_round_trip_error_is_at_most_half_a_step_and_bytes_are_exact(x, bits):
+    tensor = torch.from_numpy(x)
+    codec = Quantize(bits)
+    encoded = codec.encode_tensor(tensor)
+    decoded = codec.decode_tensor(encoded)
+    scale = float(encoded.parts["params"][0])
+    assert decoded.shape == tensor.shape and decoded.dtype == tensor.dtype
+    err = (decoded.double() - tensor.double()).abs().max().item()
+    # half a step, plus the float32 rounding of the decoded value
+    assert err <= scale / 2 + 4 * np.finfo(np.float32).eps * max(1.0, float(np.abs(x).max()))
+    assert encoded.nbytes == math.ceil(tensor.numel() * bits / 8) + 8
+
+
+@settings(max_examples=100, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8, 16]), n=st.integers(1, 50), data=st.data())
+def test_pack_unpack_round_trip(bits, n, data):
+    q = torch.tensor(data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=n, max_size=n)), dtype=torch.int64)
+    packed = pack_bits(q, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_bits(packed, bits, n), q)
+
+
+def test_int4_packs_two_values_per_byte_low_nibble_first():
+    assert pack_bits(torch.tensor([1, 2, 15]), 4).tolist() == [0x21, 0x0F]
+
+
+def test_flite_latent_sizes():
+    z = torch.randn(1280)
+    assert FP32().encode_tensor(z).nbytes == 5120
+    assert Quantize(8).encode_tensor(z).nbytes == 1288
+    assert Quantize(4).encode_tensor(z).nbytes == 648
+    assert torch.equal(FP32().decode_tensor(FP32().encode_tensor(z)), z)
+
+
+def test_constant_tensor_and_bad_input():
+    codec = Quantize(4)
+    x = torch.full((10,), 3.25)
+    assert torch.equal(codec.decode_tensor(codec.encode_tensor(x)), x)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec.encode_tensor(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ConfigError, match=r"codec.bits must be one of \(2, 4, 8, 16\)"):
+        Quantize(3)

@@ -1,0 +1,262 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import CONFIGS, REPO, run_cli
+from lightning_fl.checkpoint import atomic_save
+from lightning_fl.compress import FP32, Quantize
+from lightning_fl.data import FederatedDataModule, Synthetic
+from lightning_fl.errors import CheckpointError
+from lightning_fl.federated import FactorMismatchError, FederatedTrainer, UploadRejectedError
+from lightning_fl.methods import LatentClassifier, Pretraining, TrainingDivergedError
+from lightning_fl.models import SmallCNN
+
+
+def make_model(**kwargs) -> LatentClassifier:
+    torch.manual_seed(kwargs.pop("init_seed", 0))
+    args = {"base": "scratch", "latent_dim": 8, "rank": 4, "layers": "conv+linear"}
+    return LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, **{**args, **kwargs})
+
+
+def make_dm(**kwargs) -> FederatedDataModule:
+    args = {"source": Synthetic(train_size=240, test_size=60), "num_clients": 4, "batch_size": 16}
+    return FederatedDataModule(**{**args, **kwargs})
+
+
+def make_trainer(tmp_path, **kwargs) -> FederatedTrainer:
+    args = {"rounds": 2, "default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False, "seed": 0}
+    return FederatedTrainer(**{**args, **kwargs})
+
+
+def latent(trainer: FederatedTrainer) -> torch.Tensor:
+    return trainer.global_state["mapping.latent"].detach().cpu()
+
+
+def test_round_logs_metrics_bytes_and_identity(tmp_path):
+    trainer = make_trainer(tmp_path, codec=Quantize(4))
+    trainer.fit(make_model(), datamodule=make_dm())
+    last = trainer.history[-1]
+    assert [h["round"] for h in trainer.history] == [0, 1, 2]
+    assert {"val/acc", "val/ece", "val/loss", "train/loss"} <= set(last)
+    assert 0 <= last["fed/identity_error"] <= 1e-6
+    d = 8 * 3
+    assert last["comm/client_up_bytes"] == -(-d * 4 // 8) + 8  # int4 latent + scale and zero point
+    assert last["comm/client_down_bytes"] == d * 4
+    assert last["comm/cum_client_bytes"] == 2 * (d * 4 + 20)
+    run = trainer.log_dir
+    tags = EventAccumulator(str(run)).Reload().Tags()["scalars"]
+    assert {"val/acc", "fed/identity_error", "comm/cum_client_bytes", "time/round_s"} <= set(tags)
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_one_client_equals_centralised_latent_training(tmp_path):
+    dm = make_dm(num_clients=1, batch_size=512)  # one batch per epoch: the data order cannot differ
+    federated = make_trainer(tmp_path, rounds=1, local_epochs=4, logger=False)
+    federated.fit(make_model(), datamodule=dm)
+    central = make_model()
+    L.Trainer(max_epochs=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(central, datamodule=dm)
+    torch.testing.assert_close(latent(federated), central.mapping.latent.detach(), atol=1e-6, rtol=1e-5)
+    assert central.mapping.latent.abs().max() > 1e-3  # it did train
+
+
+def test_weighted_aggregation_and_client_sampling(tmp_path):
+    records = {}
+
+    class Spy(FP32):
+        def decode(self, payload, reference, client):
+            records[client] = super().decode(payload, reference, client)["mapping.latent"]
+            return {"mapping.latent": records[client]}
+
+    from lightning_fl.data import Dirichlet
+
+    dm = make_dm(partition=Dirichlet(alpha=0.3, min_partition_size=5))
+    trainer = make_trainer(tmp_path, rounds=1, aggregation="weighted", codec=Spy(), clients_per_round=3, logger=False)
+    trainer.fit(make_model(), datamodule=dm)
+    assert len(records) == 3 and records.keys() == set(trainer._sample(0, 0, 4))
+    sizes = {c: dm.client_num_samples(c) for c in records}
+    expected = sum(records[c].double() * sizes[c] for c in records) / sum(sizes.values())
+    torch.testing.assert_close(latent(trainer), expected.float(), atol=1e-7, rtol=0)
+    assert trainer._sample(5, 0, 10) == trainer._sample(5, 0, 10) != trainer._sample(6, 0, 10)
+
+
+class Corrupt(FP32):
+    """Corrupts client 1's upload in one of several ways."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def encode(self, state, reference, client):
+        payload = super().encode(state, reference, client)
+        if client == 1 and self.how == "oversized":
+            enc = payload.tensors["mapping.latent"]
+            enc.parts["padding"] = torch.zeros(10_000, dtype=torch.uint8)
+        return payload
+
+    def decode(self, payload, reference, client):
+        out = super().decode(payload, reference, client)
+        if client == 1:
+            z = out["mapping.latent"]
+            out = {
+                "nan": {"mapping.latent": z.clone().fill_(float("nan"))},
+                "shape": {"mapping.latent": z[:-1]},
+                "dtype": {"mapping.latent": z.double()},
+                "extra": {**out, "head.weight": torch.zeros(3)},
+                "oversized": out,
+            }[self.how]
+        return out
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [("nan", "non-finite"), ("shape", "expected shape"), ("dtype", "expected dtype"), ("extra", "unexpected"),
+     ("oversized", "more than")],
+)
+def test_upload_gate_drops_or_raises(tmp_path, how, reason):
+    dropped = make_trainer(tmp_path, rounds=1, codec=Corrupt(how), logger=False)
+    with pytest.warns(UserWarning, match=f"client 1: upload rejected: .*{reason}"):
+        dropped.fit(make_model(), datamodule=make_dm())
+    assert dropped.history[-1]["fed/dropped_clients"] == 1 and dropped.history[-1]["fed/clients"] == 4
+    assert torch.isfinite(latent(dropped)).all()
+    strict = make_trainer(tmp_path, rounds=1, codec=Corrupt(how), upload_policy="raise", logger=False)
+    with pytest.raises(UploadRejectedError, match=f"round 1, client 1: upload rejected: .*{reason}"):
+        strict.fit(make_model(), datamodule=make_dm())
+
+
+class FlakyClient(LatentClassifier):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.client_id == 2:
+            raise TrainingDivergedError("train/loss became nan")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_diverging_client_is_dropped(tmp_path):
+    torch.manual_seed(0)
+    model = FlakyClient(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch", latent_dim=8)
+    trainer = make_trainer(tmp_path, rounds=1, logger=False)
+    with pytest.warns(UserWarning, match="client 2: upload rejected: local training failed"):
+        trainer.fit(model, datamodule=make_dm())
+    assert trainer.history[-1]["fed/dropped_clients"] == 1
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    full = make_trainer(tmp_path / "a", rounds=4, codec=Quantize(8), name="full")
+    full.fit(make_model(), datamodule=make_dm())
+    first = make_trainer(tmp_path / "b", rounds=2, codec=Quantize(8), name="split")
+    first.fit(make_model(), datamodule=make_dm())
+    ckpt = first.log_dir / "checkpoints" / "last.ckpt"
+    resumed = make_trainer(tmp_path / "b", rounds=4, codec=Quantize(8), name="split")
+    resumed.fit(make_model(), datamodule=make_dm(), ckpt_path=str(ckpt))
+    assert resumed.log_dir == first.log_dir  # logging continues in the same run folder
+    assert torch.equal(latent(full), latent(resumed))
+    assert torch.equal(full.ledger.up, resumed.ledger.up) and torch.equal(full.ledger.down, resumed.ledger.down)
+    assert [h["val/acc"] for h in full.history[-2:]] == [h["val/acc"] for h in resumed.history[-2:]]
+    auto = make_trainer(tmp_path / "b", rounds=5, codec=Quantize(8), name="split", resume="auto")
+    auto.fit(make_model(), datamodule=make_dm())
+    assert [h["round"] for h in auto.history][-2:] == [4, 5]
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    first = make_trainer(tmp_path, rounds=1)
+    first.fit(make_model(), datamodule=make_dm())
+    ckpt = str(first.log_dir / "checkpoints" / "last.ckpt")
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        make_trainer(tmp_path, rounds=2).fit(make_model(factor_seed=1), datamodule=make_dm(), ckpt_path=ckpt)
+    with pytest.raises(CheckpointError, match="seed 0 in the checkpoint, 3 now"):
+        make_trainer(tmp_path, rounds=2, seed=3).fit(make_model(), datamodule=make_dm(), ckpt_path=ckpt)
+
+
+def test_a_process_with_different_factors_refuses_to_train(tmp_path, monkeypatch):
+    real = L.Fabric.broadcast
+
+    def server_has_other_factors(self, obj, src=0):
+        return "factors:0000 base:0000" if isinstance(obj, str) and obj.startswith("factors:") else real(self, obj, src)
+
+    monkeypatch.setattr(L.Fabric, "broadcast", server_has_other_factors)
+    with pytest.raises(FactorMismatchError, match="projection factors or pretrained base differ"):
+        make_trainer(tmp_path, logger=False).fit(make_model(), datamodule=make_dm())
+
+
+def test_atomic_save_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    atomic_save({"round": 1}, path)
+
+    def crash(obj, f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save({"round": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"round": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_base_is_pretrained_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
+    dm = make_dm(public_fraction=0.25, train_split="public")
+    model = make_model(base="pretrained", pretraining=Pretraining(epochs=2))
+    make_trainer(tmp_path, rounds=1, logger=False).fit(model, datamodule=dm)
+    (meta,) = (tmp_path / "cache" / "bases").glob("*/meta.json")
+    stamp = meta.stat().st_mtime_ns
+    again = make_model(base="pretrained", pretraining=Pretraining(epochs=2))
+    again.prepare_base(dm)
+    assert meta.stat().st_mtime_ns == stamp  # loaded, not retrained
+    for key, value in model.state_dict().items():
+        if key.startswith("backbone."):
+            assert torch.equal(value, again.state_dict()[key])
+    other = make_model(base="pretrained", pretraining=Pretraining(epochs=3))
+    assert other.base_cache_path(dm) != again.base_cache_path(dm)
+
+
+QUICK = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--trainer.enable_progress_bar", "false",
+         "--model.pretraining.epochs", "2"]
+
+
+def test_quickstart_through_the_cli(in_tmp, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    assert run_cli("fit", *QUICK) == 0
+    run = in_tmp / "runs" / "quickstart" / "version_0"
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0}).Reload()
+    assert [e.step for e in acc.Scalars("val/acc")] == [0, 1, 2]
+    assert max(e.value for e in acc.Scalars("fed/identity_error")) <= 1e-6
+    assert acc.Scalars("comm/cum_client_bytes")[-1].value == 2 * 2 * 192 * 4
+    from lightning_fl.cli import main
+
+    (metrics,) = main(["test", *QUICK, "--ckpt_path", str(run / "checkpoints" / "last.ckpt")])
+    assert set(metrics) == {"test/acc", "test/ece", "test/loss"}
+
+
+@pytest.mark.distributed
+def test_two_processes_give_the_same_global_state_as_one(tmp_path):
+    """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit."""
+    states = []
+    for devices in ("1", "2"):  # separate caches: each run pretrains its base too (rank 0 only with 2 processes)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_FL_CACHE": str(tmp_path / f"cache{devices}"),
+               "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, "-m", "lightning_fl", "fit", *QUICK, "--trainer.devices", devices,
+               "--trainer.strategy", "ddp" if devices == "2" else "auto", "--trainer.name", f"d{devices}",
+               "--data.partition", "Dirichlet", "--data.partition.alpha", "0.5", "--trainer.clients_per_round", "5"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        states.append(torch.load(tmp_path / "runs" / f"d{devices}" / "version_0" / "checkpoints" / "last.ckpt",
+                                 weights_only=True))
+    one, two = states
+    assert torch.equal(one["global_state"]["mapping.latent"], two["global_state"]["mapping.latent"])
+    assert torch.equal(one["ledger"]["up"], two["ledger"]["up"])
+    assert [h.get("val/acc") for h in one["history"]] == [h.get("val/acc") for h in two["history"]]
+
+
+def test_checkpoint_files_load_with_weights_only(tmp_path):
+    trainer = make_trainer(tmp_path, rounds=1)
+    trainer.fit(make_model(), datamodule=make_dm())
+    ckpt = torch.load(Path(trainer.log_dir) / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["format"] == "lightning_fl.federated" and ckpt["round"] == 1

@@ -1,0 +1,165 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO
+from lightning_fl.compress import FP32, Quantize
+from lightning_fl.errors import ConfigError
+from lightning_fl.mapping import (
+    CHUNK_ROWS,
+    LatentMapping,
+    memory_report,
+    orthonormal_factor,
+    plan_layers,
+)
+from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.models import ResNet18, ResNet34, SmallCNN
+
+MODES = ["stored", "regenerate", "streamed"]
+
+
+@pytest.mark.parametrize(("rows", "rank"), [(64, 32), (32, 32), (CHUNK_ROWS * 2 + 123, 8), (9, 1)])
+def test_factors_have_orthonormal_columns(rows, rank):
+    u = orthonormal_factor(rows, rank, seed=3, layer=1, stream=1).double()
+    torch.testing.assert_close(u.T @ u, torch.eye(rank, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_factors_depend_on_seed_layer_and_stream_only():
+    a = orthonormal_factor(100, 4, seed=1, layer=0, stream=1)
+    assert torch.equal(a, orthonormal_factor(100, 4, seed=1, layer=0, stream=1))
+    for other in [(2, 0, 1), (1, 1, 1), (1, 0, 2)]:
+        assert not torch.equal(a, orthonormal_factor(100, 4, *other))
+
+
+FACTOR_SCRIPT = """
+import torch
+from lightning_fl.mapping import LatentMapping, orthonormal_factor
+from lightning_fl.models import SmallCNN
+torch.manual_seed(123)  # global RNG state must not matter
+m = LatentMapping(SmallCNN(), latent_dim=64, rank=32, layers="conv+linear", seed=2**63 + 5)
+print(m.fingerprint())
+"""
+
+
+def test_factors_are_identical_in_another_process():
+    proc = subprocess.run([sys.executable, "-c", FACTOR_SCRIPT], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    here = LatentMapping(SmallCNN(), latent_dim=64, rank=32, layers="conv+linear", seed=2**63 + 5)
+    assert proc.stdout.strip() == here.fingerprint()
+
+
+def test_stored_regenerate_and_streamed_share_factors_and_outputs():
+    net = SmallCNN(image_size=28, channels=[8, 16], norm_groups=4)
+    base = dict(net.named_parameters())
+    maps = {mode: LatentMapping(net, 16, 4, "conv+linear", mode, seed=9) for mode in MODES}
+    fingerprints = {mode: m.fingerprint() for mode, m in maps.items()}
+    assert len(set(fingerprints.values())) == 1
+    big = maps["stored"].layers[-1]
+    assert big.numel > CHUNK_ROWS  # the fc weight takes the chunked (Cholesky-QR) path
+    for mode in MODES[1:]:
+        assert torch.equal(maps[mode].u_factor(big), maps["stored"].u_factor(big))
+    z = torch.randn(maps["stored"].latent_size, dtype=torch.float64)
+    outs, grads = {}, {}
+    for mode, m in maps.items():
+        zz = z.clone().requires_grad_(True)
+        w = m.weights({k: v.double() for k, v in base.items()}, zz)
+        (sum((v**3).sum() for v in w.values())).backward()
+        outs[mode], grads[mode] = w, zz.grad
+    for mode in MODES[1:]:
+        for name in outs["stored"]:
+            torch.testing.assert_close(outs[mode][name], outs["stored"][name], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(grads[mode], grads["stored"], atol=1e-9, rtol=1e-9)
+    dense = LatentMapping(net, 16, 4, "conv+linear", "dense", seed=9)
+    assert dense.fingerprint() != fingerprints["stored"]
+
+
+@pytest.mark.parametrize("mode", [*MODES, "dense"])
+def test_gradient_wrt_latent_matches_finite_differences(mode):
+    torch.manual_seed(0)
+    net = SmallCNN(image_size=8, channels=[4, 8], feature_dim=6, norm_groups=2).double()
+    mapping = LatentMapping(net, latent_dim=[3, 5, 4], rank=2, layers="conv+linear", mode=mode, seed=1)
+    base = dict(net.named_parameters())
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+
+    def loss(z):
+        out = torch.func.functional_call(net, mapping.weights(base, z), (x,), strict=False)
+        return (out**2).sum()
+
+    z = (0.1 * torch.randn(mapping.latent_size, dtype=torch.float64)).requires_grad_(True)
+    assert torch.autograd.gradcheck(loss, (z,), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def classifier_pair(factors="stored"):
+    torch.manual_seed(0)
+    backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
+    plain = Classifier(backbone, 10)
+    latent = LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
+                              latent_dim=8, rank=4, layers="conv+linear", factors=factors)
+    latent.load_state_dict({**plain.state_dict(), "mapping.latent": torch.zeros(24)})
+    return plain, latent
+
+
+@pytest.mark.parametrize("factors", MODES)
+def test_zero_latent_reproduces_the_pretrained_outputs_exactly(factors):
+    plain, latent = classifier_pair(factors)
+    x = torch.randn(5, 1, 8, 8)
+    assert torch.equal(plain(x), latent(x))
+    assert [n for n, p in latent.named_parameters() if p.requires_grad] == ["mapping.latent"]
+
+
+def test_averaging_identity_error_is_at_float_round_off():
+    torch.manual_seed(0)
+    model = LatentClassifier(ResNet18(width=8, norm_groups=4), 10, base="scratch", latent_dim=16, rank=8)
+    states = [{"mapping.latent": torch.randn(model.mapping.latent_size)} for _ in range(8)]
+    error = model.averaging_identity_error(states)
+    assert 0 <= error <= 1e-6
+
+
+def test_memory_report_for_resnet18_r32_d64():
+    report = memory_report(ResNet18(), latent_dim=64, rank=32)
+    assert (report.layers, report.mapped_weights, report.latent_size) == (20, 11_159_232, 1280)
+    assert report.dense_bytes == 11_159_232 * 64 * 4
+    assert report.stored_bytes == (32 * 11_159_232 + 20 * 64 * 32) * 4
+    assert report.streamed_peak_bytes <= 16 * 2**20
+    assert report.regenerate_peak_bytes < report.stored_bytes / 4
+    assert "dense projection" in report.as_table()
+
+
+def test_dense_mode_is_refused_for_large_models_without_allocating():
+    with pytest.raises(ConfigError, match=r"2,856,763,392 bytes"):
+        LatentMapping(ResNet18(), latent_dim=64, rank=32, mode="dense")
+
+
+def test_payload_sizes_match_the_paper():
+    model = LatentClassifier(ResNet18(), 100, base="scratch", latent_dim=64, rank=32, factors="streamed")
+    state = model.federated_state()
+    assert list(state) == ["mapping.latent"] and state["mapping.latent"].numel() == 1280
+    assert FP32().encode(state, state, 0).nbytes == 5120
+    assert Quantize(4).encode(state, state, 0).nbytes == 648
+    d = sum(lay.latent_dim for lay in plan_layers(ResNet34(stem="tinyimagenet"), 1024, 32, "conv"))
+    assert FP32().encode({"z": torch.zeros(d)}, {}, 0).nbytes == 147_456
+
+
+def test_layer_selection_and_latent_dims():
+    net = SmallCNN()
+    assert [lay.name for lay in plan_layers(net, 4, 2, "conv")] == ["features.0.weight", "features.4.weight"]
+    assert [lay.name for lay in plan_layers(net, 4, 2, "linear")] == ["fc.weight"]
+    assert [lay.name for lay in plan_layers(net, 4, 2, ["features.0.*", "fc.w*"])] == ["features.0.weight", "fc.weight"]
+    plan = plan_layers(net, [2, 3, 4], 3, "conv+linear")
+    assert [(lay.latent_dim, lay.rank, lay.offset) for lay in plan] == [(2, 2, 0), (3, 3, 2), (4, 3, 5)]
+    with pytest.raises(ConfigError, match="latent_dim has 2 entries but model.layers selects 3"):
+        plan_layers(net, [2, 3], 2, "conv+linear")
+    with pytest.raises(ConfigError, match="selects no weight"):
+        plan_layers(net, 2, 2, ["nothing*"])
+
+
+def test_scratch_base_keeps_the_random_initialisation():
+    torch.manual_seed(1)
+    model = LatentClassifier(SmallCNN(image_size=8), 10, base="scratch")
+    assert isinstance(model.backbone.features[0], nn.Conv2d)
+    assert model._base_ready
+    with pytest.raises(ConfigError, match="drop one of them"):
+        LatentClassifier(SmallCNN(image_size=8), 10, base="scratch", base_checkpoint="x.ckpt")
