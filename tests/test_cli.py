@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import CONFIGS, REPO, run_cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import CONFIGS, REPO, run_cli
 from lightning_fl.cli import main
 
 DIGITS = str(CONFIGS / "pretrain_digits.yaml")

@@ -2,8 +2,8 @@
 
 import pytest
 import yaml
-from conftest import CONFIGS
 
+from conftest import CONFIGS
 from lightning_fl.cli import build_parser
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))

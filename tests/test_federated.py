@@ -60,8 +60,15 @@ def test_one_client_equals_centralised_latent_training(tmp_path):
     federated = make_trainer(tmp_path, rounds=1, local_epochs=4, logger=False)
     federated.fit(make_model(), datamodule=dm)
     central = make_model()
-    L.Trainer(max_epochs=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(central, datamodule=dm)
+    L.Trainer(
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    ).fit(central, datamodule=dm)
     torch.testing.assert_close(latent(federated), central.mapping.latent.detach(), atol=1e-6, rtol=1e-5)
     assert central.mapping.latent.abs().max() > 1e-3  # it did train
 
@@ -115,8 +122,13 @@ class Corrupt(FP32):
 
 @pytest.mark.parametrize(
     ("how", "reason"),
-    [("nan", "non-finite"), ("shape", "expected shape"), ("dtype", "expected dtype"), ("extra", "unexpected"),
-     ("oversized", "more than")],
+    [
+        ("nan", "non-finite"),
+        ("shape", "expected shape"),
+        ("dtype", "expected dtype"),
+        ("extra", "unexpected"),
+        ("oversized", "more than"),
+    ],
 )
 def test_upload_gate_drops_or_raises(tmp_path, how, reason):
     dropped = make_trainer(tmp_path, rounds=1, codec=Corrupt(how), logger=False)
@@ -216,8 +228,16 @@ def test_base_is_pretrained_once_and_cached(tmp_path, monkeypatch):
     assert other.base_cache_path(dm) != again.base_cache_path(dm)
 
 
-QUICK = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--trainer.enable_progress_bar", "false",
-         "--model.pretraining.epochs", "2"]
+QUICK = [
+    "--config",
+    str(CONFIGS / "quickstart.yaml"),
+    "--trainer.rounds",
+    "2",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.pretraining.epochs",
+    "2",
+]
 
 
 def test_quickstart_through_the_cli(in_tmp, monkeypatch):
@@ -240,15 +260,36 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path):
     """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit."""
     states = []
     for devices in ("1", "2"):  # separate caches: each run pretrains its base too (rank 0 only with 2 processes)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_FL_CACHE": str(tmp_path / f"cache{devices}"),
-               "PYTHONPATH": str(REPO)}
-        cmd = [sys.executable, "-m", "lightning_fl", "fit", *QUICK, "--trainer.devices", devices,
-               "--trainer.strategy", "ddp" if devices == "2" else "auto", "--trainer.name", f"d{devices}",
-               "--data.partition", "Dirichlet", "--data.partition.alpha", "0.5", "--trainer.clients_per_round", "5"]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "LIGHTNING_FL_CACHE": str(tmp_path / f"cache{devices}"),
+            "PYTHONPATH": str(REPO),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_fl",
+            "fit",
+            *QUICK,
+            "--trainer.devices",
+            devices,
+            "--trainer.strategy",
+            "ddp" if devices == "2" else "auto",
+            "--trainer.name",
+            f"d{devices}",
+            "--data.partition",
+            "Dirichlet",
+            "--data.partition.alpha",
+            "0.5",
+            "--trainer.clients_per_round",
+            "5",
+        ]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        states.append(torch.load(tmp_path / "runs" / f"d{devices}" / "version_0" / "checkpoints" / "last.ckpt",
-                                 weights_only=True))
+        states.append(
+            torch.load(tmp_path / "runs" / f"d{devices}" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+        )
     one, two = states
     assert torch.equal(one["global_state"]["mapping.latent"], two["global_state"]["mapping.latent"])
     assert torch.equal(one["ledger"]["up"], two["ledger"]["up"])

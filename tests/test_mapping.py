@@ -96,8 +96,15 @@ def classifier_pair(factors="stored"):
     torch.manual_seed(0)
     backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
     plain = Classifier(backbone, 10)
-    latent = LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
-                              latent_dim=8, rank=4, layers="conv+linear", factors=factors)
+    latent = LatentClassifier(
+        SmallCNN(image_size=8, channels=[8, 16], norm_groups=4),
+        10,
+        base="scratch",
+        latent_dim=8,
+        rank=4,
+        layers="conv+linear",
+        factors=factors,
+    )
     latent.load_state_dict({**plain.state_dict(), "mapping.latent": torch.zeros(24)})
     return plain, latent
 
