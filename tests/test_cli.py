@@ -193,7 +193,7 @@ def test_readme_baseline_example_runs_through_the_cli(in_tmp, monkeypatch):
 def test_ci_runs_exactly_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
-    assert "lightning_fl fit --config configs/pretrain_digits.yaml" in blocks[0]
+    assert "lightning_fl fit --config configs/quickstart.yaml" in blocks[0]
     assert "pytest" in blocks[1]
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert blocks[1] in ci

@@ -1,5 +1,8 @@
 """Every shipped YAML parses through the real CLI parser and builds its plug-ins."""
 
+import re
+import shlex
+
 import pytest
 import yaml
 
@@ -13,6 +16,9 @@ def test_configs_are_shipped():
     names = {p.name for p in CONFIG_FILES}
     for dataset in ("cifar10", "cifar100", "tinyimagenet", "fashion_mnist", "digits"):
         assert f"pretrain_{dataset}.yaml" in names
+    for dataset in ("cifar10", "cifar100", "tinyimagenet", "fashion_mnist"):
+        assert f"flite_{dataset}.yaml" in names
+    assert "quickstart.yaml" in names
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
@@ -30,3 +36,33 @@ def test_config_parses_and_instantiates(path):
         assert callable(getattr(run.trainer, method))
     if hasattr(run.model, "check_data"):
         run.model.check_data(run.data)  # classes, channels and image size agree
+
+
+def header_commands(path):
+    """The ``python -m lightning_fl ...`` commands given in a config's header (continuations joined)."""
+    lines = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")]
+    commands, current = [], None
+    for line in lines:
+        if current is not None:
+            current += " " + line.rstrip("\\").strip()
+            if not line.endswith("\\"):
+                commands.append(current)
+                current = None
+        elif line.startswith("python -m lightning_fl"):
+            if line.endswith("\\"):
+                current = line.rstrip("\\").strip()
+            else:
+                commands.append(line)
+    return commands
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_commands_in_the_header_parse(path):
+    commands = header_commands(path)
+    assert commands
+    for command in commands:
+        command = re.sub(r"\[[^\]]*\]", "", command.split("#")[0])  # drop optional [--key VALUE] parts
+        args = shlex.split(command)[3:]
+        args = ["/dev/null" if a.startswith("runs/") and a.endswith(".ckpt") else a for a in args]
+        args = [str(CONFIGS.parent / a) if a.startswith("configs/") else a for a in args]
+        build_parser().parse_args(args)

@@ -91,7 +91,7 @@ class FederatedTrainer(TrainerLike):
         logger: Write TensorBoard logs.
         resume: ``auto`` continues the newest run of ``name`` that has a checkpoint (``--ckpt_path`` wins).
         val_every_n_rounds: Evaluate the global model every this many rounds (and after the last one).
-        limit_val_batches: Evaluate on at most this many validation batches.
+        limit_val_batches: Evaluate on at most this many validation batches (0: no evaluation).
         gradient_clip_val: Clip client gradient norms; ``null`` uses the module's ``grad_clip``, if any.
         check_identity: Log the averaging identity error (modules with ``averaging_identity_error``).
         enable_progress_bar: Show progress over rounds and clients.
@@ -182,8 +182,8 @@ class FederatedTrainer(TrainerLike):
         fabric = self._launch(run_dir=ckpt.parent.parent if ckpt is not None else None)
         model = self._prepare(model, datamodule, stage="fit")
         seed = self._run_seed()
-        names = sorted(get_federated_state(model))
-        self.global_state = {n: t.detach().clone() for n, t in get_federated_state(model).items()}
+        self.global_state = get_federated_state(model)
+        names = sorted(self.global_state)
         self.ledger = ByteLedger(datamodule.num_clients)
         self.history, start = [], 0
         fingerprint = self._fingerprint(model)
@@ -203,6 +203,7 @@ class FederatedTrainer(TrainerLike):
             self.current_round = r
             t0 = time.perf_counter()
             metrics = self._round(model, datamodule, r, seed, names)
+            metrics["time/clients_and_server_s"] = time.perf_counter() - t0  # the round without evaluation
             evaluate = (r + 1) % self.val_every_n_rounds == 0 or r + 1 == self.rounds
             if evaluate:
                 metrics.update(self._evaluate(model, datamodule, "val"))
@@ -466,6 +467,8 @@ class FederatedTrainer(TrainerLike):
     def _evaluate(self, model: L.LightningModule, datamodule: Any, stage: str) -> dict[str, float]:
         """Evaluate the global model; each process takes every world_size-th batch, metrics are synchronised."""
         fabric = self.fabric
+        if self.limit_val_batches == 0:
+            return {}
         loader = datamodule.val_dataloader() if stage == "val" else datamodule.test_dataloader()
         loader = self._shard(loader)
         step = model.validation_step if stage == "val" else model.test_step

@@ -115,42 +115,51 @@ def orthonormal_factor(rows: int, rank: int, seed: int, layer: int, stream: int)
 
 
 class _RegeneratedProjection(torch.autograd.Function):
-    """``U @ c`` with the whole U rebuilt for forward and again for backward; never kept between uses."""
+    """``base + U @ c`` with the whole U rebuilt for forward and again for backward; never kept between uses."""
 
     @staticmethod
-    def forward(ctx, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+    def forward(ctx, base: torch.Tensor, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
         ctx.factor = factor
-        return factor.full().to(coeff.device, coeff.dtype) @ coeff  # (rows,)
+        return torch.addmv(base, factor.full().to(coeff.device, coeff.dtype), coeff)  # (rows,)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        u = ctx.factor.full().to(grad.device, grad.dtype)
-        return u.T @ grad, None
+        grad_coeff = None
+        if ctx.needs_input_grad[1]:
+            grad_coeff = ctx.factor.full().to(grad.device, grad.dtype).T @ grad
+        return (grad if ctx.needs_input_grad[0] else None), grad_coeff, None
 
 
 class _StreamedProjection(torch.autograd.Function):
-    """``U @ c`` with U's rows produced one chunk at a time in forward and backward; never materialised."""
+    """``base + U @ c`` with U's rows produced one chunk at a time in forward and backward; never materialised.
+
+    The output is written in place chunk by chunk, so no weight-sized temporary exists besides the result.
+    """
 
     @staticmethod
-    def forward(ctx, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+    def forward(ctx, base: torch.Tensor, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
         ctx.factor = factor
-        out = coeff.new_empty(factor.rows)
+        out = base.clone()
         for a, b in factor.bounds:
-            out[a:b] = factor.chunk(a, b).to(coeff.device, coeff.dtype) @ coeff
+            out[a:b].addmv_(factor.chunk(a, b).to(coeff.device, coeff.dtype), coeff)
         return out  # (rows,)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         factor = ctx.factor
-        acc = grad.new_zeros(factor.rank)
-        for a, b in factor.bounds:
-            acc += factor.chunk(a, b).to(grad.device, grad.dtype).T @ grad[a:b]
-        return acc, None
+        grad_coeff = None
+        if ctx.needs_input_grad[1]:
+            grad_coeff = grad.new_zeros(factor.rank)
+            for a, b in factor.bounds:
+                grad_coeff.addmv_(factor.chunk(a, b).to(grad.device, grad.dtype).T, grad[a:b])
+        return (grad if ctx.needs_input_grad[0] else None), grad_coeff, None
 
 
-def regenerated_projection(coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
-    return _RegeneratedProjection.apply(coeff, factor)
+def regenerated_projection(base: torch.Tensor, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+    """``base + U @ coeff`` (flat), rebuilding U for backward instead of saving it."""
+    return _RegeneratedProjection.apply(base, coeff, factor)
 
 
-def streamed_projection(coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
-    return _StreamedProjection.apply(coeff, factor)
+def streamed_projection(base: torch.Tensor, coeff: torch.Tensor, factor: OrthonormalFactor) -> torch.Tensor:
+    """``base + U @ coeff`` (flat), producing U chunk by chunk in forward and backward."""
+    return _StreamedProjection.apply(base, coeff, factor)

@@ -231,26 +231,27 @@ class LatentMapping(nn.Module):
         """The flat latent cut into per-layer ``z_l``."""
         return list(torch.split(z, [lay.latent_dim for lay in self.layers]))
 
-    def delta(self, lay: MappedLayer, z_l: torch.Tensor) -> torch.Tensor:
-        """``U_l V_l^T z_l`` (or ``W_l z_l`` in dense mode), flat ``(P_l,)``, in ``z_l``'s dtype."""
+    def mapped(self, lay: MappedLayer, base: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
+        """``base + U_l V_l^T z_l`` (``base + W_l z_l`` in dense mode), flat ``(P_l,)``, fused with the addition."""
         self._materialise()
+        base = base.reshape(-1)
+        z_l = z_l.to(base.dtype)
         if self.mode == "dense":
-            return getattr(self, f"u_{lay.index}").to(z_l.dtype) @ z_l
-        coeff = getattr(self, f"v_{lay.index}").to(z_l.dtype).T @ z_l  # (r_l,)
+            return torch.addmv(base, getattr(self, f"u_{lay.index}").to(base.dtype), z_l)
+        coeff = getattr(self, f"v_{lay.index}").to(base.dtype).T @ z_l  # (r_l,)
         if self.mode == "stored":
-            return getattr(self, f"u_{lay.index}").to(z_l.dtype) @ coeff
+            return torch.addmv(base, getattr(self, f"u_{lay.index}").to(base.dtype), coeff)
         if self.mode == "regenerate":
-            return regenerated_projection(coeff, self._u[lay.index])
-        return streamed_projection(coeff, self._u[lay.index])
+            return regenerated_projection(base, coeff, self._u[lay.index])
+        return streamed_projection(base, coeff, self._u[lay.index])
 
     def weights(self, base: dict[str, torch.Tensor], z: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """``{name: base[name] + delta}`` for every mapped layer; ``z`` defaults to the trained latent."""
+        """``{name: base[name] + U V^T z_l}`` for every mapped layer; ``z`` defaults to the trained latent."""
         z = self.latent if z is None else z
-        out = {}
-        for lay, z_l in zip(self.layers, self.split(z), strict=True):
-            b = base[lay.name]
-            out[lay.name] = b + self.delta(lay, z_l.to(b.dtype)).view(lay.shape)
-        return out
+        return {
+            lay.name: self.mapped(lay, base[lay.name], z_l).view(lay.shape)
+            for lay, z_l in zip(self.layers, self.split(z), strict=True)
+        }
 
     def u_factor(self, lay: MappedLayer) -> torch.Tensor:
         """``U_l`` (``W_l`` in dense mode) as a float32 CPU tensor, for tests and reports."""

@@ -190,12 +190,15 @@ class LatentClassifier(Classifier):
     def averaging_identity_error(self, states: list[dict[str, torch.Tensor]]) -> float:
         """``max |mean_k theta(z_k) - theta(mean_k z_k)|`` over the mapped weights (flite.md eq. 4)."""
         zs = torch.stack([s["mapping.latent"].to(self.mapping.latent) for s in states])  # (K, D)
+        per_client = [self.mapping.split(z) for z in zs]  # K lists of per-layer latents
+        averaged = self.mapping.split(zs.mean(0))
         base = self.mapped_base()
-        mean_z = self.mapping.weights(base, zs.mean(0))
         worst = 0.0
-        for name in self.mapping.names:  # accumulate per layer to bound memory
-            mean_theta = sum(self.mapping.weights(base, z)[name] for z in zs) / len(zs)
-            worst = max(worst, (mean_theta - mean_z[name]).abs().max().item())
+        for i, lay in enumerate(self.mapping.layers):  # one layer at a time bounds the memory
+            b = base[lay.name]
+            mean_theta = sum(self.mapping.mapped(lay, b, z[i]) for z in per_client) / len(per_client)
+            theta_of_mean = self.mapping.mapped(lay, b, averaged[i])
+            worst = max(worst, (mean_theta - theta_of_mean).abs().max().item())
         return worst
 
     def memory_report(self):

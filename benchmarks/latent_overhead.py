@@ -1,0 +1,121 @@
+"""FLITE's cost per step and the memory of each factor mode, measured side by side.
+
+Prints, for one model on one batch:
+- the time of a latent training step (stored / regenerate / streamed factors) divided by the time of a
+  full fine-tuning step (every backbone weight trained with Adam);
+- the extra peak memory of each factor mode (analytic, and measured as the peak resident set (VmHWM,
+  Linux) of a fresh process that builds the mapping and runs one forward/backward of the weights,
+  minus the same for a process that builds the weights without a mapping).
+
+    python benchmarks/latent_overhead.py                      # ResNet-18, CIFAR shape, batch 128
+    python benchmarks/latent_overhead.py --batch 32 --steps 2 # quicker
+
+Goals (issue #3): latent/full <= 1.05 with stored factors; streamed <= 16 MB extra peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from lightning_fl.mapping import memory_report
+from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.models import ResNet18
+
+MIB = 2**20
+
+
+def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float | None) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-3)
+
+    def one() -> None:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one()  # warm-up (and lazy factor construction)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def peak_rss_child(mode: str) -> int:
+    """Peak RSS (bytes) of a fresh process that builds the mapping in ``mode`` and runs forward+backward once."""
+    code = f"""
+import torch
+from lightning_fl.mapping import LatentMapping
+from lightning_fl.models import ResNet18
+net = ResNet18()
+base = {{n: p.detach() for n, p in net.named_parameters()}}
+names = [n for n, p in net.named_parameters() if p.ndim == 4]
+z = torch.zeros(1280, requires_grad=True)
+if "{mode}" == "none":
+    w = {{n: base[n] + 0 * z.sum() for n in names}}
+else:
+    w = LatentMapping(net, 64, 32, "conv", "{mode}").weights(base, z)
+sum((v * v).sum() for v in w.values()).backward()
+# VmHWM: this process's peak resident memory (ru_maxrss would inherit the parent's peak across exec)
+print(int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (the minimum is kept)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 100, (args.batch,))
+
+    full = Classifier(ResNet18(), 100)  # every backbone weight trains (the head stays frozen)
+    results = {"batch": args.batch, "threads": args.threads, "full_s": step_time(full, x, y, args.steps, None)}
+    for mode in ("stored", "regenerate", "streamed"):
+        latent = LatentClassifier(ResNet18(), 100, base="scratch", latent_dim=64, rank=32, factors=mode)
+        latent.load_state_dict({**full.state_dict(), "mapping.latent": torch.zeros(1280)})
+        results[f"{mode}_s"] = step_time(latent, x, y, args.steps, 1.0)
+        del latent
+
+    report = memory_report(ResNet18(), 64, 32)
+    baseline = peak_rss_child("none")
+    measured = {mode: peak_rss_child(mode) - baseline for mode in ("stored", "regenerate", "streamed")}
+
+    print(f"ResNet-18 (CIFAR stem), batch {args.batch}, {args.threads} threads, min of {args.steps} steps")
+    print(f"{'step':<28}{'seconds':>10}{'/ full':>10}")
+    print(f"{'full fine-tune (Adam)':<28}{results['full_s']:>10.3f}{1.0:>10.3f}")
+    for mode in ("stored", "regenerate", "streamed"):
+        s = results[f"{mode}_s"]
+        print(f"{'latent, ' + mode:<28}{s:>10.3f}{s / results['full_s']:>10.3f}")
+    print()
+    print(f"{'factor memory (r=32, d=64)':<28}{'analytic MiB':>14}{'measured MiB':>14}")
+    print(f"{'dense (not allocated)':<28}{report.dense_bytes / MIB:>14.1f}{'-':>14}")
+    analytic = {
+        "stored": report.stored_bytes,
+        "regenerate": report.regenerate_peak_bytes,
+        "streamed": report.streamed_peak_bytes,
+    }
+    for mode, extra in measured.items():
+        print(f"{mode:<28}{analytic[mode] / MIB:>14.1f}{extra / MIB:>14.1f}")
+    results.update({f"{m}_extra_peak_bytes": v for m, v in measured.items()})
+    results.update({f"{m}_analytic_bytes": v for m, v in analytic.items()})
+    print()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
