@@ -5,7 +5,8 @@ Prints, for one model on one batch:
   full fine-tuning step (every backbone weight trained with Adam);
 - the extra peak memory of each factor mode (analytic, and measured as the peak resident set (VmHWM,
   Linux) of a fresh process that builds the mapping and runs one forward/backward of the weights,
-  minus the same for a process that builds the weights without a mapping).
+  minus the same for a process that builds the weights without a mapping; both first run the factor
+  code on tiny inputs so shared-library pages are not counted as factor memory).
 
     python benchmarks/latent_overhead.py                      # ResNet-18, CIFAR shape, batch 128
     python benchmarks/latent_overhead.py --batch 32 --steps 2 # quicker
@@ -55,8 +56,12 @@ def peak_rss_child(mode: str) -> int:
     """Peak RSS (bytes) of a fresh process that builds the mapping in ``mode`` and runs forward+backward once."""
     code = f"""
 import torch
-from lightning_fl.mapping import LatentMapping
+from lightning_fl.mapping import CHUNK_ROWS, LatentMapping, OrthonormalFactor
 from lightning_fl.models import ResNet18
+# Load the LAPACK/BLAS code paths every mode uses (library pages count in RSS) with tiny factors, so the
+# baseline and each mode differ only by the memory their data needs.
+for rows in (16, CHUNK_ROWS + 1):
+    OrthonormalFactor(rows, 2, 0, 0, 1).full()
 net = ResNet18()
 base = {{n: p.detach() for n, p in net.named_parameters()}}
 names = [n for n, p in net.named_parameters() if p.ndim == 4]
