@@ -212,6 +212,7 @@ class LatentClassifier(Classifier):
         describe = getattr(datamodule, "describe", None)
         recipe = {k: v for k, v in asdict(self.pretraining).items() if k not in ("cache_dir", "accelerator")}
         return {
+            "loop": "lightning_fl.methods.centralised.train_classifier/1",  # bump when the pretraining loop changes
             "backbone": f"{type(self.backbone).__module__}.{type(self.backbone).__qualname__}",
             "initial_weights": self._init_digest,
             "num_classes": self.num_classes,
