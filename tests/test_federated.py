@@ -301,3 +301,16 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
     trainer.fit(make_model(), datamodule=make_dm())
     ckpt = torch.load(Path(trainer.log_dir) / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["format"] == "lightning_fl.federated" and ckpt["round"] == 1
+
+
+def test_full_weight_fedavg_of_a_classifier_runs_through_the_same_trainer(tmp_path):
+    from lightning_fl.methods import Classifier
+
+    torch.manual_seed(0)
+    model = Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, lr=0.05)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainer = make_trainer(tmp_path, rounds=1, logger=False)
+    trainer.fit(model, datamodule=make_dm())
+    last = trainer.history[-1]
+    assert last["comm/client_up_bytes"] == last["comm/client_down_bytes"] == 4 * trainable
+    assert "fed/identity_error" not in last and last["val/acc"] > 0.1
