@@ -219,14 +219,16 @@ class FederatedDataModule(L.LightningDataModule):
         return f"{self.partition!r} over {self.num_clients} clients; {sizes}\n\n" + "\n".join(rows)
 
     # ------------------------------------------------------------------------------ loaders
-    def _loader(self, dataset: Dataset, train: bool, generator: torch.Generator | None = None) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset, train: bool, generator: torch.Generator | None = None, persistent: bool = True
+    ) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
             shuffle=train,
             generator=generator,
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=persistent and self.num_workers > 0,
         )
 
     def _train_subset(self, indices: np.ndarray) -> TransformedSubset:
@@ -235,7 +237,9 @@ class FederatedDataModule(L.LightningDataModule):
     def client_dataloader(self, cid: int, seed: int | None = None) -> DataLoader:
         """Shuffled training loader over client ``cid``'s data; ``seed`` fixes the shuffling order."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        return self._loader(self._train_subset(self.client_indices(cid)), train=True, generator=generator)
+        # A client's loader lives for one round: workers that outlive it would only pile up.
+        subset = self._train_subset(self.client_indices(cid))
+        return self._loader(subset, train=True, generator=generator, persistent=False)
 
     def train_dataloader(self) -> DataLoader:
         """Centralised training loader: pooled client data, or the public split (``train_split``)."""
