@@ -7,20 +7,29 @@ and the orthogonal classifier head frozen from the first step.
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
+from lightning_fl.checkpoint import atomic_save, default_cache_dir
 from lightning_fl.errors import CheckpointError, ConfigError, UserError
+from lightning_fl.methods.pretraining import Pretraining, digest_tensors
 from lightning_fl.methods.schedules import Schedule, warmup_cosine_factor
 from lightning_fl.metrics import classification_metrics
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import ClassifierHead, HeadKind
 
 OptimizerName = Literal["sgd", "adam", "adamw"]
+log = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(UserError, FloatingPointError):
@@ -62,6 +71,10 @@ class Classifier(L.LightningModule):
             ``lightning.Trainer`` (unless its own ``gradient_clip_val`` is set) and by federated trainers alike.
         init_from: Checkpoint (Lightning ``.ckpt`` or a state dict) whose backbone and head weights to
             start from, e.g. a pretrained base for fine-tuning. Loaded with ``weights_only=True``.
+        pretraining: Without ``init_from``: pretrain the backbone and head with this recipe before training
+            (on the data module's centralised split) and cache the result, so a run starts from the same
+            base as every other run with the same architecture, seed, data and recipe (FLITE and its
+            full-weight baselines share it). ``null``: start from the random initialisation.
     """
 
     def __init__(
@@ -79,6 +92,7 @@ class Classifier(L.LightningModule):
         label_smoothing: float = 0.0,
         grad_clip: float | None = None,
         init_from: str | None = None,
+        pretraining: Pretraining | None = None,
     ) -> None:
         super().__init__()
         problems = []
@@ -106,18 +120,25 @@ class Classifier(L.LightningModule):
             problems.append("model.backbone must be a Backbone (an nn.Module with an out_features attribute)")
         if problems:
             raise ConfigError("; ".join(problems))
+        if pretraining is not None and pretraining.epochs < 1:
+            raise ConfigError(f"model.pretraining.epochs must be >= 1, got {pretraining.epochs}")
         self.save_hyperparameters(ignore=self._hparams_ignore())
         self.backbone = backbone
         self.head = ClassifierHead(backbone.out_features, num_classes, head)
         self.num_classes = num_classes
         self.val_metrics = classification_metrics(num_classes, "val/")
         self.test_metrics = classification_metrics(num_classes, "test/")
+        self.pretraining = pretraining
+        # Digest of the initial weights: part of the base cache key (the random frozen head must match).
+        self._init_digest = digest_tensors({**self.backbone.state_dict(), **self.head.state_dict()})
+        self._base_ready = pretraining is None  # nothing to prepare: train from the initialisation
         if init_from is not None:
             self.load_weights(init_from)
+            self._base_ready = True
 
     def _hparams_ignore(self) -> list[str]:
         """Constructor arguments kept out of ``hparams`` (modules and objects that are not plain values)."""
-        return ["backbone"]
+        return ["backbone", "pretraining"]
 
     # ----------------------------------------------------------------------------------- weights
     def load_weights(self, path: str | Path) -> None:
@@ -145,10 +166,80 @@ class Classifier(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(x))  # (B, num_classes)
 
+    # ----------------------------------------------------------------------------------- base
+    def base_cache_key(self, datamodule: object) -> dict[str, object]:
+        """Everything that determines the pretrained base; its hash names the cache folder."""
+        describe = getattr(datamodule, "describe", None)
+        recipe = {k: v for k, v in asdict(self.pretraining).items() if k not in ("cache_dir", "accelerator")}
+        return {
+            "loop": "lightning_fl.methods.centralised.train_classifier/1",  # bump when the pretraining loop changes
+            "backbone": f"{type(self.backbone).__module__}.{type(self.backbone).__qualname__}",
+            "initial_weights": self._init_digest,
+            "num_classes": self.num_classes,
+            "head": self.hparams.head,
+            "data": describe() if callable(describe) else repr(datamodule),
+            "pretraining": recipe,
+        }
+
+    def base_cache_path(self, datamodule: object) -> Path:
+        key = json.dumps(self.base_cache_key(datamodule), sort_keys=True, default=str)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        root = Path(self.pretraining.cache_dir).expanduser() if self.pretraining.cache_dir else default_cache_dir()
+        return root / "bases" / digest / "base.pt"
+
+    def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
+        """Load the base from the cache, pretraining and caching it first if needed (and allowed).
+
+        Call it on one process first (it may train), then on the others with the same data module.
+        """
+        if self._base_ready:
+            return
+        path = self.base_cache_path(datamodule)
+        if not path.is_file():
+            if not allow_training:
+                raise CheckpointError(f"the pretrained base {path} is missing; it should have been prepared first")
+            self._pretrain_base(datamodule, path)
+        self.load_weights(path)
+        self._base_ready = True
+
+    def _pretrain_base(self, datamodule: object, path: Path) -> None:
+        p = self.pretraining
+        log.warning("Pretraining the base for %d epochs (cached at %s)", p.epochs, path)
+        pre = Classifier(
+            backbone=copy.deepcopy(self.backbone).requires_grad_(True),
+            num_classes=self.num_classes,
+            head=self.hparams.head,
+            optimizer=p.optimizer,
+            lr=p.lr,
+            momentum=p.momentum,
+            weight_decay=p.weight_decay,
+            warmup_epochs=p.warmup_epochs,
+        )
+        pre.head.load_state_dict(self.head.state_dict())  # the same frozen class prototypes
+        with isolate_rng():
+            torch.manual_seed(p.seed)
+            from lightning_fl.methods.centralised import train_classifier  # (imports this module)
+
+            metrics = train_classifier(
+                pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=path.parent / "pretraining"
+            )
+        state = {k: v.detach().cpu() for k, v in pre.state_dict().items() if k.startswith(("backbone.", "head."))}
+        atomic_save({"state_dict": state}, path)
+        meta = {"key": self.base_cache_key(datamodule), "final_epoch": metrics}
+        (path.parent / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+
+    # ----------------------------------------------------------------------------------- Lightning hooks
+    def prepare_data(self) -> None:
+        trainer = self._trainer
+        if trainer is not None and getattr(trainer, "ckpt_path", None) is None and trainer.datamodule is not None:
+            self.prepare_base(trainer.datamodule)
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:
             self.check_data(datamodule)
+            if getattr(self._trainer, "ckpt_path", None) is None:
+                self.prepare_base(datamodule, allow_training=False)
 
     def check_data(self, datamodule: object) -> None:
         """Refuse data whose classes or channels do not match the model, naming the keys to change."""

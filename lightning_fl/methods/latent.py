@@ -14,68 +14,18 @@ instead: the paper's negative result (section 5.7).
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
-import logging
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
-from lightning.pytorch.utilities.seed import isolate_rng
 from torch.func import functional_call
 
-from lightning_fl.checkpoint import atomic_save, default_cache_dir
-from lightning_fl.errors import CheckpointError, ConfigError
+from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import FactorMode, LatentMapping, LayerSelection, memory_report
-from lightning_fl.methods.centralised import train_classifier
 from lightning_fl.methods.classifier import Classifier, OptimizerName
+from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining, digest_tensors
 from lightning_fl.methods.schedules import Schedule
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import HeadKind
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Pretraining:
-    """How the base is pretrained when no ``base_checkpoint`` is given (the FLITE paper's appendix C recipe).
-
-    Args:
-        epochs: Training epochs (100 in the paper on CIFAR).
-        optimizer: ``sgd``, ``adam`` or ``adamw``.
-        lr: Peak learning rate.
-        momentum: SGD momentum.
-        weight_decay: Weight decay.
-        warmup_epochs: Linear warm-up before the cosine decay.
-        seed: Seed of the pretraining run (isolated from the run's own randomness).
-        accelerator: Device for pretraining: ``auto`` (a GPU if there is one), ``cpu`` or ``gpu``.
-        precision: ``null``/``32-true``, ``bf16-mixed`` or ``16-mixed`` (autocast, with a grad scaler on GPU).
-        cache_dir: Where bases are cached (default ``$LIGHTNING_FL_CACHE`` or ``~/.cache/lightning_fl``).
-    """
-
-    epochs: int = 100
-    optimizer: OptimizerName = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    warmup_epochs: float = 3.0
-    seed: int = 0
-    accelerator: str = "auto"
-    precision: str | None = None
-    cache_dir: str | None = None
-
-
-PAPER_PRETRAINING = Pretraining()
-
-
-def _digest_tensors(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class LatentClassifier(Classifier):
@@ -134,8 +84,6 @@ class LatentClassifier(Classifier):
             raise ConfigError(f"model.base must be 'pretrained' or 'scratch', got {base!r}")
         if base == "scratch" and base_checkpoint is not None:
             raise ConfigError("model.base is 'scratch' but model.base_checkpoint is set; drop one of them")
-        if pretraining.epochs < 1:
-            raise ConfigError(f"model.pretraining.epochs must be >= 1, got {pretraining.epochs}")
         super().__init__(
             backbone=backbone,
             num_classes=num_classes,
@@ -148,11 +96,10 @@ class LatentClassifier(Classifier):
             schedule=schedule,
             label_smoothing=label_smoothing,
             grad_clip=grad_clip,
+            init_from=base_checkpoint,
+            pretraining=pretraining if base == "pretrained" else None,
         )
-        self.pretraining = pretraining
         self.backbone.requires_grad_(False)
-        # Digest of the initial weights: part of the base cache key (the random head must match).
-        self._init_digest = _digest_tensors({**self.backbone.state_dict(), **self.head.state_dict()})
         self.mapping = LatentMapping(
             self.backbone,
             latent_dim=latent_dim,
@@ -162,13 +109,6 @@ class LatentClassifier(Classifier):
             seed=factor_seed,
             max_dense_bytes=max_dense_bytes,
         )
-        self._base_ready = base == "scratch"
-        if base_checkpoint is not None:
-            self.load_weights(base_checkpoint)
-            self._base_ready = True
-
-    def _hparams_ignore(self) -> list[str]:
-        return [*super()._hparams_ignore(), "pretraining"]
 
     # ----------------------------------------------------------------------------------- forward
     def mapped_base(self) -> dict[str, torch.Tensor]:
@@ -183,7 +123,7 @@ class LatentClassifier(Classifier):
     # ----------------------------------------------------------------------------------- federated
     def factor_fingerprint(self) -> str:
         """Fingerprint of the factors and of the base; clients refuse to train when theirs differs."""
-        base = _digest_tensors({**self.backbone.state_dict(), **self.head.state_dict()})
+        base = digest_tensors({**self.backbone.state_dict(), **self.head.state_dict()})
         return f"factors:{self.mapping.fingerprint()} base:{base}"
 
     @torch.no_grad()
@@ -205,75 +145,3 @@ class LatentClassifier(Classifier):
         """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""
         hp = self.hparams
         return memory_report(self.backbone, hp.latent_dim, hp.rank, hp.layers)
-
-    # ----------------------------------------------------------------------------------- base
-    def base_cache_key(self, datamodule: object) -> dict[str, object]:
-        """Everything that determines the pretrained base; its hash names the cache folder."""
-        describe = getattr(datamodule, "describe", None)
-        recipe = {k: v for k, v in asdict(self.pretraining).items() if k not in ("cache_dir", "accelerator")}
-        return {
-            "loop": "lightning_fl.methods.centralised.train_classifier/1",  # bump when the pretraining loop changes
-            "backbone": f"{type(self.backbone).__module__}.{type(self.backbone).__qualname__}",
-            "initial_weights": self._init_digest,
-            "num_classes": self.num_classes,
-            "head": self.hparams.head,
-            "data": describe() if callable(describe) else repr(datamodule),
-            "pretraining": recipe,
-        }
-
-    def base_cache_path(self, datamodule: object) -> Path:
-        key = json.dumps(self.base_cache_key(datamodule), sort_keys=True, default=str)
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        root = Path(self.pretraining.cache_dir).expanduser() if self.pretraining.cache_dir else default_cache_dir()
-        return root / "bases" / digest / "base.pt"
-
-    def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
-        """Load the base from the cache, pretraining and caching it first if needed (and allowed).
-
-        Call it on one process first (it may train), then on the others with the same data module.
-        """
-        if self._base_ready:
-            return
-        path = self.base_cache_path(datamodule)
-        if not path.is_file():
-            if not allow_training:
-                raise CheckpointError(f"the pretrained base {path} is missing; it should have been prepared first")
-            self._pretrain_base(datamodule, path)
-        self.load_weights(path)
-        self._base_ready = True
-
-    def _pretrain_base(self, datamodule: object, path: Path) -> None:
-        p = self.pretraining
-        log.warning("Pretraining the base for %d epochs (cached at %s)", p.epochs, path)
-        pre = Classifier(
-            backbone=copy.deepcopy(self.backbone).requires_grad_(True),
-            num_classes=self.num_classes,
-            head=self.hparams.head,
-            optimizer=p.optimizer,
-            lr=p.lr,
-            momentum=p.momentum,
-            weight_decay=p.weight_decay,
-            warmup_epochs=p.warmup_epochs,
-        )
-        pre.head.load_state_dict(self.head.state_dict())  # the same frozen class prototypes
-        with isolate_rng():
-            torch.manual_seed(p.seed)
-            metrics = train_classifier(
-                pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=path.parent / "pretraining"
-            )
-        state = {k: v.detach().cpu() for k, v in pre.state_dict().items() if k.startswith(("backbone.", "head."))}
-        atomic_save({"state_dict": state}, path)
-        meta = {"key": self.base_cache_key(datamodule), "final_epoch": metrics}
-        (path.parent / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-
-    # ----------------------------------------------------------------------------------- Lightning hooks
-    def prepare_data(self) -> None:
-        trainer = self._trainer
-        if trainer is not None and getattr(trainer, "ckpt_path", None) is None and trainer.datamodule is not None:
-            self.prepare_base(trainer.datamodule)
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        trainer = self._trainer
-        if trainer is not None and getattr(trainer, "ckpt_path", None) is None and trainer.datamodule is not None:
-            self.prepare_base(trainer.datamodule, allow_training=False)

@@ -1,0 +1,49 @@
+"""How a base is pretrained when no checkpoint is given, and the digest used in its cache key."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class Pretraining:
+    """How the base is pretrained when no ``base_checkpoint`` is given (the FLITE paper's appendix C recipe).
+
+    Args:
+        epochs: Training epochs (100 in the paper on CIFAR).
+        optimizer: ``sgd``, ``adam`` or ``adamw``.
+        lr: Peak learning rate.
+        momentum: SGD momentum.
+        weight_decay: Weight decay.
+        warmup_epochs: Linear warm-up before the cosine decay.
+        seed: Seed of the pretraining run (isolated from the run's own randomness).
+        accelerator: Device for pretraining: ``auto`` (a GPU if there is one), ``cpu`` or ``gpu``.
+        precision: ``null``/``32-true``, ``bf16-mixed`` or ``16-mixed`` (autocast, with a grad scaler on GPU).
+        cache_dir: Where bases are cached (default ``$LIGHTNING_FL_CACHE`` or ``~/.cache/lightning_fl``).
+    """
+
+    epochs: int = 100
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_epochs: float = 3.0
+    seed: int = 0
+    accelerator: str = "auto"
+    precision: str | None = None
+    cache_dir: str | None = None
+
+
+PAPER_PRETRAINING = Pretraining()
+
+
+def digest_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
