@@ -345,8 +345,12 @@ class FederatedTrainer(TrainerLike):
             if not problems:
                 payload = self.codec.encode(state, self.global_state, cid)
                 stats[slot, 0] = payload.nbytes
-                decoded = self.codec.decode(payload, self.global_state, cid)
-                problems = check_upload(decoded, self.global_state, payload)
+                try:
+                    decoded = self.codec.decode(payload, self.global_state, cid)
+                except Exception as err:  # a malformed payload must not take the server down
+                    problems = [f"could not be decoded ({type(err).__name__}: {err})"]
+                else:
+                    problems = check_upload(decoded, self.global_state, payload)
             if problems:
                 message = f"round {r + 1}, client {cid}: upload rejected: {'; '.join(problems)}"
                 if self.upload_policy == "raise":

@@ -1,0 +1,63 @@
+"""Update compressors with error feedback: the shared mechanism of top-k and PowerSGD.
+
+A client sends a compressed version of its update ``u = (state - reference) + e``, where ``e`` is
+what previous compressions left out (error feedback, Karimireddy et al. 2019); after sending
+``C(u)`` it keeps ``e' = u - C(u)``, so ``C(u) + e' = (state - reference) + e`` exactly. The server
+adds the decompressed update back to the reference. Residuals are per client and live in
+:meth:`UpdateCompressor.state_dict`, so they are saved in every round checkpoint.
+
+Subclasses implement :meth:`UpdateCompressor.compress` (update -> payload and the approximation the
+server will reconstruct) and :meth:`UpdateCompressor.decompress`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_fl.compress.base import Codec, Payload
+
+State = dict[str, torch.Tensor]
+
+
+class UpdateCompressor(Codec):
+    """Base for compressors of ``state - reference`` with optional per-client error feedback.
+
+    Args:
+        error_feedback: Carry what compression dropped into the client's next update.
+    """
+
+    _plugin_base = True  # not offered as a choice in CLI messages
+
+    def __init__(self, error_feedback: bool = True) -> None:
+        self.error_feedback = error_feedback
+        self.residuals: dict[int, State] = {}
+
+    def compress(self, update: State, client: int) -> tuple[Payload, State]:
+        """Encode ``update``; return the payload and the update the server will reconstruct from it."""
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload, reference: State, client: int) -> State:
+        """The update (same keys and shapes as ``reference``) carried by ``payload``."""
+        raise NotImplementedError
+
+    def encode(self, state: State, reference: State, client: int) -> Payload:
+        update = {n: state[n].detach().to("cpu", torch.float32) - reference[n].detach().to("cpu", torch.float32)
+                  for n in sorted(state)}  # fmt: skip
+        if self.error_feedback and client in self.residuals:
+            update = {n: u + self.residuals[client][n] for n, u in update.items()}
+        payload, approx = self.compress(update, client)
+        if self.error_feedback:
+            self.residuals[client] = {n: update[n] - approx[n] for n in update}
+        return payload
+
+    def decode(self, payload: Payload, reference: State, client: int) -> State:
+        delta = self.decompress(payload, reference, client)
+        return {n: (reference[n].detach().to("cpu", torch.float32) + delta[n]).to(reference[n].dtype) for n in delta}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {str(c): dict(r) for c, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {int(c): dict(r) for c, r in state.get("residuals", {}).items()}
