@@ -29,6 +29,7 @@ RUNS = {
     "powersgd_r8": ("powersgd_fashion_mnist", ["--trainer.codec.rank", "8"]),
     "topk_1pct": ("topk_fashion_mnist", []),
     "topk_10pct": ("topk_fashion_mnist", ["--trainer.codec.density", "0.1"]),
+    "fedprox": ("fedprox_fashion_mnist", ["--data.partition.min_partition_size", "2"]),
 }
 
 

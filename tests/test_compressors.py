@@ -113,3 +113,28 @@ def test_bad_arguments():
         TopK(0)
     with pytest.raises(ConfigError, match="codec.rank"):
         PowerSGD(0)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\(\)`")
+def test_fedprox_pulls_the_client_towards_the_global_state():
+    from lightning_fl.methods import Classifier, FedProx
+    from lightning_fl.models import SmallCNN
+
+    def make(cls, **kw):
+        torch.manual_seed(0)
+        return cls(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, **kw)
+
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    plain, prox0, prox = make(Classifier), make(FedProx, mu=0.0), make(FedProx, mu=10.0)
+    for m in (plain, prox0, prox):
+        m.load_federated_state(m.federated_state())
+    # at the anchor the proximal term and its gradient vanish
+    assert prox.proximal_term().item() == 0.0
+    assert torch.equal(plain.training_step((x, y), 0), prox.training_step((x, y), 0))
+    with torch.no_grad():
+        for p in prox.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    n = sum(p.numel() for p in prox.parameters() if p.requires_grad)
+    torch.testing.assert_close(prox.proximal_term(), torch.tensor(0.5 * 10.0 * n * 0.01), rtol=1e-4, atol=0)
+    assert torch.equal(plain.training_step((x, y), 0), prox0.training_step((x, y), 0))
