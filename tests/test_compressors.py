@@ -115,7 +115,7 @@ def test_bad_arguments():
         PowerSGD(0)
 
 
-@pytest.mark.filterwarnings("ignore:You are trying to `self.log\(\)`")
+@pytest.mark.filterwarnings(r"ignore:You are trying to `self.log\(\)`")
 def test_fedprox_pulls_the_client_towards_the_global_state():
     from lightning_fl.methods import Classifier, FedProx
     from lightning_fl.models import SmallCNN
