@@ -1,0 +1,98 @@
+"""tools/sweep.py runs, skips and resumes runs and writes one CSV; tools/report.py turns it into tables and figures."""
+
+import csv
+import subprocess
+import sys
+
+import yaml
+
+from conftest import CONFIGS, REPO
+
+SHRINK = [
+    "--data.source",
+    "Synthetic",
+    "--data.source.image_size",
+    "28",
+    "--data.source.train_size",
+    "320",
+    "--data.source.test_size",
+    "64",
+    "--model.pretraining.epochs",
+    "1",
+]
+
+
+def sweep_file(tmp_path, rounds):
+    spec = {
+        "name": "tiny",
+        "out": str(tmp_path / "sweep"),
+        "seeds": [0],
+        "common": [*SHRINK, "--trainer.rounds", str(rounds)],
+        "runs": [
+            {
+                "label": "latent_d{d}",
+                "config": str(CONFIGS / "flite_fashion_mnist.yaml"),
+                "args": ["--model.latent_dim", "{d}"],
+                "grid": {"d": [4, 8]},
+                "tags": {"method": "latent", "d": "{d}"},
+            },
+            {"label": "topk", "config": str(CONFIGS / "topk_fashion_mnist.yaml"), "tags": {"method": "topk"}},
+        ],
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def tool(*args, cwd):
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={"PYTHONPATH": str(REPO), "PATH": "", "LIGHTNING_FL_CACHE": str(cwd / "cache")},
+    )
+
+
+def test_sweep_runs_skips_resumes_and_reports(tmp_path):
+    first = tool(REPO / "tools" / "sweep.py", sweep_file(tmp_path, rounds=1), cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count("running") == 3
+    again = tool(REPO / "tools" / "sweep.py", sweep_file(tmp_path, rounds=1), cwd=tmp_path)
+    assert again.stdout.count("done, skipped") == 3
+    longer = tool(REPO / "tools" / "sweep.py", sweep_file(tmp_path, rounds=2), cwd=tmp_path)
+    assert longer.returncode == 0 and longer.stdout.count("resuming") == 3, longer.stdout
+    with (tmp_path / "sweep" / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["label"] for r in rows} == {"latent_d4", "latent_d8", "topk"}
+    assert len(rows) == 3 * 3  # rounds 0, 1, 2 per run
+    finals = {r["label"]: r for r in rows if r["final"] == "1"}
+    assert finals["latent_d4"]["d"] == "4" and finals["topk"]["method"] == "topk"
+    assert float(finals["latent_d8"]["comm/client_up_bytes"]) == 4 * 8 * 3
+    assert float(finals["latent_d4"]["fed/identity_error"]) <= 1e-6
+
+    report = {
+        "csv": str(tmp_path / "sweep" / "results.csv"),
+        "figures_dir": str(tmp_path / "figures"),
+        "tensorboard": str(tmp_path / "tb"),
+        "tables": [{"title": "tiny", "columns": ["val/acc", "comm/client_up_bytes"]}],
+        "figures": [
+            {"name": "pareto", "kind": "pareto"},
+            {"name": "dims", "kind": "sweep", "x": "d", "where": {"method": "latent"}},
+            {"name": "bars", "kind": "bars", "labels": ["latent_d4", "topk"]},
+            {"name": "budget", "kind": "budget", "budget_mb": 0.01},
+        ],
+    }
+    (tmp_path / "report.yaml").write_text(yaml.safe_dump(report))
+    out = tool(REPO / "tools" / "report.py", tmp_path / "report.yaml", "--markdown", tmp_path / "t.md", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "t.md").read_text()
+    assert "| latent_d8 | 1 |" in text and "| 96 |" in text  # 24 floats = 96 bytes per upload
+    assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == [
+        "bars.png",
+        "budget.png",
+        "dims.png",
+        "pareto.png",
+    ]
+    assert any((tmp_path / "tb").iterdir())

@@ -1,0 +1,213 @@
+"""Turn a sweep CSV (tools/sweep.py) into markdown tables (mean +/- std over seeds) and figures.
+
+A report file says what to draw:
+
+```yaml
+csv: runs/sweeps/flite_claims/results.csv
+figures_dir: docs/figures              # PNG files
+tensorboard: runs/sweeps/flite_claims/report   # optional: the figures are also logged here
+tables:
+  - title: Final accuracy, calibration and bytes
+    labels: [latent_d64, fedavg]       # default: every label, in CSV order
+    columns: [val/acc, val/ece, comm/client_up_bytes, comm/cum_client_bytes]
+figures:
+  - {name: pareto, kind: pareto, labels: [latent_d64, fedavg, powersgd_r2]}   # acc vs cumulative MB (log x)
+  - {name: latent_dim, kind: sweep, x: d, where: {method: latent}, metric: val/acc}  # final metric vs a tag
+  - {name: quant, kind: bars, labels: [latent_fp32, latent_int4], metric: val/acc}   # final metric per label
+  - {name: budget, kind: budget, labels: [...], budget_mb: 1.0}   # best acc within a byte budget
+```
+
+    python tools/report.py REPORT.yaml              # prints the tables, writes the figures
+    python tools/report.py REPORT.yaml --markdown FILE   # also writes the tables to FILE
+
+Kinds: ``pareto`` plots val/acc against cumulative bytes per client (both directions, MB, log scale)
+round by round, one curve per label (mean over seeds); ``sweep`` plots the final ``metric`` against a
+numeric tag, one line per value of ``series`` (a tag, optional); ``bars`` shows the final ``metric`` per
+label; ``budget`` shows, per label, the best val/acc reached while cumulative bytes per client stay within
+``budget_mb``. Error bars are one standard deviation over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+MB = 2**20
+
+
+def read(path: Path) -> list[dict]:
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k, v in r.items():
+            if k not in ("sweep", "label") and v not in ("", None):
+                with contextlib.suppress(ValueError):
+                    r[k] = float(v)
+    return rows
+
+
+def labels_in_order(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["label"] for r in rows))
+
+
+def select(rows: list[dict], labels: list[str] | None = None, where: dict | None = None) -> list[dict]:
+    out = [r for r in rows if labels is None or r["label"] in labels]
+    for k, v in (where or {}).items():
+        out = [r for r in out if str(r.get(k)) == str(v) or r.get(k) == v]
+    return out
+
+
+def finals(rows: list[dict]) -> dict[str, list[dict]]:
+    """Final-round rows per label (one per seed)."""
+    by_label = defaultdict(list)
+    for r in rows:
+        if r["final"] == 1:
+            by_label[r["label"]].append(r)
+    return by_label
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    vals = np.array([v for v in values if v != "" and not (isinstance(v, float) and math.isnan(v))], dtype=float)
+    if len(vals) == 0:
+        return float("nan"), float("nan")
+    return float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+
+
+def fmt(column: str, mean: float, std: float) -> str:
+    if math.isnan(mean):
+        return "-"
+    if "bytes" in column:
+        return f"{mean:,.0f}" if std == 0 else f"{mean:,.0f} +/- {std:,.0f}"
+    if "identity" in column:
+        return f"{mean:.1e}"
+    return f"{mean:.4f} +/- {std:.4f}"
+
+
+def table(rows: list[dict], spec: dict) -> str:
+    labels = spec.get("labels") or labels_in_order(rows)
+    columns = spec.get("columns", ["val/acc", "val/ece", "comm/client_up_bytes", "comm/cum_client_bytes"])
+    groups = finals(select(rows, labels))
+    lines = [f"**{spec.get('title', 'Results')}** (final round, mean +/- std over seeds)", ""]
+    lines.append("| run | seeds | " + " | ".join(columns) + " |")
+    lines.append("| --- | --- | " + " | ".join("---" for _ in columns) + " |")
+    for label in labels:
+        group = groups.get(label, [])
+        cells = [fmt(c, *mean_std([r.get(c, "") for r in group])) for c in columns]
+        lines.append(f"| {label} | {len(group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def curve(rows: list[dict], label: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per round: mean cumulative MB per client, mean and std of val/acc over seeds."""
+    by_round = defaultdict(list)
+    for r in rows:
+        if r["label"] == label and r.get("val/acc", "") != "":
+            by_round[int(r["round"])].append(r)
+    rounds = sorted(by_round)
+    x = np.array([np.mean([r.get("comm/cum_client_bytes", 0.0) or 0.0 for r in by_round[k]]) / MB for k in rounds])
+    stats = [mean_std([r["val/acc"] for r in by_round[k]]) for k in rounds]
+    return x, np.array([m for m, _ in stats]), np.array([s for _, s in stats])
+
+
+def figure(rows: list[dict], spec: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    kind = spec["kind"]
+    metric = spec.get("metric", "val/acc")
+    if kind == "pareto":
+        for label in spec.get("labels") or labels_in_order(rows):
+            x, y, s = curve(rows, label)
+            x = np.maximum(x, 1e-6)  # round 0 has sent nothing yet
+            ax.plot(x, y, marker="o", ms=3, label=label)
+            ax.fill_between(x, y - s, y + s, alpha=0.2)
+        ax.set_xscale("log")
+        ax.set_xlabel("cumulative MB per client (up + down)")
+        ax.set_ylabel("test accuracy")
+    elif kind == "sweep":
+        chosen = finals(select(rows, spec.get("labels"), spec.get("where")))
+        series = defaultdict(list)
+        for group in chosen.values():
+            key = group[0].get(spec["series"], "") if spec.get("series") else ""
+            series[key].append((float(group[0][spec["x"]]), *mean_std([r[metric] for r in group])))
+        for key, points in sorted(series.items(), key=lambda kv: str(kv[0])):
+            points.sort()
+            xs, ms, ss = zip(*points, strict=True)
+            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(key) if key != "" else None)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(spec["x"])
+        ax.set_ylabel(metric)
+    elif kind in ("bars", "budget"):
+        labels = spec.get("labels") or labels_in_order(rows)
+        means, stds = [], []
+        for label in labels:
+            if kind == "bars":
+                m, s = mean_std([r[metric] for r in finals(select(rows, [label]))[label]])
+            else:
+                budget = spec["budget_mb"] * MB
+                best = defaultdict(float)
+                for r in select(rows, [label]):
+                    if r.get("val/acc", "") != "" and (r.get("comm/cum_client_bytes") or 0) <= budget:
+                        best[r["seed"]] = max(best[r["seed"]], r["val/acc"])
+                m, s = mean_std(list(best.values()))
+            means.append(m)
+            stds.append(s)
+        ax.bar(range(len(labels)), means, yerr=stds, capsize=3)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        finite = [m for m in means if not math.isnan(m)]
+        if finite:
+            ax.set_ylim(min(finite) - 0.02, max(finite) + 0.01)
+        ax.set_ylabel("best test accuracy within budget" if kind == "budget" else metric)
+    else:
+        raise SystemExit(f"error: unknown figure kind {kind!r}; use pareto, sweep, bars or budget")
+    ax.set_title(spec.get("title", spec["name"]))
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report", type=Path)
+    parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this file")
+    args = parser.parse_args()
+    spec = yaml.safe_load(args.report.read_text())
+    rows = read(Path(spec["csv"]))
+    if not rows:
+        raise SystemExit(f"error: {spec['csv']} has no rows; run tools/sweep.py first")
+    tables = "\n\n".join(table(rows, t) for t in spec.get("tables", []))
+    print(tables)
+    if args.markdown is not None:
+        args.markdown.write_text(tables + "\n")
+    out = Path(spec.get("figures_dir", "docs/figures"))
+    out.mkdir(parents=True, exist_ok=True)
+    writer = None
+    if spec.get("tensorboard"):
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(spec["tensorboard"])
+    for fig_spec in spec.get("figures", []):
+        fig = figure(rows, fig_spec)
+        path = out / f"{fig_spec['name']}.png"
+        fig.savefig(path, dpi=120)
+        if writer is not None:
+            writer.add_figure(f"report/{fig_spec['name']}", fig)
+        print(f"wrote {path}")
+    if writer is not None:
+        writer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Run a grid of federated runs (configs x overrides x seeds) through the real CLI and collect one CSV.
+
+A sweep file lists runs; each run is a config plus CLI overrides, repeated for every seed:
+
+```yaml
+name: flite_claims                 # runs go to <out>/<run>__seed<k>/version_0/
+out: runs/sweeps/flite_claims
+seeds: [0, 1, 2]
+common: ["--trainer.rounds", "5"]  # overrides for every run
+runs:
+  - label: latent_d64              # one row label in the CSV (and the tables)
+    config: configs/flite_fashion_mnist.yaml
+    args: []
+    tags: {method: latent, d: 64}  # free columns for tools/report.py
+  - label: latent_d{d}             # a grid: one run per combination of the values
+    config: configs/flite_fashion_mnist.yaml
+    args: ["--model.latent_dim", "{d}"]
+    grid: {d: [16, 256]}
+    tags: {method: latent, d: "{d}"}
+```
+
+    python tools/sweep.py SWEEP.yaml            # run what is missing, resume what is unfinished, collect
+    python tools/sweep.py SWEEP.yaml --collect  # only (re)build the CSV from the finished checkpoints
+    python tools/sweep.py SWEEP.yaml --dry-run  # print the commands
+
+A run is finished when its ``last.ckpt`` has done all ``trainer.rounds``; unfinished runs continue from
+it (``--trainer.resume auto``). The CSV (``<out>/results.csv``) has one row per run and round, with the
+run's label, seed and tags, ``final`` (1 on the last round), and the logged metrics: ``val/acc``,
+``val/ece``, ``comm/cum_client_bytes``, ``comm/client_up_bytes``, ``fed/identity_error``, ``time/elapsed_s``...
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+METRIC_COLUMNS = [
+    "val/acc",
+    "val/ece",
+    "val/loss",
+    "train/loss",
+    "comm/client_up_bytes",
+    "comm/client_down_bytes",
+    "comm/cum_client_bytes",
+    "comm/cum_client_up_bytes",
+    "fed/identity_error",
+    "fed/dropped_clients",
+    "time/round_s",
+    "time/elapsed_s",
+]
+
+
+def expand(spec: dict) -> list[dict]:
+    """Every run of the sweep: grids expanded, then one entry per seed."""
+    runs = []
+    for entry in spec["runs"]:
+        grid = entry.get("grid") or {}
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] for k in keys)) if keys else [()]:
+            fill = dict(zip(keys, values, strict=True))
+
+            def sub(x, fill=fill):
+                return x.format(**fill) if isinstance(x, str) else x
+
+            label = sub(entry["label"])
+            runs.append(
+                {
+                    "label": label,
+                    "config": entry["config"],
+                    "args": [sub(a) for a in entry.get("args", [])],
+                    "tags": {k: sub(v) for k, v in (entry.get("tags") or {}).items()},
+                }
+            )
+    labels = [r["label"] for r in runs]
+    duplicates = sorted({x for x in labels if labels.count(x) > 1})
+    if duplicates:
+        raise SystemExit(f"error: duplicate run labels in the sweep: {duplicates}")
+    return [{**r, "seed": s, "id": f"{r['label']}__seed{s}"} for r in runs for s in spec.get("seeds", [0])]
+
+
+def run_dir(out: Path, run: dict) -> Path:
+    return out / run["id"] / "version_0"
+
+
+def command(spec: dict, out: Path, run: dict) -> list[str]:
+    return [
+        sys.executable, "-m", "lightning_fl", "fit", "--config", run["config"],
+        *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
+        "--seed_everything", str(run["seed"]),
+        "--trainer.default_root_dir", str(out), "--trainer.name", run["id"], "--trainer.version", "version_0",
+        "--trainer.resume", "auto", "--trainer.enable_progress_bar", "false",
+    ]  # fmt: skip
+
+
+def target_rounds(spec: dict, out: Path, run: dict) -> int:
+    """``trainer.rounds`` the run's command asks for, resolved by the CLI's own parser."""
+    from lightning_fl.cli import build_parser
+
+    cfg = build_parser().parse_args(command(spec, out, run)[3:])
+    return int(cfg.fit.trainer.init_args.rounds)
+
+
+def status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
+    """``done``, ``partial`` or ``missing``, with the checkpoint when there is one."""
+    ckpt_path = run_dir(out, run) / "checkpoints" / "last.ckpt"
+    if not ckpt_path.is_file():
+        return "missing", None
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    return ("done" if ckpt["round"] >= target_rounds(spec, out, run) else "partial"), ckpt
+
+
+def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
+    tag_names = sorted({k for r in runs for k in r["tags"]})
+    path = out / "results.csv"
+    rows = 0
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS])
+        for run in runs:
+            state, ckpt = status(spec, out, run)
+            if state != "done":
+                continue
+            history = ckpt["history"]
+            last = max(h["round"] for h in history)
+            for h in history:
+                metrics = [h.get(m, "") for m in METRIC_COLUMNS]
+                tags = [run["tags"].get(t, "") for t in tag_names]
+                writer.writerow([spec["name"], run["label"], run["seed"], *tags, int(h["round"]),
+                                 int(h["round"] == last), *metrics])  # fmt: skip
+                rows += 1
+    print(f"wrote {rows} rows to {path}")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--collect", action="store_true", help="only rebuild the CSV")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--only", default=None, help="run only labels containing this text")
+    args = parser.parse_args()
+    spec = yaml.safe_load(args.sweep.read_text())
+    out = Path(spec.get("out", f"runs/sweeps/{spec['name']}"))
+    runs = expand(spec)
+    if not args.collect:
+        todo = [r for r in runs if args.only is None or args.only in r["label"]]
+        for i, run in enumerate(todo, 1):
+            state, _ = status(spec, out, run)
+            if state == "done":
+                print(f"[{i}/{len(todo)}] {run['id']}: done, skipped")
+                continue
+            cmd = command(spec, out, run)
+            print(f"[{i}/{len(todo)}] {run['id']}: {'resuming' if state == 'partial' else 'running'}")
+            if args.dry_run:
+                print("  " + " ".join(cmd))
+                continue
+            out.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            with (out / f"{run['id']}.log").open("w") as log:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+            if proc.returncode != 0:
+                print(f"  failed (exit {proc.returncode}); see {out / (run['id'] + '.log')}")
+            else:
+                print(f"  finished in {time.perf_counter() - t0:.0f} s")
+    if not args.dry_run:
+        collect(spec, out, runs)
+
+
+if __name__ == "__main__":
+    main()
