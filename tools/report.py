@@ -9,6 +9,7 @@ tensorboard: runs/sweeps/flite_claims/report   # optional: the figures are also 
 tables:
   - title: Final accuracy, calibration and bytes
     labels: [latent_d64, fedavg]       # default: every label, in CSV order
+    round: null                        # a round number shows that round (0: the starting model) instead
     columns: [val/acc, val/ece, comm/client_up_bytes, comm/cum_client_bytes]
 figures:
   - {name: pareto, kind: pareto, labels: [latent_d64, fedavg, powersgd_r2]}   # acc vs cumulative MB (log x)
@@ -64,11 +65,11 @@ def select(rows: list[dict], labels: list[str] | None = None, where: dict | None
     return out
 
 
-def finals(rows: list[dict]) -> dict[str, list[dict]]:
-    """Final-round rows per label (one per seed)."""
+def finals(rows: list[dict], round_: int | None = None) -> dict[str, list[dict]]:
+    """Final-round rows (or the rows of round ``round_``) per label, one per seed."""
     by_label = defaultdict(list)
     for r in rows:
-        if r["final"] == 1:
+        if (r["final"] == 1) if round_ is None else (r["round"] == round_):
             by_label[r["label"]].append(r)
     return by_label
 
@@ -93,8 +94,9 @@ def fmt(column: str, mean: float, std: float) -> str:
 def table(rows: list[dict], spec: dict) -> str:
     labels = spec.get("labels") or labels_in_order(rows)
     columns = spec.get("columns", ["val/acc", "val/ece", "comm/client_up_bytes", "comm/cum_client_bytes"])
-    groups = finals(select(rows, labels))
-    lines = [f"**{spec.get('title', 'Results')}** (final round, mean +/- std over seeds)", ""]
+    groups = finals(select(rows, labels), spec.get("round"))
+    which = "final round" if spec.get("round") is None else f"round {spec['round']}"
+    lines = [f"**{spec.get('title', 'Results')}** ({which}, mean +/- std over seeds)", ""]
     lines.append("| run | seeds | " + " | ".join(columns) + " |")
     lines.append("| --- | --- | " + " | ".join("---" for _ in columns) + " |")
     for label in labels:
