@@ -2,6 +2,7 @@
 
 from lightning_fl.data.builtin import Digits, Synthetic
 from lightning_fl.data.datamodule import FederatedDataModule, TransformedSubset
+from lightning_fl.data.features import ExtractedFeatures, FeatureData, FeatureExtractor, FeatureSet, PixelFeatures
 from lightning_fl.data.partition import IID, Dirichlet, Partitioner, Shards, label_histograms
 from lightning_fl.data.sources import (
     DataSource,
@@ -21,13 +22,18 @@ __all__ = [
     "DataSource",
     "Digits",
     "Dirichlet",
+    "ExtractedFeatures",
     "FashionMNIST",
+    "FeatureData",
+    "FeatureExtractor",
+    "FeatureSet",
     "FederatedDataModule",
     "FileDataSource",
     "ImageFiles",
     "ImageTransform",
     "LabeledImages",
     "Partitioner",
+    "PixelFeatures",
     "Shards",
     "Synthetic",
     "TensorImages",

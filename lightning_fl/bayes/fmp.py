@@ -1,0 +1,317 @@
+"""Federated Martingale Posterior sampling: meta-training the summariser and one-shot evaluation.
+
+FMP (shared/papers/fmp.md, section IV): clients upload ``s`` summary points ``Z~_m = h_phi(Z_m)``;
+the server generates ``Z~' = ISAB(Z~, E)`` with a frozen predictive generator and refits the
+model by ERM for each base set ``E``. The summariser is meta-trained on equation (7),
+``mean_i ||theta_MP(Z^i, E^i) - theta_FMP(Z^i, E^i)||`` over tasks from a meta-training corpus,
+with the same base set on both sides; only ``phi`` trains.
+
+``fit`` prepares the features (datamodule), then the generator (checkpoint, cache or training;
+compared with naive resampling), then meta-trains. ``validate`` reports the distance to
+centralised MP on held-out tasks for the summariser and for random selection and mean pooling at
+the same ``s``. ``test`` runs the one-shot protocol and every method in ``methods`` on target tasks
+and reports accuracy, ECE (15 bins), NLL, KB per client, ``||theta_MP - theta_FMP||`` and
+Proposition 1's diagnostics ``delta_s = W1(P_Z, P_Z~)`` and ``D = W1(P_Z, P_Z')``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from lightning_fl.bayes.distances import wasserstein1
+from lightning_fl.bayes.generator_training import GeneratorTraining, evaluate_generator, train_generator
+from lightning_fl.bayes.predictive import PredictiveGenerator, refit
+from lightning_fl.bayes.protocol import ANN, CANN, FMP, MP, Context, OneShotMethod, predictive_probs
+from lightning_fl.bayes.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
+from lightning_fl.bayes.tasks import Task
+from lightning_fl.checkpoint import atomic_save, default_cache_dir
+from lightning_fl.compress.base import FP32, Codec
+from lightning_fl.errors import CheckpointError, ConfigError
+from lightning_fl.methods.pretraining import digest_tensors
+from lightning_fl.metrics import classification_metrics
+
+log = logging.getLogger(__name__)
+
+
+class FMPMetaLearner(L.LightningModule):
+    """Meta-trains FMP's summariser and evaluates the one-shot protocol (run by ``lightning.Trainer``).
+
+    Args:
+        summariser: The client embedding function ``h_phi`` (PMA with ``s`` seeds by default).
+        generator: The predictive generator's architecture (trained, then frozen).
+        generator_training: Recipe for training the generator when no checkpoint is given.
+        generator_checkpoint: A file with a trained generator's state dict (skips training).
+        l2: ERM penalty lambda in ``mean CE + lambda/2 ||W||^2``.
+        num_generated: ``n'``, predictive points drawn per posterior sample.
+        train_samples: Posterior samples per task in the meta-training loss.
+        test_samples: Posterior samples ``S`` in evaluation (ensemble size).
+        lr: Adam learning rate for ``phi``.
+        weight_decay: Adam weight decay.
+        erm_tol: Stopping tolerance of every ERM solve (max absolute gradient).
+        codec: How a client encodes its upload (``FP32`` or ``Quantize``).
+        methods: Methods evaluated by ``test`` besides FMP (centralised MP and ANN, one-shot CANN by default).
+        cache_dir: Where trained generators are cached (default ``$LIGHTNING_FL_CACHE``).
+    """
+
+    def __init__(
+        self,
+        summariser: Summariser | None = None,
+        generator: PredictiveGenerator | None = None,
+        generator_training: GeneratorTraining | None = None,
+        generator_checkpoint: str | None = None,
+        l2: float = 1e-2,
+        num_generated: int = 200,
+        train_samples: int = 2,
+        test_samples: int = 10,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        erm_tol: float = 1e-5,
+        codec: Codec | None = None,
+        methods: list[OneShotMethod] | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        problems = [f"{k} must be > 0, got {v}" for k, v in [("l2", l2), ("lr", lr), ("erm_tol", erm_tol)] if not v > 0]
+        problems += [
+            f"{k} must be >= 1, got {v}"
+            for k, v in [
+                ("num_generated", num_generated),
+                ("train_samples", train_samples),
+                ("test_samples", test_samples),
+            ]
+            if v < 1
+        ]
+        if problems:
+            raise ConfigError("model (FMPMetaLearner): " + "; ".join(problems))
+        self.summariser = summariser if summariser is not None else PMASummariser()
+        self.generator = generator if generator is not None else PredictiveGenerator()
+        self.generator.requires_grad_(False)
+        self.generator_training = generator_training if generator_training is not None else GeneratorTraining()
+        self.generator_checkpoint = generator_checkpoint
+        self.l2, self.num_generated = l2, num_generated
+        self.train_samples, self.test_samples = train_samples, test_samples
+        self.lr, self.weight_decay, self.erm_tol = lr, weight_decay, erm_tol
+        self.codec = codec if codec is not None else FP32()
+        self.methods = list(methods) if methods is not None else [MP(), ANN(), CANN()]
+        self.cache_dir = cache_dir
+        self.register_buffer("generator_ready", torch.zeros((), dtype=torch.bool))
+        self.generator_report: dict = {}
+        self._configured = False
+        self.save_hyperparameters(ignore=["summariser", "generator", "codec", "methods"])
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, stage: str) -> None:
+        if self._configured:
+            return
+        dm = self.trainer.datamodule
+        D, C = dm.feature_dim, dm.num_classes
+        self.summariser.configure(D, C)
+        self.generator.configure(D, C)
+        self.generator.requires_grad_(False)
+        # Validation baselines at the same s: the untrained summariser, random selection and mean pooling
+        # (kept in a plain dict, out of the state dict).
+        s = self.summariser.num_points
+        self._val_baselines = {
+            "untrained": copy.deepcopy(self.summariser),
+            "random": RandomSelection(s),
+            "mean": MeanPooling(s),
+        }
+        for baseline in self._val_baselines.values():
+            if not baseline.feature_dim:
+                baseline.configure(D, C)
+        self._configured = True
+
+    def on_fit_start(self) -> None:
+        self.prepare_generator()
+
+    def on_validation_start(self) -> None:
+        self.prepare_generator()
+
+    def on_test_start(self) -> None:
+        self.prepare_generator()
+
+    def generator_cache_key(self) -> dict:
+        dm = self.trainer.datamodule
+        init = copy.deepcopy(self.generator)
+        torch.manual_seed(self.generator_training.seed)
+        init.configure(dm.feature_dim, dm.num_classes)
+        return {
+            "format": "lightning_fl.bayes.generator/1",
+            "generator": repr(self.generator),
+            "init": digest_tensors(init.state_dict()),
+            "features": digest_tensors({"h": dm.meta_pool.h, "y": dm.meta_pool.y.float()}),
+            "tasks": [dm.num_clients, dm.points_per_client, dm.meta_alphas, dm.min_classes, dm.heldout_points, dm.seed],
+            "recipe": self.generator_training.key(),
+            "l2": self.l2,
+            "num_generated": self.num_generated,
+        }
+
+    def prepare_generator(self) -> None:
+        """Load, restore from cache, or train the generator; it stays frozen afterwards."""
+        if bool(self.generator_ready):
+            return
+        if self.generator_checkpoint is not None:
+            path = Path(self.generator_checkpoint)
+            if not path.is_file():
+                raise CheckpointError(f"model.generator_checkpoint: no file at {path}")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            self._load_generator(state.get("generator", state), str(path))
+            self.generator_report = state.get("report", {})
+        else:
+            key = self.generator_cache_key()
+            digest = digest_tensors({"key": torch.tensor(list(json.dumps(key, sort_keys=True).encode()))})[:16]
+            path = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+            path = path / "generators" / f"{digest}.pt"
+            if path.is_file():
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                self._load_generator(state["generator"], str(path))
+                self.generator_report = state.get("report", {})
+                log.info("generator loaded from the cache %s", path)
+            else:
+                self._train_generator(path, key)
+        self.generator.to(self.device).eval().requires_grad_(False)
+        self.generator_ready.fill_(True)
+        for name, value in self.generator_report.get("heldout", {}).items():
+            self._log_once(f"generator/{name}", value)
+
+    def _load_generator(self, state: dict, where: str) -> None:
+        missing, unexpected = self.generator.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{where} does not fit the generator: missing {missing}, unexpected {unexpected}")
+
+    def _train_generator(self, path: Path, key: dict) -> None:
+        dm = self.trainer.datamodule
+        recipe = self.generator_training
+        with torch.random.fork_rng():
+            torch.manual_seed(recipe.seed)
+            self.generator.configure(dm.feature_dim, dm.num_classes)  # the initial weights named in the key
+            self.generator.requires_grad_(True)
+            samplers = dm.meta_samplers(heldout=True)
+            history = []
+            for i, sampler in enumerate(samplers):  # equal shares of every meta partition
+                share = GeneratorTraining(**{**asdict(recipe), "steps": recipe.steps // len(samplers)})
+                history += train_generator(
+                    self.generator, sampler, share, self.l2, self.num_generated, task_seed_offset=10**7 * (i + 1)
+                )
+            self.generator.requires_grad_(False)
+            heldout = {}
+            for sampler in samplers:
+                scores = evaluate_generator(
+                    self.generator,
+                    sampler,
+                    recipe.eval_tasks,
+                    self.l2,
+                    self.num_generated,
+                    num_samples=self.test_samples,
+                )
+                for k, v in scores.items():
+                    heldout[k] = heldout.get(k, 0.0) + v / len(samplers)
+        self.generator_report = {"heldout": heldout, "final_loss": history[-1] if history else None}
+        log.info("generator trained: held-out %s", heldout)
+        atomic_save({"generator": self.generator.state_dict(), "key": key, "report": self.generator_report}, path)
+
+    def _log_once(self, name: str, value: float) -> None:
+        for logger in self.loggers:
+            logger.log_metrics({name: value}, step=0)
+
+    def configure_optimizers(self):
+        params = [p for p in self.summariser.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError(
+                f"model.summariser ({type(self.summariser).__name__}) has nothing to meta-train; "
+                "use PMASummariser for fit, or run test directly"
+            )
+        return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, z: Tensor, noise: Tensor) -> Tensor:
+        """MP on sets ``z`` ``[B, N, P]`` with base sets ``noise`` ``[B, S, n', e]`` -> ``W`` ``[B, S, C, D]``."""
+        return refit(z, self.generator(z, noise), self.generator.num_classes, self.l2, self.erm_tol)
+
+    def theta_distance(
+        self,
+        clients: Tensor,
+        summariser: Summariser,
+        noise: Tensor,
+        target: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """``||theta_MP - theta_FMP||`` per task and sample: ``clients`` ``[B, M, n, P]`` -> ``[B, S]``."""
+        B, M, n, P = clients.shape
+        if target is None:
+            with torch.no_grad():
+                target = self._sample(clients.reshape(B, M * n, P), noise)
+        summary = summariser(clients.reshape(B * M, n, P), generator=generator)
+        W = self._sample(summary.reshape(B, -1, P), noise)
+        return (W - target).flatten(2).norm(dim=-1)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        B = batch.shape[0]
+        noise = self.generator.noise(B, self.train_samples, self.num_generated, device=batch.device)
+        dist = self.theta_distance(batch, self.summariser, noise)
+        loss = dist.mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"meta-training loss is {loss.item()} at step {self.global_step}; lower model.lr")
+        self.log("train/theta_dist", loss, prog_bar=True, batch_size=B)
+        return loss
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, task: Task, batch_idx: int) -> None:
+        g = torch.Generator().manual_seed(batch_idx)
+        noise = self.generator.noise(1, self.test_samples, self.num_generated, generator=g).to(self.device)
+        clients = task.clients.unsqueeze(0).to(self.device)
+        B, M, n, P = clients.shape
+        with torch.no_grad():
+            target = self._sample(clients.reshape(B, M * n, P), noise)
+            candidates = {"theta_dist": self.summariser}
+            candidates.update({f"theta_dist_{k}": v for k, v in self._val_baselines.items()})
+            for name, summariser in candidates.items():
+                dist = self.theta_distance(clients, summariser.to(self.device), noise, target, generator=g)
+                self.log(f"val/{name}", dist.mean(), batch_size=1, prog_bar=name == "theta_dist")
+
+    # ------------------------------------------------------------------ test
+    def test_step(self, task: Task, batch_idx: int) -> None:
+        dm = self.trainer.datamodule
+        g = torch.Generator().manual_seed(batch_idx)
+        noise = self.generator.noise(self.test_samples, self.num_generated, generator=g)
+        ctx = Context(self.generator, self.summariser, self.l2, noise.to(self.device), self.codec, self.erm_tol)
+        task = Task(task.clients.to(self.device), task.labels, task.num_classes)
+        test_h, test_y = dm.test_features.h.to(self.device), dm.test_features.y.to(self.device)
+        outcomes: dict[str, object] = {}
+        with torch.no_grad():
+            for method in [FMP(), *self.methods]:
+                out = method.run(task, ctx)
+                outcomes[method.name] = out
+                prefix = "test/" if method.name == "fmp" else f"test/{method.name}/"
+                for key, value in self._score(out.W, test_h, test_y).items():
+                    self.log(prefix + key, value, batch_size=1)
+                if out.bytes_per_client is not None:
+                    kb = "comm/kb_per_client" if method.name == "fmp" else f"comm/{method.name}/kb_per_client"
+                    self.log(kb, out.bytes_per_client / 1000.0, batch_size=1)
+            if "mp" in outcomes:
+                mp, fmp = outcomes["mp"], outcomes["fmp"]
+                self.log("test/theta_dist", (mp.W - fmp.W).flatten(2).norm(dim=-1).mean(), batch_size=1)
+                # Proposition 1's diagnostics on this task (first posterior sample's Z').
+                pooled = task.pooled.float().cpu()
+                self.log("test/delta_s", wasserstein1(pooled, fmp.extras["summary"].float().cpu()), batch_size=1)
+                self.log("test/D", wasserstein1(pooled, mp.extras["generated"][0].float().cpu()), batch_size=1)
+
+    def _score(self, W: Tensor, h: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Accuracy, ECE and NLL of the posterior predictive, averaged over the G models of ``W [G, S, C, D]``."""
+        totals: dict[str, Tensor] = {}
+        for Wg in W:
+            probs = predictive_probs(Wg, h)
+            metrics = classification_metrics(probs.shape[-1], "").to(h.device)
+            scores = dict(metrics(probs, y))
+            scores["nll"] = -probs.clamp_min(1e-12).log().gather(1, y.unsqueeze(1)).mean()
+            for k, v in scores.items():
+                totals[k] = totals.get(k, 0.0) + v / W.shape[0]
+        return totals

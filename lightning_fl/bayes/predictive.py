@@ -1,0 +1,133 @@
+"""The predictive generator of martingale-posterior sampling: ``Z' = ISAB(Z, E) = MAB(E, MAB(R, E))``.
+
+FMP (section II-2, after Lee et al. 2023's MPNP) draws unseen data with a set transformer: the
+observed points are mapped to inducing points ``R = g(Z)``, a base set ``E ~ N(0, I)`` of ``n'``
+noise vectors attends to them, and the result is ``n'`` new points. Permuting ``Z`` does not change
+the output's distribution and permuting ``E`` permutes the output (conditional exchangeability).
+
+A generated point is ``[h', p']``: features and a label distribution (a softmax over label logits),
+so the ERM refit treats generated labels as soft targets.
+
+Training (the paper leaves it open; DESIGN section 4): the generator must be trained before it is
+frozen. :func:`generator_loss` is our objective, on tasks from the meta-training corpus with a
+context ``Z`` and held-out points ``T`` of the same task:
+
+* ``-log (1/S) sum_s p(y_t | x_t, W_s)`` averaged over ``t in T``: the held-out log-likelihood of
+  the posterior predictive, where ``W_s`` is refit by ERM on ``Z u Z'_s`` (MPNP's marginal term);
+  gradients reach the generator through the ERM solution (implicit function theorem);
+* ``beta * ED(Z'_s, T)``: the energy distance between generated and held-out points, a
+  sample-based distribution score that keeps ``Z'`` looking like data of the task.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fl.bayes.distances import energy_distance
+from lightning_fl.bayes.erm import fit_softmax
+from lightning_fl.bayes.tasks import split_points
+from lightning_fl.models.set_transformer import MAB
+
+
+class PredictiveGenerator(nn.Module):
+    """``Z' = MAB(E, MAB(g(Z), E))`` with ``E ~ N(0, I)``; layers are built by :meth:`configure`.
+
+    Args:
+        hidden: Width of the inducing points and attention blocks.
+        num_heads: Attention heads.
+        noise_dim: Dimension of each base-set vector (default ``hidden``).
+        layer_norm: LayerNorm inside the MABs (the set-transformer paper's equations).
+    """
+
+    def __init__(self, hidden: int = 128, num_heads: int = 4, noise_dim: int | None = None, layer_norm: bool = True):
+        super().__init__()
+        if hidden % num_heads:
+            raise ValueError(f"model.generator: hidden ({hidden}) must be divisible by num_heads ({num_heads})")
+        self.hidden, self.num_heads = hidden, num_heads
+        self.noise_dim = noise_dim or hidden
+        self.layer_norm = layer_norm
+        self.feature_dim = self.num_classes = 0
+
+    def configure(self, feature_dim: int, num_classes: int) -> None:
+        """Build the layers for points of ``feature_dim + num_classes`` values."""
+        self.feature_dim, self.num_classes = feature_dim, num_classes
+        point_dim, h = feature_dim + num_classes, self.hidden
+        self.g = nn.Sequential(nn.Linear(point_dim, h), nn.ReLU(), nn.Linear(h, h))
+        self.inducing = MAB(h, self.noise_dim, h, self.num_heads, layer_norm=self.layer_norm)  # MAB(R, E)
+        self.generate = MAB(self.noise_dim, h, h, self.num_heads, layer_norm=self.layer_norm)  # MAB(E, H)
+        self.out = nn.Linear(h, point_dim)
+
+    def noise(self, *shape: int, generator: torch.Generator | None = None, device=None) -> Tensor:
+        """A base set ``E``: ``shape + (noise_dim,)`` standard normal draws."""
+        return torch.randn(*shape, self.noise_dim, generator=generator, device=device)
+
+    def forward(self, z: Tensor, noise: Tensor) -> Tensor:
+        """``z``: ``[B, N, D + C]`` observed points; ``noise``: ``[B, S, n', e]`` base sets -> ``[B, S, n', D + C]``."""
+        if not self.feature_dim:
+            raise RuntimeError("PredictiveGenerator.configure(feature_dim, num_classes) must be called first")
+        B, S, n_new, _ = noise.shape
+        r = self.g(z)  # (B, N, h): inducing points R = g(Z)
+        r = r.unsqueeze(1).expand(B, S, *r.shape[1:]).reshape(B * S, -1, self.hidden)
+        e = noise.reshape(B * S, n_new, self.noise_dim)
+        out = self.out(self.generate(e, self.inducing(r, e)))  # (B*S, n', D + C)
+        h, logits = split_points(out, self.num_classes)
+        return torch.cat([h, logits.float().softmax(-1).to(h.dtype)], dim=-1).reshape(B, S, n_new, -1)
+
+
+def refit(z: Tensor, generated: Tensor | None, num_classes: int, l2: float, tol: float = 1e-5) -> Tensor:
+    """ERM on ``Z u Z'``: ``z`` ``[B, N, P]``, ``generated`` ``[B, S, n', P]`` -> ``W`` ``[B, S, C, D]``."""
+    B, N, P = z.shape
+    if generated is None:
+        x, t = split_points(z, num_classes)
+        return fit_softmax(x, t, l2, tol=tol).unsqueeze(1)
+    S = generated.shape[1]
+    pts = torch.cat([z.unsqueeze(1).expand(B, S, N, P), generated.to(z.dtype)], dim=2)  # (B, S, N + n', P)
+    x, t = split_points(pts.reshape(B * S, -1, P), num_classes)
+    W = fit_softmax(x, t, l2, tol=tol)  # (B*S, C, D)
+    return W.reshape(B, S, *W.shape[1:])
+
+
+def log_predictive(W: Tensor, points: Tensor, num_classes: int) -> Tensor:
+    """Log posterior-predictive probability of each point's label: ``log mean_s softmax(W_s x)`` scored
+    against the point's label distribution. ``W`` ``[B, S, C, D]``, ``points`` ``[B, T, D + C]`` -> ``[B, T]``."""
+    x, t = split_points(points, num_classes)
+    logp = torch.einsum("bscd,btd->bstc", W.float(), x.float()).log_softmax(-1)  # (B, S, T, C)
+    log_mix = torch.logsumexp(logp, dim=1) - math.log(W.shape[1])  # (B, T, C): log of the mean softmax
+    return (t.float() * log_mix).sum(-1)
+
+
+def generator_loss(
+    generator: PredictiveGenerator,
+    context: Tensor,
+    heldout: Tensor,
+    num_generated: int,
+    num_samples: int,
+    l2: float,
+    beta: float = 1.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """The generator's training objective on a batch of tasks (see the module docstring).
+
+    ``context`` ``[B, N, P]``, ``heldout`` ``[B, T, P]``. Returns the loss and its two terms.
+    """
+    B = context.shape[0]
+    noise = generator.noise(B, num_samples, num_generated, device=context.device)
+    generated = generator(context, noise)  # (B, S, n', P)
+    W = refit(context, generated, generator.num_classes, l2)
+    nll = -log_predictive(W, heldout, generator.num_classes).mean()
+    S = num_samples
+    ed = energy_distance(
+        generated.reshape(B * S, num_generated, -1).float(),
+        heldout.unsqueeze(1).expand(B, S, *heldout.shape[1:]).reshape(B * S, heldout.shape[1], -1).float(),
+    ).mean()
+    return nll + beta * ed, {"nll": float(nll.detach()), "energy": float(ed.detach())}
+
+
+def bootstrap(z: Tensor, num_samples: int, num_generated: int, generator: torch.Generator | None = None) -> Tensor:
+    """Naive predictive resampling: ``n'`` points drawn with replacement from ``Z`` -> ``[B, S, n', P]``."""
+    B, N, P = z.shape
+    idx = torch.randint(N, (B, num_samples * num_generated), generator=generator, device=z.device)
+    picked = torch.gather(z, 1, idx.unsqueeze(-1).expand(-1, -1, P))
+    return picked.reshape(B, num_samples, num_generated, P)

@@ -1,0 +1,264 @@
+"""FMP: tasks, generator, summarisers, the one-shot protocol and meta-training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fl.bayes import (
+    ANN,
+    CANN,
+    FMP,
+    LANN,
+    LMP,
+    MP,
+    Context,
+    FederatedTasks,
+    FMPMetaLearner,
+    GeneratorTraining,
+    Identity,
+    MeanPooling,
+    PMASummariser,
+    PredictiveGenerator,
+    RandomSelection,
+    TaskSampler,
+)
+from lightning_fl.bayes.predictive import refit
+from lightning_fl.bayes.tasks import make_points, split_points
+from lightning_fl.compress import Quantize
+from lightning_fl.data import PixelFeatures
+
+D, C = 6, 4
+
+
+def pool(n: int = 800, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % C
+    h = torch.randn(n, D, generator=g) + 2.0 * torch.nn.functional.one_hot(y, D).float()
+    return h, y
+
+
+def generator() -> PredictiveGenerator:
+    torch.manual_seed(0)
+    gen = PredictiveGenerator(hidden=16, num_heads=2)
+    gen.configure(D, C)
+    return gen.eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------- tasks
+@pytest.mark.parametrize("alpha", [None, 0.1])
+def test_tasks_are_deterministic_disjoint_and_sized(alpha):
+    h, y = pool()
+    sampler = TaskSampler(h, y, C, num_clients=3, points_per_client=40, alpha=alpha, heldout_points=20)
+    a, b = sampler.sample(7), sampler.sample(7)
+    assert torch.equal(a.clients, b.clients) and torch.equal(a.heldout, b.heldout)
+    assert a.clients.shape == (3, 40, D + C) and a.heldout.shape == (20, D + C)
+    # Points are rows of the pool; no row is used twice within a task.
+    rows = torch.cat([a.pooled, a.heldout])[:, :D]
+    assert len(torch.unique(rows, dim=0)) == len(rows)
+    _, labels = split_points(a.clients, C)
+    assert torch.equal(labels.sum(-1), torch.ones(3, 40))
+    assert not torch.equal(a.clients, sampler.sample(8).clients)
+
+
+def test_dirichlet_skew_concentrates_labels():
+    h, y = pool(4000)
+    skewed = TaskSampler(h, y, C, 5, 100, alpha=0.05).sample(0)
+    iid = TaskSampler(h, y, C, 5, 100).sample(0)
+
+    def top_share(task):  # mean share of each client's most common label
+        return float(split_points(task.clients, C)[1].sum(1).max(-1).values.mean() / 100)
+
+    assert top_share(skewed) > 0.8 > 0.45 > top_share(iid)
+
+
+def test_meta_tasks_relabel_and_subset_classes():
+    h, y = pool(2000)
+    sampler = TaskSampler(h, y, C, 2, 50, vary_labels=True, min_classes=2)
+    seen = set()
+    for seed in range(20):
+        task = sampler.sample(seed)
+        kept = task.labels[task.labels >= 0]
+        assert len(torch.unique(kept)) == len(kept) >= 2
+        # Every point's label is the task label of its original class.
+        original = task.pooled[:, :D]
+        orig_class = torch.cdist(original, h).argmin(-1)
+        assert torch.equal(split_points(task.pooled, C)[1].argmax(-1), task.labels[y[orig_class]])
+        seen.add(tuple(task.labels.tolist()))
+    assert len(seen) > 5
+
+
+def test_task_sampler_rejects_tasks_the_pool_cannot_hold():
+    h, y = pool(100)
+    with pytest.raises(ValueError, match="lower points_per_client"):
+        TaskSampler(h, y, C, 5, 30)
+    with pytest.raises(ValueError, match="min_classes"):
+        TaskSampler(h, y, C, 2, 20, vary_labels=True, min_classes=1)
+
+
+# ------------------------------------------------------------------------- generator and summarisers
+def test_generator_is_conditionally_exchangeable():
+    gen = generator()
+    z = make_points(*pool(30), C).unsqueeze(0)
+    noise = gen.noise(1, 2, 12, generator=torch.Generator().manual_seed(1))
+    out = gen(z, noise)
+    assert out.shape == (1, 2, 12, D + C)
+    assert torch.allclose(split_points(out, C)[1].sum(-1), torch.ones(1, 2, 12))
+    # Permuting the observed set changes nothing; permuting the base set permutes the output.
+    assert torch.allclose(gen(z[:, torch.randperm(30)], noise), out, atol=1e-5)
+    perm = torch.randperm(12)
+    assert torch.allclose(gen(z, noise[:, :, perm]), out[:, :, perm], atol=1e-5)
+
+
+@pytest.mark.parametrize("summariser", [PMASummariser(5, hidden=16, num_heads=2), RandomSelection(5), MeanPooling(5)])
+def test_summarisers_upload_s_points_of_the_data_layout(summariser):
+    summariser.configure(D, C)
+    z = make_points(*pool(40), C).reshape(2, 20, D + C)
+    out = summariser(z, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 5, D + C)
+    assert torch.allclose(split_points(out, C)[1].sum(-1), torch.ones(2, 5), atol=1e-5)
+
+
+def test_pma_summary_is_permutation_invariant():
+    pma = PMASummariser(4, hidden=16, num_heads=2)
+    pma.configure(D, C)
+    z = make_points(*pool(20), C).unsqueeze(0)
+    assert torch.allclose(pma(z), pma(z[:, torch.randperm(20)]), atol=1e-5)
+
+
+def test_mean_pooling_keeps_the_client_mean():
+    pooling = MeanPooling(5)
+    z = make_points(*pool(20), C).unsqueeze(0)
+    assert torch.allclose(pooling(z).mean(1), z.mean(1), atol=1e-5)
+
+
+# ------------------------------------------------------------------------- protocol
+def context(summariser=None, codec=None) -> Context:
+    gen = generator()
+    noise = gen.noise(3, 16, generator=torch.Generator().manual_seed(2))
+    kwargs = {"codec": codec} if codec is not None else {}
+    return Context(gen, summariser or Identity(), l2=0.05, noise=noise, **kwargs)
+
+
+def test_fmp_with_identity_summariser_is_exactly_mp():
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+    ctx = context(Identity())
+    assert torch.equal(FMP().run(task, ctx).W, MP().run(task, ctx).W)
+    # ... and a lossy summary moves it away.
+    lossy = context(RandomSelection(5))
+    assert (FMP().run(task, lossy).W - MP().run(task, lossy).W).norm() > 1e-3
+
+
+def test_baseline_shapes_bytes_and_cann_is_the_mean_of_local_solutions():
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+    ctx = context(RandomSelection(5))
+    fmp = FMP().run(task, ctx)
+    assert fmp.W.shape == (1, 3, C, D) and fmp.bytes_per_client == 5 * (D + C) * 4
+    local = LANN().run(task, ctx).W
+    assert local.shape == (3, 1, C, D)
+    cann = CANN().run(task, ctx)
+    assert torch.allclose(cann.W[0, 0], local[:, 0].mean(0)) and cann.bytes_per_client == C * D * 4
+    assert LMP().run(task, ctx).W.shape == (3, 3, C, D)
+    assert ANN().run(task, ctx).W.shape == (1, 1, C, D)
+    int8 = FMP().run(task, context(RandomSelection(5), Quantize(bits=8)))
+    assert int8.bytes_per_client < fmp.bytes_per_client / 3
+
+
+def test_refit_matches_sequential_solves():
+    gen = generator()
+    z = make_points(*pool(40), C).reshape(2, 20, D + C)
+    generated = gen(z, gen.noise(2, 2, 8))
+    W = refit(z, generated, C, l2=0.1)
+    x, t = split_points(torch.cat([z[1], generated[1, 0]]), C)
+    from lightning_fl.bayes import fit_softmax
+
+    assert torch.allclose(W[1, 0], fit_softmax(x, t, 0.1), atol=1e-4)
+
+
+# ------------------------------------------------------------------------- meta-training
+def small_tasks(**kw) -> FederatedTasks:
+    args = {
+        "num_clients": 3,
+        "points_per_client": 30,
+        "target_fraction": 0.4,
+        "meta_tasks": 400,
+        "tasks_per_step": 4,
+        "val_tasks": 4,
+        "test_tasks": 2,
+        "heldout_points": 30,
+        "min_classes": 6,
+    }
+    args.update(kw)
+    return FederatedTasks(PixelFeatures(), **args)
+
+
+def learner(**kw) -> FMPMetaLearner:
+    args = {
+        "summariser": PMASummariser(6, hidden=32, num_heads=2),
+        "generator": PredictiveGenerator(32, 2),
+        "generator_training": GeneratorTraining(steps=6, tasks_per_step=2, num_samples=2, eval_tasks=2),
+        "num_generated": 30,
+        "train_samples": 2,
+        "test_samples": 4,
+        "lr": 3e-3,
+    }
+    args.update(kw)
+    return FMPMetaLearner(**args)
+
+
+def test_meta_training_beats_untrained_random_and_mean_pooling(tmp_path):
+    import lightning as L
+
+    torch.manual_seed(0)
+    model = learner(cache_dir=str(tmp_path))
+    trainer = L.Trainer(
+        max_steps=150,
+        val_check_interval=150,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    data = small_tasks()
+    trainer.fit(model, datamodule=data)
+    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    assert val["val/theta_dist"] < min(
+        val["val/theta_dist_untrained"], val["val/theta_dist_random"], val["val/theta_dist_mean"]
+    ), val
+    # The cached generator is reused by a second run (no training: patch it to fail).
+    model2 = learner(cache_dir=str(tmp_path))
+    model2._train_generator = lambda *a: pytest.fail("generator retrained despite the cache")
+    trainer2 = L.Trainer(
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer2.fit(model2, datamodule=small_tasks())
+    assert torch.equal(
+        next(iter(model2.generator.state_dict().values())), next(iter(model.generator.state_dict().values()))
+    )
+
+
+def test_bf16_mixed_meta_training_step_runs_on_cpu(tmp_path):
+    import lightning as L
+
+    model = learner(cache_dir=str(tmp_path))
+    trainer = L.Trainer(
+        max_steps=2,
+        limit_val_batches=0,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=small_tasks())
+    assert torch.isfinite(trainer.callback_metrics["train/theta_dist"])
