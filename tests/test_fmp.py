@@ -262,3 +262,73 @@ def test_bf16_mixed_meta_training_step_runs_on_cpu(tmp_path):
     )
     trainer.fit(model, datamodule=small_tasks())
     assert torch.isfinite(trainer.callback_metrics["train/theta_dist"])
+
+
+# ------------------------------------------------------------------------- CLI end to end
+SHRINK = [
+    "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.generator_training.steps", "3",
+    "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
+    "--model.num_generated", "20", "--model.test_samples", "2", "--data.meta_tasks", "40",
+]  # fmt: skip
+
+
+def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypatch):
+    from conftest import CONFIGS, run_cli
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    config = str(CONFIGS / "fmp_digits.yaml")
+    assert run_cli("fit", "--config", config, *SHRINK) == 0
+    ckpt = in_tmp / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
+    assert ckpt.is_file()
+    import lightning as L
+
+    captured = {}
+    original = L.Trainer.test
+
+    def spy(self, *args, **kwargs):
+        captured["out"] = original(self, *args, **kwargs)
+        return captured["out"]
+
+    monkeypatch.setattr(L.Trainer, "test", spy)
+    # The generator comes from the checkpoint: clearing the cache must not trigger training.
+    monkeypatch.setattr(FMPMetaLearner, "_train_generator", lambda *a: pytest.fail("generator retrained"))
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "empty_cache"))
+    assert run_cli("test", "--config", config, *SHRINK, "--ckpt_path", str(ckpt)) == 0
+    metrics = captured["out"][0]
+    for key in [
+        "test/acc",
+        "test/ece",
+        "test/nll",
+        "comm/kb_per_client",
+        "test/theta_dist",
+        "test/delta_s",
+        "test/D",
+        "test/mp/acc",
+        "test/ann/acc",
+        "test/cann/acc",
+        "comm/cann/kb_per_client",
+    ]:
+        assert key in metrics, key
+    assert metrics["comm/kb_per_client"] == pytest.approx(10 * (64 + 10) * 4 / 1000)
+    assert 0.3 < metrics["test/acc"] <= 1.0
+
+
+def test_config_mistakes_are_named(in_tmp):
+    from conftest import CONFIGS, run_cli
+
+    config = str(CONFIGS / "fmp_digits.yaml")
+    assert run_cli("fit", "--config", config, "--model.l2", "0") == 2
+    assert run_cli("fit", "--config", config, "--data.points_per_client", "5000", *SHRINK) == 2
+
+
+def test_a_malformed_summary_upload_is_refused_with_the_client_named():
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+
+    class Broken(RandomSelection):
+        def forward(self, z, generator=None):
+            out = super().forward(z, generator).clone()
+            out[1, 0, 0] = float("nan")
+            return out
+
+    with pytest.raises(ValueError, match="client 1 uploaded a malformed summary"):
+        FMP().run(task, context(Broken(5)))

@@ -96,3 +96,30 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path):
         "pareto.png",
     ]
     assert any((tmp_path / "tb").iterdir())
+
+
+def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
+    shrink = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--model.generator_training.steps",
+              "2", "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
+              "--model.num_generated", "10", "--model.test_samples", "2", "--data.meta_tasks", "8"]  # fmt: skip
+    spec = {
+        "name": "fmp_tiny",
+        "kind": "oneshot",
+        "out": str(tmp_path / "sweep"),
+        "seeds": [0, 1],
+        "seed_args": ["--data.seed", "{seed}"],
+        "common": shrink,
+        "runs": [{"label": "digits", "config": str(CONFIGS / "fmp_digits.yaml"), "tags": {"data": "digits"}}],
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    first = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
+    assert first.returncode == 0 and "failed" not in first.stdout, first.stdout + first.stderr
+    with (tmp_path / "sweep" / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["seed"] for r in rows] == ["0", "1"]
+    for column in ["test/acc", "test/ece", "test/mp/acc", "comm/kb_per_client", "val/theta_dist", "generator/erm_nll"]:
+        assert all(r[column] for r in rows), column
+    assert rows[0]["test/acc"] != rows[1]["test/acc"]  # the data seed reached the run
+    again = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
+    assert again.stdout.count("done, skipped") == 2, again.stdout

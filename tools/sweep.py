@@ -24,7 +24,15 @@ runs:
     python tools/sweep.py SWEEP.yaml --dry-run  # print the commands
 
 A run is finished when its ``last.ckpt`` has done all ``trainer.rounds``; unfinished runs continue from
-it (``--trainer.resume auto``). The CSV (``<out>/results.csv``) has one row per run and round, with the
+it (``--trainer.resume auto``). ``seed_args`` (e.g. ``["--data.seed", "{seed}"]``) are added to every
+command with the seed filled in, for configs whose data or caches have seeds of their own.
+
+``kind: oneshot`` is for configs run by ``lightning.Trainer`` whose numbers come from ``test`` (FMP and
+its baselines): each run is ``fit`` (until ``trainer.max_steps``, resuming from ``last.ckpt``) then
+``test --ckpt_path last.ckpt``; the CSV has one row per run with every scalar the test logged, plus the
+last value of every ``val/*`` and ``generator/*`` scalar of the fit.
+
+For federated runs the CSV (``<out>/results.csv``) has one row per run and round, with the
 run's label, seed and tags, ``final`` (1 on the last round), and the logged metrics: ``val/acc``,
 ``val/ece``, ``comm/cum_client_bytes``, ``comm/client_up_bytes``, ``fed/identity_error``, ``time/elapsed_s``...
 """
@@ -91,14 +99,89 @@ def run_dir(out: Path, run: dict) -> Path:
     return out / run["id"] / "version_0"
 
 
+def seed_args(spec: dict, run: dict) -> list[str]:
+    return [str(a).format(seed=run["seed"]) for a in spec.get("seed_args", [])]
+
+
 def command(spec: dict, out: Path, run: dict) -> list[str]:
+    if spec.get("kind") == "oneshot":
+        return oneshot_command(spec, out, run, "fit")
     return [
         sys.executable, "-m", "lightning_fl", "fit", "--config", run["config"],
         *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
-        "--seed_everything", str(run["seed"]),
+        "--seed_everything", str(run["seed"]), *seed_args(spec, run),
         "--trainer.default_root_dir", str(out), "--trainer.name", run["id"], "--trainer.version", "version_0",
         "--trainer.resume", "auto", "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ one-shot runs (lightning.Trainer)
+def oneshot_command(spec: dict, out: Path, run: dict, stage: str) -> list[str]:
+    """``fit`` into ``<out>/<id>/version_0`` or ``test`` from its ``last.ckpt`` into ``<out>/<id>/test``."""
+    cmd = [
+        sys.executable, "-m", "lightning_fl", stage, "--config", run["config"],
+        *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
+        "--seed_everything", str(run["seed"]), *seed_args(spec, run),
+        "--trainer.default_root_dir", str(out / run["id"]), "--trainer.logger.init_args.save_dir", str(out),
+        "--trainer.logger.init_args.name", run["id"],
+        "--trainer.logger.init_args.version", "version_0" if stage == "fit" else "test",
+        "--trainer.enable_progress_bar", "false",
+    ]  # fmt: skip
+    ckpt = run_dir(out, run) / "checkpoints" / "last.ckpt"
+    if stage == "test" or ckpt.is_file():
+        cmd += ["--ckpt_path", str(ckpt)]
+    return cmd
+
+
+def scalars(folder: Path) -> dict[str, float]:
+    """The last value of every scalar in a TensorBoard run folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not folder.is_dir():
+        return {}
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
+
+
+def oneshot_status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
+    test = scalars(out / run["id"] / "test")
+    if any(k.startswith("test/") for k in test):
+        return "done", test
+    ckpt = run_dir(out, run) / "checkpoints" / "last.ckpt"
+    return ("partial" if ckpt.is_file() else "missing"), None
+
+
+def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
+    tag_names = sorted({k for r in runs for k in r["tags"]})
+    rows = []
+    for run in runs:
+        state, test = oneshot_status(spec, out, run)
+        if state != "done":
+            continue
+        fit = {k: v for k, v in scalars(run_dir(out, run)).items() if k.startswith(("val/", "generator/"))}
+        rows.append((run, {**fit, **test}))
+    columns = sorted({k for _, metrics in rows for k in metrics})
+    path = out / "results.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *columns])
+        for run, metrics in rows:
+            tags = [run["tags"].get(t, "") for t in tag_names]
+            writer.writerow(
+                [spec["name"], run["label"], run["seed"], *tags, 0, 1, *[metrics.get(c, "") for c in columns]]
+            )
+    print(f"wrote {len(rows)} rows to {path}")
+    return path
+
+
+def run_oneshot(spec: dict, out: Path, run: dict, log) -> int:
+    for stage in ("fit", "test"):
+        proc = subprocess.run(oneshot_command(spec, out, run, stage), stdout=log, stderr=subprocess.STDOUT,
+                              env=os.environ.copy())  # fmt: skip
+        if proc.returncode != 0:
+            return proc.returncode
+    return 0
 
 
 def target_rounds(spec: dict, out: Path, run: dict) -> int:
@@ -111,6 +194,8 @@ def target_rounds(spec: dict, out: Path, run: dict) -> int:
 
 def status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     """``done``, ``partial`` or ``missing``, with the checkpoint when there is one."""
+    if spec.get("kind") == "oneshot":
+        return oneshot_status(spec, out, run)
     ckpt_path = run_dir(out, run) / "checkpoints" / "last.ckpt"
     if not ckpt_path.is_file():
         return "missing", None
@@ -119,6 +204,8 @@ def status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
 
 
 def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
+    if spec.get("kind") == "oneshot":
+        return oneshot_collect(spec, out, runs)
     tag_names = sorted({k for r in runs for k in r["tags"]})
     path = out / "results.csv"
     rows = 0
@@ -166,9 +253,12 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
             with (out / f"{run['id']}.log").open("w") as log:
-                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-            if proc.returncode != 0:
-                print(f"  failed (exit {proc.returncode}); see {out / (run['id'] + '.log')}")
+                if spec.get("kind") == "oneshot":
+                    code = run_oneshot(spec, out, run, log)
+                else:
+                    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+            if code != 0:
+                print(f"  failed (exit {code}); see {out / (run['id'] + '.log')}")
             else:
                 print(f"  finished in {time.perf_counter() - t0:.0f} s")
     if not args.dry_run:

@@ -154,8 +154,9 @@ class FederatedTasks(L.LightningDataModule):
         """One sampler per meta-training partition (tasks alternate between them)."""
         return [self._sampler(self.meta_pool, a, True, self.heldout_points if heldout else 0) for a in self.meta_alphas]
 
-    def target_sampler(self) -> TaskSampler:
-        return self._sampler(self.target_pool, self.alpha, False)
+    def target_sampler(self, heldout: bool = False) -> TaskSampler:
+        """Target tasks (validation, test; with ``heldout``: also points kept aside, to score the generator)."""
+        return self._sampler(self.target_pool, self.alpha, False, self.heldout_points if heldout else 0)
 
     def train_dataloader(self) -> DataLoader:
         tasks = _Tasks(self.meta_samplers(), self.meta_tasks, offset=0)

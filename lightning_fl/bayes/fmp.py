@@ -105,7 +105,9 @@ class FMPMetaLearner(L.LightningModule):
         self.register_buffer("generator_ready", torch.zeros((), dtype=torch.bool))
         self.generator_report: dict = {}
         self._configured = False
-        self.save_hyperparameters(ignore=["summariser", "generator", "codec", "methods"])
+        # Objects stay out of hparams (checkpoints must load with weights_only=True); the recipe goes in as a dict.
+        self.save_hyperparameters(ignore=["summariser", "generator", "generator_training", "codec", "methods"])
+        self.hparams["generator_training"] = asdict(self.generator_training)
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
@@ -141,10 +143,11 @@ class FMPMetaLearner(L.LightningModule):
     def generator_cache_key(self) -> dict:
         dm = self.trainer.datamodule
         init = copy.deepcopy(self.generator)
-        torch.manual_seed(self.generator_training.seed)
-        init.configure(dm.feature_dim, dm.num_classes)
+        with torch.random.fork_rng():  # the same draw _train_generator starts from, without touching the run's RNG
+            torch.manual_seed(self.generator_training.seed)
+            init.configure(dm.feature_dim, dm.num_classes)
         return {
-            "format": "lightning_fl.bayes.generator/1",
+            "format": "lightning_fl.bayes.generator/2",
             "generator": repr(self.generator),
             "init": digest_tensors(init.state_dict()),
             "features": digest_tensors({"h": dm.meta_pool.h, "y": dm.meta_pool.y.float()}),
@@ -190,32 +193,25 @@ class FMPMetaLearner(L.LightningModule):
     def _train_generator(self, path: Path, key: dict) -> None:
         dm = self.trainer.datamodule
         recipe = self.generator_training
+        log.warning("Training the predictive generator for %d steps (cached as %s)", recipe.steps, path)
         with torch.random.fork_rng():
             torch.manual_seed(recipe.seed)
             self.generator.configure(dm.feature_dim, dm.num_classes)  # the initial weights named in the key
             self.generator.requires_grad_(True)
             samplers = dm.meta_samplers(heldout=True)
-            history = []
-            for i, sampler in enumerate(samplers):  # equal shares of every meta partition
-                share = GeneratorTraining(**{**asdict(recipe), "steps": recipe.steps // len(samplers)})
-                history += train_generator(
-                    self.generator, sampler, share, self.l2, self.num_generated, task_seed_offset=10**7 * (i + 1)
-                )
+            history = train_generator(self.generator, samplers, recipe, self.l2, self.num_generated, 10**7)
             self.generator.requires_grad_(False)
-            heldout = {}
-            for sampler in samplers:
-                scores = evaluate_generator(
-                    self.generator,
-                    sampler,
-                    recipe.eval_tasks,
-                    self.l2,
-                    self.num_generated,
-                    num_samples=self.test_samples,
-                )
-                for k, v in scores.items():
-                    heldout[k] = heldout.get(k, 0.0) + v / len(samplers)
+            # Scored on target-pool tasks: data the generator never saw.
+            heldout = evaluate_generator(
+                self.generator,
+                dm.target_sampler(heldout=True),
+                recipe.eval_tasks,
+                self.l2,
+                self.num_generated,
+                num_samples=self.test_samples,
+            )
         self.generator_report = {"heldout": heldout, "final_loss": history[-1] if history else None}
-        log.info("generator trained: held-out %s", heldout)
+        log.warning("Predictive generator trained: held-out scores %s", {k: round(v, 4) for k, v in heldout.items()})
         atomic_save({"generator": self.generator.state_dict(), "key": key, "report": self.generator_report}, path)
 
     def _log_once(self, name: str, value: float) -> None:

@@ -31,6 +31,7 @@ class GeneratorTraining:
         tasks_per_step: Tasks per step.
         num_samples: Posterior samples S per task in the objective.
         beta: Weight of the energy-distance term.
+        gamma: Weight of the pseudo-data term (held-out NLL of the model refit on generated points alone).
         min_context: Smallest context size; each step draws a size in ``[min_context, M * n]`` so the
             generator sees both pooled data and pooled summaries.
         eval_tasks: Held-out tasks used to compare against naive resampling after training.
@@ -41,7 +42,8 @@ class GeneratorTraining:
     lr: float = 1e-3
     tasks_per_step: int = 4
     num_samples: int = 4
-    beta: float = 1.0
+    beta: float = 0.1
+    gamma: float = 0.0
     min_context: int = 50
     eval_tasks: int = 8
     seed: int = 0
@@ -57,29 +59,32 @@ def _context(task_clients: torch.Tensor, size: int, g: torch.Generator) -> torch
 
 def train_generator(
     generator: PredictiveGenerator,
-    sampler: TaskSampler,
+    samplers: list[TaskSampler],
     recipe: GeneratorTraining,
     l2: float,
     num_generated: int,
     task_seed_offset: int = 0,
 ) -> list[dict]:
-    """Fit ``generator`` in place on tasks from ``sampler`` (which must hold out points); returns the history."""
-    if sampler.heldout_points < 1:
-        raise ValueError("train_generator needs a TaskSampler with heldout_points >= 1")
+    """Fit ``generator`` in place on tasks from ``samplers`` in turn (each must hold out points); returns history."""
+    if any(s.heldout_points < 1 for s in samplers):
+        raise ValueError("train_generator needs TaskSamplers with heldout_points >= 1")
     g = torch.Generator().manual_seed(recipe.seed)
     opt = torch.optim.Adam(generator.parameters(), lr=recipe.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(recipe.steps, 1))
-    full = sampler.num_clients * sampler.points_per_client
+    full = samplers[0].num_clients * samplers[0].points_per_client
     history, start = [], time.perf_counter()
     generator.train()
     for step in range(recipe.steps):
         size = int(torch.randint(min(recipe.min_context, full), full + 1, (1,), generator=g))
+        sampler = samplers[step % len(samplers)]  # the meta partitions in turn
         tasks = [
             sampler.sample(task_seed_offset + step * recipe.tasks_per_step + i) for i in range(recipe.tasks_per_step)
         ]
         context = torch.stack([_context(t.clients, size, g) for t in tasks])  # (B, size, P)
         heldout = torch.stack([t.heldout for t in tasks])  # (B, T, P)
-        loss, terms = generator_loss(generator, context, heldout, num_generated, recipe.num_samples, l2, recipe.beta)
+        loss, terms = generator_loss(
+            generator, context, heldout, num_generated, recipe.num_samples, l2, recipe.beta, recipe.gamma
+        )
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"generator training diverged at step {step} ({terms}); lower model.generator_training.lr"
@@ -120,10 +125,13 @@ def evaluate_generator(
         task = sampler.sample(task_seed_offset + i)
         z, heldout = task.pooled.unsqueeze(0), task.heldout.unsqueeze(0)
         C = task.num_classes
+        generated = generator(z, generator.noise(1, num_samples, num_generated, generator=g))
+        labels = generated[..., -C:].clamp_min(1e-12)
+        scores.setdefault("generated_label_entropy", []).append(float(-(labels * labels.log()).sum(-1).mean()))
         candidates = {
             "erm": refit(z, None, C, l2),
             "bootstrap": refit(z, bootstrap(z, num_samples, num_generated, g), C, l2),
-            "generator": refit(z, generator(z, generator.noise(1, num_samples, num_generated, generator=g)), C, l2),
+            "generator": refit(z, generated, C, l2),
         }
         for name, W in candidates.items():
             scores.setdefault(f"{name}_nll", []).append(float(-log_predictive(W, heldout, C).mean()))

@@ -5,8 +5,21 @@ observed points are mapped to inducing points ``R = g(Z)``, a base set ``E ~ N(0
 noise vectors attends to them, and the result is ``n'`` new points. Permuting ``Z`` does not change
 the output's distribution and permuting ``E`` permutes the output (conditional exchangeability).
 
-A generated point is ``[h', p']``: features and a label distribution (a softmax over label logits),
-so the ERM refit treats generated labels as soft targets.
+A generated point is ``[h', p']``: features and a label distribution, so the ERM refit treats
+generated labels as soft targets. ``labels`` chooses where ``p'`` comes from:
+
+* ``learned`` (default): a softmax over label logits the set transformer emits with the features;
+* ``predictive``: ``softmax(W_Z h' + l')``, the predictive of the model refit on the observed ``Z``
+  (ERM, differentiable) corrected by the emitted logits ``l'``;
+* ``sampled``: a one-hot label drawn from that predictive distribution, with the uniform
+  variate taken from the base set itself (``Phi(e_0)``), so a shared ``E`` gives MP and FMP the
+  same draws. This is predictive resampling as in Fong et al.'s martingale posterior (a new label is
+  drawn from the current predictive), with the features from the set transformer.
+
+Measured (docs/results.md, ``benchmarks/generator.py``): with ``learned`` the trained generator emits
+near-uniform labels (entropy close to log C) that act as a regulariser of the refit: held-out NLL
+beats naive resampling, but MP becomes under-confident. ``sampled`` and ``predictive`` keep labels
+informative but did not beat plain ERM on held-out NLL in our runs.
 
 Training (the paper leaves it open; DESIGN section 4): the generator must be trained before it is
 frozen. :func:`generator_loss` is our objective, on tasks from the meta-training corpus with a
@@ -16,7 +29,10 @@ context ``Z`` and held-out points ``T`` of the same task:
   the posterior predictive, where ``W_s`` is refit by ERM on ``Z u Z'_s`` (MPNP's marginal term);
   gradients reach the generator through the ERM solution (implicit function theorem);
 * ``beta * ED(Z'_s, T)``: the energy distance between generated and held-out points, a
-  sample-based distribution score that keeps ``Z'`` looking like data of the task.
+  sample-based distribution score that keeps ``Z'`` looking like data of the task;
+* ``gamma * -log p(y_t | x_t, W'_s)`` with ``W'_s`` refit on ``Z'_s`` alone (MPNP's pseudo-context
+  term): without it the generator may learn uninformative, near-uniform labels that only act as a
+  regulariser of the refit, which lowers held-out NLL a little but makes MP under-confident.
 """
 
 from __future__ import annotations
@@ -40,12 +56,25 @@ class PredictiveGenerator(nn.Module):
         num_heads: Attention heads.
         noise_dim: Dimension of each base-set vector (default ``hidden``).
         layer_norm: LayerNorm inside the MABs (the set-transformer paper's equations).
+        labels: ``sampled``, ``predictive`` or ``learned`` (module docstring).
+        label_l2: ERM penalty of the refit on ``Z`` that gives ``W_Z`` for ``predictive``/``sampled`` labels.
     """
 
-    def __init__(self, hidden: int = 128, num_heads: int = 4, noise_dim: int | None = None, layer_norm: bool = True):
+    def __init__(
+        self,
+        hidden: int = 128,
+        num_heads: int = 4,
+        noise_dim: int | None = None,
+        layer_norm: bool = True,
+        labels: str = "learned",
+        label_l2: float = 0.01,
+    ):
         super().__init__()
         if hidden % num_heads:
             raise ValueError(f"model.generator: hidden ({hidden}) must be divisible by num_heads ({num_heads})")
+        if labels not in ("sampled", "predictive", "learned"):
+            raise ValueError(f"model.generator.labels must be 'sampled', 'predictive' or 'learned', got {labels!r}")
+        self.labels, self.label_l2 = labels, label_l2
         self.hidden, self.num_heads = hidden, num_heads
         self.noise_dim = noise_dim or hidden
         self.layer_norm = layer_norm
@@ -73,8 +102,18 @@ class PredictiveGenerator(nn.Module):
         r = r.unsqueeze(1).expand(B, S, *r.shape[1:]).reshape(B * S, -1, self.hidden)
         e = noise.reshape(B * S, n_new, self.noise_dim)
         out = self.out(self.generate(e, self.inducing(r, e)))  # (B*S, n', D + C)
-        h, logits = split_points(out, self.num_classes)
-        return torch.cat([h, logits.float().softmax(-1).to(h.dtype)], dim=-1).reshape(B, S, n_new, -1)
+        h, logits = split_points(out.reshape(B, S, n_new, -1), self.num_classes)
+        logits = logits.float()
+        if self.labels != "learned":
+            x, t = split_points(z, self.num_classes)
+            W = fit_softmax(x, t, self.label_l2)  # (B, C, D): the model refit on the observed points
+            logits = logits + torch.einsum("bcd,bsnd->bsnc", W, h.float())
+        p = logits.softmax(-1)  # (B, S, n', C)
+        if self.labels == "sampled":
+            u = torch.special.ndtr(noise[..., 0].float()).unsqueeze(-1)  # (B, S, n', 1): uniform, from E itself
+            k = (p.cumsum(-1) < u).sum(-1, keepdim=True).clamp(max=self.num_classes - 1)  # inverse-CDF draw
+            p = torch.zeros_like(p).scatter_(-1, k, 1.0)
+        return torch.cat([h, p.to(h.dtype)], dim=-1)
 
 
 def refit(z: Tensor, generated: Tensor | None, num_classes: int, l2: float, tol: float = 1e-5) -> Tensor:
@@ -107,6 +146,7 @@ def generator_loss(
     num_samples: int,
     l2: float,
     beta: float = 1.0,
+    gamma: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """The generator's training objective on a batch of tasks (see the module docstring).
 
@@ -122,7 +162,15 @@ def generator_loss(
         generated.reshape(B * S, num_generated, -1).float(),
         heldout.unsqueeze(1).expand(B, S, *heldout.shape[1:]).reshape(B * S, heldout.shape[1], -1).float(),
     ).mean()
-    return nll + beta * ed, {"nll": float(nll.detach()), "energy": float(ed.detach())}
+    terms = {"nll": float(nll.detach()), "energy": float(ed.detach())}
+    loss = nll + beta * ed
+    if gamma > 0:
+        x, t = split_points(generated.reshape(B * S, num_generated, -1), generator.num_classes)
+        W_pseudo = fit_softmax(x, t, l2).reshape(B, S, generator.num_classes, -1)
+        pseudo = -log_predictive(W_pseudo, heldout, generator.num_classes).mean()
+        loss = loss + gamma * pseudo
+        terms["pseudo_nll"] = float(pseudo.detach())
+    return loss, terms
 
 
 def bootstrap(z: Tensor, num_samples: int, num_generated: int, generator: torch.Generator | None = None) -> Tensor:

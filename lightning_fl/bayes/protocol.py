@@ -96,8 +96,14 @@ class FMP(OneShotMethod):
             local = ctx.summariser(task.clients)  # (M, s, P)
         for m in range(task.clients.shape[0]):
             decoded, nbytes = upload(ctx, {"summary": local[m]}, m)
+            summary = decoded["summary"].to(task.clients)
+            if summary.shape != local[m].shape or not bool(torch.isfinite(summary).all()):
+                raise ValueError(
+                    f"FMP: client {m} uploaded a malformed summary (shape {tuple(summary.shape)}, expected "
+                    f"{tuple(local[m].shape)}; non-finite values: {int((~torch.isfinite(summary)).sum())})"
+                )
             # A lossy codec may move label parts off the simplex: the server projects them back.
-            summaries.append(project_labels(decoded["summary"].to(task.clients), task.num_classes))
+            summaries.append(project_labels(summary, task.num_classes))
             sizes.append(nbytes)
         pooled = torch.cat(summaries)  # (M * s, P)
         W, generated = martingale_samples(pooled, ctx)
