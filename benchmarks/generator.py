@@ -68,15 +68,20 @@ def main() -> None:
     train_generator(generator, dm.meta_samplers(heldout=True), recipe, args.l2, n_new, task_seed_offset=10**7)
     seconds = time.perf_counter() - t0
     after = evaluate_generator(generator, target, args.eval_tasks, args.l2, n_new, args.samples)
-    print(f"{args.data}: {args.steps} steps in {seconds:.0f} s (labels {args.labels}, beta {args.beta}, gamma {args.gamma}, l2 {args.l2}, "
-          f"n' {n_new}, S {args.samples}, {args.eval_tasks} target tasks x {dm.heldout_points} held-out points)")
+    print(
+        f"{args.data}: {args.steps} steps in {seconds:.0f} s (labels {args.labels}, beta {args.beta}, "
+        f"gamma {args.gamma}, l2 {args.l2}, "
+        f"n' {n_new}, S {args.samples}, {args.eval_tasks} target tasks x {dm.heldout_points} held-out points)"
+    )
     print("| predictive | held-out NLL | held-out acc |\n| --- | --- | --- |")
     for name in ("erm", "bootstrap"):
         print(f"| {name} | {after[name + '_nll']:.4f} | {after[name + '_acc']:.4f} |")
     print(f"| generator, untrained | {before['generator_nll']:.4f} | {before['generator_acc']:.4f} |")
     print(f"| generator, trained | {after['generator_nll']:.4f} | {after['generator_acc']:.4f} |")
-    print(f"generated label entropy: {after['generated_label_entropy']:.3f} nats (uniform: "
-          f"{torch.log(torch.tensor(float(dm.num_classes))):.3f})")
+    print(
+        f"generated label entropy: {after['generated_label_entropy']:.3f} nats (uniform: "
+        f"{torch.log(torch.tensor(float(dm.num_classes))):.3f})"
+    )
 
 
 if __name__ == "__main__":
