@@ -246,14 +246,15 @@ def test_meta_training_beats_untrained_random_and_mean_pooling(tmp_path):
     )
 
 
-def test_bf16_mixed_meta_training_step_runs_on_cpu(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_meta_training_step_runs_on_cpu(tmp_path, precision):
     import lightning as L
 
     model = learner(cache_dir=str(tmp_path))
     trainer = L.Trainer(
         max_steps=2,
         limit_val_batches=0,
-        precision="bf16-mixed",
+        precision=precision,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -332,3 +333,19 @@ def test_a_malformed_summary_upload_is_refused_with_the_client_named():
 
     with pytest.raises(ValueError, match="client 1 uploaded a malformed summary"):
         FMP().run(task, context(Broken(5)))
+
+
+def test_bf16_autocast_theta_distance_is_close_to_fp32():
+    """The set transformers run in bf16 under autocast, ERM stays in fp32: the loss moves by under 5%."""
+    gen = generator()
+    summariser = PMASummariser(5, hidden=16, num_heads=2)
+    summariser.configure(D, C)
+    model = FMPMetaLearner(summariser=summariser, generator=gen, l2=0.05)
+    model.generator = gen  # configured and frozen
+    clients = TaskSampler(*pool(), C, 3, 20).sample(0).clients.unsqueeze(0)
+    noise = gen.noise(1, 2, 16, generator=torch.Generator().manual_seed(0))
+    fp32 = model.theta_distance(clients, summariser, noise)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = model.theta_distance(clients, summariser, noise)
+    assert bf16.dtype == torch.float32
+    assert torch.allclose(bf16, fp32, rtol=0.05), (bf16, fp32)
