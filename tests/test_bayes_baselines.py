@@ -1,0 +1,103 @@
+"""Bayesian one-shot baselines of the FMP paper: Laplace BNN/LBNN, consensus (CBNN, CFMP)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fmp import C, D, context, pool
+
+from lightning_fl.bayes import FMP, TaskSampler
+from lightning_fl.bayes.baselines.cbnn import CBNN, consensus
+from lightning_fl.bayes.baselines.cfmp import CFMP
+from lightning_fl.bayes.baselines.laplace import BNN, LBNN, laplace_precision, laplace_samples
+from lightning_fl.bayes.erm import erm_objective, fit_softmax
+
+
+def test_laplace_precision_is_the_hessian_of_n_times_the_objective():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 3, generator=g, dtype=torch.float64)
+    t = torch.nn.functional.one_hot(torch.randint(3, (30,), generator=g), 3).double()
+    W = fit_softmax(x, t, 0.1, tol=1e-10)
+    hessian = torch.autograd.functional.hessian(lambda w: 30 * erm_objective(w.reshape(3, 3), x, t, 0.1), W.flatten())
+    assert torch.allclose(laplace_precision(W, x, 0.1), hessian, atol=1e-8)
+
+
+def test_laplace_samples_have_the_posterior_mean_and_covariance():
+    W = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
+    A = torch.tensor([[2.0, 0.3, 0.0, 0.1], [0.3, 1.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.2], [0.1, 0.0, 0.2, 1.5]])
+    draws = laplace_samples(W, A.double(), 20000, torch.Generator().manual_seed(0)).reshape(20000, -1).double()
+    assert torch.allclose(draws.mean(0), W.flatten().double(), atol=0.03)
+    assert torch.allclose(torch.cov(draws.T), torch.linalg.inv(A.double()), atol=0.03)
+
+
+def test_consensus_weights_by_inverse_variance_hand_computed():
+    # Two clients, one parameter, three paired draws each.
+    a = torch.tensor([1.0, 2.0, 3.0])  # sample variance 1
+    b = torch.tensor([10.0, 14.0, 18.0])  # sample variance 16
+    combined = consensus(torch.stack([a, b]).reshape(2, 3, 1)).flatten()
+    expected = (a / 1.0 + b / 16.0) / (1.0 + 1.0 / 16.0)
+    assert torch.allclose(combined, expected, atol=1e-6)
+
+
+def test_full_consensus_is_the_gaussian_product_for_two_clients():
+    g = torch.Generator().manual_seed(1)
+    samples = torch.randn(2, 50, 2, generator=g, dtype=torch.float64) * torch.tensor(
+        [[1.0, 2.0], [3.0, 0.5]]
+    ).unsqueeze(1)
+    samples[1] += torch.tensor([1.0, -1.0])
+    combined = consensus(samples, covariance="full", shrinkage=0.0, eps=0.0)
+    covs = [torch.cov(s.T) for s in samples]
+    precs = [torch.linalg.inv(c) for c in covs]
+    expected = torch.linalg.solve(precs[0] + precs[1], (precs[0] @ samples[0].T + precs[1] @ samples[1].T)).T
+    assert torch.allclose(combined, expected, atol=1e-8)
+
+
+def test_consensus_of_identical_clients_is_the_identity():
+    draws = torch.randn(1, 5, 3, 2).expand(3, 5, 3, 2)
+    assert torch.allclose(consensus(draws), draws[0], atol=1e-5)
+
+
+def test_bayesian_baselines_run_with_the_paper_byte_counts():
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+    ctx = context()
+    S = ctx.noise.shape[0]
+    assert BNN().run(task, ctx).W.shape == (1, S, C, D)
+    assert LBNN().run(task, ctx).W.shape == (3, S, C, D)
+    for method in (CBNN(), CFMP()):
+        out = method.run(task, ctx)
+        assert out.W.shape == (1, S, C, D) and torch.isfinite(out.W).all()
+        assert out.bytes_per_client == S * C * D * 4  # S local draws of the C x D model
+    # Deterministic given the seed.
+    assert torch.equal(CBNN(seed=3).run(task, ctx).W, CBNN(seed=3).run(task, ctx).W)
+    with pytest.raises(ValueError, match="covariance"):
+        CBNN(covariance="dense")
+
+
+def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
+    from test_fmp import SHRINK
+
+    from conftest import CONFIGS, run_cli
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    methods = ('[{"class_path": "lightning_fl.bayes.baselines.cbnn.CBNN"}, '
+               '{"class_path": "lightning_fl.bayes.baselines.cfmp.CFMP"}, '
+               '{"class_path": "lightning_fl.bayes.baselines.laplace.BNN"}]')  # fmt: skip
+    config = str(CONFIGS / "fmp_digits.yaml")
+    assert run_cli("fit", "--config", config, *SHRINK, "--model.methods", methods) == 0
+    import lightning as L
+
+    captured = {}
+    original = L.Trainer.test
+
+    def spy(self, *args, **kwargs):
+        captured["out"] = original(self, *args, **kwargs)
+        return captured["out"]
+
+    monkeypatch.setattr(L.Trainer, "test", spy)
+    ckpt = in_tmp / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
+    assert run_cli("test", "--config", config, *SHRINK, "--model.methods", methods, "--ckpt_path", str(ckpt)) == 0
+    metrics = captured["out"][0]
+    for name in ("cbnn", "cfmp", "bnn"):
+        assert f"test/{name}/acc" in metrics and f"test/{name}/ece" in metrics
+    assert metrics["comm/cbnn/kb_per_client"] == pytest.approx(2 * 10 * 64 * 4 / 1000)
+    assert FMP.name == "fmp"
