@@ -11,6 +11,11 @@ tables:
     labels: [latent_d64, fedavg]       # default: every label, in CSV order
     round: null                        # a round number shows that round (0: the starting model) instead
     columns: [val/acc, val/ece, comm/client_up_bytes, comm/cum_client_bytes]
+  - title: Table I analogue             # rows are methods: metric columns "test/{method}/{metric}" per label
+    methods: [fmp, mp, cann]
+    labels: [digits, fashion_mnist]
+    metrics: [acc, ece]
+    comm: "comm/{method}/kb_per_client"  # optional last column (mean over the labels that have it)
 figures:
   - {name: pareto, kind: pareto, labels: [latent_d64, fedavg, powersgd_r2]}   # acc vs cumulative MB (log x)
   - {name: latent_dim, kind: sweep, x: d, where: {method: latent}, metric: val/acc}  # final metric vs a tag
@@ -23,7 +28,8 @@ figures:
 
 Kinds: ``pareto`` plots val/acc against cumulative bytes per client (both directions, MB, log scale)
 round by round, one curve per label (mean over seeds); ``sweep`` plots the final ``metric`` against a
-numeric tag, one line per value of ``series`` (a tag, optional); ``bars`` shows the final ``metric`` per
+numeric tag, one line per value of ``series`` (a tag, optional) or, with ``methods`` and a ``metric``
+template such as ``test/{method}/acc``, one line per method; ``bars`` shows the final ``metric`` per
 label; ``budget`` shows, per label, the best val/acc reached while cumulative bytes per client stay within
 ``budget_mb``. Error bars are one standard deviation over seeds.
 """
@@ -106,6 +112,32 @@ def table(rows: list[dict], spec: dict) -> str:
     return "\n".join(lines)
 
 
+def method_table(rows: list[dict], spec: dict) -> str:
+    """Rows are methods, columns ``label metric`` read from ``test/{method}/{metric}`` (final rows)."""
+    labels = spec.get("labels") or labels_in_order(rows)
+    metrics = spec.get("metrics", ["acc", "ece"])
+    template = spec.get("template", "test/{method}/{metric}")
+    groups = finals(select(rows, labels))
+    header = [f"{label} {metric}" for label in labels for metric in metrics] + (
+        ["KB per client"] if spec.get("comm") else []
+    )
+    lines = [f"**{spec.get('title', 'Methods')}** (mean +/- std over seeds)", ""]
+    lines.append("| method | " + " | ".join(header) + " |")
+    lines.append("| --- | " + " | ".join("---" for _ in header) + " |")
+    for method in spec["methods"]:
+        cells = []
+        for label in labels:
+            for metric in metrics:
+                column = template.format(method=method, metric=metric)
+                cells.append(fmt(column, *mean_std([r.get(column, "") for r in groups.get(label, [])])))
+        if spec.get("comm"):
+            column = spec["comm"].format(method=method)
+            kb = mean_std([r.get(column, "") for label in labels for r in groups.get(label, [])])[0]
+            cells.append("-" if math.isnan(kb) else f"{kb:.2f}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def curve(rows: list[dict], label: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per round: mean cumulative MB per client, mean and std of val/acc over seeds."""
     by_round = defaultdict(list)
@@ -140,13 +172,18 @@ def figure(rows: list[dict], spec: dict):
         chosen = finals(select(rows, spec.get("labels"), spec.get("where")))
         series = defaultdict(list)
         for group in chosen.values():
+            if spec.get("methods"):  # one line per method, the metric a template
+                for method in spec["methods"]:
+                    column = metric.format(method=method)
+                    series[method].append((float(group[0][spec["x"]]), *mean_std([r.get(column, "") for r in group])))
+                continue
             key = group[0].get(spec["series"], "") if spec.get("series") else ""
             series[key].append((float(group[0][spec["x"]]), *mean_std([r[metric] for r in group])))
         for key, points in sorted(series.items(), key=lambda kv: str(kv[0])):
             points.sort()
             xs, ms, ss = zip(*points, strict=True)
             ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(key) if key != "" else None)
-        ax.set_xscale("log", base=2)
+        ax.set_xscale(spec.get("xscale", "log"), **({"base": 2} if spec.get("xscale", "log") == "log" else {}))
         ax.set_xlabel(spec["x"])
         ax.set_ylabel(metric)
     elif kind in ("bars", "budget"):
@@ -189,7 +226,7 @@ def main() -> None:
     rows = read(Path(spec["csv"]))
     if not rows:
         raise SystemExit(f"error: {spec['csv']} has no rows; run tools/sweep.py first")
-    tables = "\n\n".join(table(rows, t) for t in spec.get("tables", []))
+    tables = "\n\n".join(method_table(rows, t) if "methods" in t else table(rows, t) for t in spec.get("tables", []))
     print(tables)
     if args.markdown is not None:
         args.markdown.write_text(tables + "\n")

@@ -286,12 +286,16 @@ class FMPMetaLearner(L.LightningModule):
             for method in [FMP(), *self.methods]:
                 out = method.run(task, ctx)
                 outcomes[method.name] = out
-                prefix = "test/" if method.name == "fmp" else f"test/{method.name}/"
+                # Every method logs test/<name>/<metric>; FMP's are also the headline test/<metric>.
+                prefixes = [f"test/{method.name}/"] + (["test/"] if method.name == "fmp" else [])
                 for key, value in self._score(out.W, test_h, test_y).items():
-                    self.log(prefix + key, value, batch_size=1)
+                    for prefix in prefixes:
+                        self.log(prefix + key, value, batch_size=1)
                 if out.bytes_per_client is not None:
-                    kb = "comm/kb_per_client" if method.name == "fmp" else f"comm/{method.name}/kb_per_client"
-                    self.log(kb, out.bytes_per_client / 1000.0, batch_size=1)
+                    for kb in [f"comm/{method.name}/kb_per_client"] + (
+                        ["comm/kb_per_client"] if method.name == "fmp" else []
+                    ):
+                        self.log(kb, out.bytes_per_client / 1000.0, batch_size=1)
             if "mp" in outcomes:
                 mp, fmp = outcomes["mp"], outcomes["fmp"]
                 self.log("test/theta_dist", (mp.W - fmp.W).flatten(2).norm(dim=-1).mean(), batch_size=1)

@@ -86,14 +86,29 @@ class MP(OneShotMethod):
 
 class FMP(OneShotMethod):
     """Federated martingale posterior: every client uploads ``s`` summary points; the server pools them,
-    generates ``Z~' = ISAB(Z~, E)`` and refits (FMP section IV-1)."""
+    generates ``Z~' = ISAB(Z~, E)`` and refits (FMP section IV-1).
+
+    Args:
+        summariser: A fixed summariser to use instead of the meta-trained one (the paper's compression
+            ablation: ``RandomSelection(s)`` or ``MeanPooling(s)`` with the same sampler and classifier).
+        name: Metric name (default ``fmp``; e.g. ``fmp_random``).
+        seed: Seed of a random summariser's choices.
+    """
 
     name = "fmp"
 
+    def __init__(self, summariser: Summariser | None = None, name: str | None = None, seed: int = 0) -> None:
+        self.summariser, self.seed = summariser, seed
+        if name is not None:
+            self.name = name
+
     def run(self, task: Task, ctx: Context) -> Outcome:
         summaries, sizes = [], []
+        summariser = self.summariser if self.summariser is not None else ctx.summariser
+        if not summariser.feature_dim:
+            summariser.configure(task.feature_dim, task.num_classes)
         with torch.no_grad():
-            local = ctx.summariser(task.clients)  # (M, s, P)
+            local = summariser(task.clients, generator=torch.Generator().manual_seed(self.seed))  # (M, s, P)
         for m in range(task.clients.shape[0]):
             decoded, nbytes = upload(ctx, {"summary": local[m]}, m)
             summary = decoded["summary"].to(task.clients)
