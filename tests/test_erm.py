@@ -210,3 +210,13 @@ def test_predict_proba_is_the_mean_softmax_over_samples():
     torch.testing.assert_close(predict_proba(W[0], x), torch.softmax(x @ W[0].T, -1))
     with pytest.raises(ValueError, match=r"Expected W \[S, C, D\]"):
         predict_proba(W, torch.randn(8, 5))
+
+
+def test_float32_stall_falls_back_to_float64():
+    # A tolerance below what float32 can resolve: the float32 line search stalls, the float64 solve finishes.
+    x, t = problem(S=2, N=300, D=12, C=4, seed=3)
+    x32, t32 = (3 * x).float(), t.float()
+    W = fit_softmax(x32, t32, 1e-3, tol=1e-9)
+    assert W.dtype == torch.float32
+    W64 = fit_softmax(x32.double(), t32.double(), 1e-3, tol=1e-9)
+    torch.testing.assert_close(W.double(), W64, atol=1e-6, rtol=0)

@@ -123,3 +123,19 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
     assert rows[0]["test/acc"] != rows[1]["test/acc"]  # the data seed reached the run
     again = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
     assert again.stdout.count("done, skipped") == 2, again.stdout
+    # A methods table (rows are methods) and a per-method sweep figure from the same CSV.
+    report = {
+        "csv": str(tmp_path / "sweep" / "results.csv"),
+        "figures_dir": str(tmp_path / "figures"),
+        "tables": [{"title": "T", "methods": ["fmp", "mp", "cann"], "labels": ["digits"], "metrics": ["acc", "ece"],
+                    "comm": "comm/{method}/kb_per_client"}],
+        "figures": [{"name": "by_seed", "kind": "sweep", "x": "seed", "xscale": "linear",
+                     "metric": "test/{method}/acc", "methods": ["fmp", "mp"]}],
+    }  # fmt: skip
+    (tmp_path / "report.yaml").write_text(yaml.safe_dump(report))
+    out = tool(REPO / "tools" / "report.py", tmp_path / "report.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = {line.split("|")[1].strip(): line for line in out.stdout.splitlines() if line.startswith("| ")}
+    assert "+/-" in lines["fmp"] and "+/-" in lines["cann"] and lines["cann"].rstrip(" |").endswith("2.56")
+    assert lines["mp"].rstrip(" |").endswith("-")  # MP uploads nothing
+    assert (tmp_path / "figures" / "by_seed.png").is_file()

@@ -185,7 +185,7 @@ def figure(rows: list[dict], spec: dict):
             ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(key) if key != "" else None)
         ax.set_xscale(spec.get("xscale", "log"), **({"base": 2} if spec.get("xscale", "log") == "log" else {}))
         ax.set_xlabel(spec["x"])
-        ax.set_ylabel(metric)
+        ax.set_ylabel(metric.replace("{method}/", ""))
     elif kind in ("bars", "budget"):
         labels = spec.get("labels") or labels_in_order(rows)
         means, stds = [], []

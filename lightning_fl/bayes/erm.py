@@ -142,7 +142,18 @@ class _FitSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, targets, weights, init, l2, tol, max_iter):  # type: ignore[override]
         problem = _Problem(x, targets, weights, l2)
-        W = _newton(problem, init, tol, max_iter)
+        try:
+            W = _newton(problem, init, tol, max_iter)
+        except ERMNotConverged:
+            if x.dtype != torch.float32:
+                raise
+
+            # float32 can stall just above a tight tol (nearly separable data): solve again in float64; only a
+            # failure there is reported. The result is returned in float32 like the inputs.
+            def wide(t):
+                return None if t is None else t.double()
+
+            W = _newton(_Problem(x.double(), targets.double(), wide(weights), l2), wide(init), tol, max_iter).float()
         ctx.save_for_backward(x, targets, weights, W)
         ctx.l2, ctx.b_eig = l2, problem.b_eig  # B's eigendecomposition, reused by the backward solve
         return W

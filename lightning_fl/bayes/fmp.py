@@ -275,12 +275,19 @@ class FMPMetaLearner(L.LightningModule):
 
     # ------------------------------------------------------------------ test
     def test_step(self, task: Task, batch_idx: int) -> None:
+        # Lightning tests under inference_mode; some methods optimise (BPC's pseudo-points), so leave it and
+        # work on ordinary copies of the inputs. Methods run under no_grad and enable gradients themselves.
+        with torch.inference_mode(False):
+            task = Task(task.clients.clone(), task.labels.clone(), task.num_classes)
+            self._test_methods(task, batch_idx)
+
+    def _test_methods(self, task: Task, batch_idx: int) -> None:
         dm = self.trainer.datamodule
         g = torch.Generator().manual_seed(batch_idx)
         noise = self.generator.noise(self.test_samples, self.num_generated, generator=g)
         ctx = Context(self.generator, self.summariser, self.l2, noise.to(self.device), self.codec, self.erm_tol)
         task = Task(task.clients.to(self.device), task.labels, task.num_classes)
-        test_h, test_y = dm.test_features.h.to(self.device), dm.test_features.y.to(self.device)
+        test_h, test_y = dm.test_features.h.to(self.device).clone(), dm.test_features.y.to(self.device).clone()
         outcomes: dict[str, object] = {}
         with torch.no_grad():
             for method in [FMP(), *self.methods]:

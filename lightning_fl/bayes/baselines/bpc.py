@@ -147,10 +147,11 @@ class BPC(OneShotMethod):
             return kl, W
 
         for _ in range(self.steps):
-            loss, W = objective()
-            history.append(loss.detach())
-            opt.zero_grad()
-            loss.sum().backward()  # clients are independent: the sum gives each its own gradient
+            with torch.enable_grad():  # also when the caller evaluates under no_grad
+                loss, W = objective()
+                history.append(loss.detach())
+                opt.zero_grad()
+                loss.sum().backward()  # clients are independent: the sum gives each its own gradient
             opt.step()
             W_prev = W.detach()
         with torch.no_grad():
