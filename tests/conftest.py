@@ -28,3 +28,18 @@ def run_cli(*args: str) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0
+
+
+def capture_test_results(monkeypatch) -> dict:
+    """Patch ``lightning.Trainer.test`` to keep what it returns: ``captured["out"]`` after a CLI ``test`` run."""
+    import lightning as L
+
+    captured: dict = {}
+    original = L.Trainer.test
+
+    def spy(self, *args, **kwargs):
+        captured["out"] = original(self, *args, **kwargs)
+        return captured["out"]
+
+    monkeypatch.setattr(L.Trainer, "test", spy)
+    return captured

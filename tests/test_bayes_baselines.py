@@ -9,7 +9,7 @@ from test_fmp import C, D, context, pool
 from lightning_fl.bayes import FMP, TaskSampler
 from lightning_fl.bayes.baselines.cbnn import CBNN, consensus
 from lightning_fl.bayes.baselines.cfmp import CFMP
-from lightning_fl.bayes.baselines.laplace import BNN, LBNN, laplace_precision, laplace_samples
+from lightning_fl.bayes.baselines.laplace import BNN, LBNN, gaussian_samples, laplace_precision
 from lightning_fl.bayes.erm import erm_objective, fit_softmax
 
 
@@ -25,7 +25,7 @@ def test_laplace_precision_is_the_hessian_of_n_times_the_objective():
 def test_laplace_samples_have_the_posterior_mean_and_covariance():
     W = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
     A = torch.tensor([[2.0, 0.3, 0.0, 0.1], [0.3, 1.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.2], [0.1, 0.0, 0.2, 1.5]])
-    draws = laplace_samples(W, A.double(), 20000, torch.Generator().manual_seed(0)).reshape(20000, -1).double()
+    draws = gaussian_samples(W, A.double(), 20000, torch.Generator().manual_seed(0)).reshape(20000, -1).double()
     assert torch.allclose(draws.mean(0), W.flatten().double(), atol=0.03)
     assert torch.allclose(torch.cov(draws.T), torch.linalg.inv(A.double()), atol=0.03)
 
@@ -76,7 +76,7 @@ def test_bayesian_baselines_run_with_the_paper_byte_counts():
 def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
     from test_fmp import SHRINK
 
-    from conftest import CONFIGS, run_cli
+    from conftest import CONFIGS, capture_test_results, run_cli
 
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     methods = ('[{"class_path": "lightning_fl.bayes.baselines.cbnn.CBNN"}, '
@@ -84,16 +84,7 @@ def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
                '{"class_path": "lightning_fl.bayes.baselines.laplace.BNN"}]')  # fmt: skip
     config = str(CONFIGS / "fmp_digits.yaml")
     assert run_cli("fit", "--config", config, *SHRINK, "--model.methods", methods) == 0
-    import lightning as L
-
-    captured = {}
-    original = L.Trainer.test
-
-    def spy(self, *args, **kwargs):
-        captured["out"] = original(self, *args, **kwargs)
-        return captured["out"]
-
-    monkeypatch.setattr(L.Trainer, "test", spy)
+    captured = capture_test_results(monkeypatch)
     ckpt = in_tmp / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
     assert run_cli("test", "--config", config, *SHRINK, "--model.methods", methods, "--ckpt_path", str(ckpt)) == 0
     metrics = captured["out"][0]

@@ -274,23 +274,14 @@ SHRINK = [
 
 
 def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypatch):
-    from conftest import CONFIGS, run_cli
+    from conftest import CONFIGS, capture_test_results, run_cli
 
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     config = str(CONFIGS / "fmp_digits.yaml")
     assert run_cli("fit", "--config", config, *SHRINK) == 0
     ckpt = in_tmp / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
     assert ckpt.is_file()
-    import lightning as L
-
-    captured = {}
-    original = L.Trainer.test
-
-    def spy(self, *args, **kwargs):
-        captured["out"] = original(self, *args, **kwargs)
-        return captured["out"]
-
-    monkeypatch.setattr(L.Trainer, "test", spy)
+    captured = capture_test_results(monkeypatch)
     # The generator comes from the checkpoint: clearing the cache must not trigger training.
     monkeypatch.setattr(FMPMetaLearner, "_train_generator", lambda *a: pytest.fail("generator retrained"))
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "empty_cache"))

@@ -37,7 +37,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_fl.bayes.baselines.fedlpa import gaussian_samples
+from lightning_fl.bayes.baselines.laplace import gaussian_samples, softmax_hessian
 from lightning_fl.bayes.erm import fit_softmax
 from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome, upload
 from lightning_fl.bayes.summarize import Identity
@@ -46,19 +46,6 @@ from lightning_fl.bayes.tasks import Task, project_labels, split_points
 __all__ = ["BPC", "softmax_hessian"]
 
 _DIVERGENCES = ("kl", "weights")
-
-
-def softmax_hessian(W: Tensor, x: Tensor, weights: Tensor) -> Tensor:
-    """Hessian of ``sum_i w_i CE(softmax(W x_i), t_i)`` in ``W`` (targets on the simplex): ``W`` ``[C, D]``,
-    ``x`` ``[N, D]``, ``weights`` ``[N]`` -> ``[C D, C D]`` on row-major ``vec(W)``."""
-    C, D = W.shape
-    p = torch.softmax(x @ W.T, dim=-1)  # (N, C)
-    lam = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)  # (N, C, C): diag(p) - p p^T
-    N = x.shape[0]
-    # sum_n w_n lam_n kron x_n x_n^T as one [C^2, N] x [N, D^2] matmul (an einsum may materialise [N, C, C, D, D]).
-    xx = (x.unsqueeze(2) * x.unsqueeze(1)).reshape(N, D * D)  # (N, D^2)
-    H = ((weights[:, None] * lam.reshape(N, C * C)).T @ xx).reshape(C, C, D, D)  # (a, b, i, j)
-    return H.permute(0, 2, 1, 3).reshape(C * D, C * D)
 
 
 class BPC(OneShotMethod):

@@ -43,6 +43,7 @@ import math
 import torch
 from torch import Tensor
 
+from lightning_fl.bayes.baselines.laplace import gaussian_samples
 from lightning_fl.bayes.erm import fit_softmax
 from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome, upload
 from lightning_fl.bayes.tasks import Task, split_points
@@ -80,16 +81,6 @@ def kfac_aggregate(W: Tensor, A: Tensor, G: Tensor, weights: Tensor) -> tuple[Te
     Z = torch.einsum("k,kab,kbi,kij->aj", weights, G, W, A)  # (C, D): sum_k w_k G_k W_k A_k
     M = torch.linalg.solve(P, Z.reshape(C * D)).reshape(C, D)
     return M, P
-
-
-def gaussian_samples(mean: Tensor, precision: Tensor, num_samples: int, generator: torch.Generator) -> Tensor:
-    """``num_samples`` draws from ``N(mean, precision^-1)``: ``mean`` ``[C, D]``, ``precision`` ``[CD, CD]``
-    (row-major ``vec``) -> ``[S, C, D]``. The noise comes from ``generator`` (on the CPU) for reproducibility."""
-    L = torch.linalg.cholesky(precision)  # (CD, CD), precision = L L^T
-    eps = torch.randn(precision.shape[0], num_samples, generator=generator, dtype=torch.float64)  # (CD, S)
-    # x = L^-T eps has covariance L^-T L^-1 = precision^-1.
-    dev = torch.linalg.solve_triangular(L.T, eps.to(L), upper=True)  # (CD, S)
-    return mean.unsqueeze(0) + dev.T.reshape(num_samples, *mean.shape)
 
 
 class FedLPA(OneShotMethod):

@@ -23,36 +23,42 @@ from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome
 from lightning_fl.bayes.tasks import Task, split_points
 
 
+def softmax_hessian(W: Tensor, x: Tensor, weights: Tensor) -> Tensor:
+    """Hessian of ``sum_i w_i CE(softmax(W x_i), t_i)`` in ``W`` (targets on the simplex): ``W`` ``[C, D]``,
+    ``x`` ``[N, D]``, ``weights`` ``[N]`` -> ``[C D, C D]`` on row-major ``vec(W)``."""
+    C, D = W.shape
+    p = torch.softmax(x @ W.T, dim=-1)  # (N, C)
+    lam = torch.diag_embed(p) - p.unsqueeze(2) * p.unsqueeze(1)  # (N, C, C): diag(p) - p p^T
+    N = x.shape[0]
+    # sum_n w_n lam_n kron x_n x_n^T as one [C^2, N] x [N, D^2] matmul (an einsum may materialise [N, C, C, D, D]).
+    xx = (x.unsqueeze(2) * x.unsqueeze(1)).reshape(N, D * D)  # (N, D^2)
+    H = ((weights[:, None] * lam.reshape(N, C * C)).T @ xx).reshape(C, C, D, D)  # (a, b, i, j)
+    return H.permute(0, 2, 1, 3).reshape(C * D, C * D)
+
+
+def gaussian_samples(mean: Tensor, precision: Tensor, num_samples: int, generator: torch.Generator) -> Tensor:
+    """``num_samples`` draws from ``N(mean, precision^-1)``: ``mean`` ``[C, D]``, ``precision`` ``[CD, CD]``
+    (row-major ``vec``) -> ``[S, C, D]``. The noise comes from ``generator`` (on the CPU) for reproducibility."""
+    L = torch.linalg.cholesky(precision)  # (CD, CD), precision = L L^T
+    eps = torch.randn(precision.shape[0], num_samples, generator=generator, dtype=torch.float64)  # (CD, S)
+    # x = L^-T eps has covariance L^-T L^-1 = precision^-1.
+    dev = torch.linalg.solve_triangular(L.T, eps.to(L), upper=True)  # (CD, S)
+    return mean.unsqueeze(0) + dev.T.reshape(num_samples, *mean.shape)
+
+
 def laplace_precision(W: Tensor, x: Tensor, l2: float) -> Tensor:
-    """Precision of the Laplace posterior at ``W`` ``[C, D]`` for data ``x`` ``[N, D]``: ``[C*D, C*D]``
+    """Precision of the Laplace posterior at ``W`` ``[C, D]`` for data ``x`` ``[N, D]``: ``[C*D, C*D]`` in float64,
     in the row-major order of ``W.flatten()`` (index ``c * D + d``)."""
-    N, D = x.shape
-    C = W.shape[0]
-    p = (x.double() @ W.double().T).softmax(-1)  # (N, C)
-    xd = x.double()
-    # sum_i diag(p_i) kron x_i x_i^T: a block diagonal of C blocks X^T diag(p_c) X
-    blocks = torch.einsum("nc,nd,ne->cde", p, xd, xd)  # (C, D, D)
-    H = torch.block_diag(*blocks)
-    # - sum_i (p_i kron x_i)(p_i kron x_i)^T
-    q = (p.unsqueeze(-1) * xd.unsqueeze(1)).reshape(N, C * D)  # (N, C*D)
-    H = H - q.T @ q
-    return H + N * l2 * torch.eye(C * D, dtype=H.dtype)
-
-
-def laplace_samples(W: Tensor, precision: Tensor, num_samples: int, generator: torch.Generator) -> Tensor:
-    """``num_samples`` draws from ``N(W, precision^{-1})`` -> ``[S, C, D]`` (float32)."""
-    L = torch.linalg.cholesky(precision)  # precision = L L^T
-    eps = torch.randn(precision.shape[0], num_samples, generator=generator, dtype=precision.dtype)
-    # L^T z = eps gives z ~ N(0, (L L^T)^{-1})
-    z = torch.linalg.solve_triangular(L.T, eps, upper=True)  # (C*D, S)
-    return (W.double().reshape(-1, 1) + z).T.reshape(num_samples, *W.shape).float()
+    N = x.shape[0]
+    H = softmax_hessian(W.double(), x.double(), torch.ones(N, dtype=torch.float64))
+    return H + N * l2 * torch.eye(H.shape[0], dtype=H.dtype)
 
 
 def laplace_posterior(z: Tensor, ctx: Context, num_samples: int, generator: torch.Generator) -> Tensor:
     """ERM on points ``z`` ``[N, D + C]`` then Laplace samples ``[S, C, D]``."""
     x, t = split_points(z, ctx.num_classes)
     W = fit_softmax(x, t, ctx.l2, tol=ctx.tol)
-    return laplace_samples(W, laplace_precision(W, x, ctx.l2), num_samples, generator)
+    return gaussian_samples(W.double(), laplace_precision(W, x, ctx.l2), num_samples, generator).float()
 
 
 class BNN(OneShotMethod):
