@@ -9,7 +9,16 @@ from test_fmp import C, D, context, pool
 from lightning_fl.bayes import FMP, TaskSampler
 from lightning_fl.bayes.baselines.cbnn import CBNN, consensus
 from lightning_fl.bayes.baselines.cfmp import CFMP
-from lightning_fl.bayes.baselines.laplace import BNN, LBNN, gaussian_samples, laplace_precision
+from lightning_fl.bayes.baselines.laplace import (
+    BNN,
+    LBNN,
+    gaussian_samples,
+    laplace_fit,
+    laplace_precision,
+    log_evidence,
+    marglik_prior_precision,
+    softmax_hessian,
+)
 from lightning_fl.bayes.erm import erm_objective, fit_softmax
 
 
@@ -28,6 +37,47 @@ def test_laplace_samples_have_the_posterior_mean_and_covariance():
     draws = gaussian_samples(W, A.double(), 20000, torch.Generator().manual_seed(0)).reshape(20000, -1).double()
     assert torch.allclose(draws.mean(0), W.flatten().double(), atol=0.03)
     assert torch.allclose(torch.cov(draws.T), torch.linalg.inv(A.double()), atol=0.03)
+
+
+def test_marglik_prior_precision_hand_computed_one_parameter():
+    # P = 1, H = a, ||W||^2 = w2: the root of a / (a + delta) = delta * w2 is
+    # delta = (-a w2 + sqrt(a^2 w2^2 + 4 a w2)) / (2 w2); a = 3, w2 = 1 -> 0.79129.
+    delta = marglik_prior_precision(torch.tensor([[3.0]]), torch.tensor([[1.0]]))
+    assert delta == pytest.approx((-3 + (9 + 12) ** 0.5) / 2, rel=1e-9)
+
+
+def test_marglik_prior_precision_is_mackays_fixed_point_and_the_evidence_maximum():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    t = torch.nn.functional.one_hot(torch.randint(3, (40,), generator=g), 3).double()
+    W = fit_softmax(x, t, 0.01, tol=1e-10)
+    H = softmax_hessian(W, x, torch.ones(40, dtype=torch.float64))
+    delta = marglik_prior_precision(H, W)
+    lam = torch.linalg.eigvalsh(H).clamp_min(0)
+    gamma = (lam / (lam + delta)).sum()  # effective number of parameters
+    assert delta == pytest.approx(float(gamma / W.pow(2).sum()), rel=1e-8)
+    grid = torch.logspace(-4, 4, 2001, dtype=torch.float64)
+    sq = W.pow(2).sum()
+    assert log_evidence(torch.tensor(delta), lam, sq) >= log_evidence(grid, lam, sq).max() - 1e-12
+    # An unidentifiable direction (the softmax's shared shift) has lambda = 0 and is left to the prior.
+    assert lam.min() < 1e-8
+
+
+def test_prior_precision_options_and_errors():
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+    ctx = context()
+    z = task.pooled
+    assert laplace_fit(z, ctx, "erm")[2] == pytest.approx(z.shape[0] * ctx.l2)
+    assert laplace_fit(z, ctx, 2.5)[2] == 2.5
+    W, H, delta = laplace_fit(z, ctx, "marglik")
+    assert delta == pytest.approx(marglik_prior_precision(H, W))
+    out = BNN().run(task, ctx)
+    assert out.extras["prior_precision"] == pytest.approx(delta, rel=1e-6)
+    for bad in ("mackay", -1.0, 0, float("nan"), True):
+        with pytest.raises(ValueError, match="prior_precision must be 'marglik', 'erm' or a positive number"):
+            BNN(prior_precision=bad)
+    with pytest.raises(ValueError, match="CBNN.prior_precision"):
+        CBNN(prior_precision="evidence")
 
 
 def test_consensus_weights_by_inverse_variance_hand_computed():
@@ -81,7 +131,8 @@ def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     methods = ('[{"class_path": "lightning_fl.bayes.baselines.cbnn.CBNN"}, '
                '{"class_path": "lightning_fl.bayes.baselines.cfmp.CFMP"}, '
-               '{"class_path": "lightning_fl.bayes.baselines.laplace.BNN"}]')  # fmt: skip
+               '{"class_path": "lightning_fl.bayes.baselines.laplace.BNN", '
+               '"init_args": {"prior_precision": 2.5}}]')  # fmt: skip
     config = str(CONFIGS / "fmp_digits.yaml")
     assert run_cli("fit", "--config", config, *SHRINK, "--model.methods", methods) == 0
     captured = capture_test_results(monkeypatch)
@@ -91,4 +142,5 @@ def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
     for name in ("cbnn", "cfmp", "bnn"):
         assert f"test/{name}/acc" in metrics and f"test/{name}/ece" in metrics
     assert metrics["comm/cbnn/kb_per_client"] == pytest.approx(2 * 10 * 64 * 4 / 1000)
+    assert metrics["test/bnn/prior_precision"] == pytest.approx(2.5)  # an option from the config, logged
     assert FMP.name == "fmp"

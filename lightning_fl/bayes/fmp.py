@@ -298,6 +298,9 @@ class FMPMetaLearner(L.LightningModule):
                 for key, value in self._score(out.W, test_h, test_y).items():
                     for prefix in prefixes:
                         self.log(prefix + key, value, batch_size=1)
+                for key, value in out.extras.items():  # scalar diagnostics, e.g. a Laplace prior precision
+                    if value.ndim == 0:
+                        self.log(f"test/{method.name}/{key}", value.float(), batch_size=1)
                 if out.bytes_per_client is not None:
                     for kb in [f"comm/{method.name}/kb_per_client"] + (
                         ["comm/kb_per_client"] if method.name == "fmp" else []

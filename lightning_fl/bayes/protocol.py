@@ -42,7 +42,8 @@ class Context:
 
 @dataclass
 class Outcome:
-    """``W`` ``[G, S, C, D]``; ``bytes_per_client``: upload size (``None`` for local / centralised methods)."""
+    """``W`` ``[G, S, C, D]``; ``bytes_per_client``: upload size (``None`` for local / centralised methods);
+    ``extras``: what else the method made (0-dim entries are logged by ``test`` as ``test/<name>/<key>``)."""
 
     W: Tensor
     bytes_per_client: float | None = None

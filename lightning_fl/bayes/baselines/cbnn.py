@@ -2,8 +2,11 @@
 the consensus Monte Carlo algorithm"), the FMP paper's one-shot Bayesian baseline.
 
 Every client draws ``S`` samples from its local posterior (the Laplace posterior of
-:mod:`lightning_fl.bayes.baselines.laplace`; its prior precision ``n * l2`` is the global prior
-``N * l2`` raised to ``1/M``, the fractionated prior consensus Monte Carlo asks for) and uploads them
+:mod:`lightning_fl.bayes.baselines.laplace`) under the fractionated prior consensus Monte Carlo asks for,
+the global prior raised to ``1/M``: with ``prior_precision="marglik"`` (default) client ``m`` estimates the
+global prior precision ``delta_m`` by its own Laplace evidence and uses ``delta_m / M``; with a number,
+``delta / M``; with ``"erm"``, ``n * l2`` (the ERM's global prior ``N * l2`` over ``M`` clients of ``n``
+points). The client uploads the draws
 (``S * C * D`` floats: 51.2 KB for S = 10 and a 10 x 128 model, the paper's figure). The server pairs
 draws by index and combines them with inverse-covariance weights::
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fl.bayes.baselines.laplace import laplace_posterior
+from lightning_fl.bayes.baselines.laplace import check_prior_precision, laplace_posterior
 from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome, upload
 from lightning_fl.bayes.tasks import Task
 
@@ -52,27 +55,37 @@ class CBNN(OneShotMethod):
 
     Args:
         covariance: ``diagonal`` (default) or ``full`` consensus weights.
+        prior_precision: ``"marglik"`` (default), ``"erm"`` or a positive global prior precision per weight
+            (module docstring).
         shrinkage: For ``full``: weight of the diagonal in the shrunk sample covariance.
         seed: Seed of the clients' posterior draws.
     """
 
     name = "cbnn"
 
-    def __init__(self, covariance: str = "diagonal", shrinkage: float = 0.1, seed: int = 0) -> None:
+    def __init__(
+        self,
+        covariance: str = "diagonal",
+        shrinkage: float = 0.1,
+        prior_precision: str | float = "marglik",
+        seed: int = 0,
+    ) -> None:
         if covariance not in ("diagonal", "full"):
             raise ValueError(f"CBNN.covariance must be 'diagonal' or 'full', got {covariance!r}")
         if not 0 <= shrinkage <= 1:
             raise ValueError(f"CBNN.shrinkage must be in [0, 1], got {shrinkage}")
         self.covariance, self.shrinkage, self.seed = covariance, shrinkage, seed
+        self.prior_precision = check_prior_precision(prior_precision, "CBNN")
 
-    def local_samples(self, z: Tensor, ctx: Context, client: int) -> Tensor:
+    def local_samples(self, z: Tensor, ctx: Context, client: int, num_clients: int) -> Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + client)
-        return laplace_posterior(z.cpu(), ctx, ctx.noise.shape[0], g)
+        scale = 1.0 if self.prior_precision == "erm" else 1.0 / num_clients
+        return laplace_posterior(z.cpu(), ctx, ctx.noise.shape[0], g, self.prior_precision, scale)[0]
 
     def run(self, task: Task, ctx: Context) -> Outcome:
         received, sizes = [], []
         for m, z in enumerate(task.clients):
-            decoded, nbytes = upload(ctx, {"samples": self.local_samples(z, ctx, m)}, m)
+            decoded, nbytes = upload(ctx, {"samples": self.local_samples(z, ctx, m, len(task.clients))}, m)
             received.append(decoded["samples"].float())
             sizes.append(nbytes)
         W = consensus(torch.stack(received), self.covariance, self.shrinkage)  # (S, C, D)
