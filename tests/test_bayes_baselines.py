@@ -80,6 +80,19 @@ def test_prior_precision_options_and_errors():
         CBNN(prior_precision="evidence")
 
 
+def test_cbnn_fractionates_the_global_prior():
+    # "erm": the pooled ERM prior N * l2 over M clients of n points is n * l2 per client, exactly what a
+    # global precision of M * n * l2 gives after the 1/M fractionation.
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+    ctx = context()
+    z = task.clients[1]
+    erm = CBNN(prior_precision="erm").local_samples(z, ctx, 1, 3)
+    number = CBNN(prior_precision=3 * z.shape[0] * ctx.l2).local_samples(z, ctx, 1, 3)
+    assert torch.allclose(erm, number, atol=1e-5)
+    assert not torch.allclose(erm, CBNN(prior_precision=z.shape[0] * ctx.l2).local_samples(z, ctx, 1, 3), atol=1e-3)
+    assert CBNN(name="cbnn_marglik", prior_precision="marglik").name == "cbnn_marglik"
+
+
 def test_consensus_weights_by_inverse_variance_hand_computed():
     # Two clients, one parameter, three paired draws each.
     a = torch.tensor([1.0, 2.0, 3.0])  # sample variance 1

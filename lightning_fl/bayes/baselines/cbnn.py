@@ -3,10 +3,12 @@ the consensus Monte Carlo algorithm"), the FMP paper's one-shot Bayesian baselin
 
 Every client draws ``S`` samples from its local posterior (the Laplace posterior of
 :mod:`lightning_fl.bayes.baselines.laplace`) under the fractionated prior consensus Monte Carlo asks for,
-the global prior raised to ``1/M``: with ``prior_precision="marglik"`` (default) client ``m`` estimates the
-global prior precision ``delta_m`` by its own Laplace evidence and uses ``delta_m / M``; with a number,
-``delta / M``; with ``"erm"``, ``n * l2`` (the ERM's global prior ``N * l2`` over ``M`` clients of ``n``
-points). The client uploads the draws
+the global prior raised to ``1/M``. Consensus Monte Carlo needs one prior shared by every client, so the
+default ``prior_precision="erm"`` takes the ERM's prior for the pooled data, ``N * l2``, and each client
+uses ``n * l2`` (``M`` clients of ``n`` points); a number ``delta`` gives ``delta / M``. ``"marglik"`` lets
+client ``m`` estimate the global precision ``delta_m`` by its own Laplace evidence and use ``delta_m / M``:
+the clients' priors then differ, and on small clients the evidence picks weaker priors than on the pooled
+data (docs/results.md measures both). The client uploads the draws
 (``S * C * D`` floats: 51.2 KB for S = 10 and a 10 x 128 model, the paper's figure). The server pairs
 draws by index and combines them with inverse-covariance weights::
 
@@ -55,8 +57,9 @@ class CBNN(OneShotMethod):
 
     Args:
         covariance: ``diagonal`` (default) or ``full`` consensus weights.
-        prior_precision: ``"marglik"`` (default), ``"erm"`` or a positive global prior precision per weight
+        prior_precision: ``"erm"`` (default), ``"marglik"`` or a positive global prior precision per weight
             (module docstring).
+        name: Metric name (default ``cbnn``).
         shrinkage: For ``full``: weight of the diagonal in the shrunk sample covariance.
         seed: Seed of the clients' posterior draws.
     """
@@ -67,7 +70,8 @@ class CBNN(OneShotMethod):
         self,
         covariance: str = "diagonal",
         shrinkage: float = 0.1,
-        prior_precision: str | float = "marglik",
+        prior_precision: str | float = "erm",
+        name: str | None = None,
         seed: int = 0,
     ) -> None:
         if covariance not in ("diagonal", "full"):
@@ -76,6 +80,8 @@ class CBNN(OneShotMethod):
             raise ValueError(f"CBNN.shrinkage must be in [0, 1], got {shrinkage}")
         self.covariance, self.shrinkage, self.seed = covariance, shrinkage, seed
         self.prior_precision = check_prior_precision(prior_precision, "CBNN")
+        if name is not None:
+            self.name = name
 
     def local_samples(self, z: Tensor, ctx: Context, client: int, num_clients: int) -> Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + client)

@@ -152,13 +152,16 @@ class BNN(OneShotMethod):
     Args:
         prior_precision: ``"marglik"`` (evidence-maximising, default), ``"erm"`` (the ERM's ``N * l2``) or a
             positive precision per weight.
+        name: Metric name (default ``bnn`` / ``lbnn``; e.g. ``bnn_erm`` to compare priors in one test).
         seed: Seed of the posterior draws (the same for every task).
     """
 
     name = "bnn"
 
-    def __init__(self, prior_precision: str | float = "marglik", seed: int = 0) -> None:
+    def __init__(self, prior_precision: str | float = "marglik", name: str | None = None, seed: int = 0) -> None:
         self.prior_precision = check_prior_precision(prior_precision, type(self).__name__)
+        if name is not None:
+            self.name = name
         self.seed = seed
 
     def run(self, task: Task, ctx: Context) -> Outcome:
