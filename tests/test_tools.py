@@ -139,3 +139,22 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
     assert "+/-" in lines["fmp"] and "+/-" in lines["cann"] and lines["cann"].rstrip(" |").endswith("2.56")
     assert lines["mp"].rstrip(" |").endswith("-")  # MP uploads nothing
     assert (tmp_path / "figures" / "by_seed.png").is_file()
+
+
+def test_method_table_means_over_labels():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    rows = [
+        {"label": "a", "seed": "0", "final": 1, "test/m/acc": 0.5, "test/m/ece": 0.1},
+        {"label": "a", "seed": "1", "final": 1, "test/m/acc": 0.7, "test/m/ece": 0.3},
+        {"label": "b", "seed": "0", "final": 1, "test/m/acc": 0.9, "test/m/ece": 0.0},
+        {"label": "a", "seed": "0", "final": 1, "test/n/acc": 0.2, "test/n/ece": 0.1},
+    ]
+    text = report.method_table(rows, {"methods": ["m", "n"], "labels": ["a", "b"], "mean": True})
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| mean acc | mean ece |" in lines["method"]
+    # m: acc (0.6 + 0.9) / 2 = 0.75, ece (0.2 + 0.0) / 2 = 0.1; n has no row for label b.
+    assert lines["m"].endswith("| 0.7500 | 0.1000 |") and lines["n"].endswith("| - | - |")

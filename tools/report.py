@@ -16,6 +16,8 @@ tables:
     labels: [digits, fashion_mnist]
     metrics: [acc, ece]
     comm: "comm/{method}/kb_per_client"  # optional last column (mean over the labels that have it)
+    mean: true                          # optional: a "mean <metric>" column, the mean over labels of the
+                                        # per-label means (the paper's "mean ECE" across partitions)
 figures:
   - {name: pareto, kind: pareto, labels: [latent_d64, fedavg, powersgd_r2]}   # acc vs cumulative MB (log x)
   - {name: latent_dim, kind: sweep, x: d, where: {method: latent}, metric: val/acc}  # final metric vs a tag
@@ -118,18 +120,22 @@ def method_table(rows: list[dict], spec: dict) -> str:
     metrics = spec.get("metrics", ["acc", "ece"])
     template = spec.get("template", "test/{method}/{metric}")
     groups = finals(select(rows, labels))
-    header = [f"{label} {metric}" for label in labels for metric in metrics] + (
-        ["KB per client"] if spec.get("comm") else []
-    )
+    header = [f"{label} {metric}" for label in labels for metric in metrics]
+    header += [f"mean {metric}" for metric in metrics] if spec.get("mean") else []
+    header += ["KB per client"] if spec.get("comm") else []
     lines = [f"**{spec.get('title', 'Methods')}** (mean +/- std over seeds)", ""]
     lines.append("| method | " + " | ".join(header) + " |")
     lines.append("| --- | " + " | ".join("---" for _ in header) + " |")
     for method in spec["methods"]:
-        cells = []
+        cells, per_label = [], defaultdict(list)
         for label in labels:
             for metric in metrics:
                 column = template.format(method=method, metric=metric)
-                cells.append(fmt(column, *mean_std([r.get(column, "") for r in groups.get(label, [])])))
+                mean, std = mean_std([r.get(column, "") for r in groups.get(label, [])])
+                cells.append(fmt(column, mean, std))
+                per_label[metric].append(mean)
+        if spec.get("mean"):  # a mean over every label, or "-" when one is missing
+            cells += ["-" if any(map(math.isnan, per_label[m])) else f"{np.mean(per_label[m]):.4f}" for m in metrics]
         if spec.get("comm"):
             column = spec["comm"].format(method=method)
             kb = mean_std([r.get(column, "") for label in labels for r in groups.get(label, [])])[0]
