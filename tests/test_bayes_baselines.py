@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_fmp import C, D, context, pool
@@ -14,7 +16,6 @@ from lightning_fl.bayes.baselines.laplace import (
     LBNN,
     gaussian_samples,
     laplace_fit,
-    laplace_precision,
     log_evidence,
     marglik_prior_precision,
     softmax_hessian,
@@ -28,7 +29,11 @@ def test_laplace_precision_is_the_hessian_of_n_times_the_objective():
     t = torch.nn.functional.one_hot(torch.randint(3, (30,), generator=g), 3).double()
     W = fit_softmax(x, t, 0.1, tol=1e-10)
     hessian = torch.autograd.functional.hessian(lambda w: 30 * erm_objective(w.reshape(3, 3), x, t, 0.1), W.flatten())
-    assert torch.allclose(laplace_precision(W, x, 0.1), hessian, atol=1e-8)
+    z = torch.cat([x, t], dim=1)
+    ctx = SimpleNamespace(num_classes=3, l2=0.1, tol=1e-10)
+    W_fit, H, delta = laplace_fit(z, ctx, "erm")
+    assert torch.allclose(W_fit.double(), W, atol=1e-6)
+    assert torch.allclose(H + delta * torch.eye(9, dtype=H.dtype), hessian, atol=1e-6)
 
 
 def test_laplace_samples_have_the_posterior_mean_and_covariance():

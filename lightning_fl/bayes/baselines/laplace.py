@@ -21,8 +21,8 @@ the exact-Hessian Laplace, deterministic given the seed, with the prior precisio
   with ``lambda_k`` the eigenvalues of ``H`` and ``P = C * D``. It is concave in ``log delta``; its
   stationary point is MacKay's ``delta = gamma / ||W*||^2`` with ``gamma = sum_k lambda_k / (lambda_k +
   delta)`` the effective number of parameters. Uses the clients' own data only.
-- ``"erm"``: the ERM's own prior, ``N * l2`` (before this option existed, the only choice; on a client's
-  50-100 points it leaves the posterior wide where the data say little, and sampled models disagree).
+- ``"erm"``: the ERM's own prior, ``N * l2`` (on a client's 50-100 points this is weaker than the evidence's
+  choice and leaves the posterior wide where the data say little, so sampled models disagree).
 - a positive number: that precision per weight.
 
 The mean ``W*`` is always the ERM solution with ``l2``, the same model ANN and LANN predict with.
@@ -61,14 +61,6 @@ def gaussian_samples(mean: Tensor, precision: Tensor, num_samples: int, generato
     # x = L^-T eps has covariance L^-T L^-1 = precision^-1.
     dev = torch.linalg.solve_triangular(L.T, eps.to(L), upper=True)  # (CD, S)
     return mean.unsqueeze(0) + dev.T.reshape(num_samples, *mean.shape)
-
-
-def laplace_precision(W: Tensor, x: Tensor, l2: float) -> Tensor:
-    """Precision of the Laplace posterior at ``W`` ``[C, D]`` for data ``x`` ``[N, D]`` under the ERM's prior
-    ``N * l2``: ``[C*D, C*D]`` in float64, in the row-major order of ``W.flatten()`` (index ``c * D + d``)."""
-    N = x.shape[0]
-    H = softmax_hessian(W.double(), x.double(), torch.ones(N, dtype=torch.float64))
-    return H + N * l2 * torch.eye(H.shape[0], dtype=H.dtype)
 
 
 def log_evidence(delta: Tensor, eigenvalues: Tensor, sq_norm: Tensor) -> Tensor:
