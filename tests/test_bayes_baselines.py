@@ -81,6 +81,8 @@ def test_prior_precision_options_and_errors():
     for bad in ("mackay", -1.0, 0, float("nan"), True):
         with pytest.raises(ValueError, match="prior_precision must be 'marglik', 'erm' or a positive number"):
             BNN(prior_precision=bad)
+    with pytest.raises(ValueError, match="not finite"):
+        marglik_prior_precision(torch.full((4, 4), float("nan")), torch.zeros(2, 2))
     with pytest.raises(ValueError, match="CBNN.prior_precision"):
         CBNN(prior_precision="evidence")
 

@@ -57,10 +57,10 @@ class CBNN(OneShotMethod):
 
     Args:
         covariance: ``diagonal`` (default) or ``full`` consensus weights.
+        shrinkage: For ``full``: weight of the diagonal in the shrunk sample covariance.
         prior_precision: ``"erm"`` (default), ``"marglik"`` or a positive global prior precision per weight
             (module docstring).
         name: Metric name (default ``cbnn``).
-        shrinkage: For ``full``: weight of the diagonal in the shrunk sample covariance.
         seed: Seed of the clients' posterior draws.
     """
 

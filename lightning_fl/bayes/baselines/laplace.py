@@ -78,11 +78,11 @@ def marglik_prior_precision(H: Tensor, W: Tensor, lo: float = 1e-8, hi: float = 
     ``H`` ``[P, P]`` (module docstring). The derivative in ``t = log delta``,
     ``-delta ||W||^2 / 2 + P / 2 - 1/2 sum_k delta / (lambda_k + delta)``, is decreasing, so its root is found
     by bisection in ``t`` on ``[log lo, log hi]`` (an end point when the root lies outside)."""
+    if not (torch.isfinite(H).all() and torch.isfinite(W).all()):
+        raise ValueError("marglik prior precision: the Hessian or the mode is not finite; check the client's data")
     lam = torch.linalg.eigvalsh(H.double()).clamp_min(0.0)
     sq_norm = W.double().pow(2).sum()
     P = lam.shape[0]
-    if not (torch.isfinite(lam).all() and torch.isfinite(sq_norm)):
-        raise ValueError("marglik prior precision: the Hessian or the mode is not finite; check the client's data")
 
     def slope(t: float) -> float:
         d = math.exp(t)
