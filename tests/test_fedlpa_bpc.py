@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fmp import C, D, pool
 
 from lightning_fl.bayes import Context, Identity, PredictiveGenerator, RandomSelection, TaskSampler
 from lightning_fl.bayes.baselines.bpc import BPC, softmax_hessian
 from lightning_fl.bayes.baselines.fedlpa import FedLPA, gaussian_samples, kfac_aggregate, kfac_factors
 from lightning_fl.bayes.erm import erm_objective, fit_softmax
 from lightning_fl.bayes.tasks import Task, split_points
-
-D, C = 6, 4
-
-
-def pool(n: int = 800, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % C
-    h = torch.randn(n, D, generator=g) + 2.0 * torch.nn.functional.one_hot(y, D).float()
-    return h, y
 
 
 def context(summariser=None, samples: int = 3) -> Context:
