@@ -51,10 +51,15 @@ class Outcome:
 
 
 class OneShotMethod:
-    """Base class; ``name`` keys the metrics (``test/{name}/acc``)."""
+    """Base class; ``name`` keys the metrics (``test/{name}/acc``). A subclass that takes a ``name`` argument
+    (two variants of one method in the same test) passes it to ``__init__`` here."""
 
     _plugin_base = True  # not offered as a choice in CLI messages
     name = "method"
+
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None:  # else the class's default
+            self.name = name
 
     def run(self, task: Task, ctx: Context) -> Outcome:
         raise NotImplementedError
@@ -99,9 +104,8 @@ class FMP(OneShotMethod):
     name = "fmp"
 
     def __init__(self, summariser: Summariser | None = None, name: str | None = None, seed: int = 0) -> None:
+        super().__init__(name)
         self.summariser, self.seed = summariser, seed
-        if name is not None:
-            self.name = name
 
     def run(self, task: Task, ctx: Context) -> Outcome:
         summaries, sizes = [], []

@@ -80,8 +80,7 @@ class CBNN(OneShotMethod):
             raise ValueError(f"CBNN.shrinkage must be in [0, 1], got {shrinkage}")
         self.covariance, self.shrinkage, self.seed = covariance, shrinkage, seed
         self.prior_precision = check_prior_precision(prior_precision, "CBNN")
-        if name is not None:
-            self.name = name
+        super().__init__(name)
 
     def local_samples(self, z: Tensor, ctx: Context, client: int, num_clients: int) -> Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + client)

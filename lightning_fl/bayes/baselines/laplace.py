@@ -152,8 +152,7 @@ class BNN(OneShotMethod):
 
     def __init__(self, prior_precision: str | float = "marglik", name: str | None = None, seed: int = 0) -> None:
         self.prior_precision = check_prior_precision(prior_precision, type(self).__name__)
-        if name is not None:
-            self.name = name
+        super().__init__(name)
         self.seed = seed
 
     def run(self, task: Task, ctx: Context) -> Outcome:
