@@ -7,11 +7,11 @@ Importing the package imports every plug-in so the CLI can resolve short class n
 __version__ = "0.1.0"
 
 from lightning_fl import compress, data, mapping, methods, models
-from lightning_fl.cli import TrainerLike
 from lightning_fl.data import FederatedDataModule
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError, UserError
 from lightning_fl.federated import FederatedTrainer
 from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.trainer_api import TrainerLike
 
 __all__ = [
     "CheckpointError",

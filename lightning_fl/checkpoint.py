@@ -1,13 +1,16 @@
-"""Crash-safe checkpoint files and the package's cache folder."""
+"""Checkpoint files: crash-safe writes, safe reads, content digests for caches, and the package's cache folder."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_fl.errors import CheckpointError
 
 
 def default_cache_dir() -> Path:
@@ -48,3 +51,23 @@ def remove_stale_temps(folder: str | Path) -> int:
         tmp.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def read_checkpoint(path: str | Path, what: str = "checkpoint") -> Any:
+    """``torch.load`` with ``weights_only=True`` (tensors and plain containers, no code); failures name ``what``."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"{what} {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"{what} {path} could not be read safely (weights_only=True): {err}") from err
+
+
+def digest_tensors(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors (names and float32 values, in name order): part of cache keys and fingerprints."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -19,37 +19,20 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import lightning as L
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, lazy_instance
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fl.errors import UserError
+from lightning_fl.trainer_api import TrainerLike, write_config
 
 SUBCOMMANDS = {
     "fit": "Train the model (resume with --ckpt_path).",
     "validate": "Evaluate on the validation split (weights from --ckpt_path).",
     "test": "Evaluate on the test split (weights from --ckpt_path).",
 }
-CONFIG_FILENAME = "config.yaml"
-
-
-@runtime_checkable
-class TrainerLike(Protocol):
-    """What the CLI needs of a trainer. Subclass it explicitly to make ``--trainer MyTrainer`` resolve by name.
-
-    A trainer that also defines ``log_config(config_yaml: str)`` receives the resolved config to save
-    in its run folder.
-    """
-
-    def fit(self, model: Any, *, datamodule: Any = None, ckpt_path: Any = None) -> Any: ...
-
-    def validate(self, model: Any, *, datamodule: Any = None, ckpt_path: Any = None) -> Any: ...
-
-    def test(self, model: Any, *, datamodule: Any = None, ckpt_path: Any = None) -> Any: ...
-
-
 TrainerType = L.Trainer | TrainerLike
 
 
@@ -66,15 +49,8 @@ class SaveConfigCallback(Callback):
         log_dir = trainer.log_dir  # collective: every rank must ask
         if log_dir is None or not trainer.is_global_zero:
             return
-        path = Path(log_dir) / CONFIG_FILENAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.config_yaml)
-        self.saved_to = path
-        for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_text"):
-                # Indented lines render as a code block in TensorBoard's text tab.
-                experiment.add_text("config", "".join(f"    {line}\n" for line in self.config_yaml.splitlines()))
+        experiments = [getattr(logger, "experiment", None) for logger in trainer.loggers]
+        self.saved_to = write_config(log_dir, self.config_yaml, experiments)
 
 
 # --------------------------------------------------------------------------------------- parser

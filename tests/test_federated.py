@@ -13,7 +13,7 @@ from lightning_fl.checkpoint import atomic_save
 from lightning_fl.compress import FP32, Quantize
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.errors import CheckpointError
-from lightning_fl.federated import FactorMismatchError, FederatedTrainer, UploadRejectedError
+from lightning_fl.federated import FactorMismatchError, FedAvg, FederatedTrainer, UploadRejectedError
 from lightning_fl.methods import LatentClassifier, Pretraining, TrainingDivergedError
 from lightning_fl.models import SmallCNN
 
@@ -84,13 +84,16 @@ def test_weighted_aggregation_and_client_sampling(tmp_path):
     from lightning_fl.data import Dirichlet
 
     dm = make_dm(partition=Dirichlet(alpha=0.3, min_partition_size=5))
-    trainer = make_trainer(tmp_path, rounds=1, aggregation="weighted", codec=Spy(), clients_per_round=3, logger=False)
+    trainer = make_trainer(
+        tmp_path, rounds=1, strategy=FedAvg(weighted=True), codec=Spy(), clients_per_round=3, logger=False
+    )
     trainer.fit(make_model(), datamodule=dm)
-    assert len(records) == 3 and records.keys() == set(trainer._sample(0, 0, 4))
+    assert len(records) == 3 and records.keys() == set(trainer.strategy.sample(0, 4, 3, 0))
     sizes = {c: dm.client_num_samples(c) for c in records}
     expected = sum(records[c].double() * sizes[c] for c in records) / sum(sizes.values())
     torch.testing.assert_close(latent(trainer), expected.float(), atol=1e-7, rtol=0)
-    assert trainer._sample(5, 0, 10) == trainer._sample(5, 0, 10) != trainer._sample(6, 0, 10)
+    sample = trainer.strategy.sample
+    assert sample(5, 10, 3, 0) == sample(5, 10, 3, 0) != sample(6, 10, 3, 0)
 
 
 class Corrupt(FP32):
@@ -274,7 +277,7 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path):
             *QUICK,
             "--trainer.devices",
             devices,
-            "--trainer.strategy",
+            "--trainer.fabric_strategy",
             "ddp" if devices == "2" else "auto",
             "--trainer.name",
             f"d{devices}",

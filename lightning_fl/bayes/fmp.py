@@ -32,10 +32,9 @@ from lightning_fl.bayes.predictive import PredictiveGenerator, refit
 from lightning_fl.bayes.protocol import ANN, CANN, FMP, MP, Context, OneShotMethod, predictive_probs
 from lightning_fl.bayes.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
 from lightning_fl.bayes.tasks import Task
-from lightning_fl.checkpoint import atomic_save, default_cache_dir
+from lightning_fl.checkpoint import atomic_save, default_cache_dir, digest_tensors
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.errors import CheckpointError, ConfigError
-from lightning_fl.methods.pretraining import digest_tensors
 from lightning_fl.metrics import classification_metrics
 
 log = logging.getLogger(__name__)

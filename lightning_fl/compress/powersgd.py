@@ -19,7 +19,7 @@ import torch
 from lightning_fl.compress.base import Encoded, Payload
 from lightning_fl.compress.error_feedback import State, UpdateCompressor
 from lightning_fl.errors import ConfigError
-from lightning_fl.mapping.factors import derive_seed
+from lightning_fl.seeding import derive_seed
 
 
 class PowerSGD(UpdateCompressor):

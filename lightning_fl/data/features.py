@@ -35,12 +35,11 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fl.checkpoint import atomic_save, default_cache_dir
+from lightning_fl.checkpoint import atomic_save, default_cache_dir, digest_tensors
 from lightning_fl.data.builtin import Digits
 from lightning_fl.data.sources import DataSource, ImageTransform, LabeledImages, Split, TensorImages
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.methods.classifier import Classifier, OptimizerName
-from lightning_fl.methods.pretraining import digest_tensors
 from lightning_fl.models.backbone import Backbone
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,54 @@
-"""Federated training: the Fabric-based trainer, the byte ledger, aggregation and the upload gate."""
+"""Federated training: the round loop, the client runner, server strategies, the upload gate and the ledger.
 
-from lightning_fl.federated.aggregate import UploadRejectedError, check_upload, weighted_mean
+The contracts: a method is a :class:`FederatedModule`; a client's round is :func:`run_client`; the server's
+algorithm is a :class:`~lightning_fl.federated.strategies.Strategy`; :class:`FederatedTrainer` sequences rounds.
+"""
+
+from lightning_fl.federated import attacks, strategies
+from lightning_fl.federated.attacks import ALIE, Attack, GaussianNoise, NaNUpload, Scaling, SignFlip
+from lightning_fl.federated.client import ClientResult, LocalTraining, run_client
+from lightning_fl.federated.gate import UploadRejectedError, check_upload
 from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.trainer import FactorMismatchError, FederatedTrainer
+from lightning_fl.federated.loop import FactorMismatchError, FederatedTrainer
+from lightning_fl.federated.module import FederatedModule, ModuleHooks
+from lightning_fl.federated.strategies import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedYogi,
+    Krum,
+    Median,
+    Strategy,
+    TrimmedMean,
+)
 
 __all__ = [
+    "ALIE",
+    "Attack",
     "ByteLedger",
+    "ClientResult",
     "FactorMismatchError",
+    "FedAdagrad",
+    "FedAdam",
+    "FedAvg",
+    "FedAvgM",
+    "FedYogi",
+    "FederatedModule",
     "FederatedTrainer",
+    "GaussianNoise",
+    "Krum",
+    "LocalTraining",
+    "Median",
+    "ModuleHooks",
+    "NaNUpload",
+    "Scaling",
+    "SignFlip",
+    "Strategy",
+    "TrimmedMean",
     "UploadRejectedError",
+    "attacks",
     "check_upload",
-    "weighted_mean",
+    "run_client",
+    "strategies",
 ]

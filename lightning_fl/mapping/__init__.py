@@ -1,6 +1,6 @@
 """FLITE's latent mapping: frozen seeded low-rank factors that turn a small latent into weight deltas."""
 
-from lightning_fl.mapping.factors import CHUNK_ROWS, OrthonormalFactor, derive_seed, orthonormal_factor
+from lightning_fl.mapping.factors import CHUNK_ROWS, OrthonormalFactor, orthonormal_factor
 from lightning_fl.mapping.lowrank import (
     FactorMode,
     LatentMapping,
@@ -10,6 +10,7 @@ from lightning_fl.mapping.lowrank import (
     plan_layers,
     select_weights,
 )
+from lightning_fl.seeding import derive_seed
 
 __all__ = [
     "CHUNK_ROWS",

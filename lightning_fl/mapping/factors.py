@@ -20,28 +20,13 @@ from __future__ import annotations
 
 import torch
 
-MASK64 = (1 << 64) - 1
+from lightning_fl.seeding import derive_seed
+
 #: Rows per generated chunk. Part of the factor definition (chunk seeds depend on it), so not configurable.
 CHUNK_ROWS = 8192
 
 # Stream ids keep the factors of a layer independent of each other.
 STREAM_U, STREAM_V, STREAM_DENSE = 1, 2, 3
-
-
-def splitmix64(x: int) -> int:
-    """One step of SplitMix64 (Steele et al. 2014): a bijective 64-bit mixer."""
-    x = (x + 0x9E3779B97F4A7C15) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def derive_seed(*parts: int) -> int:
-    """A 64-bit seed determined by a tuple of non-negative integers (counter-based, order-sensitive)."""
-    h = 0x6A09E667F3BCC909
-    for p in parts:
-        h = splitmix64(h ^ (int(p) & MASK64))
-    return h
 
 
 def chunk_bounds(rows: int) -> list[tuple[int, int]]:

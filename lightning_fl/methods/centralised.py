@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torchmetrics
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_fl.federated.sink import LogSink
-from lightning_fl.methods.classifier import Classifier
+from lightning_fl.context import StepContext, attached
 from lightning_fl.methods.schedules import warmup_cosine_factor
+
+if TYPE_CHECKING:  # the classifier imports this module to pretrain its base
+    from lightning_fl.methods.classifier import Classifier
 
 
 def resolve_device(accelerator: str) -> torch.device:
@@ -68,9 +71,7 @@ def train_classifier(
     try:
         for epoch in range(epochs):
             model.train()
-            sink = LogSink(None, sync=False)
-            model._fabric = sink
-            try:
+            with attached(model, StepContext(None, sync=False)) as sink:
                 for batch_idx, (x, y) in enumerate(loader):
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     sink.weight = len(y)
@@ -85,8 +86,6 @@ def train_classifier(
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     step += 1
-            finally:
-                model._fabric = None
             metrics = sink.reduce()
             metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, precision))
             if writer is not None:
@@ -102,16 +101,14 @@ def train_classifier(
 def evaluate_classifier(model: Classifier, loader, device: torch.device, precision: str | None = None) -> dict:
     """The module's own validation step and epoch end, collected without a trainer."""
     model.eval()
-    sink = LogSink(None, sync=False)
-    model._fabric = sink
     try:
-        for batch_idx, (x, y) in enumerate(loader):
-            sink.weight = len(y)
-            with _autocast(device, precision):
-                model.validation_step((x.to(device), y.to(device)), batch_idx)
-        sink.phase = "epoch_end"
-        model.on_validation_epoch_end()
+        with attached(model, StepContext(None, sync=False)) as sink:
+            for batch_idx, (x, y) in enumerate(loader):
+                sink.weight = len(y)
+                with _autocast(device, precision):
+                    model.validation_step((x.to(device), y.to(device)), batch_idx)
+            sink.phase = "epoch_end"
+            model.on_validation_epoch_end()
     finally:
-        model._fabric = None
         model.train()
     return sink.reduce()

@@ -20,9 +20,10 @@ import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
-from lightning_fl.checkpoint import atomic_save, default_cache_dir
+from lightning_fl.checkpoint import atomic_save, default_cache_dir, digest_tensors, read_checkpoint
 from lightning_fl.errors import CheckpointError, ConfigError, UserError
-from lightning_fl.methods.pretraining import Pretraining, digest_tensors
+from lightning_fl.methods.centralised import train_classifier
+from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.schedules import Schedule, warmup_cosine_factor
 from lightning_fl.metrics import classification_metrics
 from lightning_fl.models.backbone import Backbone
@@ -38,13 +39,7 @@ class TrainingDivergedError(UserError, FloatingPointError):
 
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a Lightning checkpoint (its ``state_dict``) or a plain state dict, without unpickling code."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {path} could not be read safely (weights_only=True): {err}") from err
+    obj = read_checkpoint(path)
     state = obj.get("state_dict", obj) if isinstance(obj, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"checkpoint {path} holds no state dict of tensors")
@@ -218,8 +213,6 @@ class Classifier(L.LightningModule):
         pre.head.load_state_dict(self.head.state_dict())  # the same frozen class prototypes
         with isolate_rng():
             torch.manual_seed(p.seed)
-            from lightning_fl.methods.centralised import train_classifier  # (imports this module)
-
             metrics = train_classifier(
                 pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=path.parent / "pretraining"
             )

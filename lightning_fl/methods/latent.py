@@ -19,10 +19,11 @@ from typing import Literal
 import torch
 from torch.func import functional_call
 
+from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import FactorMode, LatentMapping, LayerSelection, memory_report
 from lightning_fl.methods.classifier import Classifier, OptimizerName
-from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining, digest_tensors
+from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining
 from lightning_fl.methods.schedules import Schedule
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import HeadKind

@@ -1,12 +1,9 @@
-"""How a base is pretrained when no checkpoint is given, and the digest used in its cache key."""
+"""How a base is pretrained when no checkpoint is given."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Literal
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -39,11 +36,3 @@ class Pretraining:
 
 
 PAPER_PRETRAINING = Pretraining()
-
-
-def digest_tensors(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()

@@ -1,22 +1,40 @@
-"""A stand-in for Fabric that collects what a LightningModule logs during client training or evaluation.
+"""What a LightningModule's ``self.log`` and ``self.trainer`` reach when our own loops run its steps.
 
-A LightningModule logs through ``self._fabric.log_dict`` when ``_fabric`` is set, so setting it to
-a :class:`LogSink` lets the module's own ``training_step``/``validation_step`` run unchanged outside
-``lightning.Trainer``. Values logged in steps are averaged, weighted by batch size; values logged
-in epoch-end hooks (already synchronised, e.g. torchmetrics) are kept as they are. Other attribute
-lookups go to the real Fabric, so ``self.trainer.world_size`` and similar still work in a module.
-With ``sync`` (and a Fabric), :meth:`LogSink.reduce` averages step values over all processes.
+Lightning lets a module run outside ``lightning.Trainer``: when its public ``fabric`` property is set,
+``self.log``/``self.log_dict`` go to ``fabric.log_dict`` and ``self.trainer.<name>`` is looked up on that
+object. Our loops (client training, federated evaluation, base pretraining) attach a :class:`StepContext`
+there for the duration of a phase with :func:`attached`, so a user's ``training_step`` logs unchanged under
+``lightning.Trainer`` and under ``FederatedTrainer``:
+
+- values logged in steps are averaged, weighted by the batch size the loop sets in ``weight``;
+- values logged in epoch-end hooks (already synchronised, e.g. torchmetrics) are kept as they are;
+- ``self.trainer.client_id`` and ``self.trainer.current_round`` tell a module which client and round it
+  trains (``None`` outside client training); other attributes come from the loop's Fabric, so
+  ``self.trainer.world_size`` and similar still work.
+
+With ``sync`` (and a Fabric), :meth:`StepContext.reduce` averages step values over all processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-class LogSink:
+class StepContext:
+    """Collects what a module logs during one phase (a client's local training, an evaluation, an epoch).
+
+    Args:
+        fabric: The loop's Fabric (attribute look-ups the context does not answer go there), or ``None``.
+        client: The client being trained, if any (``self.trainer.client_id`` in a module).
+        round: The federated round, if any (``self.trainer.current_round``; 0-based).
+        sync: Average step values over every process in :meth:`reduce`.
+    """
+
     def __init__(self, fabric: Any, client: int | None = None, round: int | None = None, sync: bool = True) -> None:
         self._fabric = fabric
         self.sync = sync and fabric is not None
@@ -30,6 +48,8 @@ class LogSink:
         self._epoch_end: dict[str, float] = {}
 
     def __getattr__(self, item: str) -> Any:
+        if item.startswith("__") or self.__dict__.get("_fabric") is None:
+            raise AttributeError(item)
         return getattr(self._fabric, item)
 
     def log(self, name: str, value: Any, step: int | None = None) -> None:
@@ -64,3 +84,17 @@ class LogSink:
         out = {k: float(s / w) for k, (s, w) in zip(keys, pairs.tolist(), strict=True) if w > 0}
         out.update(self._epoch_end)
         return out
+
+
+@contextlib.contextmanager
+def attached(module: Any, context: StepContext) -> Iterator[StepContext]:
+    """Route ``module``'s ``self.log`` and ``self.trainer`` to ``context`` (Lightning's public ``fabric`` property).
+
+    The previous value is restored on exit, also when a step raises.
+    """
+    previous = module.fabric
+    module.fabric = context
+    try:
+        yield context
+    finally:
+        module.fabric = previous

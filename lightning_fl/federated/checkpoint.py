@@ -1,0 +1,79 @@
+"""Round checkpoints: what a federated run saves after every round, where it finds one, and how it resumes.
+
+A round checkpoint holds everything the next round depends on (global state, strategy state, codec state
+such as error-feedback residuals, the byte ledger, history, round, seed, number of clients, the model's
+fingerprint), written atomically, loaded with ``weights_only=True``. Resuming checks that the run matches
+(seed, clients, fingerprint, state layout, strategy), so a resumed run ends equal to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fl.checkpoint import atomic_save, read_checkpoint
+from lightning_fl.errors import CheckpointError
+
+FORMAT = "lightning_fl.federated"
+VERSION = 2  # 2: strategy state; version 1 files (FedAvg, no strategy state) still resume
+
+
+def save_round(state: dict[str, Any], folder: Path, completed: int, every: int) -> None:
+    """Write ``last.ckpt`` (and ``round_NNNN.ckpt`` every ``every`` rounds, if ``every``)."""
+    payload = {"format": FORMAT, "version": VERSION, "round": completed, **state}
+    atomic_save(payload, folder / "last.ckpt")
+    if every and completed % every == 0:
+        atomic_save(payload, folder / f"round_{completed:04d}.ckpt")
+
+
+def find_resume(ckpt_path: str | None, resume: bool | str, root: Path, version: int | str | None) -> Path | None:
+    """The checkpoint to resume from: ``ckpt_path``, else with ``resume`` the newest ``last.ckpt`` under ``root``."""
+    if ckpt_path is not None:
+        return Path(ckpt_path).expanduser()
+    if resume not in ("auto", True):
+        return None
+    if version is not None:
+        folder = root / (version if isinstance(version, str) else f"version_{version}")
+        candidates = [folder / "checkpoints" / "last.ckpt"]
+    else:
+        candidates = list(root.glob("*/checkpoints/last.ckpt"))
+    candidates = [c for c in candidates if c.is_file()]
+    if candidates:
+        return max(candidates, key=lambda p: p.stat().st_mtime)
+    if resume is True:
+        raise CheckpointError(f"trainer.resume is true but no checkpoint was found under {root}")
+    return None
+
+
+def load_round(path: Path, expect: dict[str, Any], state_keys: list[str], rounds: int) -> dict[str, Any]:
+    """Read ``path`` and check it belongs to this run; raise naming every difference.
+
+    ``expect`` holds ``seed``, ``num_clients``, ``fingerprint`` and ``strategy`` (class name) of this run.
+    """
+    ckpt = read_checkpoint(path)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a FederatedTrainer checkpoint (no 'format' marker)")
+    problems = []
+    if ckpt["seed"] != expect["seed"]:
+        problems.append(f"seed {ckpt['seed']} in the checkpoint, {expect['seed']} now")
+    if ckpt["num_clients"] != expect["num_clients"]:
+        problems.append(f"{ckpt['num_clients']} clients in the checkpoint, {expect['num_clients']} now")
+    if ckpt["fingerprint"] != expect["fingerprint"]:
+        problems.append("the model fingerprint (factors or base) differs")
+    if sorted(ckpt["global_state"]) != sorted(state_keys):
+        problems.append(f"federated state keys differ ({sorted(ckpt['global_state'])} vs {sorted(state_keys)})")
+    saved_strategy = ckpt.get("strategy_class", "FedAvg")
+    if saved_strategy != expect["strategy"]:
+        problems.append(f"strategy {saved_strategy} in the checkpoint, {expect['strategy']} now")
+    if ckpt["round"] > rounds:
+        problems.append(f"the checkpoint has {ckpt['round']} rounds done but trainer.rounds is {rounds}")
+    if problems:
+        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
+    ckpt.setdefault("strategy", {})
+    return ckpt
+
+
+def to_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().cpu() for n, t in state.items()}

@@ -1,0 +1,182 @@
+"""The client runner: one client's round, from the global state it receives to the payload it sends.
+
+:func:`run_client` is a pure function of its inputs (module, data, global state, client id, round and the
+run's seed): every random stream it uses derives from ``(seed, round, client)``. The federated loop calls it
+for each sampled client on whichever process holds that client, and a remote client (e.g. a Flower
+ClientApp) calls the same function with the state it received; it needs no loop, no server and no
+checkpoint. What it returns is what would go on the wire (the codec's encoded payload) plus statistics.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_fl.compress.base import Codec, Payload
+from lightning_fl.context import StepContext, attached
+from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated.state import State
+from lightning_fl.seeding import derive_seed, seed_everything_quietly
+
+STREAM_CLIENT, STREAM_LOADER = 12, 13
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """How a client trains in one round.
+
+    Args:
+        epochs: Local epochs E (ignored when ``steps`` is set).
+        steps: Local optimiser steps instead of epochs (cycling the client's data).
+        gradient_clip_val: Clip gradient norms; ``None`` uses the module's ``hparams.grad_clip``, if any.
+    """
+
+    epochs: int = 1
+    steps: int | None = None
+    gradient_clip_val: float | None = None
+
+
+@dataclass
+class ClientResult:
+    """What one client produced in one round.
+
+    ``payload`` is ``None`` when local training failed (``failure`` says why): nothing is uploaded then.
+    ``loss_sum / loss_weight`` is the client's mean ``train/loss`` over its batches (weighted by batch size).
+    """
+
+    client: int
+    num_samples: int
+    payload: Payload | None
+    loss_sum: float = 0.0
+    loss_weight: float = 0.0
+    failure: str | None = None
+
+    @property
+    def up_bytes(self) -> int:
+        return self.payload.nbytes if self.payload is not None else 0
+
+
+@functools.cache
+def _cpu_fabric() -> L.Fabric:
+    return L.Fabric(accelerator="cpu", devices=1, loggers=[])
+
+
+def configure_optimizer(module: L.LightningModule) -> tuple[torch.optim.Optimizer, Any]:
+    """The module's one optimiser and its per-step scheduler (``None`` if it has none)."""
+    conf = module.configure_optimizers()
+    scheduler = None
+    if isinstance(conf, dict):
+        sched = conf.get("lr_scheduler")
+        if isinstance(sched, dict):
+            if sched.get("interval", "epoch") == "step":
+                scheduler = sched["scheduler"]
+        elif sched is not None:
+            warnings.warn("epoch-interval schedulers are not stepped by federated clients", stacklevel=2)
+        conf = conf["optimizer"]
+    if isinstance(conf, (list, tuple)):
+        if len(conf) != 1:
+            raise ConfigError("federated clients support modules with exactly one optimiser")
+        conf = conf[0]
+    return conf, scheduler
+
+
+def batch_size(batch: Any) -> int:
+    """Number of samples in a batch (a tensor, a tuple/list starting with a tensor, or a dict of tensors)."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return len(batch[0])
+    if isinstance(batch, dict):
+        first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        if first is not None:
+            return len(first)
+    return 1
+
+
+def run_client(
+    module: L.LightningModule,
+    datamodule: Any,
+    global_state: State,
+    client: int,
+    round: int,
+    seed: int,
+    *,
+    codec: Codec,
+    local: LocalTraining = LocalTraining(),
+    fabric: L.Fabric | None = None,
+) -> ClientResult:
+    """Train ``client`` for one round from ``global_state`` and encode what it uploads.
+
+    Args:
+        module: A :class:`~lightning_fl.federated.FederatedModule` LightningModule, on ``fabric``'s device.
+        datamodule: Offers ``client_dataloader(client, seed=...)`` and ``client_num_samples(client)``.
+        global_state: The state the server broadcast (also the codec's reference).
+        client: The client id.
+        round: The round (0-based).
+        seed: The run's seed; every random stream derives from ``(seed, round, client)``.
+        codec: Encodes the trained federated state into the payload (stateful codecs keep per-client memory).
+        local: Local epochs or steps and gradient clipping.
+        fabric: Device placement, precision and backward; ``None``: one CPU process.
+
+    Local training that diverges (``FloatingPointError`` or a non-finite state) is reported in ``failure``
+    and uploads nothing; a configuration problem (e.g. a client without batches) raises.
+    """
+    fabric = fabric if fabric is not None else _cpu_fabric()
+    seed_everything_quietly(derive_seed(seed, round, client, STREAM_CLIENT))
+    module.load_federated_state(global_state)
+    optimizer, scheduler = configure_optimizer(module)
+    optimizer = fabric.setup_optimizers(optimizer)
+    loader = datamodule.client_dataloader(client, seed=derive_seed(seed, round, client, STREAM_LOADER) % 2**63)
+    clip = local.gradient_clip_val
+    if clip is None:
+        clip = getattr(getattr(module, "hparams", None), "grad_clip", None)
+    result = ClientResult(client=client, num_samples=int(datamodule.client_num_samples(client)), payload=None)
+    context = StepContext(fabric, client=client, round=round)
+    module.train()
+    try:
+        with attached(module, context):
+            _train(module, optimizer, scheduler, loader, fabric, context, local, clip, client)
+    except (UserError, FloatingPointError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        result.failure = f"local training failed: {err}"
+    result.loss_sum, result.loss_weight = context.weighted("train/loss")
+    if result.failure is not None:
+        return result
+    state = module.federated_state()
+    non_finite = [n for n, t in state.items() if not torch.isfinite(t).all()]
+    if non_finite:
+        result.failure = "; ".join(f"{n}: non-finite values" for n in non_finite)
+        return result
+    result.payload = codec.encode(state, global_state, client)
+    return result
+
+
+def _train(module, optimizer, scheduler, loader, fabric, context: StepContext, local: LocalTraining, clip, client):
+    steps = 0
+    for epoch in range(local.epochs if local.steps is None else 10**9):
+        context.current_epoch = epoch
+        for batch_idx, batch in enumerate(loader):
+            batch = fabric.to_device(batch)
+            context.weight = batch_size(batch)
+            with fabric.autocast():
+                out = module.training_step(batch, batch_idx)
+            loss = out["loss"] if isinstance(out, dict) else out
+            fabric.backward(loss)
+            if clip is not None:
+                fabric.clip_gradients(module, optimizer, max_norm=clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            steps += 1
+            context.global_step = steps
+            if local.steps is not None and steps >= local.steps:
+                return
+        if steps == 0:
+            raise ConfigError(f"client {client} has no training batches")

@@ -1,0 +1,348 @@
+"""FederatedTrainer: rounds of client training and server aggregation, with Fabric inside.
+
+It has ``lightning.Trainer``'s interface (``fit/validate/test(model, datamodule=, ckpt_path=)``), so the CLI
+runs it from a config like any trainer, and it runs the module's own ``training_step`` and evaluation steps:
+the same LightningModule trains centrally and federated. One round:
+
+1. the ``strategy`` samples clients (seeded by the round); each may be unavailable (``dropout``); the global
+   federated state is broadcast to the available ones (counted as download);
+2. each client runs :func:`~lightning_fl.federated.client.run_client`: it loads the state, trains
+   ``local_epochs`` (or ``local_steps``) and encodes its federated state with the ``codec``;
+3. the server decodes each payload and the gate rejects malformed or non-finite uploads (``upload_policy``);
+   in simulation an ``attack`` may then forge the hostile clients' uploads, which pass the gate again;
+4. the ``strategy`` turns the accepted uploads into the next global state (a round with fewer than its
+   ``min_clients`` uploads, or an unusable aggregate, keeps the state), and the global model is evaluated.
+
+Clients are spread over Fabric processes (``devices``); every client's randomness derives from
+``(seed, round, client)`` and the server aggregates uploads in client order in float64, so the global
+state does not depend on how clients are placed, and a resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from jsonargparse import lazy_instance
+from lightning.fabric.loggers import TensorBoardLogger
+from tqdm.auto import tqdm
+
+from lightning_fl.checkpoint import read_checkpoint, remove_stale_temps
+from lightning_fl.compress.base import FP32, Codec
+from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated import checkpoint as round_ckpt
+from lightning_fl.federated.attacks import Attack
+from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.evaluate import evaluate
+from lightning_fl.federated.ledger import ByteLedger
+from lightning_fl.federated.module import ModuleHooks
+from lightning_fl.federated.round import RoundRunner
+from lightning_fl.federated.strategies import FedAvg, Strategy
+from lightning_fl.trainer_api import TrainerLike, write_config
+
+
+class FactorMismatchError(UserError):
+    """A process's model (factors or base) differs from the server's: the averaging identity would break."""
+
+
+class FederatedTrainer(TrainerLike):
+    """Simulated federated training of a LightningModule over the clients of a federated data module.
+
+    Args:
+        rounds: Communication rounds R.
+        client_fraction: Share of the K clients sampled each round (at least one).
+        clients_per_round: Number of clients sampled each round; overrides ``client_fraction``.
+        local_epochs: Local epochs E per round.
+        local_steps: Local optimiser steps per round instead of epochs (cycling the client's data).
+        strategy: Server algorithm: which clients train and how uploads are aggregated (``FedAvg``,
+            ``FedAvgM``, ``FedAdagrad``, ``FedAdam``, ``FedYogi``, ``Median``, ``TrimmedMean``, ``Krum``, or yours).
+        codec: Upload codec (``FP32``, ``Quantize``, or a compressor); downloads are always float32.
+        upload_policy: What the gate does with a malformed or non-finite upload (or a client whose training
+            diverges): ``drop`` it from the round (logged) or ``raise`` an error naming client and round.
+        dropout: Probability that a sampled client is unavailable in a round (seeded per client and round):
+            its download is counted, its upload never arrives.
+        attack: Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``,
+            ``NaNUpload``); ``null``: every client is honest.
+        seed: Seed of client sampling and client training; default: the run's ``seed_everything``.
+        accelerator: Fabric accelerator (``cpu``, ``gpu``, ``auto``).
+        devices: Processes/devices the clients are spread over (``2`` on CPU uses gloo).
+        fabric_strategy: Fabric's launch strategy (``auto`` picks DDP for several devices; no gradients are
+            synchronised, processes only exchange uploads).
+        precision: Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``, ...); ``null``: 32-bit.
+        default_root_dir: Runs go to ``<default_root_dir>/<name>/<version>/``.
+        name: Experiment name (folder under ``default_root_dir``).
+        version: Run folder name or number; ``null`` picks the next ``version_N``.
+        logger: Write TensorBoard logs.
+        resume: ``auto`` continues the newest run of ``name`` that has a checkpoint (``--ckpt_path`` wins).
+        val_every_n_rounds: Evaluate the global model every this many rounds (and after the last one).
+        limit_val_batches: Evaluate on at most this many validation batches (0: no evaluation).
+        gradient_clip_val: Clip client gradient norms; ``null`` uses the module's ``grad_clip``, if any.
+        check_identity: Log the averaging identity error (modules with ``averaging_identity_error``, linear
+            strategies only).
+        enable_progress_bar: Show progress over rounds and clients.
+        save_every_n_rounds: Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept).
+    """
+
+    def __init__(
+        self,
+        rounds: int = 10,
+        client_fraction: float = 1.0,
+        clients_per_round: int | None = None,
+        local_epochs: int = 1,
+        local_steps: int | None = None,
+        strategy: Strategy = lazy_instance(FedAvg),
+        codec: Codec = lazy_instance(FP32),
+        upload_policy: Literal["drop", "raise"] = "drop",
+        dropout: float = 0.0,
+        attack: Attack | None = None,
+        seed: int | None = None,
+        accelerator: str = "auto",
+        devices: int | str = 1,
+        fabric_strategy: str = "auto",
+        precision: str | None = None,
+        default_root_dir: str = "runs",
+        name: str = "federated",
+        version: int | str | None = None,
+        logger: bool = True,
+        resume: bool | Literal["auto"] = False,
+        val_every_n_rounds: int = 1,
+        limit_val_batches: int | None = None,
+        gradient_clip_val: float | None = None,
+        check_identity: bool = True,
+        enable_progress_bar: bool = True,
+        save_every_n_rounds: int = 0,
+    ) -> None:
+        checks = [
+            (rounds >= 1, f"trainer.rounds must be >= 1, got {rounds}"),
+            (0 < client_fraction <= 1, f"trainer.client_fraction must be in (0, 1], got {client_fraction}"),
+            (clients_per_round is None or clients_per_round >= 1,
+             f"trainer.clients_per_round must be >= 1 or null, got {clients_per_round}"),
+            (local_epochs >= 1, f"trainer.local_epochs must be >= 1, got {local_epochs}"),
+            (local_steps is None or local_steps >= 1, f"trainer.local_steps must be >= 1 or null, got {local_steps}"),
+            (upload_policy in ("drop", "raise"),
+             f"trainer.upload_policy must be 'drop' or 'raise', got {upload_policy!r}"),
+            (0 <= dropout < 1, f"trainer.dropout must be in [0, 1), got {dropout}"),
+            (resume in (True, False, "auto"), f"trainer.resume must be true, false or 'auto', got {resume!r}"),
+            (val_every_n_rounds >= 1, f"trainer.val_every_n_rounds must be >= 1, got {val_every_n_rounds}"),
+            (save_every_n_rounds >= 0, f"trainer.save_every_n_rounds must be >= 0, got {save_every_n_rounds}"),
+            (isinstance(strategy, Strategy), f"trainer.strategy must be a Strategy, got {type(strategy).__name__}"),
+        ]  # fmt: skip
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
+        self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val)
+        self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
+        self.dropout, self.attack, self.seed = dropout, attack, seed
+        self.fabric_args = {"accelerator": accelerator, "devices": devices, "strategy": fabric_strategy}
+        self.fabric_args["precision"] = precision
+        self.default_root_dir, self.name, self.version, self.use_logger = default_root_dir, name, version, logger
+        self.resume = resume
+        self.val_every_n_rounds, self.limit_val_batches = val_every_n_rounds, limit_val_batches
+        self.check_identity, self.enable_progress_bar = check_identity, enable_progress_bar
+        self.save_every_n_rounds = save_every_n_rounds
+        self.config_yaml: str | None = None
+        self.fabric: L.Fabric | None = None
+        self.log_dir: Path | None = None
+        self.history: list[dict[str, float]] = []
+        self.callback_metrics: dict[str, float] = {}
+        self.global_state: dict[str, torch.Tensor] = {}
+        self.ledger: ByteLedger | None = None
+        self.current_round = 0
+
+    # ============================================================================ public interface
+    def log_config(self, config_yaml: str) -> None:
+        """Receive the resolved config from the CLI; written to the run folder when the run starts."""
+        self.config_yaml = config_yaml
+
+    def fit(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None) -> None:
+        root = Path(self.default_root_dir) / self.name
+        ckpt = round_ckpt.find_resume(ckpt_path, self.resume, root, self.version)
+        fabric = self._launch(run_dir=ckpt.parent.parent if ckpt is not None else None)
+        model, hooks = self._prepare(model, datamodule, stage="fit")
+        seed = self._run_seed()
+        self.global_state = model.federated_state()
+        self.ledger = ByteLedger(datamodule.num_clients)
+        self.history, start = [], 0
+        fingerprint = self._fingerprint(hooks)
+        identity = hooks.averaging_identity_error if self.check_identity and self.strategy.linear else None
+        runner = RoundRunner(
+            fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
+            identity, progress=self.enable_progress_bar,
+        )  # fmt: skip
+        count = self.clients_per_round or max(1, round(self.client_fraction * datamodule.num_clients))
+        if ckpt is not None:
+            start = self._restore(ckpt, model, seed, fingerprint, datamodule.num_clients)
+        self._write_config()
+        bar = tqdm(
+            total=self.rounds, initial=start, desc="round", dynamic_ncols=True,
+            disable=not (self.enable_progress_bar and fabric.is_global_zero),
+        )  # fmt: skip
+        if start == 0:  # round 0: the starting model (for FLITE, exactly the pretrained base)
+            base_metrics = self._evaluate(model, datamodule, "val")
+            self._log(base_metrics, step=0)
+            self.history.append({"round": 0, **base_metrics})
+        started = time.perf_counter()
+        for r in range(start, self.rounds):
+            self.current_round = r
+            t0 = time.perf_counter()
+            self.global_state, metrics = runner.run(model, datamodule, self.global_state, r, seed, count)
+            model.load_federated_state(self.global_state)
+            metrics["time/clients_and_server_s"] = time.perf_counter() - t0  # the round without evaluation
+            if (r + 1) % self.val_every_n_rounds == 0 or r + 1 == self.rounds:
+                metrics.update(self._evaluate(model, datamodule, "val"))
+            metrics["time/round_s"] = time.perf_counter() - t0
+            metrics["time/elapsed_s"] = time.perf_counter() - started
+            self._log(metrics, step=r + 1)
+            self.history.append({"round": r + 1, **metrics})
+            self.callback_metrics = metrics
+            self._save_checkpoint(r + 1, seed, fingerprint, datamodule.num_clients)
+            bar.update(1)
+            if "val/acc" in metrics:
+                bar.set_postfix(acc=f"{metrics['val/acc']:.4f}", mb=f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}")
+        bar.close()
+        self._finish()
+
+    def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
+        return self._evaluate_only(model, datamodule, ckpt_path, "val")
+
+    def test(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
+        return self._evaluate_only(model, datamodule, ckpt_path, "test")
+
+    # ============================================================================ set-up
+    def _launch(self, run_dir: Path | None = None) -> L.Fabric:
+        loggers = []
+        if self.use_logger:
+            if run_dir is not None and self.version is None:  # resuming: keep logging into the same run folder
+                loggers.append(
+                    TensorBoardLogger(str(run_dir.parent.parent), name=run_dir.parent.name, version=run_dir.name)
+                )
+            else:
+                loggers.append(TensorBoardLogger(self.default_root_dir, name=self.name, version=self.version))
+        fabric = L.Fabric(**self.fabric_args, loggers=loggers)
+        fabric.launch()
+        self.fabric = fabric
+        mine = str(fabric.logger.log_dir) if self.use_logger else str(Path(self.default_root_dir) / self.name)
+        self.log_dir = Path(fabric.broadcast(mine if fabric.is_global_zero else None))
+        return fabric
+
+    def _run_seed(self) -> int:
+        return int(self.seed) if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def _prepare(self, model: L.LightningModule, datamodule: Any, stage: str) -> tuple[L.LightningModule, ModuleHooks]:
+        fabric = self.fabric
+        hooks = ModuleHooks.of(model)
+        needed = ("num_clients", "client_dataloader", "client_num_samples", "val_dataloader")
+        missing = [a for a in needed if not hasattr(datamodule, a)]
+        if missing:
+            raise ConfigError(
+                f"FederatedTrainer needs a federated data module (e.g. lightning_fl.data.FederatedDataModule); "
+                f"{type(datamodule).__name__} lacks {', '.join(missing)}"
+            )
+        self._datamodule = datamodule
+        with fabric.rank_zero_first(local=True):
+            datamodule.prepare_data()
+        datamodule.setup(stage)
+        if hooks.check_data is not None:
+            hooks.check_data(datamodule)
+        if hooks.prepare_base is not None:
+            with fabric.rank_zero_first():
+                hooks.prepare_base(datamodule)
+        model.setup(stage)
+        model = fabric.strategy.precision.convert_module(model)
+        return fabric.to_device(model), hooks
+
+    def _fingerprint(self, hooks: ModuleHooks) -> str | None:
+        """Every process checks its model against the server's (rank 0) fingerprint once."""
+        fabric = self.fabric
+        mine = hooks.factor_fingerprint() if hooks.factor_fingerprint is not None else None
+        server = fabric.broadcast(mine)
+        if mine != server:
+            raise FactorMismatchError(
+                f"process {fabric.global_rank} (its clients refuse to train) has model fingerprint "
+                f"{mine} but the server broadcast {server}: its projection factors or pretrained base differ, so "
+                "averaging latents would not average weights. Use the same model.factor_seed, layers, latent_dim, "
+                "rank and base on every client."
+            )
+        return mine
+
+    def _write_config(self) -> None:
+        fabric = self.fabric
+        if not fabric.is_global_zero:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        experiments = [fabric.logger.experiment] if fabric.loggers else []
+        if self.config_yaml is not None:
+            write_config(self.log_dir, self.config_yaml, experiments)
+        partition_table = getattr(self._datamodule, "partition_table", None)
+        if experiments and callable(partition_table):
+            experiments[0].add_text("data/partition", partition_table())
+
+    # ============================================================================ evaluation
+    def _evaluate(self, model: L.LightningModule, datamodule: Any, stage: str) -> dict[str, float]:
+        return evaluate(model, datamodule, stage, self.fabric, self.limit_val_batches)
+
+    def _evaluate_only(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
+        self._launch()
+        model, _ = self._prepare(model, datamodule, stage="validate" if stage == "val" else "test")
+        if ckpt_path is not None:
+            ckpt = read_checkpoint(ckpt_path)
+            if "global_state" in ckpt:
+                model.load_federated_state({n: t.to(self.fabric.device) for n, t in ckpt["global_state"].items()})
+            else:
+                model.load_state_dict(ckpt["state_dict"])
+        self._write_config()
+        metrics = self._evaluate(model, datamodule, stage)
+        self._log(metrics, step=0)
+        self.callback_metrics = metrics
+        self._finish()
+        return [metrics]
+
+    # ============================================================================ logging and checkpoints
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.fabric.loggers:
+            self.fabric.log_dict(metrics, step=step)
+
+    def _finish(self) -> None:
+        self.fabric.barrier()
+        for logger in self.fabric.loggers:
+            logger.finalize("success")
+
+    def _save_checkpoint(self, completed: int, seed: int, fingerprint: str | None, num_clients: int) -> None:
+        if self.fabric.is_global_zero:
+            state = {
+                "seed": seed,
+                "num_clients": num_clients,
+                "fingerprint": fingerprint,
+                "global_state": round_ckpt.to_cpu(self.global_state),
+                "strategy_class": type(self.strategy).__name__,
+                "strategy": self.strategy.state_dict(),
+                "codec": self.codec.state_dict(),
+                "ledger": self.ledger.state_dict(),
+                "history": [{k: float(v) for k, v in h.items()} for h in self.history],
+            }
+            round_ckpt.save_round(state, self.log_dir / "checkpoints", completed, self.save_every_n_rounds)
+        self.fabric.barrier()
+
+    def _restore(self, path: Path, model, seed: int, fingerprint: str | None, num_clients: int) -> int:
+        expect = {
+            "seed": seed,
+            "num_clients": num_clients,
+            "fingerprint": fingerprint,
+            "strategy": type(self.strategy).__name__,
+        }
+        ckpt = round_ckpt.load_round(path, expect, list(self.global_state), self.rounds)
+        device = self.fabric.device
+        self.global_state = {n: t.to(device) for n, t in ckpt["global_state"].items()}
+        model.load_federated_state(self.global_state)
+        self.strategy.load_state_dict(ckpt["strategy"])
+        self.codec.load_state_dict(ckpt["codec"])
+        self.ledger.load_state_dict(ckpt["ledger"])
+        self.history = list(ckpt.get("history", []))
+        if self.fabric.is_global_zero:
+            remove_stale_temps(path.parent)
+        return int(ckpt["round"])

@@ -1,0 +1,160 @@
+"""One federated round on every process: sample, train the local clients, gate, gather, attack, aggregate.
+
+:class:`RoundRunner` holds what a round needs (Fabric, strategy, codec, gate policy, availability, attack,
+ledger) and turns a global state into the next one. Each process trains its share of the round's clients
+(every ``world_size``-th, by client id); the uploads it accepted are gathered on every process, in client
+order, so the strategy computes the same aggregate everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lightning_fl.compress.base import FP32, Codec
+from lightning_fl.federated.attacks import Attack
+from lightning_fl.federated.client import LocalTraining, run_client
+from lightning_fl.federated.gate import UploadRejectedError, check_upload, non_finite_rows
+from lightning_fl.federated.ledger import ByteLedger
+from lightning_fl.federated.state import State, flatten, unflatten
+from lightning_fl.federated.strategies import Strategy
+from lightning_fl.seeding import derive_seed
+
+STREAM_DROPOUT = 15
+
+
+class RoundRunner:
+    """Runs rounds with fixed settings (see :class:`~lightning_fl.federated.FederatedTrainer` for each one)."""
+
+    def __init__(
+        self,
+        fabric: L.Fabric,
+        strategy: Strategy,
+        codec: Codec,
+        local: LocalTraining,
+        ledger: ByteLedger,
+        upload_policy: str = "drop",
+        dropout: float = 0.0,
+        attack: Attack | None = None,
+        identity: Callable[[list[State]], float] | None = None,
+        progress: bool = False,
+    ) -> None:
+        self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
+        self.upload_policy, self.dropout, self.attack = upload_policy, dropout, attack
+        self.identity, self.progress = identity, progress
+
+    def unavailable(self, seed: int, r: int, client: int) -> bool:
+        """Whether ``client`` drops out of round ``r`` (seeded per client and round)."""
+        if self.dropout == 0:
+            return False
+        return bool(np.random.default_rng(derive_seed(seed, r, client, STREAM_DROPOUT)).random() < self.dropout)
+
+    def reject(self, r: int, client: int, problems: list[str]) -> None:
+        """Apply the upload policy to a rejected upload: raise, or warn and leave it out."""
+        message = f"round {r + 1}, client {client}: upload rejected: {'; '.join(problems)}"
+        if self.upload_policy == "raise":
+            raise UploadRejectedError(message + " (trainer.upload_policy is 'raise'; use 'drop' to skip it)")
+        warnings.warn(message + "; dropped from this round", stacklevel=3)
+
+    def run(
+        self, model: L.LightningModule, datamodule: Any, state: State, r: int, seed: int, count: int
+    ) -> tuple[State, dict[str, float]]:
+        """Round ``r`` from global ``state`` with ``count`` sampled clients: the next global state and metrics."""
+        names = sorted(state)
+        sampled = self.strategy.sample(r, datamodule.num_clients, count, seed)
+        away = [c for c in sampled if self.unavailable(seed, r, c)]
+        available = [c for c in sampled if c not in away]
+        ids, accepted, weights, flats, stats = self._train_mine(model, datamodule, state, names, available, r, seed)
+        order = sorted((i for i in range(len(ids)) if ids[i] >= 0), key=lambda i: int(ids[i]))
+        down = FP32().encode(state, state, -1).nbytes
+        self.ledger.start_round()
+        for i in order:
+            self.ledger.record(int(ids[i]), "down", down)
+            self.ledger.record(int(ids[i]), "up", int(stats[i, 0]))
+        for c in away:
+            self.ledger.record(c, "down", down)
+        keep = [i for i in order if accepted[i]]
+        metrics = {"fed/round": float(r + 1), "fed/clients": float(len(sampled)), "fed/unavailable_clients": len(away)}
+        loss_weight = float(stats[order, 2].sum()) if order else 0.0
+        if loss_weight > 0:
+            metrics["train/loss"] = float(stats[order, 1].sum()) / loss_weight
+        clients, uploads, num_samples = [int(ids[i]) for i in keep], flats[keep], weights[keep]
+        current = flatten(state, names)
+        if self.attack is not None:
+            uploads, attacked = self.attack.apply(r, current, uploads, clients, seed)
+            metrics["fed/attacked_clients"] = len(attacked)
+            bad = non_finite_rows(uploads)
+            for i in bad:
+                self.reject(r, clients[i], ["non-finite values"])
+            good = [i for i in range(len(clients)) if i not in bad]
+            clients, uploads, num_samples = [clients[i] for i in good], uploads[good], num_samples[good]
+        metrics["fed/dropped_clients"] = len(order) - len(clients)
+        state, aggregated = self._aggregate(r, state, names, current, uploads, num_samples, clients)
+        metrics.update(aggregated)
+        metrics.update(self.ledger.metrics())
+        return state, {k: float(v) for k, v in metrics.items()}
+
+    def _train_mine(self, model, datamodule, state: State, names: list[str], available: list[int], r: int, seed: int):
+        """Train this process's share of ``available``; gather (ids, accepted, num samples, uploads, stats)."""
+        fabric = self.fabric
+        slots = max(1, math.ceil(len(available) / fabric.world_size))
+        ids = torch.full((slots,), -1, dtype=torch.int64)
+        accepted = torch.zeros(slots, dtype=torch.int64)
+        weights = torch.zeros(slots, dtype=torch.float64)
+        flats = torch.zeros(slots, sum(state[n].numel() for n in names), dtype=torch.float32)
+        stats = torch.zeros(slots, 3, dtype=torch.float64)  # up bytes, loss sum, loss weight
+        mine = available[fabric.global_rank :: fabric.world_size]
+        show = self.progress and fabric.is_global_zero
+        for slot, cid in enumerate(tqdm(mine, desc=f"clients r{r + 1}", leave=False, disable=not show)):
+            result = run_client(
+                model, datamodule, state, cid, r, seed, codec=self.codec, local=self.local, fabric=fabric
+            )
+            ids[slot], weights[slot] = cid, float(result.num_samples)
+            stats[slot] = torch.tensor([result.up_bytes, result.loss_sum, result.loss_weight], dtype=torch.float64)
+            problems = [result.failure] if result.failure else []
+            if not problems:
+                try:
+                    decoded = self.codec.decode(result.payload, state, cid)
+                except Exception as err:  # a malformed payload must not take the server down
+                    problems = [f"could not be decoded ({type(err).__name__}: {err})"]
+                else:
+                    problems = check_upload(decoded, state, result.payload)
+            if problems:
+                self.reject(r, cid, problems)
+                continue
+            accepted[slot] = 1
+            flats[slot] = flatten(decoded, names)
+        return tuple(self._gather(t) for t in (ids, accepted, weights, flats, stats))
+
+    def _aggregate(self, r, state, names, current, uploads, num_samples, clients) -> tuple[State, dict[str, float]]:
+        """Apply the strategy; keep ``state`` when the round cannot be aggregated or its result is unusable."""
+        problem = self.strategy.problem(len(clients))
+        metrics: dict[str, float] = {}
+        if problem is None:
+            new_flat, extra = self.strategy.aggregate(r, current, uploads, num_samples, clients)
+            new_state = unflatten(new_flat, state, names)
+            if all(torch.isfinite(t).all() for t in new_state.values()):
+                if self.identity is not None and self.fabric.is_global_zero:
+                    metrics["fed/identity_error"] = self.identity([unflatten(u, state, names) for u in uploads])
+                metrics.update({f"strategy/{k}": float(v) for k, v in extra.items()})
+                state = {n: t.to(state[n].device) for n, t in new_state.items()}
+            else:
+                problem = f"{type(self.strategy).__name__} produced a non-finite aggregate"
+        if problem is not None:
+            warnings.warn(f"round {r + 1}: {problem}; the global state is unchanged", stacklevel=3)
+        metrics["fed/round_skipped"] = float(problem is not None)
+        return state, metrics
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        fabric = self.fabric
+        if fabric.world_size == 1:
+            return t
+        gathered = fabric.all_gather(fabric.to_device(t))
+        return gathered.reshape(-1, *t.shape[1:]).cpu()

@@ -1,0 +1,24 @@
+"""Federated states (named tensors) and the flat float32 layout that strategies and processes exchange."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+State = dict[str, torch.Tensor]
+
+
+def flatten(state: State, names: Sequence[str]) -> torch.Tensor:
+    """Concatenate the tensors of ``state`` in ``names`` order into one flat float32 vector (on the CPU)."""
+    return torch.cat([state[n].detach().reshape(-1).to("cpu", torch.float32) for n in names])
+
+
+def unflatten(flat: torch.Tensor, like: State, names: Sequence[str]) -> State:
+    """Split ``flat`` back into tensors shaped (and typed) like ``like``."""
+    out, offset = {}, 0
+    for n in names:
+        t = like[n]
+        out[n] = flat[offset : offset + t.numel()].view(t.shape).to(t.dtype)
+        offset += t.numel()
+    return out
