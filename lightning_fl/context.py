@@ -68,6 +68,10 @@ class StepContext:
         """(weighted sum, total weight) of a step-logged value on this process."""
         return self._sums.get(key, 0.0), self._weights.get(key, 0.0)
 
+    def step_values(self) -> dict[str, tuple[float, float]]:
+        """Every step-logged key with its (weighted sum, total weight) on this process."""
+        return {key: self.weighted(key) for key in sorted(self._sums)}
+
     def reduce(self) -> dict[str, float]:
         """Step values averaged over every process's batches; epoch-end values as logged."""
         keys = sorted(self._sums)

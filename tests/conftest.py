@@ -43,3 +43,32 @@ def capture_test_results(monkeypatch) -> dict:
 
     monkeypatch.setattr(L.Trainer, "test", spy)
     return captured
+
+
+# ------------------------------------------------------------------------------ tiny federated runs
+def make_model(**kwargs):
+    """A tiny FLITE latent classifier on 8x8 inputs (random base unless ``base`` says otherwise)."""
+    import torch
+
+    from lightning_fl.methods import LatentClassifier
+    from lightning_fl.models import SmallCNN
+
+    torch.manual_seed(kwargs.pop("init_seed", 0))
+    args = {"base": "scratch", "latent_dim": 8, "rank": 4, "layers": "conv+linear"}
+    return LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, **{**args, **kwargs})
+
+
+def make_dm(**kwargs):
+    """4 clients over 240 synthetic 8x8 images."""
+    from lightning_fl.data import FederatedDataModule, Synthetic
+
+    args = {"source": Synthetic(train_size=240, test_size=60), "num_clients": 4, "batch_size": 16}
+    return FederatedDataModule(**{**args, **kwargs})
+
+
+def make_trainer(tmp_path, **kwargs):
+    """A quiet FederatedTrainer writing under ``tmp_path``."""
+    from lightning_fl.federated import FederatedTrainer
+
+    args = {"rounds": 2, "default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False, "seed": 0}
+    return FederatedTrainer(**{**args, **kwargs})

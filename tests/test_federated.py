@@ -8,30 +8,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import CONFIGS, REPO, run_cli
+from conftest import CONFIGS, REPO, make_dm, make_model, make_trainer, run_cli
 from lightning_fl.checkpoint import atomic_save
 from lightning_fl.compress import FP32, Quantize
-from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.errors import CheckpointError
 from lightning_fl.federated import FactorMismatchError, FedAvg, FederatedTrainer, UploadRejectedError
 from lightning_fl.methods import LatentClassifier, Pretraining, TrainingDivergedError
 from lightning_fl.models import SmallCNN
-
-
-def make_model(**kwargs) -> LatentClassifier:
-    torch.manual_seed(kwargs.pop("init_seed", 0))
-    args = {"base": "scratch", "latent_dim": 8, "rank": 4, "layers": "conv+linear"}
-    return LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, **{**args, **kwargs})
-
-
-def make_dm(**kwargs) -> FederatedDataModule:
-    args = {"source": Synthetic(train_size=240, test_size=60), "num_clients": 4, "batch_size": 16}
-    return FederatedDataModule(**{**args, **kwargs})
-
-
-def make_trainer(tmp_path, **kwargs) -> FederatedTrainer:
-    args = {"rounds": 2, "default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False, "seed": 0}
-    return FederatedTrainer(**{**args, **kwargs})
 
 
 def latent(trainer: FederatedTrainer) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -46,14 +46,14 @@ class ClientResult:
     """What one client produced in one round.
 
     ``payload`` is ``None`` when local training failed (``failure`` says why): nothing is uploaded then.
-    ``loss_sum / loss_weight`` is the client's mean ``train/loss`` over its batches (weighted by batch size).
+    ``logged`` holds what the module logged in ``training_step`` (``self.log``): per key, the sum of the
+    values weighted by batch size and the total weight, so means over clients weight every sample alike.
     """
 
     client: int
     num_samples: int
     payload: Payload | None
-    loss_sum: float = 0.0
-    loss_weight: float = 0.0
+    logged: dict[str, tuple[float, float]] = field(default_factory=dict)
     failure: str | None = None
 
     @property
@@ -145,7 +145,7 @@ def run_client(
         if isinstance(err, ConfigError):
             raise
         result.failure = f"local training failed: {err}"
-    result.loss_sum, result.loss_weight = context.weighted("train/loss")
+    result.logged = context.step_values()
     if result.failure is not None:
         return result
     state = module.federated_state()

@@ -319,7 +319,7 @@ class FederatedTrainer(TrainerLike):
                 "num_clients": num_clients,
                 "fingerprint": fingerprint,
                 "global_state": round_ckpt.to_cpu(self.global_state),
-                "strategy_class": type(self.strategy).__name__,
+                "strategy_class": self.strategy.name,
                 "strategy": self.strategy.state_dict(),
                 "codec": self.codec.state_dict(),
                 "ledger": self.ledger.state_dict(),
@@ -333,7 +333,7 @@ class FederatedTrainer(TrainerLike):
             "seed": seed,
             "num_clients": num_clients,
             "fingerprint": fingerprint,
-            "strategy": type(self.strategy).__name__,
+            "strategy": self.strategy.name,
         }
         ckpt = round_ckpt.load_round(path, expect, list(self.global_state), self.rounds)
         device = self.fabric.device

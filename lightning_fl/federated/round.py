@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from lightning_fl.compress.base import FP32, Codec
@@ -71,20 +72,20 @@ class RoundRunner:
         sampled = self.strategy.sample(r, datamodule.num_clients, count, seed)
         away = [c for c in sampled if self.unavailable(seed, r, c)]
         available = [c for c in sampled if c not in away]
-        ids, accepted, weights, flats, stats = self._train_mine(model, datamodule, state, names, available, r, seed)
+        ids, accepted, weights, flats, up, logged = self._train_mine(
+            model, datamodule, state, names, available, r, seed
+        )
         order = sorted((i for i in range(len(ids)) if ids[i] >= 0), key=lambda i: int(ids[i]))
         down = FP32().encode(state, state, -1).nbytes
         self.ledger.start_round()
         for i in order:
             self.ledger.record(int(ids[i]), "down", down)
-            self.ledger.record(int(ids[i]), "up", int(stats[i, 0]))
+            self.ledger.record(int(ids[i]), "up", int(up[i]))
         for c in away:
             self.ledger.record(c, "down", down)
         keep = [i for i in order if accepted[i]]
         metrics = {"fed/round": float(r + 1), "fed/clients": float(len(sampled)), "fed/unavailable_clients": len(away)}
-        loss_weight = float(stats[order, 2].sum()) if order else 0.0
-        if loss_weight > 0:
-            metrics["train/loss"] = float(stats[order, 1].sum()) / loss_weight
+        metrics.update(mean_over_clients([logged[int(ids[i])] for i in order]))
         clients, uploads, num_samples = [int(ids[i]) for i in keep], flats[keep], weights[keep]
         current = flatten(state, names)
         if self.attack is not None:
@@ -102,14 +103,19 @@ class RoundRunner:
         return state, {k: float(v) for k, v in metrics.items()}
 
     def _train_mine(self, model, datamodule, state: State, names: list[str], available: list[int], r: int, seed: int):
-        """Train this process's share of ``available``; gather (ids, accepted, num samples, uploads, stats)."""
+        """Train this process's share of ``available``; gather what the round needs.
+
+        Returns ids, accepted flags, sample counts, flat uploads and upload bytes (one row per slot on every
+        process), and ``{client: logged values}``.
+        """
         fabric = self.fabric
         slots = max(1, math.ceil(len(available) / fabric.world_size))
         ids = torch.full((slots,), -1, dtype=torch.int64)
         accepted = torch.zeros(slots, dtype=torch.int64)
         weights = torch.zeros(slots, dtype=torch.float64)
         flats = torch.zeros(slots, sum(state[n].numel() for n in names), dtype=torch.float32)
-        stats = torch.zeros(slots, 3, dtype=torch.float64)  # up bytes, loss sum, loss weight
+        up = torch.zeros(slots, dtype=torch.int64)  # upload bytes
+        logged: dict[int, dict[str, tuple[float, float]]] = {}
         mine = available[fabric.global_rank :: fabric.world_size]
         show = self.progress and fabric.is_global_zero
         for slot, cid in enumerate(tqdm(mine, desc=f"clients r{r + 1}", leave=False, disable=not show)):
@@ -117,7 +123,7 @@ class RoundRunner:
                 model, datamodule, state, cid, r, seed, codec=self.codec, local=self.local, fabric=fabric
             )
             ids[slot], weights[slot] = cid, float(result.num_samples)
-            stats[slot] = torch.tensor([result.up_bytes, result.loss_sum, result.loss_weight], dtype=torch.float64)
+            up[slot], logged[cid] = result.up_bytes, result.logged
             problems = [result.failure] if result.failure else []
             if not problems:
                 try:
@@ -131,7 +137,7 @@ class RoundRunner:
                 continue
             accepted[slot] = 1
             flats[slot] = flatten(decoded, names)
-        return tuple(self._gather(t) for t in (ids, accepted, weights, flats, stats))
+        return (*(self._gather(t) for t in (ids, accepted, weights, flats, up)), self._gather_logged(logged))
 
     def _aggregate(self, r, state, names, current, uploads, num_samples, clients) -> tuple[State, dict[str, float]]:
         """Apply the strategy; keep ``state`` when the round cannot be aggregated or its result is unusable."""
@@ -146,11 +152,19 @@ class RoundRunner:
                 metrics.update({f"strategy/{k}": float(v) for k, v in extra.items()})
                 state = {n: t.to(state[n].device) for n, t in new_state.items()}
             else:
-                problem = f"{type(self.strategy).__name__} produced a non-finite aggregate"
+                problem = f"{self.strategy.name} produced a non-finite aggregate"
         if problem is not None:
             warnings.warn(f"round {r + 1}: {problem}; the global state is unchanged", stacklevel=3)
         metrics["fed/round_skipped"] = float(problem is not None)
         return state, metrics
+
+    def _gather_logged(self, logged: dict[int, dict]) -> dict[int, dict]:
+        """Every process's ``{client: logged values}``, merged."""
+        if self.fabric.world_size == 1:
+            return logged
+        everyone: list[dict] = [{} for _ in range(self.fabric.world_size)]
+        dist.all_gather_object(everyone, logged)
+        return {c: values for part in everyone for c, values in part.items()}
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         fabric = self.fabric
@@ -158,3 +172,15 @@ class RoundRunner:
             return t
         gathered = fabric.all_gather(fabric.to_device(t))
         return gathered.reshape(-1, *t.shape[1:]).cpu()
+
+
+def mean_over_clients(logged: list[dict[str, tuple[float, float]]]) -> dict[str, float]:
+    """Each logged key's mean over every batch of every client (batch-size weighted), summed in client order."""
+    keys = sorted({k for values in logged for k in values})
+    out = {}
+    for key in keys:
+        pairs = [values.get(key, (0.0, 0.0)) for values in logged]
+        total = float(torch.tensor([w for _, w in pairs], dtype=torch.float64).sum())
+        if total > 0:
+            out[key] = float(torch.tensor([s for s, _ in pairs], dtype=torch.float64).sum()) / total
+    return out

@@ -83,8 +83,14 @@ class Strategy:
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but got state keys {sorted(state)}")
 
+    @property
+    def name(self) -> str:
+        """The class name (of the configured class, also for a config default built lazily by jsonargparse)."""
+        lazy = ("LazyInstance_", "_LazyInit")  # jsonargparse's wrappers of a lazily built default
+        return next(c.__name__ for c in type(self).__mro__ if not c.__name__.startswith(lazy))
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{self.name}()"
 
 
 def mean_of_uploads(uploads: torch.Tensor, num_samples: torch.Tensor, weighted: bool) -> torch.Tensor:

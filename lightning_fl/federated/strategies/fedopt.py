@@ -82,6 +82,4 @@ class FedOpt(Strategy):
         self.v = state["v"].clone() if "v" in state else None
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(server_lr={self.server_lr}, tau={self.tau}, beta1={self.beta1}, beta2={self.beta2})"
-        )
+        return f"{self.name}(server_lr={self.server_lr}, tau={self.tau}, beta1={self.beta1}, beta2={self.beta2})"

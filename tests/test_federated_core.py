@@ -1,0 +1,272 @@
+"""The federated core's contracts in the loop: strategies, availability, attacks, the client runner, the module protocol."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import CONFIGS, make_dm, make_model, make_trainer, run_cli
+from lightning_fl.compress import FP32, Quantize
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated import (
+    ALIE,
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedYogi,
+    GaussianNoise,
+    Krum,
+    LocalTraining,
+    Median,
+    NaNUpload,
+    Scaling,
+    SignFlip,
+    TrimmedMean,
+    run_client,
+)
+
+ALL_STRATEGIES = {
+    "FedAvg": lambda: FedAvg(weighted=True),
+    "FedAvgM": lambda: FedAvgM(server_lr=0.8, momentum=0.5),
+    "FedAdagrad": lambda: FedAdagrad(server_lr=0.05),
+    "FedAdam": lambda: FedAdam(server_lr=0.05),
+    "FedYogi": lambda: FedYogi(server_lr=0.05),
+    "Median": Median,
+    "TrimmedMean": lambda: TrimmedMean(beta=0.25),
+    "Krum": lambda: Krum(num_malicious=1),
+}
+
+
+def latent(trainer) -> torch.Tensor:
+    return trainer.global_state["mapping.latent"].detach().cpu()
+
+
+def quiet_fit(trainer, model, dm, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit(model, datamodule=dm, **kwargs)
+    return trainer
+
+
+@pytest.mark.parametrize("name", sorted(ALL_STRATEGIES))
+def test_resumed_run_equals_uninterrupted_run_with_strategy_state(tmp_path, name):
+    make = ALL_STRATEGIES[name]
+    full = quiet_fit(make_trainer(tmp_path / "a", rounds=3, strategy=make(), logger=False), make_model(), make_dm())
+    first = quiet_fit(make_trainer(tmp_path / "b", rounds=2, strategy=make(), name="s"), make_model(), make_dm())
+    ckpt = first.log_dir / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["strategy_class"] == type(make()).__name__
+    if name in ("FedAvgM", "FedAdagrad", "FedAdam", "FedYogi"):  # the server optimiser's state is checkpointed
+        assert saved["strategy"] and all(torch.isfinite(t).all() for t in saved["strategy"].values())
+    resumed = make_trainer(tmp_path / "b", rounds=3, strategy=make(), name="s")
+    quiet_fit(resumed, make_model(), make_dm(), ckpt_path=str(ckpt))
+    assert torch.equal(latent(full), latent(resumed))
+    assert not torch.equal(latent(full), torch.zeros_like(latent(full)))  # it moved
+
+
+def test_resume_refuses_another_strategy(tmp_path):
+    first = quiet_fit(make_trainer(tmp_path, rounds=1, strategy=FedAdam()), make_model(), make_dm())
+    ckpt = str(first.log_dir / "checkpoints" / "last.ckpt")
+    with pytest.raises(Exception, match="strategy FedAdam in the checkpoint, Median now"):
+        make_trainer(tmp_path, rounds=2, strategy=Median()).fit(make_model(), datamodule=make_dm(), ckpt_path=ckpt)
+
+
+def test_a_version_1_checkpoint_without_strategy_state_still_resumes(tmp_path):
+    first = quiet_fit(make_trainer(tmp_path, rounds=1, name="v"), make_model(), make_dm())
+    path = first.log_dir / "checkpoints" / "last.ckpt"
+    old = torch.load(path, weights_only=True)
+    for key in ("strategy", "strategy_class"):
+        old.pop(key)
+    old["version"] = 1
+    torch.save(old, path)
+    resumed = quiet_fit(make_trainer(tmp_path, rounds=2, name="v"), make_model(), make_dm(), ckpt_path=str(path))
+    assert [h["round"] for h in resumed.history] == [0, 1, 2]
+
+
+class Recording:
+    """Wraps a strategy's aggregate to keep every upload matrix it receives."""
+
+    def __init__(self, strategy):
+        self.seen = []
+        original = strategy.aggregate
+
+        def spy(round, current, uploads, num_samples, clients):
+            self.seen.append((uploads.clone(), list(clients)))
+            return original(round, current, uploads, num_samples, clients)
+
+        strategy.aggregate = spy
+
+
+class NaNFromClient1(FP32):
+    def decode(self, payload, reference, client):
+        out = super().decode(payload, reference, client)
+        return {k: v.clone().fill_(float("nan")) for k, v in out.items()} if client == 1 else out
+
+
+@pytest.mark.parametrize("name", sorted(ALL_STRATEGIES))
+def test_a_nan_upload_never_reaches_the_strategy(tmp_path, name):
+    strategy = ALL_STRATEGIES[name]()
+    spy = Recording(strategy)
+    trainer = make_trainer(tmp_path, rounds=1, strategy=strategy, codec=NaNFromClient1(), logger=False)
+    with pytest.warns(UserWarning, match="client 1: upload rejected: .*non-finite"):
+        trainer.fit(make_model(), datamodule=make_dm(num_clients=5))  # Krum(f=1) needs 4 accepted uploads
+    ((uploads, clients),) = spy.seen
+    assert clients == [0, 2, 3, 4] and torch.isfinite(uploads).all()
+    assert torch.isfinite(latent(trainer)).all() and trainer.history[-1]["fed/dropped_clients"] == 1
+
+
+def test_a_nan_attack_is_dropped_by_the_gate_before_the_strategy(tmp_path):
+    strategy = Median()
+    spy = Recording(strategy)
+    trainer = make_trainer(tmp_path, rounds=1, strategy=strategy, attack=NaNUpload(clients=[0, 3]), logger=False)
+    with pytest.warns(UserWarning, match="client 3: upload rejected: non-finite"):
+        trainer.fit(make_model(), datamodule=make_dm())
+    ((uploads, clients),) = spy.seen
+    assert clients == [1, 2] and torch.isfinite(uploads).all()
+    last = trainer.history[-1]
+    assert last["fed/attacked_clients"] == 2 and last["fed/dropped_clients"] == 2
+
+
+def test_dropout_is_seeded_counted_and_resumable(tmp_path):
+    dm = make_dm(num_clients=8)
+    args = {"dropout": 0.4, "strategy": FedAvg(min_clients=1)}
+    full = quiet_fit(make_trainer(tmp_path / "a", rounds=4, name="d", **args), make_model(), dm)
+    away = [h["fed/unavailable_clients"] for h in full.history[1:]]
+    assert sum(away) > 0 and all(h["fed/clients"] == 8 for h in full.history[1:])
+    # an unavailable client downloaded every round but never uploaded in the rounds it was away
+    ups, downs = full.ledger.up, full.ledger.down
+    assert torch.all(downs == 4 * 24 * 4)  # 24 latent floats broadcast to every sampled client, 4 rounds
+    assert torch.all(ups <= downs) and int(ups.sum()) == (32 - sum(away)) * 24 * 4
+    first = quiet_fit(make_trainer(tmp_path / "b", rounds=2, name="d", **args), make_model(), dm)
+    resumed = make_trainer(tmp_path / "b", rounds=4, name="d", **args)
+    quiet_fit(resumed, make_model(), dm, ckpt_path=str(first.log_dir / "checkpoints" / "last.ckpt"))
+    assert torch.equal(latent(full), latent(resumed))
+    assert torch.equal(full.ledger.up, resumed.ledger.up)
+    assert [h.get("fed/unavailable_clients") for h in resumed.history[1:]] == away
+
+
+def test_a_round_below_min_clients_keeps_the_global_state(tmp_path):
+    dm = make_dm(num_clients=8)
+    trainer = make_trainer(tmp_path, rounds=6, dropout=0.4, strategy=FedAvg(min_clients=5), logger=False)
+    with pytest.warns(UserWarning, match=r"fewer than trainer.strategy.min_clients=5; the global state is unchanged"):
+        trainer.fit(make_model(), datamodule=dm)
+    skipped = [h for h in trainer.history[1:] if h["fed/round_skipped"] == 1]
+    counted = [h for h in trainer.history[1:] if h["fed/round_skipped"] == 0]
+    assert skipped and counted
+    assert all(8 - h["fed/unavailable_clients"] < 5 for h in skipped)
+    assert all(8 - h["fed/unavailable_clients"] >= 5 for h in counted)
+
+
+def test_identity_error_is_logged_for_linear_strategies_only(tmp_path):
+    linear = quiet_fit(make_trainer(tmp_path, rounds=1, strategy=FedAvgM(), logger=False), make_model(), make_dm())
+    robust = quiet_fit(make_trainer(tmp_path, rounds=1, strategy=Median(), logger=False), make_model(), make_dm())
+    assert 0 <= linear.history[-1]["fed/identity_error"] <= 1e-6
+    assert "fed/identity_error" not in robust.history[-1]
+
+
+def test_attacks_forge_what_they_say():
+    current = torch.tensor([1.0, 1.0])
+    ups = torch.tensor([[2.0, 0.0], [3.0, 1.0], [1.0, 2.0]])
+    out, rows = SignFlip([1], scale=2.0).apply(0, current, ups, [5, 1, 7], seed=0)
+    assert rows == [1] and out[1].tolist() == [-3.0, 1.0] and torch.equal(out[[0, 2]], ups[[0, 2]])
+    out, _ = Scaling([5, 7], factor=10.0).apply(0, current, ups, [5, 1, 7], seed=0)
+    assert out[0].tolist() == [11.0, -9.0] and out[2].tolist() == [1.0, 11.0]
+    a, _ = GaussianNoise([1], std=0.5).apply(3, current, ups, [5, 1, 7], seed=0)
+    b, _ = GaussianNoise([1], std=0.5).apply(3, current, ups, [5, 1, 7], seed=0)
+    c, _ = GaussianNoise([1], std=0.5).apply(4, current, ups, [5, 1, 7], seed=0)
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a[1], ups[1])
+    # ALIE: n = 10, f = 3 -> s = floor(10/2 + 1) - 3 = 3, z = Phi^-1(0.7) = 0.5244
+    assert ALIE.z_max(10, 3) == pytest.approx(0.5244005, abs=1e-6)
+    out, rows = ALIE([1, 7], z=1.0).apply(0, current, ups, [5, 1, 7], seed=0)
+    expected = ups.double().mean(0) - ups.double().std(0)
+    assert torch.allclose(out[1].double(), expected) and torch.allclose(out[2].double(), expected)
+    assert torch.isnan(NaNUpload([5]).apply(0, current, ups, [5, 1, 7], seed=0)[0][0]).all()
+    with pytest.raises(ConfigError, match="distinct client ids"):
+        SignFlip([1, 1])
+
+
+def test_scaling_attack_breaks_fedavg_and_not_the_median(tmp_path):
+    dm = make_dm(num_clients=6)
+    clean = quiet_fit(make_trainer(tmp_path, rounds=2, strategy=Median(), logger=False), make_model(), dm)
+
+    def attacked(strategy):
+        trainer = make_trainer(tmp_path, rounds=2, strategy=strategy, attack=Scaling([0], factor=1000.0), logger=False)
+        return latent(quiet_fit(trainer, make_model(), dm))
+
+    drift_avg = (attacked(FedAvg()) - latent(clean)).norm()
+    drift_median = (attacked(Median()) - latent(clean)).norm()
+    assert drift_avg > 50 * drift_median and drift_avg > 1.0
+
+
+def test_run_client_runs_without_the_loop():
+    torch.manual_seed(0)
+    model, dm = make_model(), make_dm()
+    dm.prepare_data()
+    dm.setup("fit")
+    state = model.federated_state()
+    first = run_client(model, dm, state, client=2, round=1, seed=0, codec=Quantize(8), local=LocalTraining(steps=3))
+    again = run_client(model, dm, state, client=2, round=1, seed=0, codec=Quantize(8), local=LocalTraining(steps=3))
+    other = run_client(model, dm, state, client=2, round=2, seed=0, codec=Quantize(8), local=LocalTraining(steps=3))
+    assert first.failure is None and first.up_bytes == 24 + 8
+    assert first.num_samples == dm.client_num_samples(2) and first.logged["train/loss"][1] == 3 * 16
+    packed = [r.payload.tensors["mapping.latent"].parts["packed"] for r in (first, again, other)]
+    assert torch.equal(packed[0], packed[1]) and not torch.equal(packed[0], packed[2])
+
+
+class NotFederated(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+
+def test_a_module_without_the_protocol_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="NotFederated cannot be federated: it lacks federated_state, load_federa"):
+        make_trainer(tmp_path, logger=False).fit(NotFederated(), datamodule=make_dm())
+
+
+class LogsItsOwn(type(make_model())):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        client = getattr(self.trainer, "client_id", None)  # set by the federated client context
+        self.log("train/custom", 2.0 + (client or 0), on_step=False, on_epoch=True)
+        return loss
+
+
+def test_self_log_in_training_step_works_under_both_trainers(tmp_path):
+    torch.manual_seed(0)
+    model = LogsItsOwn(make_model().backbone, 10, base="scratch", latent_dim=8, rank=4, layers="conv+linear")
+    trainer = quiet_fit(make_trainer(tmp_path, rounds=1, logger=False), model, make_dm())
+    # clients 0..3 have 60 samples each: the sample-weighted mean of 2 + client id
+    assert trainer.history[-1]["train/custom"] == pytest.approx(3.5)
+    assert model.fabric is None  # the context is detached after the round
+    central = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    central.fit(model, datamodule=make_dm())
+    assert central.callback_metrics["train/custom"] == pytest.approx(2.0)  # no client: client_id is absent
+
+
+def test_strategy_and_attack_from_the_command_line(in_tmp, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    args = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--model.pretraining.epochs", "1"]
+    args += ["--trainer.enable_progress_bar", "false", "--trainer.strategy", "FedAdam"]
+    args += [
+        "--trainer.strategy.server_lr",
+        "0.01",
+        "--trainer.attack",
+        "SignFlip",
+        "--trainer.attack.clients",
+        "[0,1]",
+    ]
+    args += ["--trainer.dropout", "0.25"]
+    assert run_cli("fit", *args) == 0
+    run = in_tmp / "runs" / "quickstart" / "version_0"
+    config = (run / "config.yaml").read_text()
+    assert "class_path: lightning_fl.federated.FedAdam" in config and "server_lr: 0.01" in config
+    assert "class_path: lightning_fl.federated.SignFlip" in config and "dropout: 0.25" in config
+    tags = EventAccumulator(str(run)).Reload().Tags()["scalars"]
+    assert {"strategy/step_norm", "fed/attacked_clients", "fed/unavailable_clients"} <= set(tags)
+    assert "fed/identity_error" not in tags  # FedAdam is not a linear aggregator
+    assert run_cli("fit", *args[:-2], "--trainer.strategy.tau", "0") == 2

@@ -1,0 +1,207 @@
+"""Server strategies against hand-computed values, their state across rounds, and finiteness on any finite input."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated.strategies import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedYogi,
+    Krum,
+    Median,
+    TrimmedMean,
+    krum_scores,
+)
+
+
+def agg(strategy, uploads, current=None, num_samples=None):
+    uploads = torch.tensor(uploads, dtype=torch.float32)
+    current = torch.zeros(uploads.shape[1]) if current is None else torch.tensor(current, dtype=torch.float32)
+    n = torch.ones(len(uploads), dtype=torch.float64) if num_samples is None else torch.tensor(num_samples).double()
+    new, _ = strategy.aggregate(0, current, uploads, n, list(range(len(uploads))))
+    assert new.dtype == torch.float64 and new.shape == current.shape
+    return new.tolist()
+
+
+def test_fedavg_unweighted_and_weighted_by_hand():
+    ups = [[1.0, 2.0], [3.0, 6.0], [8.0, -2.0]]
+    assert agg(FedAvg(), ups) == pytest.approx([4.0, 2.0])
+    # weights 1, 2, 1: (1 + 6 + 8) / 4 = 3.75, (2 + 12 - 2) / 4 = 3
+    assert agg(FedAvg(weighted=True), ups, num_samples=[1, 2, 1]) == pytest.approx([3.75, 3.0])
+
+
+def test_median_of_three_and_four_vectors_by_hand():
+    assert agg(Median(), [[1.0, 5.0, 3.0], [2.0, 0.0, 9.0], [10.0, 4.0, -1.0]]) == [2.0, 4.0, 3.0]
+    # even count: mean of the two middle values, as numpy.median
+    assert agg(Median(), [[1.0], [2.0], [10.0], [4.0]]) == [3.0]
+
+
+def test_trimmed_mean_by_hand():
+    ups = [[0.0], [1.0], [2.0], [3.0], [100.0]]
+    assert agg(TrimmedMean(beta=0.2), ups) == [2.0]  # drop 0 and 100: (1 + 2 + 3) / 3
+    assert agg(TrimmedMean(beta=0.0), ups) == [pytest.approx(21.2)]  # nothing trimmed: the mean
+    assert agg(TrimmedMean(beta=0.25), [[5.0], [-7.0], [1.0], [3.0]]) == [2.0]  # k=1: (1 + 3) / 2
+    assert agg(TrimmedMean(beta=0.3), [[0.0], [1.0], [2.0], [4.0], [100.0]]) == [pytest.approx(7 / 3)]  # floor(1.5)
+    with pytest.raises(ConfigError, match="beta"):
+        TrimmedMean(beta=0.5)
+
+
+def test_krum_scores_by_hand_and_honest_cluster_chosen():
+    # n=4, f=1: each score is the squared distance to the n - f - 2 = 1 nearest other vector
+    ups = torch.tensor([[0.0], [1.0], [3.0], [10.0]])
+    assert krum_scores(ups, 1).tolist() == [1.0, 1.0, 4.0, 49.0]
+    honest = [[1.0, 1.0], [1.1, 0.9], [0.9, 1.1], [1.0, 1.2], [1.2, 1.0]]
+    hostile = [[-20.0, -20.0], [-21.0, -19.0]]  # a colluding pair, far away
+    chosen = Krum(num_malicious=2).select(torch.tensor(hostile + honest))
+    assert chosen == [2]  # [1, 1]: the most central honest vector
+    assert agg(Krum(num_malicious=2), hostile + honest) == [1.0, 1.0]
+    # Multi-Krum averages the m best: the honest vectors closest to the centre
+    multi = agg(Krum(num_malicious=2, multi=3), hostile + honest)
+    assert all(0.8 < v < 1.3 for v in multi)
+
+
+def test_krum_refuses_too_few_uploads_instead_of_clamping():
+    krum = Krum(num_malicious=2, multi=1)
+    assert krum.problem(4) is not None and "at least 5" in krum.problem(4)
+    assert krum.problem(5) is None
+    assert Krum(num_malicious=0, multi=6).problem(5) is not None
+    with pytest.raises(ConfigError, match="num_malicious"):
+        Krum(num_malicious=-1)
+
+
+def test_min_clients_is_a_problem_for_every_strategy():
+    for strategy in (FedAvg(min_clients=3), Median(min_clients=3), FedAdam(min_clients=3)):
+        assert "min_clients=3" in strategy.problem(2)
+        assert strategy.problem(3) is None
+    with pytest.raises(ConfigError, match="min_clients"):
+        FedAvg(min_clients=0)
+
+
+def test_fedadam_first_two_steps_by_hand():
+    eta, tau, b1, b2 = 1.0, 0.1, 0.9, 0.99
+    s = FedAdam(server_lr=eta, tau=tau, beta1=b1, beta2=b2)
+    # round 1: x = 1, mean upload 2 -> Delta = 1; m = 0.1; v = 0.99 * 0.01 + 0.01 * 1 = 0.0199
+    x1 = agg(s, [[1.5], [2.5]], current=[1.0])[0]
+    m1, v1 = 0.1, 0.99 * tau**2 + 0.01 * 1.0
+    assert x1 == pytest.approx(1.0 + eta * m1 / (math.sqrt(v1) + tau), rel=1e-12)
+    # round 2: from x1, mean upload 1 -> Delta = 1 - x1
+    x1_32 = float(torch.tensor(x1, dtype=torch.float32))  # the loop hands the strategy a float32 state
+    x2 = agg(s, [[1.0], [1.0]], current=[x1_32])[0]
+    d2 = 1.0 - x1_32
+    m2 = b1 * m1 + (1 - b1) * d2
+    v2 = b2 * v1 + (1 - b2) * d2**2
+    assert x2 == pytest.approx(x1_32 + eta * m2 / (math.sqrt(v2) + tau), rel=1e-12)
+    assert set(s.state_dict()) == {"m", "v"}
+
+
+def test_fedyogi_and_fedadagrad_steps_by_hand():
+    tau = 0.1
+    # Yogi: v0 = tau^2 = 0.01 < Delta^2 = 4, so v1 = 0.01 + 0.01 * 4 = 0.05
+    y = agg(FedYogi(server_lr=0.5, tau=tau, beta1=0.9, beta2=0.99), [[2.0]], current=[0.0])[0]
+    assert y == pytest.approx(0.5 * 0.2 / (math.sqrt(0.05) + tau), rel=1e-12)
+    # Adagrad (beta1 = 0): m = Delta = -3, v = 0.01 + 9
+    a = agg(FedAdagrad(server_lr=0.5, tau=tau), [[-3.0]], current=[0.0])[0]
+    assert a == pytest.approx(0.5 * -3.0 / (math.sqrt(9.01) + tau), rel=1e-12)
+
+
+def test_fedavgm_momentum_by_hand_and_fedavg_without_it():
+    s = FedAvgM(server_lr=0.5, momentum=0.9)
+    # g1 = x - mean = 0 - 2 = -2; v1 = -2; x1 = 0 + 0.5 * 2 = 1
+    assert agg(s, [[2.0]], current=[0.0]) == [1.0]
+    # g2 = 1 - 1 = 0; v2 = 0.9 * -2 + 0 = -1.8; x2 = 1 + 0.9 = 1.9
+    assert agg(s, [[1.0]], current=[1.0]) == [pytest.approx(1.9)]
+    plain = agg(FedAvgM(server_lr=1.0, momentum=0.0), [[1.0, 3.0], [2.0, 5.0]], current=[7.0, -1.0])
+    assert plain == pytest.approx(agg(FedAvg(), [[1.0, 3.0], [2.0, 5.0]]), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FedAdam(server_lr=0.3),
+        lambda: FedYogi(server_lr=0.3),
+        lambda: FedAdagrad(server_lr=0.3),
+        lambda: FedAvgM(server_lr=0.7, momentum=0.8),
+    ],
+)
+def test_server_optimiser_state_round_trips(make):
+    torch.manual_seed(0)
+    rounds = [torch.randn(3, 5) for _ in range(3)]
+    current = torch.zeros(5)
+    straight = make()
+    for r, ups in enumerate(rounds):
+        current = straight.aggregate(r, current, ups, torch.ones(3, dtype=torch.float64), [0, 1, 2])[0].float()
+    resumed = make()
+    current2 = torch.zeros(5)
+    for r, ups in enumerate(rounds[:2]):
+        current2 = resumed.aggregate(r, current2, ups, torch.ones(3, dtype=torch.float64), [0, 1, 2])[0].float()
+    saved = {k: v.clone() for k, v in resumed.state_dict().items()}
+    fresh = make()
+    fresh.load_state_dict(saved)
+    current2 = fresh.aggregate(2, current2, rounds[2], torch.ones(3, dtype=torch.float64), [0, 1, 2])[0].float()
+    assert torch.equal(current, current2)
+
+
+def test_bad_server_optimiser_settings_name_the_key():
+    with pytest.raises(ConfigError, match=r"trainer\.strategy\.tau"):
+        FedAdam(tau=0.0)
+    with pytest.raises(ConfigError, match=r"trainer\.strategy\.beta2"):
+        FedYogi(beta2=1.0)
+    with pytest.raises(ConfigError, match=r"trainer\.strategy\.momentum"):
+        FedAvgM(momentum=1.5)
+    with pytest.raises(ValueError, match="stateless"):
+        Median().load_state_dict({"m": torch.zeros(1)})
+
+
+FINITE32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+STRATEGIES = [
+    FedAvg,
+    lambda: FedAvg(weighted=True),
+    FedAvgM,
+    FedAdagrad,
+    FedAdam,
+    FedYogi,
+    Median,
+    TrimmedMean,
+    lambda: Krum(num_malicious=1),
+    lambda: Krum(num_malicious=1, multi=2),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ups=arrays(
+        "float32",
+        st.tuples(st.integers(4, 7), st.integers(1, 6)),
+        elements=st.floats(allow_nan=False, allow_infinity=False, width=32),
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_every_strategy_stays_finite_on_finite_input(ups, seed):
+    uploads = torch.from_numpy(ups)
+    num_samples = torch.arange(1, len(uploads) + 1, dtype=torch.float64)
+    current = torch.from_numpy(ups[seed % len(ups)].copy())
+    for make in STRATEGIES:
+        strategy = make()
+        for r in range(2):  # the second round exercises server optimiser state
+            new, _ = strategy.aggregate(r, current, uploads, num_samples, list(range(len(uploads))))
+            assert torch.isfinite(new).all(), type(strategy).__name__
+
+
+@settings(max_examples=40, deadline=None)
+@given(ups=arrays("float32", st.tuples(st.integers(3, 6), st.integers(1, 4)), elements=st.floats(-100, 100, width=32)))
+def test_robust_aggregates_do_not_depend_on_client_order(ups):
+    uploads = torch.from_numpy(ups)
+    flipped = uploads.flip(0)
+    ones = torch.ones(len(uploads), dtype=torch.float64)
+    for strategy in (Median(), TrimmedMean(beta=0.25)):
+        a = strategy.aggregate(0, uploads[0], uploads, ones, [])[0]
+        b = strategy.aggregate(0, uploads[0], flipped, ones, [])[0]
+        assert torch.equal(a, b)
