@@ -1,4 +1,4 @@
-"""The federated core's contracts in the loop: strategies, availability, attacks, the client runner, the module protocol."""
+"""The federated core in the loop: strategies, availability, attacks, the client runner and the module protocol."""
 
 import warnings
 
