@@ -1,6 +1,6 @@
 """Batched, differentiable ERM for the linear softmax classifier that (F)MP refits.
 
-Federated Martingale Posterior Sampling (shared/papers/fmp.md, equations 1 and 4): every posterior
+Federated Martingale Posterior Sampling (equations 1 and 4): every posterior
 sample is ``theta = argmin_theta sum_{z in Z u Z'} loss(z, theta)``. Here ``theta`` is a bias-free
 linear classifier ``W`` (C x D; 10 x 128 floats = 5.12 KB) and, for each sample ``s``,
 

@@ -1,6 +1,6 @@
 """Federated Martingale Posterior sampling: meta-training the summariser and one-shot evaluation.
 
-FMP (shared/papers/fmp.md, section IV): clients upload ``s`` summary points ``Z~_m = h_phi(Z_m)``;
+FMP ("Federated Martingale Posterior Sampling", section IV): clients upload ``s`` summary points ``Z~_m = h_phi(Z_m)``;
 the server generates ``Z~' = ISAB(Z~, E)`` with a frozen predictive generator and refits the
 model by ERM for each base set ``E``. The summariser is meta-trained on equation (7),
 ``mean_i ||theta_MP(Z^i, E^i) - theta_FMP(Z^i, E^i)||`` over tasks from a meta-training corpus,

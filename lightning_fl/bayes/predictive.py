@@ -21,7 +21,7 @@ near-uniform labels (entropy close to log C) that act as a regulariser of the re
 beats naive resampling, but MP becomes under-confident. ``sampled`` and ``predictive`` keep labels
 informative but did not beat plain ERM on held-out NLL in our runs.
 
-Training (the paper leaves it open; DESIGN section 4): the generator must be trained before it is
+Training (the paper leaves it open; this is our reading): the generator must be trained before it is
 frozen. :func:`generator_loss` is our objective, on tasks from the meta-training corpus with a
 context ``Z`` and held-out points ``T`` of the same task:
 

@@ -5,7 +5,7 @@ Each tensor is mapped to ``q = round((x - min) / scale)`` with ``scale = (max - 
 per value. The wire format is the packed integers (``ceil(n b / 8)`` bytes: int4 packs two values
 per byte, low nibble first; int2 four per byte; int16 two bytes little-endian) plus the scale and
 the zero point (``min``) as two float32: ``ceil(n b / 8) + 8`` bytes. A 1,280-float FLITE latent at
-int4 is 648 bytes (flite.md section 5.9).
+int4 is 648 bytes (the FLITE paper, arXiv 2607.18343, section 5.9).
 """
 
 from __future__ import annotations

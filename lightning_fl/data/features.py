@@ -1,8 +1,8 @@
 """Frozen features for FMP: every image mapped once to a vector ``h``, then cached.
 
-FMP (shared/papers/fmp.md, section V-2) does not work on raw images: "we first map each input image
+FMP ("Federated Martingale Posterior Sampling", section V-2) does not work on raw images: "we first map each input image
 x to a frozen feature representation h in R^{d_x}, obtained from a feature extractor trained
-offline with cross-entropy loss". Our reading (DESIGN.md section 4): ``d_x = 128``, and the server
+offline with cross-entropy loss". Our reading: ``d_x = 128``, and the server
 refits linear softmax classifiers on ``h``.
 
 - :class:`PixelFeatures`: the flattened pixels themselves (digits: 64-d), for quick CPU runs.

@@ -8,7 +8,7 @@ import torch
 class ByteLedger:
     """Cumulative bytes per client and direction, plus the current round's traffic.
 
-    The paper reports cumulative bytes per client counting both directions (flite.md section 4,
+    The paper reports cumulative bytes per client counting both directions (FLITE, arXiv 2607.18343, section 4,
     "Communication accounting"); ``comm/cum_client_bytes`` is that number averaged over clients.
     """
 

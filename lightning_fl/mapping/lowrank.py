@@ -1,4 +1,4 @@
-"""FLITE's delta low-rank mapping: ``theta_l = theta_pre_l + U_l V_l^T z_l`` (flite.md section 3.3).
+"""FLITE's delta low-rank mapping: ``theta_l = theta_pre_l + U_l V_l^T z_l`` (FLITE, arXiv 2607.18343, section 3.3).
 
 Only the latents ``z`` (one flat vector of ``D = sum_l d_l`` floats) train. ``U_l`` (``P_l x r``) and
 ``V_l`` (``d_l x r``) are frozen, with orthonormal columns, regenerated from one 64-bit seed and the

@@ -1,4 +1,4 @@
-"""FLITE: Federated Lightweight Fine-Tuning (flite.md), the latent classifier.
+"""FLITE: "Federated Lightweight Fine-Tuning" (arXiv 2607.18343), the latent classifier.
 
 A frozen pretrained backbone is steered by a small latent through the delta low-rank map
 ``theta_l = theta_pre_l + U_l V_l^T z_l`` (:class:`~lightning_fl.mapping.LatentMapping`); only ``z``
@@ -129,7 +129,7 @@ class LatentClassifier(Classifier):
 
     @torch.no_grad()
     def averaging_identity_error(self, states: list[dict[str, torch.Tensor]]) -> float:
-        """``max |mean_k theta(z_k) - theta(mean_k z_k)|`` over the mapped weights (flite.md eq. 4)."""
+        """``max |mean_k theta(z_k) - theta(mean_k z_k)|`` over the mapped weights (FLITE eq. 4)."""
         zs = torch.stack([s["mapping.latent"].to(self.mapping.latent) for s in states])  # (K, D)
         per_client = [self.mapping.split(z) for z in zs]  # K lists of per-layer latents
         averaged = self.mapping.split(zs.mean(0))
