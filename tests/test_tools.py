@@ -158,3 +158,36 @@ def test_method_table_means_over_labels():
     assert "| mean acc | mean ece |" in lines["method"]
     # m: acc (0.6 + 0.9) / 2 = 0.75, ece (0.2 + 0.0) / 2 = 0.1; n has no row for label b.
     assert lines["m"].endswith("| 0.7500 | 0.1000 |") and lines["n"].endswith("| - | - |")
+
+
+def test_pivot_table_puts_tags_on_rows_and_columns():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    rows = [
+        {
+            "label": f"{s}_{a}_{f}",
+            "seed": seed,
+            "final": 1,
+            "strategy": s,
+            "attack": a,
+            "f": float(f),
+            "val/acc": acc + 0.01 * seed,
+        }
+        for s, a, f, acc in [
+            ("avg", "none", 0, 0.9),
+            ("avg", "flip", 1, 0.5),
+            ("med", "none", 0, 0.8),
+            ("med", "flip", 1, 0.7),
+        ]
+        for seed in (0, 1)
+    ] + [{"label": "avg_none_0", "seed": 0, "final": 0, "strategy": "avg", "attack": "none", "f": 0.0, "val/acc": 0.1}]
+    spec = {"pivot": {"rows": "strategy", "columns": ["attack", "f"]}, "metric": "val/acc", "where": {}}
+    text = report.pivot_table(rows, spec)
+    lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert lines["strategy"] == "| strategy | none f=0 | flip f=1 |"
+    # mean over the two seeds of the final rounds only (the round-0 row of 0.1 is not final)
+    assert lines["avg"] == "| avg | 0.905 (0.007) | 0.505 (0.007) |"
+    assert lines["med"] == "| med | 0.805 (0.007) | 0.705 (0.007) |"

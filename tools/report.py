@@ -11,6 +11,10 @@ tables:
     labels: [latent_d64, fedavg]       # default: every label, in CSV order
     round: null                        # a round number shows that round (0: the starting model) instead
     columns: [val/acc, val/ece, comm/client_up_bytes, comm/cum_client_bytes]
+  - title: Accuracy under attack        # a pivot: rows and columns are tags, cells one metric
+    pivot: {rows: strategy, columns: [attack, f]}
+    where: {sweep: robustness_digits, state: latent}
+    metric: val/acc
   - title: Table I analogue             # rows are methods: metric columns "test/{method}/{metric}" per label
     methods: [fmp, mp, cann]
     labels: [digits, fashion_mnist]
@@ -23,7 +27,10 @@ figures:
   - {name: latent_dim, kind: sweep, x: d, where: {method: latent}, metric: val/acc}  # final metric vs a tag
   - {name: quant, kind: bars, labels: [latent_fp32, latent_int4], metric: val/acc}   # final metric per label
   - {name: budget, kind: budget, labels: [...], budget_mb: 1.0}   # best acc within a byte budget
+  - {name: per_round, kind: rounds, labels: [fedavg, fedadam], metric: val/acc}      # metric per round
 ```
+
+``csv`` may be a list of files (read one after the other, e.g. the same study on two data sets).
 
     python tools/report.py REPORT.yaml              # prints the tables, writes the figures
     python tools/report.py REPORT.yaml --markdown FILE   # also writes the tables to FILE
@@ -33,7 +40,9 @@ round by round, one curve per label (mean over seeds); ``sweep`` plots the final
 numeric tag, one line per value of ``series`` (a tag, optional) or, with ``methods`` and a ``metric``
 template such as ``test/{method}/acc``, one line per method; ``bars`` shows the final ``metric`` per
 label; ``budget`` shows, per label, the best val/acc reached while cumulative bytes per client stay within
-``budget_mb``. Error bars are one standard deviation over seeds.
+``budget_mb``; ``rounds`` plots ``metric`` against the round, one curve per label. Error bars and bands are
+one standard deviation over seeds. A ``pivot`` table shows ``mean (std)`` of one metric with a row per value
+of the ``rows`` tag and a column per combination of the ``columns`` tags (in CSV order).
 """
 
 from __future__ import annotations
@@ -111,6 +120,38 @@ def table(rows: list[dict], spec: dict) -> str:
         group = groups.get(label, [])
         cells = [fmt(c, *mean_std([r.get(c, "") for r in group])) for c in columns]
         lines.append(f"| {label} | {len(group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pivot_table(rows: list[dict], spec: dict) -> str:
+    """One metric: a row per value of ``pivot.rows``, a column per combination of the ``pivot.columns`` tags."""
+    row_tag, col_tags = spec["pivot"]["rows"], spec["pivot"]["columns"]
+    metric = spec.get("metric", "val/acc")
+    groups = finals(select(rows, spec.get("labels"), spec.get("where")), spec.get("round"))
+    cells: dict[tuple, list[float]] = defaultdict(list)
+    row_keys, col_keys = [], []
+    for group in groups.values():
+        first = group[0]
+        rk, ck = first.get(row_tag), tuple(first.get(t) for t in col_tags)
+        row_keys += [rk] if rk not in row_keys else []
+        col_keys += [ck] if ck not in col_keys else []
+        cells[rk, ck] += [r.get(metric, "") for r in group]
+    which = "final round" if spec.get("round") is None else f"round {spec['round']}"
+    seeds = sorted({len(g) for g in groups.values()})
+    lines = [
+        f"**{spec.get('title', metric)}** ({metric}, {which}, mean (std) over {'/'.join(map(str, seeds))} seeds)",
+        "",
+    ]
+    header = [" ".join(f"{t}={v:g}" if isinstance(v, float) else str(v) for t, v in zip(col_tags, ck, strict=True))
+              for ck in col_keys]  # fmt: skip
+    lines.append(f"| {row_tag} | " + " | ".join(header) + " |")
+    lines.append("| --- | " + " | ".join("---" for _ in header) + " |")
+    for rk in row_keys:
+        values = []
+        for ck in col_keys:
+            mean, std = mean_std(cells.get((rk, ck), []))
+            values.append("-" if math.isnan(mean) else f"{mean:.3f} ({std:.3f})")
+        lines.append(f"| {rk} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
@@ -192,6 +233,19 @@ def figure(rows: list[dict], spec: dict):
         ax.set_xscale(spec.get("xscale", "log"), **({"base": 2} if spec.get("xscale", "log") == "log" else {}))
         ax.set_xlabel(spec["x"])
         ax.set_ylabel(metric.replace("{method}/", ""))
+    elif kind == "rounds":
+        for label in spec.get("labels") or labels_in_order(rows):
+            by_round = defaultdict(list)
+            for r in select(rows, [label]):
+                if r.get(metric, "") != "":
+                    by_round[int(r["round"])].append(r[metric])
+            xs = sorted(by_round)
+            stats = np.array([mean_std(by_round[k]) for k in xs])
+            if len(xs):
+                ax.plot(xs, stats[:, 0], marker="o", ms=3, label=label)
+                ax.fill_between(xs, stats[:, 0] - stats[:, 1], stats[:, 0] + stats[:, 1], alpha=0.2)
+        ax.set_xlabel("round")
+        ax.set_ylabel(metric)
     elif kind in ("bars", "budget"):
         labels = spec.get("labels") or labels_in_order(rows)
         means, stds = [], []
@@ -214,7 +268,7 @@ def figure(rows: list[dict], spec: dict):
             ax.set_ylim(min(finite) - 0.02, max(finite) + 0.01)
         ax.set_ylabel("best test accuracy within budget" if kind == "budget" else metric)
     else:
-        raise SystemExit(f"error: unknown figure kind {kind!r}; use pareto, sweep, bars or budget")
+        raise SystemExit(f"error: unknown figure kind {kind!r}; use pareto, sweep, rounds, bars or budget")
     ax.set_title(spec.get("title", spec["name"]))
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -229,10 +283,13 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this file")
     args = parser.parse_args()
     spec = yaml.safe_load(args.report.read_text())
-    rows = read(Path(spec["csv"]))
+    files = spec["csv"] if isinstance(spec["csv"], list) else [spec["csv"]]
+    rows = [r for f in files for r in read(Path(f))]
     if not rows:
         raise SystemExit(f"error: {spec['csv']} has no rows; run tools/sweep.py first")
-    tables = "\n\n".join(method_table(rows, t) if "methods" in t else table(rows, t) for t in spec.get("tables", []))
+    kinds = {"methods": method_table, "pivot": pivot_table}
+    render = [next((f for key, f in kinds.items() if key in t), table) for t in spec.get("tables", [])]
+    tables = "\n\n".join(f(rows, t) for f, t in zip(render, spec.get("tables", []), strict=True))
     print(tables)
     if args.markdown is not None:
         args.markdown.write_text(tables + "\n")

@@ -62,6 +62,9 @@ METRIC_COLUMNS = [
     "comm/cum_client_up_bytes",
     "fed/identity_error",
     "fed/dropped_clients",
+    "fed/attacked_clients",
+    "fed/unavailable_clients",
+    "fed/round_skipped",
     "time/round_s",
     "time/elapsed_s",
 ]

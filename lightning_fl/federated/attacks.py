@@ -37,6 +37,13 @@ class Attack:
             raise ConfigError(f"trainer.attack.clients must be distinct client ids >= 0, got {clients}")
         self.clients = sorted(int(c) for c in clients)
 
+    @staticmethod
+    def positive(key: str, value: float) -> float:
+        """``value`` if it is > 0, else a :class:`ConfigError` naming ``trainer.attack.<key>``."""
+        if not value > 0:
+            raise ConfigError(f"trainer.attack.{key} must be > 0, got {value}")
+        return value
+
     def forge(
         self, round: int, current: torch.Tensor, uploads: torch.Tensor, rows: list[int], seed: int, ids: list[int]
     ) -> torch.Tensor:
@@ -78,9 +85,7 @@ class SignFlip(Attack):
 
     def __init__(self, clients: list[int], scale: float = 1.0) -> None:
         super().__init__(clients)
-        if not scale > 0:
-            raise ConfigError(f"trainer.attack.scale must be > 0, got {scale}")
-        self.scale = scale
+        self.scale = self.positive("scale", scale)
 
     def forge(self, round, current, uploads, rows, seed, ids) -> torch.Tensor:
         return current - self.scale * (uploads[rows] - current)
@@ -96,9 +101,7 @@ class Scaling(Attack):
 
     def __init__(self, clients: list[int], factor: float = 10.0) -> None:
         super().__init__(clients)
-        if not factor > 0:
-            raise ConfigError(f"trainer.attack.factor must be > 0, got {factor}")
-        self.factor = factor
+        self.factor = self.positive("factor", factor)
 
     def forge(self, round, current, uploads, rows, seed, ids) -> torch.Tensor:
         return current + self.factor * (uploads[rows] - current)
@@ -114,9 +117,7 @@ class GaussianNoise(Attack):
 
     def __init__(self, clients: list[int], std: float = 1.0) -> None:
         super().__init__(clients)
-        if not std > 0:
-            raise ConfigError(f"trainer.attack.std must be > 0, got {std}")
-        self.std = std
+        self.std = self.positive("std", std)
 
     def forge(self, round, current, uploads, rows, seed, ids) -> torch.Tensor:
         out = []

@@ -1,5 +1,6 @@
 """FedYogi: Reddi et al. (2021), "Adaptive Federated Optimization" (ICLR), after Yogi (Zaheer et al. 2018):
-``v_t = v_{t-1} - (1 - beta2) Delta_t^2 sign(v_{t-1} - Delta_t^2)``."""
+``v_t = v_{t-1} - (1 - beta2) Delta_t^2 sign(v_{t-1} - Delta_t^2)``: ``v`` moves towards ``Delta^2`` by at most
+``(1 - beta2) Delta^2`` per round, so a burst of large updates raises it more slowly than Adam would."""
 
 from __future__ import annotations
 
@@ -9,27 +10,7 @@ from lightning_fl.federated.strategies.fedopt import FedOpt
 
 
 class FedYogi(FedOpt):
-    """Yogi on the server (see :mod:`lightning_fl.federated.strategies.fedopt`).
-
-    Args:
-        server_lr: Server learning rate (the paper's eta).
-        tau: Adaptivity (the paper's tau), > 0.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        weighted: Weight uploads by client sample count in the mean.
-        min_clients: Fewest accepted uploads a round needs; with fewer the round keeps the global state.
-    """
-
-    def __init__(
-        self,
-        server_lr: float = 0.01,
-        tau: float = 1e-3,
-        beta1: float = 0.9,
-        beta2: float = 0.99,
-        weighted: bool = False,
-        min_clients: int = 1,
-    ) -> None:
-        super().__init__(server_lr, tau, beta1, beta2, weighted, min_clients)
+    """Yogi on the server; arguments as :class:`~lightning_fl.federated.strategies.fedopt.FedOpt`."""
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> torch.Tensor:
         return v - (1 - self.beta2) * delta_sq * torch.sign(v - delta_sq)
