@@ -9,8 +9,9 @@ from lightning_fl.federated.attacks import ALIE, Attack, GaussianNoise, NaNUploa
 from lightning_fl.federated.client import ClientResult, LocalTraining, run_client
 from lightning_fl.federated.gate import UploadRejectedError, check_upload
 from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.loop import FactorMismatchError, FederatedTrainer
+from lightning_fl.federated.loop import FederatedTrainer
 from lightning_fl.federated.module import FederatedModule, ModuleHooks
+from lightning_fl.federated.setup import FactorMismatchError
 from lightning_fl.federated.strategies import (
     FedAdagrad,
     FedAdam,

@@ -28,13 +28,13 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from jsonargparse import lazy_instance
-from lightning.fabric.loggers import TensorBoardLogger
 from tqdm.auto import tqdm
 
 from lightning_fl.checkpoint import read_checkpoint, remove_stale_temps
 from lightning_fl.compress.base import FP32, Codec
-from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.errors import ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
+from lightning_fl.federated import setup
 from lightning_fl.federated.attacks import Attack
 from lightning_fl.federated.client import LocalTraining
 from lightning_fl.federated.evaluate import evaluate
@@ -43,10 +43,6 @@ from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
 from lightning_fl.trainer_api import TrainerLike, write_config
-
-
-class FactorMismatchError(UserError):
-    """A process's model (factors or base) differs from the server's: the averaging identity would break."""
 
 
 class FederatedTrainer(TrainerLike):
@@ -168,7 +164,7 @@ class FederatedTrainer(TrainerLike):
         self.global_state = model.federated_state()
         self.ledger = ByteLedger(datamodule.num_clients)
         self.history, start = [], 0
-        fingerprint = self._fingerprint(hooks)
+        fingerprint = setup.agree_on_fingerprint(fabric, hooks)
         identity = hooks.averaging_identity_error if self.check_identity and self.strategy.linear else None
         runner = RoundRunner(
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
@@ -215,60 +211,16 @@ class FederatedTrainer(TrainerLike):
 
     # ============================================================================ set-up
     def _launch(self, run_dir: Path | None = None) -> L.Fabric:
-        loggers = []
-        if self.use_logger:
-            if run_dir is not None and self.version is None:  # resuming: keep logging into the same run folder
-                loggers.append(
-                    TensorBoardLogger(str(run_dir.parent.parent), name=run_dir.parent.name, version=run_dir.name)
-                )
-            else:
-                loggers.append(TensorBoardLogger(self.default_root_dir, name=self.name, version=self.version))
-        fabric = L.Fabric(**self.fabric_args, loggers=loggers)
-        fabric.launch()
-        self.fabric = fabric
-        mine = str(fabric.logger.log_dir) if self.use_logger else str(Path(self.default_root_dir) / self.name)
-        self.log_dir = Path(fabric.broadcast(mine if fabric.is_global_zero else None))
-        return fabric
+        root, name, version = self.default_root_dir, self.name, self.version
+        self.fabric, self.log_dir = setup.launch(self.fabric_args, self.use_logger, root, name, version, run_dir)
+        return self.fabric
 
     def _run_seed(self) -> int:
         return int(self.seed) if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def _prepare(self, model: L.LightningModule, datamodule: Any, stage: str) -> tuple[L.LightningModule, ModuleHooks]:
-        fabric = self.fabric
-        hooks = ModuleHooks.of(model)
-        needed = ("num_clients", "client_dataloader", "client_num_samples", "val_dataloader")
-        missing = [a for a in needed if not hasattr(datamodule, a)]
-        if missing:
-            raise ConfigError(
-                f"FederatedTrainer needs a federated data module (e.g. lightning_fl.data.FederatedDataModule); "
-                f"{type(datamodule).__name__} lacks {', '.join(missing)}"
-            )
         self._datamodule = datamodule
-        with fabric.rank_zero_first(local=True):
-            datamodule.prepare_data()
-        datamodule.setup(stage)
-        if hooks.check_data is not None:
-            hooks.check_data(datamodule)
-        if hooks.prepare_base is not None:
-            with fabric.rank_zero_first():
-                hooks.prepare_base(datamodule)
-        model.setup(stage)
-        model = fabric.strategy.precision.convert_module(model)
-        return fabric.to_device(model), hooks
-
-    def _fingerprint(self, hooks: ModuleHooks) -> str | None:
-        """Every process checks its model against the server's (rank 0) fingerprint once."""
-        fabric = self.fabric
-        mine = hooks.factor_fingerprint() if hooks.factor_fingerprint is not None else None
-        server = fabric.broadcast(mine)
-        if mine != server:
-            raise FactorMismatchError(
-                f"process {fabric.global_rank} (its clients refuse to train) has model fingerprint "
-                f"{mine} but the server broadcast {server}: its projection factors or pretrained base differ, so "
-                "averaging latents would not average weights. Use the same model.factor_seed, layers, latent_dim, "
-                "rank and base on every client."
-            )
-        return mine
+        return setup.prepare(self.fabric, model, datamodule, stage)
 
     def _write_config(self) -> None:
         fabric = self.fabric

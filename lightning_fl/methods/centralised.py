@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import lightning as L
 import torch
 import torchmetrics
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_fl.context import StepContext, attached
 from lightning_fl.methods.schedules import warmup_cosine_factor
-
-if TYPE_CHECKING:  # the classifier imports this module to pretrain its base
-    from lightning_fl.methods.classifier import Classifier
 
 
 def resolve_device(accelerator: str) -> torch.device:
@@ -40,14 +37,19 @@ def _autocast(device: torch.device, precision: str | None):
 
 
 def train_classifier(
-    model: Classifier,
+    model: L.LightningModule,
     datamodule: object,
     epochs: int,
     accelerator: str = "auto",
     precision: str | None = None,
     log_dir: str | Path | None = None,
 ) -> dict[str, float]:
-    """Train ``model`` on ``datamodule.train_dataloader()`` for ``epochs``; return the final validation metrics."""
+    """Train ``model`` on ``datamodule.train_dataloader()`` for ``epochs``; return the final validation metrics.
+
+    ``model`` is a :class:`~lightning_fl.methods.Classifier` (or has its ``make_optimizer`` and ``hparams``
+    ``warmup_epochs``, ``schedule`` and ``grad_clip``); this module does not import it, the classifier imports
+    this module to pretrain its base.
+    """
     device = resolve_device(accelerator)
     model.to(device)
     for metric in model.modules():  # this process trains alone: never wait for others in compute()
@@ -98,7 +100,7 @@ def train_classifier(
 
 
 @torch.no_grad()
-def evaluate_classifier(model: Classifier, loader, device: torch.device, precision: str | None = None) -> dict:
+def evaluate_classifier(model: L.LightningModule, loader, device: torch.device, precision: str | None = None) -> dict:
     """The module's own validation step and epoch end, collected without a trainer."""
     model.eval()
     try:

@@ -1,0 +1,72 @@
+"""Setting up a federated run: the Fabric processes and run folder, the module and data, the model check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.fabric.loggers import TensorBoardLogger
+
+from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated.module import ModuleHooks
+
+FEDERATED_DATA = ("num_clients", "client_dataloader", "client_num_samples", "val_dataloader")
+
+
+class FactorMismatchError(UserError):
+    """A process's model (factors or base) differs from the server's: the averaging identity would break."""
+
+
+def launch(
+    fabric_args: dict[str, Any], logger: bool, root: str, name: str, version: int | str | None, resume_dir: Path | None
+) -> tuple[L.Fabric, Path]:
+    """Start Fabric's processes; return it and the run folder (``resume_dir`` keeps logging where a run left off)."""
+    loggers = []
+    if logger:
+        if resume_dir is not None and version is None:
+            loggers.append(TensorBoardLogger(str(resume_dir.parent.parent), resume_dir.parent.name, resume_dir.name))
+        else:
+            loggers.append(TensorBoardLogger(root, name=name, version=version))
+    fabric = L.Fabric(**fabric_args, loggers=loggers)
+    fabric.launch()
+    mine = str(fabric.logger.log_dir) if logger else str(Path(root) / name)
+    return fabric, Path(fabric.broadcast(mine if fabric.is_global_zero else None))
+
+
+def prepare(
+    fabric: L.Fabric, model: L.LightningModule, datamodule: Any, stage: str
+) -> tuple[L.LightningModule, ModuleHooks]:
+    """Check the module and data, prepare them (rank 0 first), and move the module to its device and precision."""
+    hooks = ModuleHooks.of(model)
+    missing = [a for a in FEDERATED_DATA if not hasattr(datamodule, a)]
+    if missing:
+        raise ConfigError(
+            f"FederatedTrainer needs a federated data module (e.g. lightning_fl.data.FederatedDataModule); "
+            f"{type(datamodule).__name__} lacks {', '.join(missing)}"
+        )
+    with fabric.rank_zero_first(local=True):
+        datamodule.prepare_data()
+    datamodule.setup(stage)
+    if hooks.check_data is not None:
+        hooks.check_data(datamodule)
+    if hooks.prepare_base is not None:
+        with fabric.rank_zero_first():
+            hooks.prepare_base(datamodule)
+    model.setup(stage)
+    model = fabric.strategy.precision.convert_module(model)
+    return fabric.to_device(model), hooks
+
+
+def agree_on_fingerprint(fabric: L.Fabric, hooks: ModuleHooks) -> str | None:
+    """Every process checks its model against the server's (rank 0) fingerprint once; the agreed one."""
+    mine = hooks.factor_fingerprint() if hooks.factor_fingerprint is not None else None
+    server = fabric.broadcast(mine)
+    if mine != server:
+        raise FactorMismatchError(
+            f"process {fabric.global_rank} (its clients refuse to train) has model fingerprint "
+            f"{mine} but the server broadcast {server}: its projection factors or pretrained base differ, so "
+            "averaging latents would not average weights. Use the same model.factor_seed, layers, latent_dim, "
+            "rank and base on every client."
+        )
+    return mine
