@@ -241,8 +241,25 @@ def test_quickstart_through_the_cli(in_tmp, monkeypatch):
     assert set(metrics) == {"test/acc", "test/ece", "test/loss"}
 
 
+EXTRAS = [
+    "--trainer.strategy",
+    "FedAdam",
+    "--trainer.strategy.server_lr",
+    "0.01",
+    "--trainer.dropout",
+    "0.3",
+    "--trainer.attack",
+    "SignFlip",
+    "--trainer.attack.clients",
+    "[1]",
+]
+
+
 @pytest.mark.distributed
-def test_two_processes_give_the_same_global_state_as_one(tmp_path):
+@pytest.mark.parametrize(
+    "extra", [pytest.param([], id="fedavg"), pytest.param(EXTRAS, id="fedadam_dropout_attack", marks=pytest.mark.slow)]
+)
+def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
     """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit."""
     states = []
     for devices in ("1", "2"):  # separate caches: each run pretrains its base too (rank 0 only with 2 processes)
@@ -270,6 +287,7 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path):
             "0.5",
             "--trainer.clients_per_round",
             "5",
+            *extra,
         ]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -280,6 +298,10 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path):
     assert torch.equal(one["global_state"]["mapping.latent"], two["global_state"]["mapping.latent"])
     assert torch.equal(one["ledger"]["up"], two["ledger"]["up"])
     assert [h.get("val/acc") for h in one["history"]] == [h.get("val/acc") for h in two["history"]]
+    assert [h.get("train/loss") for h in one["history"]] == [h.get("train/loss") for h in two["history"]]
+    assert one["strategy"].keys() == two["strategy"].keys()
+    for key, value in one["strategy"].items():  # server optimiser moments agree too
+        assert torch.equal(value, two["strategy"][key])
 
 
 def test_checkpoint_files_load_with_weights_only(tmp_path):
