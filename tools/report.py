@@ -236,7 +236,7 @@ def figure(rows: list[dict], spec: dict):
     elif kind == "rounds":
         for label in spec.get("labels") or labels_in_order(rows):
             by_round = defaultdict(list)
-            for r in select(rows, [label]):
+            for r in select(rows, [label], spec.get("where")):
                 if r.get(metric, "") != "":
                     by_round[int(r["round"])].append(r[metric])
             xs = sorted(by_round)
