@@ -114,7 +114,7 @@ def _public_subclasses(base: type) -> list[str]:
         stack.extend(cls.__subclasses__())
         if (
             cls.__module__.startswith("lightning_fl")
-            and not cls.__name__.startswith("_")
+            and not cls.__name__.startswith(("_", "LazyInstance_"))  # jsonargparse's wrapper of a lazy default
             and not cls.__dict__.get("_plugin_base", False)
             and not inspect.isabstract(cls)
         ):
@@ -198,10 +198,10 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         hint = f" Did you mean '{close[0]}'?" if close else ""
         return f"{prefix}unknown key '{option}'.{hint} Accepted top-level keys: {', '.join(top)}."
 
-    if match := re.search(
+    if imports := re.findall(
         r"(?:Expected a dot import path string|Import path|Unable to import)[:\s]+'?([\w.]+)", message
     ):
-        name = match.group(1)
+        name = imports[-1]  # the innermost: outer Union members report the enclosing class_path first
         key = ".".join(chain) or "?"
         base = _base_for(chain, class_paths)
         choices = _public_subclasses(base) if base is not None else []

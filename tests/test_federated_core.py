@@ -270,3 +270,15 @@ def test_strategy_and_attack_from_the_command_line(in_tmp, monkeypatch):
     assert {"strategy/step_norm", "fed/attacked_clients", "fed/unavailable_clients"} <= set(tags)
     assert "fed/identity_error" not in tags  # FedAdam is not a linear aggregator
     assert run_cli("fit", *args[:-2], "--trainer.strategy.tau", "0") == 2
+
+
+def test_an_unknown_strategy_or_attack_is_named_with_the_choices(in_tmp, capsys):
+    base = ["--config", str(CONFIGS / "quickstart.yaml")]
+    assert run_cli("fit", *base, "--trainer.strategy", "Medain") == 2
+    err = capsys.readouterr().err
+    assert "trainer.strategy: unknown class 'Medain'" in err and "Median, TrimmedMean" in err
+    assert "LazyInstance" not in err
+    assert run_cli("fit", *base, "--trainer.attack", "Signflip") == 2
+    assert (
+        "trainer.attack: unknown class 'Signflip'. Accepted short names: ALIE, GaussianNoise" in capsys.readouterr().err
+    )
