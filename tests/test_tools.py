@@ -184,10 +184,18 @@ def test_pivot_table_puts_tags_on_rows_and_columns():
         ]
         for seed in (0, 1)
     ] + [{"label": "avg_none_0", "seed": 0, "final": 0, "strategy": "avg", "attack": "none", "f": 0.0, "val/acc": 0.1}]
-    spec = {"pivot": {"rows": "strategy", "columns": ["attack", "f"]}, "metric": "val/acc", "where": {}}
+    rows += [{**r, "sweep": "other", "val/acc": 0.0} for r in rows]  # another sweep with the same labels
+    for r in rows[: len(rows) // 2]:
+        r["sweep"] = "this"
+    spec = {"pivot": {"rows": "strategy", "columns": ["attack", "f"]}, "metric": "val/acc", "where": {"sweep": "this"}}
     text = report.pivot_table(rows, spec)
     lines = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert lines["strategy"] == "| strategy | none f=0 | flip f=1 |"
     # mean over the two seeds of the final rounds only (the round-0 row of 0.1 is not final)
     assert lines["avg"] == "| avg | 0.905 (0.007) | 0.505 (0.007) |"
     assert lines["med"] == "| med | 0.805 (0.007) | 0.705 (0.007) |"
+    # two sweeps that share labels stay apart
+    by_sweep = report.pivot_table(
+        rows, {"pivot": {"rows": "strategy", "columns": ["sweep"]}, "where": {"attack": "flip"}}
+    )
+    assert "| strategy | this | other |" in by_sweep and "| avg | 0.505 (0.007) | 0.000 (0.000) |" in by_sweep

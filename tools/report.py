@@ -127,7 +127,11 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
     """One metric: a row per value of ``pivot.rows``, a column per combination of the ``pivot.columns`` tags."""
     row_tag, col_tags = spec["pivot"]["rows"], spec["pivot"]["columns"]
     metric = spec.get("metric", "val/acc")
-    groups = finals(select(rows, spec.get("labels"), spec.get("where")), spec.get("round"))
+    chosen = select(rows, spec.get("labels"), spec.get("where"))
+    groups = defaultdict(list)  # one run per (sweep, label): two sweeps may share labels
+    for r in chosen:
+        if (r["final"] == 1) if spec.get("round") is None else (r["round"] == spec["round"]):
+            groups[r.get("sweep"), r["label"]].append(r)
     cells: dict[tuple, list[float]] = defaultdict(list)
     row_keys, col_keys = [], []
     for group in groups.values():
