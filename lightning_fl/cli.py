@@ -271,6 +271,23 @@ def _attach_config(trainer: Any, config_yaml: str) -> None:
         )
 
 
+def _build_error(err: Exception) -> str:
+    """The reason a plug-in could not be built, without jsonargparse's report on the union's other members.
+
+    ``trainer`` accepts a Lightning ``Trainer`` or a ``TrainerLike``; when ours refuses a value, jsonargparse
+    reports every member's failure and the whole namespace. Keep only the lines that say what is wrong.
+    """
+    text = str(err)
+    if "Does not validate against any of the Union subtypes" not in text:
+        return f"{type(err).__name__}: {err}"
+    reasons = [
+        line.strip()[2:]
+        for line in text.splitlines()
+        if line.strip().startswith("- ") and "does not correspond to a subclass" not in line
+    ]
+    return "; ".join(reasons) if reasons else f"{type(err).__name__}: {err}"
+
+
 def _check_ckpt_path(path: str | None) -> None:
     special = {"last", "best", "hpc", "registry"}
     if path is None or path in special or "://" in path:
@@ -299,7 +316,7 @@ def main(argv: list[str] | None = None) -> Any:
     except (UserError, ValueError, TypeError) as err:
         if os.environ.get("LIGHTNING_FL_DEBUG"):
             raise
-        _fail(f"{subcommand}: could not build the config: {type(err).__name__}: {err}")
+        _fail(f"{subcommand}: could not build the config: {_build_error(err)}")
     run = init[subcommand]
     try:
         _check_ckpt_path(run.ckpt_path)

@@ -282,3 +282,28 @@ def test_an_unknown_strategy_or_attack_is_named_with_the_choices(in_tmp, capsys)
     assert (
         "trainer.attack: unknown class 'Signflip'. Accepted short names: ALIE, GaussianNoise" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.attack", "SignFlip", "--trainer.attack.clients", "[3,8]"],
+         "error: fit: trainer.attack.clients [8] do not exist: client ids run 0..7\n"),
+        (["--trainer.strategy.min_clients", "9"],
+         "trainer.strategy cannot aggregate any round: a round samples 8 clients, so at most 8 upload(s) accepted, "
+         "fewer than trainer.strategy.min_clients=9\n"),
+        (["--trainer.strategy", "Krum", "--trainer.strategy.num_malicious", "6"],
+         "needs at least 9\n"),
+        (["--trainer.strategy", "FedAdam", "--trainer.strategy.server_lr", "-1"],
+         "error: fit: could not build the config: trainer.strategy.server_lr must be > 0, got -1.0\n"),
+        (["--trainer.dropout", "1.5"],
+         "error: fit: could not build the config: trainer.dropout must be in [0, 1), got 1.5\n"),
+    ],
+)  # fmt: skip
+def test_an_impossible_plan_is_refused_in_one_line_before_any_work(in_tmp, capsys, monkeypatch, args, message):
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    assert run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.splitlines()) == 2 and "Given value" not in err  # the reason, then the --help hint
+    assert not (in_tmp / "runs").exists() and not (in_tmp / "cache").exists()  # nothing was pretrained or written

@@ -158,8 +158,11 @@ class FederatedTrainer(TrainerLike):
     def fit(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None) -> None:
         root = Path(self.default_root_dir) / self.name
         ckpt = round_ckpt.find_resume(ckpt_path, self.resume, root, self.version)
+        if isinstance(getattr(datamodule, "num_clients", None), int):
+            self._check_plan(datamodule.num_clients)  # before any work when the client count is known up front
         fabric = self._launch(run_dir=ckpt.parent.parent if ckpt is not None else None)
         model, hooks = self._prepare(model, datamodule, stage="fit")
+        self._check_plan(datamodule.num_clients)
         seed = self._run_seed()
         self.global_state = model.federated_state()
         self.ledger = ByteLedger(datamodule.num_clients)
@@ -170,7 +173,7 @@ class FederatedTrainer(TrainerLike):
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
             identity, progress=self.enable_progress_bar,
         )  # fmt: skip
-        count = self.clients_per_round or max(1, round(self.client_fraction * datamodule.num_clients))
+        count = self._clients_per_round(datamodule.num_clients)
         if ckpt is not None:
             start = self._restore(ckpt, model, seed, fingerprint, datamodule.num_clients)
         self._write_config()
@@ -263,6 +266,13 @@ class FederatedTrainer(TrainerLike):
         self.fabric.barrier()
         for logger in self.fabric.loggers:
             logger.finalize("success")
+
+    def _clients_per_round(self, num_clients: int) -> int:
+        return self.clients_per_round or max(1, round(self.client_fraction * num_clients))
+
+    def _check_plan(self, num_clients: int) -> None:
+        count = min(self._clients_per_round(num_clients), num_clients)
+        setup.check_plan(self.strategy, self.attack, num_clients, count)
 
     def _save_checkpoint(self, completed: int, seed: int, fingerprint: str | None, num_clients: int) -> None:
         if self.fabric.is_global_zero:

@@ -1,4 +1,4 @@
-"""Setting up a federated run: the Fabric processes and run folder, the module and data, the model check."""
+"""Setting up a federated run: the Fabric processes and run folder, the module and data, the model and plan checks."""
 
 from __future__ import annotations
 
@@ -70,3 +70,23 @@ def agree_on_fingerprint(fabric: L.Fabric, hooks: ModuleHooks) -> str | None:
             "rank and base on every client."
         )
     return mine
+
+
+def check_plan(strategy: Any, attack: Any, num_clients: int, count: int) -> None:
+    """Refuse a run whose attack names absent clients or whose strategy could never aggregate a round.
+
+    Args:
+        strategy: The server strategy (its ``problem`` says why a number of uploads cannot be aggregated).
+        attack: The attack, or ``None``.
+        num_clients: Clients of the data module.
+        count: Clients sampled per round.
+    """
+    problems = []
+    if attack is not None and (absent := [c for c in attack.clients if c >= num_clients]):
+        problems.append(f"trainer.attack.clients {absent} do not exist: client ids run 0..{num_clients - 1}")
+    if (why := strategy.problem(count)) is not None:
+        problems.append(
+            f"trainer.strategy cannot aggregate any round: a round samples {count} clients, so at most {why}"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
