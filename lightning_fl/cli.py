@@ -163,6 +163,13 @@ def _base_for(keys: list[str], class_paths: list[str]) -> type | None:
     return None
 
 
+# Keys that moved: the old key, and what to write instead.
+RENAMED = {
+    "trainer.aggregation": "it became trainer.strategy: FedAvg with weighted false ('mean') or true ('weighted')",
+}
+FABRIC_STRATEGIES = {"auto", "ddp", "ddp_spawn", "dp", "fsdp", "deepspeed", "single_device", "xla"}
+
+
 def format_parse_error(message: str, subcommand: str | None) -> str:
     """Turn jsonargparse's nested report into one message: the dotted key, the problem, what is accepted."""
     keys = re.findall(r'Parser key "([^"]+)"', message)
@@ -178,6 +185,8 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         option = match.group(1)
         cls = _resolve_class(class_paths[-1]) if class_paths else None
         key = ".".join([*chain, option])
+        if key in RENAMED:
+            return f"{prefix}unknown key '{key}': {RENAMED[key]}."
         if cls is None:
             return f"{prefix}unknown key '{key}'"
         accepted = _init_params(cls)
@@ -207,7 +216,10 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         choices = _public_subclasses(base) if base is not None else []
         if chain == ["trainer"]:
             choices = sorted({"Trainer", *_public_subclasses(TrainerLike)})
-        accepted = f" Accepted short names: {', '.join(choices)};" if choices else ""
+        label = "Accepted short names"
+        if key == "trainer.strategy" and name.split(".")[-1].lower() in FABRIC_STRATEGIES:
+            label = "Fabric's strategy is trainer.fabric_strategy; server strategies"
+        accepted = f" {label}: {', '.join(choices)};" if choices else ""
         return f"{prefix}{key}: unknown class '{name}'.{accepted} or give a full import path 'package.module.Class'" + (
             f" of a {base.__name__} subclass." if base is not None else "."
         )

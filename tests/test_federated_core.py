@@ -307,3 +307,12 @@ def test_an_impossible_plan_is_refused_in_one_line_before_any_work(in_tmp, capsy
     assert message in err
     assert len(err.splitlines()) == 2 and "Given value" not in err  # the reason, then the --help hint
     assert not (in_tmp / "runs").exists() and not (in_tmp / "cache").exists()  # nothing was pretrained or written
+
+
+def test_the_moved_keys_say_where_they_went(in_tmp, capsys):
+    base = ["--config", str(CONFIGS / "quickstart.yaml")]
+    assert run_cli("fit", *base, "--trainer.aggregation", "mean") == 2
+    assert "unknown key 'trainer.aggregation': it became trainer.strategy: FedAvg" in capsys.readouterr().err
+    assert run_cli("fit", *base, "--trainer.strategy", "ddp") == 2
+    err = capsys.readouterr().err
+    assert "unknown class 'ddp'. Fabric's strategy is trainer.fabric_strategy; server strategies: FedAdagrad" in err
