@@ -53,6 +53,7 @@ import csv
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -82,13 +83,18 @@ def select(rows: list[dict], labels: list[str] | None = None, where: dict | None
     return out
 
 
-def finals(rows: list[dict], round_: int | None = None) -> dict[str, list[dict]]:
-    """Final-round rows (or the rows of round ``round_``) per label, one per seed."""
-    by_label = defaultdict(list)
+def finals(rows: list[dict], round_: int | None = None, key=lambda r: r["label"]) -> dict[Any, list[dict]]:
+    """Final-round rows (or the rows of round ``round_``) per ``key`` (the label), one per seed."""
+    groups = defaultdict(list)
     for r in rows:
         if (r["final"] == 1) if round_ is None else (r["round"] == round_):
-            by_label[r["label"]].append(r)
-    return by_label
+            groups[key(r)].append(r)
+    return groups
+
+
+def per_run(r: dict) -> tuple:
+    """One run across sweeps: two sweeps may share labels."""
+    return r.get("sweep"), r["label"]
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -127,11 +133,7 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
     """One metric: a row per value of ``pivot.rows``, a column per combination of the ``pivot.columns`` tags."""
     row_tag, col_tags = spec["pivot"]["rows"], spec["pivot"]["columns"]
     metric = spec.get("metric", "val/acc")
-    chosen = select(rows, spec.get("labels"), spec.get("where"))
-    groups = defaultdict(list)  # one run per (sweep, label): two sweeps may share labels
-    for r in chosen:
-        if (r["final"] == 1) if spec.get("round") is None else (r["round"] == spec["round"]):
-            groups[r.get("sweep"), r["label"]].append(r)
+    groups = finals(select(rows, spec.get("labels"), spec.get("where")), spec.get("round"), key=per_run)
     cells: dict[tuple, list[float]] = defaultdict(list)
     row_keys, col_keys = [], []
     for group in groups.values():
@@ -220,7 +222,7 @@ def figure(rows: list[dict], spec: dict):
         ax.set_xlabel("cumulative MB per client (up + down)")
         ax.set_ylabel("test accuracy")
     elif kind == "sweep":
-        chosen = finals(select(rows, spec.get("labels"), spec.get("where")))
+        chosen = finals(select(rows, spec.get("labels"), spec.get("where")), key=per_run)
         series = defaultdict(list)
         for group in chosen.values():
             if spec.get("methods"):  # one line per method, the metric a template

@@ -158,11 +158,13 @@ class FederatedTrainer(TrainerLike):
     def fit(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None) -> None:
         root = Path(self.default_root_dir) / self.name
         ckpt = round_ckpt.find_resume(ckpt_path, self.resume, root, self.version)
-        if isinstance(getattr(datamodule, "num_clients", None), int):
-            self._check_plan(datamodule.num_clients)  # before any work when the client count is known up front
+        known = isinstance(getattr(datamodule, "num_clients", None), int)  # else it is known after setup
+        if known:
+            self._check_plan(datamodule.num_clients)  # before any work
         fabric = self._launch(run_dir=ckpt.parent.parent if ckpt is not None else None)
         model, hooks = self._prepare(model, datamodule, stage="fit")
-        self._check_plan(datamodule.num_clients)
+        if not known:
+            self._check_plan(datamodule.num_clients)
         seed = self._run_seed()
         self.global_state = model.federated_state()
         self.ledger = ByteLedger(datamodule.num_clients)
