@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -308,15 +309,34 @@ def _check_ckpt_path(path: str | None) -> None:
         raise UserError(f"ckpt_path {path} does not exist; pass a checkpoint file (e.g. <run>/checkpoints/last.ckpt)")
 
 
-def main(argv: list[str] | None = None) -> Any:
-    """Parse, seed, build the four plug-ins, save the resolved config, and run the subcommand."""
+@dataclass
+class Run:
+    """A parsed and built config: the subcommand, the four plug-ins and the resolved YAML that made them."""
+
+    subcommand: str
+    trainer: Any
+    model: Any
+    data: Any
+    ckpt_path: str | None
+    config_yaml: str
+
+
+class ConfigParseError(UserError):
+    """The arguments or the config file could not be parsed (the message names the key)."""
+
+
+def build(argv: list[str]) -> Run:
+    """Parse ``argv`` (``fit --config FILE --key value ...``), seed, and build the plug-ins; do not run.
+
+    Raises :class:`ConfigParseError` or :class:`~lightning_fl.errors.UserError` with one line naming the key.
+    Used by :func:`main` and by the Flower apps, which build the same run from the same arguments.
+    """
     parser, subparsers = _build()
-    args = sys.argv[1:] if argv is None else list(argv)
-    subcommand = next((a for a in args if a in SUBCOMMANDS), None)
+    subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
     try:
-        cfg = parser.parse_args(args)
+        cfg = parser.parse_args(list(argv))
     except ArgumentError as err:
-        _fail(format_parse_error(str(err), subcommand))
+        raise ConfigParseError(format_parse_error(str(err), subcommand)) from None
     subcommand = cfg.subcommand
     sub_cfg = cfg[subcommand]
     seed = _resolve_seed(sub_cfg.seed_everything)
@@ -328,13 +348,22 @@ def main(argv: list[str] | None = None) -> Any:
     except (UserError, ValueError, TypeError) as err:
         if os.environ.get("LIGHTNING_FL_DEBUG"):
             raise
-        _fail(f"{subcommand}: could not build the config: {_build_error(err)}")
+        raise ConfigParseError(f"{subcommand}: could not build the config: {_build_error(err)}") from None
     run = init[subcommand]
+    return Run(subcommand, run.trainer, run.model, run.data, run.ckpt_path, config_yaml)
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Parse, seed, build the four plug-ins, save the resolved config, and run the subcommand."""
+    try:
+        run = build(sys.argv[1:] if argv is None else list(argv))
+    except ConfigParseError as err:
+        _fail(str(err))
     try:
         _check_ckpt_path(run.ckpt_path)
-        _attach_config(run.trainer, config_yaml)
-        method = getattr(run.trainer, subcommand)
+        _attach_config(run.trainer, run.config_yaml)
+        method = getattr(run.trainer, run.subcommand)
         return method(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
     except UserError as err:
-        _fail(f"{subcommand}: {err}")
+        _fail(f"{run.subcommand}: {err}")
     return None

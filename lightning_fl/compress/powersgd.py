@@ -12,6 +12,7 @@ uncompressed in float32. Error feedback keeps ``M - P^ Q^T`` for the client's ne
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -79,7 +80,11 @@ class PowerSGD(UpdateCompressor):
             if "values" in enc.parts:
                 out[name] = enc.parts["values"].to(torch.float32).view(enc.shape)
             else:
-                out[name] = (enc.parts["p"] @ enc.parts["q"].T).to(torch.float32).view(enc.shape)
+                p, q = enc.parts["p"], enc.parts["q"]
+                # checked before the product: hostile factors could otherwise ask for an enormous matrix
+                if p.ndim != 2 or q.ndim != 2 or p.shape[1] != q.shape[1] or len(p) * len(q) != math.prod(enc.shape):
+                    raise ValueError(f"{name}: factors {tuple(p.shape)} and {tuple(q.shape)} do not make {enc.shape}")
+                out[name] = (p @ q.T).to(torch.float32).view(enc.shape)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,6 +7,8 @@ attack rewrote in simulation are checked again with :func:`non_finite_rows`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightning_fl.compress.base import Payload
@@ -43,6 +45,21 @@ def check_upload(decoded: State, reference: State, payload: Payload) -> list[str
     cap = sum(t.numel() * 4 + 64 for t in reference.values())
     if payload.nbytes > cap:
         problems.append(f"payload is {payload.nbytes} bytes, more than the {cap} of sending the state in float32")
+    return problems
+
+
+def check_layout(payload: Payload, reference: State) -> list[str]:
+    """Problems with a payload's declared sizes, found before the codec decodes it.
+
+    A payload that crossed a network says what shape each tensor has; no tensor may declare more values
+    than the whole reference state holds, so a hostile header cannot make the decoder allocate without bound.
+    """
+    total = sum(t.numel() for t in reference.values())
+    problems = []
+    for name, enc in payload.tensors.items():
+        numel = math.prod(enc.shape)
+        if numel > total:
+            problems.append(f"{name}: declares {numel} values; the whole state has {total}")
     return problems
 
 

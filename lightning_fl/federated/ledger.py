@@ -9,18 +9,34 @@ class ByteLedger:
     """Cumulative bytes per client and direction, plus the current round's traffic.
 
     The paper reports cumulative bytes per client counting both directions (FLITE, arXiv 2607.18343, section 4,
-    "Communication accounting"); ``comm/cum_client_bytes`` is that number averaged over clients.
+    "Communication accounting"); ``comm/cum_client_bytes`` is that number averaged over clients. It counts the
+    codec's payloads, whatever carries them. A network transport (Flower) also reports the size of the messages
+    that carried them (:meth:`record_message`), logged as ``comm/msg_*`` so the transport's overhead shows.
     """
 
     def __init__(self, num_clients: int) -> None:
         self.num_clients = num_clients
         self.up = torch.zeros(num_clients, dtype=torch.int64)
         self.down = torch.zeros(num_clients, dtype=torch.int64)
+        self.msg_up = torch.zeros(num_clients, dtype=torch.int64)
+        self.msg_down = torch.zeros(num_clients, dtype=torch.int64)
         self._round_up: dict[int, int] = {}
         self._round_down: dict[int, int] = {}
+        self._round_msg: dict[str, dict[int, int]] = {"up": {}, "down": {}}
 
     def start_round(self) -> None:
         self._round_up, self._round_down = {}, {}
+        self._round_msg = {"up": {}, "down": {}}
+
+    def record_message(self, client: int, direction: str, nbytes: int) -> None:
+        """Count the bytes of a transport message that carried ``client``'s payload (or its instructions)."""
+        if nbytes < 0:
+            raise ValueError(f"Expected a non-negative byte count, got {nbytes}")
+        if direction not in ("up", "down"):
+            raise ValueError(f"Expected direction 'up' or 'down', got {direction!r}")
+        (self.msg_up if direction == "up" else self.msg_down)[client] += nbytes
+        this_round = self._round_msg[direction]
+        this_round[client] = this_round.get(client, 0) + nbytes
 
     def record(self, client: int, direction: str, nbytes: int) -> None:
         if nbytes < 0:
@@ -36,7 +52,15 @@ class ByteLedger:
         total = self.up + self.down
         up_round = list(self._round_up.values())
         down_round = list(self._round_down.values())
-        return {
+        messages = {}
+        for direction, table in (("up", self.msg_up), ("down", self.msg_down)):
+            sizes = list(self._round_msg[direction].values())
+            if sizes:
+                messages[f"comm/msg_round_{direction}_bytes"] = float(sum(sizes))
+                messages[f"comm/msg_client_{direction}_bytes"] = float(sum(sizes) / len(sizes))
+            if bool(table.any()):
+                messages[f"comm/msg_cum_client_{direction}_bytes"] = float(table.double().mean())
+        return messages | {
             "comm/round_up_bytes": float(sum(up_round)),
             "comm/round_down_bytes": float(sum(down_round)),
             "comm/client_up_bytes": float(sum(up_round) / len(up_round)) if up_round else 0.0,
@@ -49,9 +73,14 @@ class ByteLedger:
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"up": self.up.clone(), "down": self.down.clone()}
+        state = {"up": self.up.clone(), "down": self.down.clone()}
+        if bool(self.msg_up.any() or self.msg_down.any()):
+            state.update(msg_up=self.msg_up.clone(), msg_down=self.msg_down.clone())
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if state["up"].shape != self.up.shape:
             raise ValueError(f"ledger for {len(state['up'])} clients cannot resume a run with {self.num_clients}")
         self.up, self.down = state["up"].clone(), state["down"].clone()
+        zeros = torch.zeros_like(self.up)
+        self.msg_up, self.msg_down = state.get("msg_up", zeros).clone(), state.get("msg_down", zeros).clone()

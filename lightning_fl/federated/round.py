@@ -21,14 +21,16 @@ from tqdm.auto import tqdm
 
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.federated.attacks import Attack
-from lightning_fl.federated.client import LocalTraining, run_client
-from lightning_fl.federated.gate import UploadRejectedError, check_upload, non_finite_rows
+from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.gate import UploadRejectedError, check_layout, check_upload, non_finite_rows
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.state import State, flatten, unflatten
 from lightning_fl.federated.strategies import Strategy
+from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.seeding import derive_seed
 
 STREAM_DROPOUT = 15
+REJECTED, ACCEPTED, LOST = 0, 1, 2  # what became of a client's reply
 
 
 class RoundRunner:
@@ -46,10 +48,12 @@ class RoundRunner:
         attack: Attack | None = None,
         identity: Callable[[list[State]], float] | None = None,
         progress: bool = False,
+        transport: Transport | None = None,
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
         self.upload_policy, self.dropout, self.attack = upload_policy, dropout, attack
         self.identity, self.progress = identity, progress
+        self.transport = transport if transport is not None else InProcess()
 
     def unavailable(self, seed: int, r: int, client: int) -> bool:
         """Whether ``client`` drops out of round ``r`` (seeded per client and round)."""
@@ -72,7 +76,7 @@ class RoundRunner:
         sampled = self.strategy.sample(r, datamodule.num_clients, count, seed)
         away = [c for c in sampled if self.unavailable(seed, r, c)]
         available = [c for c in sampled if c not in away]
-        ids, accepted, weights, flats, up, logged = self._train_mine(
+        ids, status, weights, flats, up, msg_up, msg_down, logged = self._train_mine(
             model, datamodule, state, names, available, r, seed
         )
         order = sorted((i for i in range(len(ids)) if ids[i] >= 0), key=lambda i: int(ids[i]))
@@ -80,12 +84,25 @@ class RoundRunner:
         self.ledger.start_round()
         for i in order:
             self.ledger.record(int(ids[i]), "down", down)
-            self.ledger.record(int(ids[i]), "up", int(up[i]))
+            if status[i] != LOST:
+                self.ledger.record(int(ids[i]), "up", int(up[i]))
+            for direction, sizes in (("up", msg_up), ("down", msg_down)):
+                if sizes[i] >= 0:
+                    self.ledger.record_message(int(ids[i]), direction, int(sizes[i]))
         for c in away:
             self.ledger.record(c, "down", down)
-        keep = [i for i in order if accepted[i]]
-        metrics = {"fed/round": float(r + 1), "fed/clients": float(len(sampled)), "fed/unavailable_clients": len(away)}
-        metrics.update(mean_over_clients([logged[int(ids[i])] for i in order]))
+        lost = [int(ids[i]) for i in order if status[i] == LOST]
+        if lost:
+            warnings.warn(f"round {r + 1}: no reply from client(s) {lost}; they miss this round", stacklevel=2)
+        answered = [i for i in order if status[i] != LOST]
+        keep = [i for i in order if status[i] == ACCEPTED]
+        metrics = {
+            "fed/round": float(r + 1),
+            "fed/clients": float(len(sampled)),
+            "fed/unavailable_clients": len(away),
+            "fed/lost_clients": len(lost),
+        }
+        metrics.update(mean_over_clients([logged[int(ids[i])] for i in answered]))
         clients, uploads, num_samples = [int(ids[i]) for i in keep], flats[keep], weights[keep]
         current = flatten(state, names)
         if self.attack is not None:
@@ -96,48 +113,65 @@ class RoundRunner:
                 self.reject(r, clients[i], ["non-finite values"])
             good = [i for i in range(len(clients)) if i not in bad]
             clients, uploads, num_samples = [clients[i] for i in good], uploads[good], num_samples[good]
-        metrics["fed/dropped_clients"] = len(order) - len(clients)
+        metrics["fed/dropped_clients"] = len(answered) - len(clients)
         state, aggregated = self._aggregate(r, state, names, current, uploads, num_samples, clients)
         metrics.update(aggregated)
         metrics.update(self.ledger.metrics())
         return state, {k: float(v) for k, v in metrics.items()}
 
     def _train_mine(self, model, datamodule, state: State, names: list[str], available: list[int], r: int, seed: int):
-        """Train this process's share of ``available``; gather what the round needs.
+        """Have this process's share of ``available`` trained (by the transport); gather what the round needs.
 
-        Returns ids, accepted flags, sample counts, flat uploads and upload bytes (one row per slot on every
-        process), and ``{client: logged values}``.
+        Returns ids, status (rejected, accepted or lost), sample counts, flat uploads, upload bytes and the
+        transport's message bytes up and down (-1: not measured), one row per slot on every process, and
+        ``{client: logged values}``.
         """
         fabric = self.fabric
-        slots = max(1, math.ceil(len(available) / fabric.world_size))
+        spread = self.transport.spreads_over_processes
+        share = available[fabric.global_rank :: fabric.world_size] if spread else available
+        slots = max(1, math.ceil(len(available) / fabric.world_size) if spread else len(available))
         ids = torch.full((slots,), -1, dtype=torch.int64)
-        accepted = torch.zeros(slots, dtype=torch.int64)
+        status = torch.full((slots,), REJECTED, dtype=torch.int64)
         weights = torch.zeros(slots, dtype=torch.float64)
         flats = torch.zeros(slots, sum(state[n].numel() for n in names), dtype=torch.float32)
-        up = torch.zeros(slots, dtype=torch.int64)  # upload bytes
+        up = torch.zeros(slots, dtype=torch.int64)  # upload bytes (the codec's payload)
+        msg_up = torch.full((slots,), -1, dtype=torch.int64)
+        msg_down = torch.full((slots,), -1, dtype=torch.int64)
         logged: dict[int, dict[str, tuple[float, float]]] = {}
-        mine = available[fabric.global_rank :: fabric.world_size]
         show = self.progress and fabric.is_global_zero
-        for slot, cid in enumerate(tqdm(mine, desc=f"clients r{r + 1}", leave=False, disable=not show)):
-            result = run_client(
-                model, datamodule, state, cid, r, seed, codec=self.codec, local=self.local, fabric=fabric
-            )
-            ids[slot], weights[slot] = cid, float(result.num_samples)
-            up[slot], logged[cid] = result.up_bytes, result.logged
-            problems = [result.failure] if result.failure else []
-            if not problems:
-                try:
-                    decoded = self.codec.decode(result.payload, state, cid)
-                except Exception as err:  # a malformed payload must not take the server down
-                    problems = [f"could not be decoded ({type(err).__name__}: {err})"]
-                else:
-                    problems = check_upload(decoded, state, result.payload)
-            if problems:
-                self.reject(r, cid, problems)
-                continue
-            accepted[slot] = 1
-            flats[slot] = flatten(decoded, names)
-        return (*(self._gather(t) for t in (ids, accepted, weights, flats, up)), self._gather_logged(logged))
+        replies = self.transport.replies(
+            model, datamodule, state, share, r, seed, codec=self.codec, local=self.local, fabric=fabric
+        )
+        if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
+            replies = tqdm(replies, total=len(share), desc=f"clients r{r + 1}", leave=False, disable=not show)
+            for slot, reply in enumerate(replies):
+                cid = reply.client
+                ids[slot], weights[slot], logged[cid] = cid, float(reply.num_samples), reply.logged
+                msg_up[slot] = -1 if reply.message_up is None else reply.message_up
+                msg_down[slot] = -1 if reply.message_down is None else reply.message_down
+                if reply.lost:
+                    status[slot] = LOST
+                    continue
+                up[slot] = reply.payload.nbytes if reply.payload is not None else 0
+                problems = [reply.failure] if reply.failure else []
+                if not problems and reply.payload is None:
+                    problems = ["no payload"]
+                if not problems:
+                    problems = check_layout(reply.payload, state)
+                if not problems:
+                    try:
+                        decoded = self.codec.decode(reply.payload, state, cid)
+                    except Exception as err:  # a malformed payload must not take the server down
+                        problems = [f"could not be decoded ({type(err).__name__}: {err})"]
+                    else:
+                        problems = check_upload(decoded, state, reply.payload)
+                if problems:
+                    self.reject(r, cid, problems)
+                    continue
+                status[slot] = ACCEPTED
+                flats[slot] = flatten(decoded, names)
+        gathered = (self._gather(t) for t in (ids, status, weights, flats, up, msg_up, msg_down))
+        return (*gathered, self._gather_logged(logged))
 
     def _aggregate(self, r, state, names, current, uploads, num_samples, clients) -> tuple[State, dict[str, float]]:
         """Apply the strategy; keep ``state`` when the round cannot be aggregated or its result is unusable."""
