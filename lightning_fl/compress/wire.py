@@ -115,7 +115,10 @@ def loads(data: bytes) -> Payload:
                 raise PayloadFormatError(f"{at} needs {nbytes} bytes but only {len(body) - offset} remain")
             raw = bytearray(body[offset : offset + nbytes])
             offset += nbytes
-            parts[part] = torch.frombuffer(raw, dtype=torch.uint8).view(part_dtype).reshape(part_shape)
+            if nbytes == 0:
+                parts[part] = torch.empty(part_shape, dtype=part_dtype)
+            else:
+                parts[part] = torch.frombuffer(raw, dtype=torch.uint8).view(part_dtype).reshape(part_shape)
         tensors[name] = Encoded(parts, tuple(shape), dtype, info)
     if offset != len(body):
         raise PayloadFormatError(f"{len(body) - offset} bytes follow the last part")

@@ -42,6 +42,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
+from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.trainer_api import TrainerLike, write_config
 
 
@@ -65,7 +66,12 @@ class FederatedTrainer(TrainerLike):
             ``NaNUpload``); ``null``: every client is honest.
         seed: Seed of client sampling and client training; default: the run's ``seed_everything``.
         accelerator: Fabric accelerator (``cpu``, ``gpu``, ``auto``).
-        devices: Processes/devices the clients are spread over (``2`` on CPU uses gloo).
+        devices: Processes/devices the clients are spread over (``2`` on CPU uses gloo); with several nodes, per node.
+        num_nodes: Machines (nodes) the processes span; each node starts ``devices`` processes, ``num_nodes *
+            devices`` in all. Start the same command on every node with ``MASTER_ADDR`` (node 0's address),
+            ``MASTER_PORT`` (a free port on node 0, the same everywhere) and ``NODE_RANK`` (``0`` to ``num_nodes -
+            1``) set; Fabric derives ``WORLD_SIZE``, ``LOCAL_RANK`` and the global ranks itself (do not set them).
+            Under SLURM, torchrun, LSF or MPI the cluster sets them instead. See ``docs/deploy.md``.
         fabric_strategy: Fabric's launch strategy (``auto`` picks DDP for several devices; no gradients are
             synchronised, processes only exchange uploads).
         precision: Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``, ...); ``null``: 32-bit.
@@ -98,6 +104,7 @@ class FederatedTrainer(TrainerLike):
         seed: int | None = None,
         accelerator: str = "auto",
         devices: int | str = 1,
+        num_nodes: int = 1,
         fabric_strategy: str = "auto",
         precision: str | None = None,
         default_root_dir: str = "runs",
@@ -122,6 +129,10 @@ class FederatedTrainer(TrainerLike):
             (upload_policy in ("drop", "raise"),
              f"trainer.upload_policy must be 'drop' or 'raise', got {upload_policy!r}"),
             (0 <= dropout < 1, f"trainer.dropout must be in [0, 1), got {dropout}"),
+            (num_nodes >= 1, f"trainer.num_nodes must be >= 1, got {num_nodes}"),
+            (num_nodes == 1 or str(devices) not in ("auto", "-1"),
+             f"trainer.devices must be a number of processes per node when trainer.num_nodes > 1 (every node must "
+             f"start the same number), got {devices!r}"),
             (resume in (True, False, "auto"), f"trainer.resume must be true, false or 'auto', got {resume!r}"),
             (val_every_n_rounds >= 1, f"trainer.val_every_n_rounds must be >= 1, got {val_every_n_rounds}"),
             (save_every_n_rounds >= 0, f"trainer.save_every_n_rounds must be >= 0, got {save_every_n_rounds}"),
@@ -135,6 +146,7 @@ class FederatedTrainer(TrainerLike):
         self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
         self.dropout, self.attack, self.seed = dropout, attack, seed
         self.fabric_args = {"accelerator": accelerator, "devices": devices, "strategy": fabric_strategy}
+        self.fabric_args["num_nodes"] = num_nodes
         self.fabric_args["precision"] = precision
         self.default_root_dir, self.name, self.version, self.use_logger = default_root_dir, name, version, logger
         self.resume = resume
@@ -149,6 +161,8 @@ class FederatedTrainer(TrainerLike):
         self.global_state: dict[str, torch.Tensor] = {}
         self.ledger: ByteLedger | None = None
         self.current_round = 0
+        #: How rounds reach clients: in process (the simulation) unless a Flower ServerApp sets its own.
+        self.transport: Transport = InProcess()
 
     # ============================================================================ public interface
     def log_config(self, config_yaml: str) -> None:
@@ -173,8 +187,9 @@ class FederatedTrainer(TrainerLike):
         identity = hooks.averaging_identity_error if self.check_identity and self.strategy.linear else None
         runner = RoundRunner(
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
-            identity, progress=self.enable_progress_bar,
+            identity, progress=self.enable_progress_bar, transport=self.transport,
         )  # fmt: skip
+        self.transport.open(num_clients=datamodule.num_clients, fingerprint=fingerprint, seed=seed)
         count = self._clients_per_round(datamodule.num_clients)
         if ckpt is not None:
             start = self._restore(ckpt, model, seed, fingerprint, datamodule.num_clients)
@@ -217,6 +232,7 @@ class FederatedTrainer(TrainerLike):
     # ============================================================================ set-up
     def _launch(self, run_dir: Path | None = None) -> L.Fabric:
         root, name, version = self.default_root_dir, self.name, self.version
+        _check_node_environment(self.fabric_args["num_nodes"])
         self.fabric, self.log_dir = setup.launch(self.fabric_args, self.use_logger, root, name, version, run_dir)
         return self.fabric
 
@@ -310,3 +326,28 @@ class FederatedTrainer(TrainerLike):
         if self.fabric.is_global_zero:
             remove_stale_temps(path.parent)
         return int(ckpt["round"])
+
+
+NODE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
+def _check_node_environment(num_nodes: int) -> None:
+    """Several nodes without a cluster manager: refuse to start (instead of hanging) if a node variable is unset."""
+    if num_nodes == 1:
+        return
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    if any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
+        return  # Fabric takes addresses and ranks from the cluster, as it does for these
+    missing = [name for name in NODE_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"trainer.num_nodes is {num_nodes} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+            "set: on every node set MASTER_ADDR (node 0's address), MASTER_PORT (the same free port) and NODE_RANK "
+            f"(0 to {num_nodes - 1}) before starting it (docs/deploy.md)"
+        )

@@ -1,0 +1,109 @@
+"""The ServerApp: our round loop (:class:`~lightning_fl.federated.FederatedTrainer`) with a Flower transport.
+
+The run config (``[tool.flwr.app.config]`` in ``pyproject.toml``, or ``flwr run --run-config``) names our
+YAML and the usual dotted overrides::
+
+    flwr run . <superlink> --run-config "config='configs/quickstart.yaml' overrides='--trainer.rounds 5'"
+
+Keys: ``config`` (a YAML path, relative to the app folder or absolute), ``overrides`` (CLI arguments, as
+after ``python -m lightning_fl fit``), ``round-timeout`` (seconds to wait for a round's replies; 0 waits
+for all), ``wait-for-nodes`` (seconds to wait before round 1 until every client has a node). The trainer
+is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, resume and TensorBoard logs.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated.loop import FederatedTrainer
+from lightning_fl.flower.transport import FlowerTransport
+
+ERROR = 40  # logging.ERROR
+
+
+def serve(
+    grid: Grid,
+    config: str,
+    overrides: str | list[str] = "",
+    round_timeout: float | None = None,
+    wait_for_nodes: float = 60.0,
+    app_dir: str | Path | None = None,
+) -> FederatedTrainer:
+    """Build the run from ``config`` and ``overrides`` and fit it with clients reached through ``grid``."""
+    from lightning_fl.cli import build
+
+    path = Path(config).expanduser()
+    if not path.is_absolute() and not path.is_file() and app_dir is not None and (Path(app_dir) / path).is_file():
+        path = Path(app_dir) / path
+    if not path.is_file():
+        raise UserError(f"run config 'config': {config} does not exist; give a YAML path (absolute, or in the app)")
+    args = shlex.split(overrides) if isinstance(overrides, str) else list(overrides)
+    run = build(["fit", "--config", str(path), *args])
+    trainer = run.trainer
+    if not isinstance(trainer, FederatedTrainer):
+        raise ConfigError(f"trainer must be a FederatedTrainer to run on Flower, got {type(trainer).__name__}")
+    if trainer.fabric_args["devices"] not in (1, "1"):
+        raise ConfigError(
+            f"trainer.devices must be 1 on Flower (clients run on the SuperNodes), got {trainer.fabric_args['devices']}"
+        )
+    trainer.transport = FlowerTransport(grid, run.config_yaml, round_timeout, wait_for_nodes=wait_for_nodes)
+    trainer.log_config(run.config_yaml)
+    trainer.fit(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
+    return trainer
+
+
+def settings(run_config: dict[str, Any]) -> dict[str, Any]:
+    """:func:`serve`'s keyword arguments from a Flower run config (checked: one line per mistake)."""
+    known = {"config", "overrides", "round-timeout", "wait-for-nodes"}
+    unknown = sorted(set(run_config) - known)
+    if unknown:
+        raise ConfigError(f"unknown run config key(s) {unknown}; accepted: {sorted(known)}")
+    config = run_config.get("config")
+    if not isinstance(config, str) or not config:
+        raise ConfigError("run config 'config' must name a YAML file, e.g. --run-config \"config='configs/x.yaml'\"")
+    overrides = run_config.get("overrides", "")
+    if not isinstance(overrides, str):
+        raise ConfigError(f"run config 'overrides' must be a string of CLI arguments, got {overrides!r}")
+    numbers = {}
+    for key, default in (("round-timeout", 0.0), ("wait-for-nodes", 60.0)):
+        value = run_config.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"run config {key!r} must be a number of seconds >= 0, got {value!r}")
+        numbers[key] = float(value)
+    timeout, wait = numbers["round-timeout"] or None, numbers["wait-for-nodes"]
+    return {"config": config, "overrides": overrides, "round_timeout": timeout, "wait_for_nodes": wait}
+
+
+def server_app(**kwargs: Any) -> ServerApp:
+    """A ServerApp that runs :func:`serve` with these arguments (for ``run_simulation`` and tests)."""
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        _run(grid, lambda: serve(grid, **kwargs))
+
+    return server
+
+
+def _run(grid: Grid, fit) -> None:
+    try:
+        fit()
+    except UserError as err:
+        log(ERROR, "error: %s", err)  # one line; the run ends as failed
+        raise
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    app_dir = Path(__file__).resolve().parents[2]
+    _run(grid, lambda: serve(grid, **settings(dict(context.run_config)), app_dir=app_dir))

@@ -1,0 +1,127 @@
+"""The Flower transport: a round's global state goes to SuperNodes as Flower messages, payload bytes come back.
+
+Client ids are the data module's (0..K-1), as in the simulation. Each SuperNode says which client it is
+(its node config's ``partition-id``) when the server first sees it; nodes that join later are introduced at
+the start of the next round, and a node that left is forgotten. A sampled client with no node, or whose
+node does not answer within ``round_timeout``, is *lost* for that round (counted, logged, never fatal).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from lightning_fl.federated.transport import Reply, Transport
+from lightning_fl.flower import messages as wire_msg
+
+
+class FlowerTransport(Transport):
+    """Send rounds over a Flower ``Grid`` (simulation or deployment engine) from the ServerApp.
+
+    Args:
+        grid: The ServerApp's grid.
+        config_yaml: The run's resolved config, sent once to every node so it builds the same run.
+        round_timeout: Seconds to wait for a round's replies (``None``: until every reply arrives).
+        hello_timeout: Seconds to wait for new nodes to say which client they are.
+        wait_for_nodes: Seconds to wait, before the first round, until a node answers for every client.
+    """
+
+    spreads_over_processes = False
+
+    def __init__(
+        self,
+        grid: Grid,
+        config_yaml: str,
+        round_timeout: float | None = None,
+        hello_timeout: float = 120.0,
+        wait_for_nodes: float = 60.0,
+    ) -> None:
+        self.grid, self.config_yaml = grid, config_yaml
+        self.round_timeout, self.hello_timeout, self.wait_for_nodes = round_timeout, hello_timeout, wait_for_nodes
+        self.node_of: dict[int, int] = {}  # client id -> node id
+        self.client_of: dict[int, int] = {}  # node id -> client id
+        self.num_clients = 0
+        self.fingerprint: str | None = None
+
+    # ------------------------------------------------------------------------------------ nodes
+    def open(self, *, num_clients: int, fingerprint: str | None, seed: int) -> None:
+        self.num_clients, self.fingerprint = num_clients, fingerprint
+        deadline = time.monotonic() + self.wait_for_nodes
+        while True:
+            self.introduce()
+            if len(self.node_of) >= num_clients or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if len(self.node_of) < num_clients:
+            missing = sorted(set(range(num_clients)) - set(self.node_of))
+            warnings.warn(f"no SuperNode serves client(s) {missing}; they miss rounds until one joins", stacklevel=2)
+
+    def introduce(self) -> None:
+        """Forget nodes that left; ask new ones which client they are (and give them the run's config)."""
+        nodes = set(self.grid.get_node_ids())
+        for node in [n for n in self.client_of if n not in nodes]:
+            self.node_of.pop(self.client_of.pop(node), None)
+        new = sorted(nodes - set(self.client_of))
+        if not new:
+            return
+        hello = [
+            Message(content=wire_msg.hello_content(self.config_yaml), dst_node_id=n, message_type=wire_msg.HELLO)
+            for n in new
+        ]
+        for reply in self.grid.send_and_receive(hello, timeout=self.hello_timeout):
+            node = reply.metadata.src_node_id
+            client, problem = self._read_hello(reply)
+            if problem is not None:
+                warnings.warn(f"SuperNode {node} is not used: {problem}", stacklevel=2)
+                continue
+            old = self.node_of.get(client)
+            if old is not None:  # a node that came back under a new id replaces the one it was
+                self.client_of.pop(old, None)
+            self.node_of[client], self.client_of[node] = node, client
+
+    def _read_hello(self, reply: Message) -> tuple[int, str | None]:
+        if reply.has_error():
+            return -1, f"it failed to start: {reply.error.reason}"
+        record = reply.content.get(wire_msg.RUN) if wire_msg.RUN in reply.content else None
+        client = record.get("partition-id") if record is not None else None
+        refusal = record.get("refusal", "") if record is not None else ""
+        if refusal:
+            return -1, str(refusal)[:500]
+        if not isinstance(client, int) or isinstance(client, bool) or not 0 <= client < self.num_clients:
+            return -1, f"its partition-id {client!r} is not a client id 0..{self.num_clients - 1}"
+        return client, None
+
+    # ------------------------------------------------------------------------------------ rounds
+    def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
+        self.introduce()
+        arrays = wire_msg.state_to_record(state)
+        sent: dict[int, tuple[int, int]] = {}  # client -> (node, bytes of its message)
+        out: list[Message] = []
+        for cid in clients:
+            node = self.node_of.get(cid)
+            if node is None:
+                continue
+            content = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint)
+            message = Message(content=content, dst_node_id=node, message_type=wire_msg.TRAIN, group_id=str(round + 1))
+            out.append(message)
+            sent[cid] = (node, wire_msg.message_bytes(message))
+        answers: dict[int, Any] = {}
+        if out:
+            for reply in self.grid.send_and_receive(out, timeout=self.round_timeout):
+                client = self.client_of.get(reply.metadata.src_node_id)
+                if client is not None and client in sent and client not in answers:
+                    answers[client] = reply
+        for cid in clients:
+            down = sent[cid][1] if cid in sent else None
+            reply = answers.get(cid)
+            if reply is None:
+                yield Reply(cid, lost=True, message_down=down)
+                continue
+            payload, num_samples, failure, logged = wire_msg.read_reply(reply)
+            size = wire_msg.message_bytes(reply) if reply.has_content() else None
+            yield Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down)

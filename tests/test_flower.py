@@ -1,0 +1,253 @@
+"""Flower: the ServerApp's transport and the ClientApp, against the in-process simulation.
+
+Most tests route Flower messages through :class:`LocalGrid`, a ``Grid`` that hands each message to the real
+ClientApp in this process (the engines add only transport); the slow tests in test_flower_engines.py run
+the simulation and deployment engines themselves.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import warnings
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+
+from conftest import CONFIGS, run_cli  # noqa: E402
+from lightning_fl.checkpoint import read_checkpoint  # noqa: E402
+from lightning_fl.errors import ConfigError  # noqa: E402
+from lightning_fl.federated import UploadRejectedError  # noqa: E402
+from lightning_fl.flower import client as flower_client  # noqa: E402
+from lightning_fl.flower import messages  # noqa: E402
+from lightning_fl.flower.server import serve, settings  # noqa: E402
+
+SMALL = [
+    "--trainer.rounds", "2", "--data.num_clients", "4", "--trainer.enable_progress_bar", "false",
+    "--trainer.logger", "false", "--model.init_args.pretraining.epochs", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch):
+    """What Flower's runtime sets in a ServerApp process: messages take their run and node ids from it."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attribute, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, attribute, value)
+
+
+class LocalGrid(Grid):
+    """A Flower ``Grid`` whose nodes are ClientApp calls in this process.
+
+    Args:
+        node_configs: One node config per node (node ids 1, 2, ...).
+        tamper: ``{node id: f(reply) -> reply or None}``: rewrite a node's reply, or drop it (``None``: lost).
+    """
+
+    def __init__(self, node_configs: list[dict], tamper: dict[int, Callable] | None = None) -> None:
+        self.contexts = {
+            i + 1: Context(run_id=1, node_id=i + 1, node_config=dict(c), state=RecordDict(), run_config={})
+            for i, c in enumerate(node_configs)
+        }
+        self.tamper = tamper or {}
+        self.sent: list[Message] = []
+        self._ids = itertools.count()
+
+    def set_run(self, run_id):  # pragma: no cover - not used by our transport
+        pass
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # pragma: no cover
+        return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            if node not in self.contexts:
+                continue
+            reply = flower_client.app(message, self.contexts[node])
+            if node in self.tamper and message.metadata.message_type == messages_train():
+                reply = self.tamper[node](reply)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+
+def messages_train() -> str:
+    return messages.TRAIN
+
+
+def nodes(k: int = 4) -> list[dict]:
+    return [{"partition-id": i, "num-partitions": k} for i in range(k)]
+
+
+def final(root, name):
+    return read_checkpoint(root / name / "checkpoints" / "last.ckpt")
+
+
+def in_process(tmp_path, config, *extra) -> dict:
+    args = ["fit", "--config", str(config), *SMALL, "--trainer.default_root_dir", str(tmp_path / "runs")]
+    assert run_cli(*args, "--trainer.name", "inproc", *extra) == 0
+    return final(tmp_path / "runs", "inproc")
+
+
+def on_flower(tmp_path, config, grid, *extra, name="flower"):
+    overrides = [*SMALL, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.name", name, *extra]
+    trainer = serve(grid, str(config), overrides, wait_for_nodes=0)
+    return trainer, final(tmp_path / "runs", name)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert sorted(a["global_state"]) == sorted(b["global_state"])
+    for name in a["global_state"]:
+        assert torch.equal(a["global_state"][name], b["global_state"][name]), name
+
+
+@pytest.mark.parametrize("config", ["quickstart.yaml", "fedavg_digits.yaml"])
+def test_flower_transport_equals_in_process_bitwise(in_tmp, config):
+    """Latent and full-weight FedAvg: same config, same seeds, same threads: the same global state, same bytes."""
+    reference = in_process(in_tmp, CONFIGS / config)
+    grid = LocalGrid(nodes())
+    trainer, got = on_flower(in_tmp, CONFIGS / config, grid)
+    assert_same_state(got, reference)
+    assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
+    assert torch.equal(got["ledger"]["down"], reference["ledger"]["down"])
+    # the transport's messages are logged beside the payloads, and carry them plus an overhead
+    last = trainer.history[-1]
+    assert last["comm/msg_client_up_bytes"] > last["comm/client_up_bytes"] > 0
+    assert last["comm/msg_client_down_bytes"] > last["comm/client_down_bytes"] > 0
+    assert torch.equal(got["ledger"]["msg_up"] > got["ledger"]["up"], torch.ones(4, dtype=torch.bool))
+    # each node was introduced once (query) and trained twice; nothing else was sent
+    types = [m.metadata.message_type for m in grid.sent]
+    assert types.count(messages.HELLO) == 4 and types.count(messages.TRAIN) == 8
+
+
+def garbage(reply: Message) -> Message:
+    """A hostile node: replaces its payload bytes with junk."""
+    reply.content[messages.REPLY]["payload"] = b"\x00junk" * 20
+    return reply
+
+
+def test_garbage_reply_is_rejected_and_the_run_goes_on(in_tmp):
+    """A node replying junk bytes is named and dropped; the result equals dropping its upload in simulation."""
+    # in simulation, NaNUpload makes client 2's upload fail the gate every round: the same as dropping it
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", "--trainer.attack", "NaNUpload",
+                           "--trainer.attack.clients", "[2]")  # fmt: skip
+    grid = LocalGrid(nodes(), tamper={3: garbage})  # node 3 serves client 2
+    with pytest.warns(UserWarning, match=r"round 2, client 2: upload rejected: malformed payload: not a lightning_fl"):
+        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
+    assert_same_state(got, reference)
+    assert [h["fed/dropped_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda r: r.content[messages.REPLY].__setitem__("payload", "text, not bytes"),
+        lambda r: r.content[messages.REPLY].__setitem__("num-samples", -5),
+        lambda r: r.content.__delitem__(messages.REPLY),
+        lambda r: r.content[messages.REPLY].__setitem__("failure", 5),
+    ],
+    ids=["payload-not-bytes", "negative-samples", "no-reply-record", "failure-not-text"],
+)
+def test_malformed_replies_are_rejected_not_fatal(in_tmp, mutate):
+    def tamper(reply):
+        out = mutate(reply)
+        return out if isinstance(out, Message) else reply
+
+    grid = LocalGrid(nodes(), tamper={1: tamper})
+    with pytest.warns(UserWarning, match=r"client 0: upload rejected: malformed reply"):
+        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, "--trainer.rounds", "1")
+    assert trainer.history[-1]["fed/dropped_clients"] == 1.0
+    assert all(torch.isfinite(t).all() for t in got["global_state"].values())
+
+
+def test_lost_node_misses_the_round_and_the_run_goes_on(in_tmp):
+    """A node that stops answering in round 2 is counted lost; the other uploads are aggregated; no NaN."""
+    calls = {"n": 0}
+
+    def dies_in_round_2(reply):
+        calls["n"] += 1
+        return None if calls["n"] >= 2 else reply
+
+    grid = LocalGrid(nodes(), tamper={2: dies_in_round_2})
+    with pytest.warns(UserWarning, match=r"round 2: no reply from client\(s\) \[1\]"):
+        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
+    assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [0.0, 1.0]
+    assert trainer.history[-1]["fed/round_skipped"] == 0.0
+    assert all(torch.isfinite(t).all() for t in got["global_state"].values())
+    # its download was sent and counted, its upload never arrived
+    assert got["ledger"]["up"].tolist() == [1536, 768, 1536, 1536]
+    assert got["ledger"]["down"].tolist() == [1536, 1536, 1536, 1536]
+
+
+def test_node_with_other_factors_refuses_to_train(in_tmp):
+    """A node whose model differs (factor seed) refuses; the server names it, and stops under upload_policy raise."""
+    configs = nodes()
+    configs[1]["overrides"] = "--model.init_args.factor_seed 7"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs), "--trainer.rounds", "1")
+    assert any("client 1: upload rejected: refused: model fingerprint" in str(w.message) for w in caught)
+    assert trainer.history[-1]["fed/dropped_clients"] == 1.0
+    with pytest.raises(UploadRejectedError, match="client 1"):
+        on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs), "--trainer.upload_policy", "raise",
+                  name="raise")  # fmt: skip
+
+
+def test_server_restart_resumes_from_last_checkpoint(in_tmp):
+    """Killed after round 1 and restarted with resume: auto, the run ends where an uninterrupted one does."""
+    uninterrupted = in_process(in_tmp, CONFIGS / "quickstart.yaml")
+    on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), "--trainer.rounds", "1", name="restart")
+    trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), "--trainer.resume", "auto",
+                             name="restart")  # fmt: skip
+    assert [h["round"] for h in trainer.history] == [0, 1, 2]
+    assert_same_state(got, uninterrupted)
+
+
+def test_error_feedback_memory_stays_on_the_node(in_tmp):
+    """TopK with error feedback: each node keeps its own residual; the result equals the simulation's."""
+    extra = ["--trainer.codec", "TopK", "--trainer.codec.density", "0.25", "--model.init_args.latent_dim", "16"]
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
+    grid = LocalGrid(nodes())
+    _, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *extra)
+    assert_same_state(got, reference)
+    for context in grid.contexts.values():  # a node's memory holds its own client's residual, nobody else's
+        memory = torch.load(io.BytesIO(context.state["lightning_fl.codec"]["state"]), weights_only=True)
+        assert list(memory["residuals"]) == [str(context.node_config["partition-id"])]
+
+
+def test_run_config_mistakes_get_one_line():
+    with pytest.raises(ConfigError, match=r"unknown run config key\(s\) \['rounds'\]"):
+        settings({"config": "x.yaml", "rounds": 3})
+    with pytest.raises(ConfigError, match="run config 'config' must name a YAML file"):
+        settings({})
+    with pytest.raises(ConfigError, match="'round-timeout' must be a number of seconds"):
+        settings({"config": "x.yaml", "round-timeout": -1})
+    assert settings({"config": "x.yaml", "round-timeout": 30})["round_timeout"] == 30.0
+
+
+def test_server_refuses_a_non_federated_trainer(in_tmp):
+    with pytest.raises(ConfigError, match="trainer.devices must be 1 on Flower"):
+        serve(LocalGrid(nodes()), str(CONFIGS / "quickstart.yaml"), ["--trainer.devices", "2"])

@@ -1,0 +1,132 @@
+"""Fabric multi-node: ``trainer.num_nodes`` with one process per node, started by hand as on separate machines."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import CONFIGS, REPO, make_dm, make_model, make_trainer
+from lightning_fl.checkpoint import read_checkpoint
+from lightning_fl.errors import ConfigError
+
+SMALL = [
+    "fit",
+    "--config",
+    str(CONFIGS / "quickstart.yaml"),
+    "--trainer.rounds",
+    "2",
+    "--data.num_clients",
+    "4",
+    "--model.pretraining.epochs",
+    "2",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.default_root_dir",
+    "runs",  # relative: each "machine" writes under its own working folder
+]
+# variables that would make Fabric pick another cluster environment or skip its launcher
+CLUSTER = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+CLUSTER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LSB_", "LT_", "OMPI_", "PMI_")
+TIMEOUT_S = 300
+
+
+def clean_env(folder, **extra: str) -> dict[str, str]:
+    """The environment of one "machine": its own base cache, no cluster variables, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER and not k.startswith(CLUSTER_PREFIXES)}
+    return {
+        **env,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TQDM_DISABLE": "1",
+        "LIGHTNING_FL_CACHE": str(folder / "cache"),
+        **extra,
+    }
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path) -> str:
+    return path.read_text(errors="replace")[-3000:] if path.is_file() else ""
+
+
+def last_checkpoint(folder, name: str) -> dict:
+    return read_checkpoint(folder / "runs" / name / "version_0" / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.distributed
+def test_two_nodes_of_one_process_give_the_same_global_state_as_one_process(tmp_path):
+    """2 nodes x 1 process (gloo on 127.0.0.1, NODE_RANK 0 and 1, no shared folders) equal 1 process bit for bit."""
+    single = tmp_path / "single"
+    single.mkdir()
+    cmd = [sys.executable, "-m", "lightning_fl", *SMALL, "--trainer.name", "p1"]
+    proc = subprocess.run(cmd, cwd=single, env=clean_env(single), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "lightning_fl", *SMALL, "--trainer.num_nodes", "2", "--trainer.name", "n2"]
+    nodes, logs, procs = [tmp_path / "node0", tmp_path / "node1"], [], []
+    try:
+        for rank, folder in enumerate(nodes):
+            folder.mkdir()
+            logs.append(folder / "log.txt")
+            env = clean_env(folder, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank))
+            with logs[-1].open("w") as log:
+                procs.append(subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + TIMEOUT_S
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"node {rank}:\n{tail(logs[rank])}"
+    assert "All distributed processes registered. Starting with 2 processes" in logs[0].read_text()
+    assert not (nodes[1] / "runs").exists()  # only global rank 0 writes the run folder
+
+    one, two = last_checkpoint(single, "p1"), last_checkpoint(nodes[0], "n2")
+    assert one["round"] == two["round"] == 2
+    assert sorted(one["global_state"]) == sorted(two["global_state"])
+    for name, value in one["global_state"].items():
+        assert torch.equal(value, two["global_state"][name]), name
+    assert sorted(one["ledger"]) == sorted(two["ledger"])
+    for name, value in one["ledger"].items():
+        assert torch.equal(value, two["ledger"][name]), name
+    assert int(two["ledger"]["up"].sum()) == 2 * 4 * 192 * 4  # 2 rounds x 4 clients x 192 float32 latents
+    metrics = ("round", "val/acc", "val/loss", "train/loss", "comm/cum_client_bytes")
+    curves = [[[h.get(m) for m in metrics] for h in ckpt["history"]] for ckpt in (one, two)]
+    assert curves[0] == curves[1] and len(curves[0]) == 3
+    assert "num_nodes: 2" in (nodes[0] / "runs" / "n2" / "version_0" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"num_nodes": 0}, "trainer.num_nodes must be >= 1, got 0"),
+        ({"num_nodes": 2, "devices": "auto"}, "trainer.devices must be a number of processes per node when trainer"),
+        ({"num_nodes": 2, "devices": -1}, "trainer.devices must be a number of processes per node when trainer"),
+    ],
+)
+def test_bad_node_settings_are_refused(tmp_path, args, message):
+    with pytest.raises(ConfigError, match=message):
+        make_trainer(tmp_path, **args)
+
+
+def test_several_nodes_without_node_variables_refuse_to_start(tmp_path, monkeypatch):
+    for name in os.environ:
+        if name in CLUSTER or name.startswith(CLUSTER_PREFIXES):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    trainer = make_trainer(tmp_path, num_nodes=2, accelerator="cpu", logger=False)
+    with pytest.raises(ConfigError, match=r"^trainer.num_nodes is 2 but MASTER_PORT, NODE_RANK are not set: on every"):
+        trainer.fit(make_model(), datamodule=make_dm())
