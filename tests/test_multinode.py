@@ -62,25 +62,21 @@ def last_checkpoint(folder, name: str) -> dict:
     return read_checkpoint(folder / "runs" / name / "version_0" / "checkpoints" / "last.ckpt")
 
 
-@pytest.mark.distributed
-def test_two_nodes_of_one_process_give_the_same_global_state_as_one_process(tmp_path):
-    """2 nodes x 1 process (gloo on 127.0.0.1, NODE_RANK 0 and 1, no shared folders) equal 1 process bit for bit."""
-    single = tmp_path / "single"
-    single.mkdir()
-    cmd = [sys.executable, "-m", "lightning_fl", *SMALL, "--trainer.name", "p1"]
-    proc = subprocess.run(cmd, cwd=single, env=clean_env(single), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def run_nodes(folders, *args: str, log: str = "log.txt") -> list:
+    """Start the same command on every "machine" (NODE_RANK = its index), wait (bounded), kill what is left.
 
+    Each folder is one machine's working folder; returns the log file of each node (checked to have exited 0).
+    """
     port = str(free_port())
-    cmd = [sys.executable, "-m", "lightning_fl", *SMALL, "--trainer.num_nodes", "2", "--trainer.name", "n2"]
-    nodes, logs, procs = [tmp_path / "node0", tmp_path / "node1"], [], []
+    cmd = [sys.executable, "-m", "lightning_fl", *SMALL, "--trainer.num_nodes", str(len(folders)), *args]
+    logs, procs = [], []
     try:
-        for rank, folder in enumerate(nodes):
-            folder.mkdir()
-            logs.append(folder / "log.txt")
+        for rank, folder in enumerate(folders):
+            folder.mkdir(exist_ok=True)
+            logs.append(folder / log)
             env = clean_env(folder, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank))
-            with logs[-1].open("w") as log:
-                procs.append(subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT))
+            with logs[-1].open("w") as out:
+                procs.append(subprocess.Popen(cmd, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + TIMEOUT_S
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -91,10 +87,21 @@ def test_two_nodes_of_one_process_give_the_same_global_state_as_one_process(tmp_
                 proc.wait(timeout=30)
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"node {rank}:\n{tail(logs[rank])}"
-    assert "All distributed processes registered. Starting with 2 processes" in logs[0].read_text()
-    assert not (nodes[1] / "runs").exists()  # only global rank 0 writes the run folder
+    return logs
 
-    one, two = last_checkpoint(single, "p1"), last_checkpoint(nodes[0], "n2")
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> dict:
+    """The last checkpoint of the uninterrupted 2-round run in 1 process: what the multi-node runs must equal."""
+    folder = tmp_path_factory.mktemp("single")
+    cmd = [sys.executable, "-m", "lightning_fl", *SMALL, "--trainer.name", "p1"]
+    proc = subprocess.run(cmd, cwd=folder, env=clean_env(folder), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_checkpoint(folder, "p1")
+
+
+def assert_same_run(one: dict, two: dict) -> None:
+    """Same 2 rounds: global state and byte ledger bit for bit, same metric curves."""
     assert one["round"] == two["round"] == 2
     assert sorted(one["global_state"]) == sorted(two["global_state"])
     for name, value in one["global_state"].items():
@@ -106,7 +113,38 @@ def test_two_nodes_of_one_process_give_the_same_global_state_as_one_process(tmp_
     metrics = ("round", "val/acc", "val/loss", "train/loss", "comm/cum_client_bytes")
     curves = [[[h.get(m) for m in metrics] for h in ckpt["history"]] for ckpt in (one, two)]
     assert curves[0] == curves[1] and len(curves[0]) == 3
+
+
+@pytest.mark.distributed
+def test_two_nodes_of_one_process_give_the_same_global_state_as_one_process(tmp_path, single_run):
+    """2 nodes x 1 process (gloo on 127.0.0.1, NODE_RANK 0 and 1, no shared folders) equal 1 process bit for bit."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    logs = run_nodes(nodes, "--trainer.name", "n2")
+    assert "All distributed processes registered. Starting with 2 processes" in logs[0].read_text()
+    assert not (nodes[1] / "runs").exists()  # only global rank 0 writes the run folder
+    assert_same_run(single_run, last_checkpoint(nodes[0], "n2"))
     assert "num_nodes: 2" in (nodes[0] / "runs" / "n2" / "version_0" / "config.yaml").read_text()
+
+
+@pytest.mark.distributed
+def test_two_nodes_resume_without_a_shared_disk(tmp_path, single_run):
+    """Only node 0 holds the round checkpoint; resuming on both nodes still ends equal to the uninterrupted run.
+
+    Node 1 finds no checkpoint of its own (no shared disk): rank 0 decides where to resume and sends the
+    checkpoint's contents, so node 1 must not start again from round 0 (the processes would go out of step).
+    """
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    run_nodes(nodes, "--trainer.name", "n2", "--trainer.rounds", "1", log="log1.txt")
+    first = last_checkpoint(nodes[0], "n2")
+    assert first["round"] == 1
+    assert not (nodes[1] / "runs").exists()  # node 1 has nothing to resume from
+
+    run_nodes(nodes, "--trainer.name", "n2", "--trainer.rounds", "2", "--trainer.resume", "auto", log="log2.txt")
+    assert not (nodes[1] / "runs").exists()
+    assert sorted(p.name for p in (nodes[0] / "runs" / "n2").iterdir()) == ["version_0"]  # resumed in place
+    resumed = last_checkpoint(nodes[0], "n2")
+    assert resumed["history"][:2] == first["history"]  # rounds 0 and 1 restored (timings too), not run again
+    assert_same_run(single_run, resumed)
 
 
 @pytest.mark.parametrize(

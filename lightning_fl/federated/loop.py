@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from lightning_fl.checkpoint import read_checkpoint, remove_stale_temps
 from lightning_fl.compress.base import FP32, Codec
-from lightning_fl.errors import ConfigError
+from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import setup
 from lightning_fl.federated.attacks import Attack
@@ -176,6 +176,9 @@ class FederatedTrainer(TrainerLike):
         if known:
             self._check_plan(datamodule.num_clients)  # before any work
         fabric = self._launch(run_dir=ckpt.parent.parent if ckpt is not None else None)
+        # rank 0 decides whether and where to resume (nodes without a shared disk may see no checkpoint)
+        found = fabric.broadcast(str(ckpt) if ckpt is not None else None)
+        ckpt = Path(found) if found is not None else None
         model, hooks = self._prepare(model, datamodule, stage="fit")
         if not known:
             self._check_plan(datamodule.num_clients)
@@ -315,7 +318,15 @@ class FederatedTrainer(TrainerLike):
             "fingerprint": fingerprint,
             "strategy": self.strategy.name,
         }
-        ckpt = round_ckpt.load_round(path, expect, list(self.global_state), self.rounds)
+        ckpt, error = None, None
+        if self.fabric.is_global_zero:  # rank 0 reads it and sends it to every process
+            try:
+                ckpt = round_ckpt.load_round(path, expect, list(self.global_state), self.rounds)
+            except CheckpointError as err:
+                error = str(err)
+        ckpt, error = self.fabric.broadcast((ckpt, error))
+        if error is not None:
+            raise CheckpointError(error)
         device = self.fabric.device
         self.global_state = {n: t.to(device) for n, t in ckpt["global_state"].items()}
         model.load_federated_state(self.global_state)

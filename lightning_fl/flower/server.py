@@ -81,21 +81,25 @@ def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     return {"config": config, "overrides": overrides, "round_timeout": timeout, "wait_for_nodes": wait}
 
 
-def server_app(**kwargs: Any) -> ServerApp:
-    """A ServerApp that runs :func:`serve` with these arguments (for ``run_simulation`` and tests)."""
+def server_app(outcome: dict | None = None, **kwargs: Any) -> ServerApp:
+    """A ServerApp that runs :func:`serve` with these arguments (for ``run_simulation`` and tests).
+
+    ``outcome`` receives ``trainer`` when the run finishes, or ``error`` (a UserError) when it cannot run.
+    """
     server = ServerApp()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        _run(grid, lambda: serve(grid, **kwargs))
+        _run(grid, lambda: serve(grid, **kwargs), outcome if outcome is not None else {})
 
     return server
 
 
-def _run(grid: Grid, fit) -> None:
+def _run(grid: Grid, fit, outcome: dict) -> None:
     try:
-        fit()
+        outcome["trainer"] = fit()
     except UserError as err:
+        outcome["error"] = err
         log(ERROR, "error: %s", err)  # one line; the run ends as failed
         raise
 
@@ -106,4 +110,4 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     app_dir = Path(__file__).resolve().parents[2]
-    _run(grid, lambda: serve(grid, **settings(dict(context.run_config)), app_dir=app_dir))
+    _run(grid, lambda: serve(grid, **settings(dict(context.run_config)), app_dir=app_dir), {})

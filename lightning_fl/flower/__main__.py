@@ -1,0 +1,51 @@
+"""``python -m lightning_fl.flower --config FILE [--supernodes N] [overrides ...]``: Flower's simulation engine.
+
+Runs the same ServerApp and ClientApp that ``flwr run`` deploys, on Flower's simulation engine (Ray) on this
+machine: one virtual SuperNode per client (``partition-id`` 0..N-1). Anything after the options is passed
+on as overrides, e.g. ``--trainer.rounds 5``. Exit code 2 and one line for a mistake in the arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_fl.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_fl.flower", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="Our YAML config (as for `python -m lightning_fl fit`).")
+    parser.add_argument("--supernodes", type=int, default=None, help="Virtual SuperNodes (default: data.num_clients).")
+    parser.add_argument("--cpus-per-client", type=float, default=1.0, help="Ray CPUs per ClientApp (default 1).")
+    parser.add_argument("--round-timeout", type=float, default=0.0, help="Seconds to wait for replies (0: all).")
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        from flwr.simulation import run_simulation
+
+        from lightning_fl.cli import build
+        from lightning_fl.flower.client import app as client_app
+        from lightning_fl.flower.server import server_app
+
+        run = build(["fit", "--config", args.config, *overrides])  # config mistakes surface before Ray starts
+        supernodes = args.supernodes if args.supernodes is not None else int(run.data.num_clients)
+        if supernodes < 1 or args.cpus_per_client <= 0:
+            raise UserError("--supernodes must be >= 1 and --cpus-per-client > 0")
+        outcome: dict = {}
+        server = server_app(
+            config=args.config, overrides=overrides, round_timeout=args.round_timeout or None, outcome=outcome
+        )
+        resources = {"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}}
+        run_simulation(server_app=server, client_app=client_app, num_supernodes=supernodes, backend_config=resources)
+        if "error" in outcome:
+            raise outcome["error"]
+        if "trainer" not in outcome:
+            print("error: the simulation ended before the ServerApp finished; see the log above", file=sys.stderr)
+            raise SystemExit(1)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
