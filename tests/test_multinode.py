@@ -80,13 +80,21 @@ def run_nodes(folders, *args: str, log: str = "log.txt") -> list:
         deadline = time.monotonic() + TIMEOUT_S
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # killed below and reported with the nodes' logs
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"node {rank}:\n{tail(logs[rank])}"
+    failed = [
+        f"node {rank} exited {proc.returncode}"
+        + (f" (killed after {TIMEOUT_S} s)" if proc.returncode == -signal.SIGKILL else "")
+        + f":\n{tail(logs[rank])}"
+        for rank, proc in enumerate(procs)
+        if proc.returncode != 0
+    ]
+    assert not failed, "\n".join(failed)
     return logs
 
 
