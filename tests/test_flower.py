@@ -48,7 +48,8 @@ class LocalGrid(Grid):
 
     Args:
         node_configs: One node config per node (node ids 1, 2, ...).
-        tamper: ``{node id: f(reply) -> reply or None}``: rewrite a node's reply, or drop it (``None``: lost).
+        tamper: ``{node id: f(reply, message) -> reply or None}``: rewrite a node's reply to a train message, or
+            drop it (``None``: lost).
     """
 
     def __init__(self, node_configs: list[dict], tamper: dict[int, Callable] | None = None) -> None:
@@ -83,12 +84,13 @@ class LocalGrid(Grid):
         replies = []
         for message in messages:
             self.sent.append(message)
+            message.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"  # as the SuperLink does on push
             node = message.metadata.dst_node_id
             if node not in self.contexts:
                 continue
             reply = flower_client.app(message, self.contexts[node])
             if node in self.tamper and message.metadata.message_type == messages_train():
-                reply = self.tamper[node](reply)
+                reply = self.tamper[node](reply, message)
             if reply is not None:
                 replies.append(reply)
         return replies
@@ -143,7 +145,7 @@ def test_flower_transport_equals_in_process_bitwise(in_tmp, config):
     assert types.count(messages.HELLO) == 4 and types.count(messages.TRAIN) == 8
 
 
-def garbage(reply: Message) -> Message:
+def garbage(reply: Message, message: Message) -> Message:
     """A hostile node: replaces its payload bytes with junk."""
     reply.content[messages.REPLY]["payload"] = b"\x00junk" * 20
     return reply
@@ -172,7 +174,7 @@ def test_garbage_reply_is_rejected_and_the_run_goes_on(in_tmp):
     ids=["payload-not-bytes", "negative-samples", "no-reply-record", "failure-not-text"],
 )
 def test_malformed_replies_are_rejected_not_fatal(in_tmp, mutate):
-    def tamper(reply):
+    def tamper(reply, message):
         out = mutate(reply)
         return out if isinstance(out, Message) else reply
 
@@ -187,7 +189,7 @@ def test_lost_node_misses_the_round_and_the_run_goes_on(in_tmp):
     """A node that stops answering in round 2 is counted lost; the other uploads are aggregated; no NaN."""
     calls = {"n": 0}
 
-    def dies_in_round_2(reply):
+    def dies_in_round_2(reply, message):
         calls["n"] += 1
         return None if calls["n"] >= 2 else reply
 
@@ -200,6 +202,26 @@ def test_lost_node_misses_the_round_and_the_run_goes_on(in_tmp):
     # its download was sent and counted, its upload never arrived
     assert got["ledger"]["up"].tolist() == [1536, 768, 1536, 1536]
     assert got["ledger"]["down"].tolist() == [1536, 1536, 1536, 1536]
+
+
+def test_node_reported_unavailable_is_lost_then_rejoins(in_tmp):
+    """The SuperLink answers for a vanished node (error NODE_UNAVAILABLE, sent under its own id): that client is
+    lost for the round, and the node is introduced again when it is back."""
+    from flwr.app import Error
+
+    def unavailable_once(reply, message):
+        if message.metadata.group_id != "1":
+            return reply
+        error = Message(Error(code=5, reason="Node Unavailable"), reply_to=message)
+        error.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, not the node's
+        return error
+
+    grid = LocalGrid(nodes(), tamper={4: unavailable_once})
+    with pytest.warns(UserWarning, match=r"round 1: no reply from client\(s\) \[3\]"):
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
+    assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [1.0, 0.0]
+    hellos = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == messages.HELLO]
+    assert sorted(hellos) == [1, 2, 3, 4, 4]  # node 4 was forgotten, then introduced again
 
 
 def test_node_with_other_factors_refuses_to_train(in_tmp):

@@ -14,10 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from flwr.app import Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from lightning_fl.federated.transport import Reply, Transport
 from lightning_fl.flower import messages as wire_msg
+
+NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
 
 
 class FlowerTransport(Transport):
@@ -102,6 +105,7 @@ class FlowerTransport(Transport):
         arrays = wire_msg.state_to_record(state)
         sent: dict[int, tuple[int, int]] = {}  # client -> (node, bytes of its message)
         out: list[Message] = []
+        targets: list[int] = []
         for cid in clients:
             node = self.node_of.get(cid)
             if node is None:
@@ -109,17 +113,25 @@ class FlowerTransport(Transport):
             content = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint)
             message = Message(content=content, dst_node_id=node, message_type=wire_msg.TRAIN, group_id=str(round + 1))
             out.append(message)
+            targets.append(cid)
             sent[cid] = (node, wire_msg.message_bytes(message))
         answers: dict[int, Any] = {}
         if out:
-            for reply in self.grid.send_and_receive(out, timeout=self.round_timeout):
-                client = self.client_of.get(reply.metadata.src_node_id)
+            replies = list(self.grid.send_and_receive(out, timeout=self.round_timeout))
+            # match replies to what was sent (the SuperLink answers for a vanished node under its own id)
+            by_id = {m.metadata.message_id: c for m, c in zip(out, targets, strict=True) if m.metadata.message_id}
+            for reply in replies:
+                client = by_id.get(reply.metadata.reply_to_message_id or None)
+                if client is None:
+                    client = self.client_of.get(reply.metadata.src_node_id)
                 if client is not None and client in sent and client not in answers:
                     answers[client] = reply
         for cid in clients:
             down = sent[cid][1] if cid in sent else None
             reply = answers.get(cid)
-            if reply is None:
+            if reply is None or (reply.has_error() and reply.error.code == NODE_UNAVAILABLE):
+                if reply is not None:  # the node is gone: forget it until it comes back (under a new id)
+                    self.client_of.pop(self.node_of.pop(cid, -1), None)
                 yield Reply(cid, lost=True, message_down=down)
                 continue
             payload, num_samples, failure, logged = wire_msg.read_reply(reply)
