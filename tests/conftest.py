@@ -1,11 +1,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+# Flower writes under $FLWR_HOME (default ~/.flwr) when imported: keep tests out of the user's home.
+os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="flwr-home-"))
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -16,9 +16,8 @@ import torch
 
 pytest.importorskip("flwr")
 
-from conftest import CONFIGS, REPO  # noqa: E402
-
-from lightning_fl.checkpoint import read_checkpoint  # noqa: E402
+from conftest import CONFIGS, REPO
+from lightning_fl.checkpoint import read_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -65,3 +64,73 @@ def test_simulation_engine_equals_in_process_bitwise(tmp_path, config):
     assert torch.equal(a["ledger"]["up"], b["ledger"]["up"])
     assert (b["ledger"]["msg_up"] > b["ledger"]["up"]).all()
     assert list((tmp_path / "runs" / "sim" / "version_0").glob("events.out.tfevents.*"))  # TensorBoard, as in process
+
+
+# ------------------------------------------------------------------------------------------------ deployment
+DEPLOY = [
+    "--trainer.rounds", "2", "--data.num_clients", "2", "--trainer.enable_progress_bar", "false",
+    "--model.init_args.pretraining.epochs", "2",
+]  # fmt: skip
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    """A SuperLink and 2 SuperNodes on 127.0.0.1 (one intra-op thread each, sharing the base cache)."""
+    import deployment as fd
+
+    fd.enable_subreaper()
+    env = environment(tmp_path)
+    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=2, extra_env=extra) as d:
+        yield d
+    left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
+    assert not left, "processes left running: " + ", ".join(map(str, left))
+
+
+def submit(deployment, tmp_path, name: str, *extra: str, timeout: str = "120") -> int:
+    overrides = " ".join(
+        [*DEPLOY, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.name", name, *extra]
+    )
+    return deployment.run_app(REPO, f'config="configs/quickstart.yaml" overrides="{overrides}" round-timeout={timeout}')
+
+
+def finish(deployment, run_id: int, timeout: float = 300) -> None:
+    status = deployment.wait_run(run_id, timeout=timeout)
+    assert status["status"] == "finished:completed", deployment.run_logs(run_id)[-4000:]
+
+
+def test_deployment_engine_equals_in_process(tmp_path, deployment):
+    """flwr run of the quickstart on a real SuperLink and 2 SuperNodes: the in-process run's state and payload bytes."""
+    common = [
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        *DEPLOY,
+        "--trainer.default_root_dir",
+        str(tmp_path / "runs"),
+    ]
+    run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc"], tmp_path)
+    finish(deployment, submit(deployment, tmp_path, "deployed"))
+    a, b = final_state(tmp_path, "inproc"), final_state(tmp_path, "deployed")
+    for name in a["global_state"]:
+        assert torch.equal(a["global_state"][name], b["global_state"][name]), name
+    assert torch.equal(a["ledger"]["up"], b["ledger"]["up"]) and torch.equal(a["ledger"]["down"], b["ledger"]["down"])
+    assert (b["ledger"]["msg_up"] > b["ledger"]["up"]).all() and (b["ledger"]["msg_down"] > b["ledger"]["down"]).all()
+
+
+def test_killed_supernode_misses_a_round_and_rejoins(tmp_path, deployment):
+    """SIGKILL a SuperNode as round 2 starts and start it again: round 2 lacks that client, round 3 has it back."""
+    import time
+
+    run_id = submit(deployment, tmp_path, "killed", "--trainer.rounds", "3", timeout="40")
+    checkpoint = tmp_path / "runs" / "killed"
+    deadline = time.monotonic() + 240
+    while not any(read_checkpoint(p)["round"] >= 1 for p in checkpoint.glob("**/checkpoints/last.ckpt")):
+        assert time.monotonic() < deadline, "round 1 did not finish in time"
+        time.sleep(0.2)
+    deployment.crash_supernode(1)
+    deployment.start_supernode(1)
+    finish(deployment, run_id)
+    history = final_state(tmp_path, "killed")["history"]
+    assert [h["fed/lost_clients"] for h in history[1:]] == [0.0, 1.0, 0.0]
+    assert [h["fed/round_skipped"] for h in history[1:]] == [0.0, 0.0, 0.0]
+    assert all(torch.isfinite(t).all() for t in final_state(tmp_path, "killed")["global_state"].values())

@@ -1,0 +1,370 @@
+"""A Flower deployment on 127.0.0.1 for tests: a SuperLink, N SuperNodes, ``flwr run``, and a clean teardown.
+
+flwr 1.42's SuperLink serves its Fleet, Control and ServerAppIo APIs over HTTP on one port; each SuperNode
+serves its ClientAppIo API on another. Every port is free (bound to 0 first), every wait is bounded, each
+process gets its own ``FLWR_HOME`` under the test's folder, and teardown stops every process started here
+and its descendants by PID (found through /proc; orphans are reaped, as this process is a subreaper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIN = Path(sys.executable).parent  # venv bin: flower-superlink, flwr, flower-superexec...
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", encoding="utf-8") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # field 4 (ppid) comes after the ")" that closes comm
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids = _children_map()
+    out, stack = [], [pid]
+    while stack:
+        for c in kids.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+def _starttime(pid: int) -> str | None:
+    """Process start time (jiffies since boot) -> guards against PID reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_tree(pid: int, grace: float = 5.0) -> None:
+    """SIGTERM pid + all descendants (collected first), then SIGKILL survivors."""
+    pids = [pid, *descendants(pid)]
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGTERM)
+    deadline = time.time() + grace
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    pids = pids + descendants(pid)
+    for p in pids:
+        if _alive(p):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    deadline = time.time() + 5.0
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def enable_subreaper() -> bool:
+    """Make this process adopt orphaned descendants (Linux only).
+
+    flower-supernode starts `flower-superexec` and never wait()s for it; when the
+    supernode dies first, the superexec is re-parented to PID 1. If PID 1 does not
+    reap (as in some sandboxes/containers), <defunct> entries pile up. As a subreaper
+    we adopt them and `reap_orphans()` collects them.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+def reap_orphans(timeout: float = 3.0) -> None:
+    """Reap zombie children adopted via enable_subreaper().
+
+    Loops (bounded): a multi-threaded zombie leader can't be reaped until all its
+    threads are gone, so a single WNOHANG pass can miss it.
+    """
+    deadline = time.time() + timeout
+    while True:
+        zombies = []
+        for pid in _children_map().get(os.getpid(), []):
+            try:
+                with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        zombies.append(pid)
+            except OSError:
+                pass
+        for pid in list(zombies):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    zombies.remove(pid)
+            except ChildProcessError:
+                zombies.remove(pid)
+        if not zombies or time.time() > deadline:
+            return
+        time.sleep(0.05)
+
+
+def wait_http_ok(url: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == 200:
+                    return
+        except Exception as e:
+            last = e
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last!r}")
+
+
+@dataclass
+class FlowerDeployment:
+    workdir: Path
+    num_supernodes: int = 2
+    extra_env: dict[str, str] = field(default_factory=dict)
+    superlink_cwd: Path | None = None  # ServerApp inherits this cwd
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+    # every PID ever seen in one of our trees (orphans of a killed node live on!)
+    seen_pids: dict[int, str | None] = field(default_factory=dict)  # pid -> starttime
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()  # the only SuperLink port (Fleet+Control+Runtime)
+        self.address = f"127.0.0.1:{self.port}"
+        self.cli_home = self.workdir / "home-cli"
+        self.cli_home.mkdir(exist_ok=True)
+        (self.cli_home / "config.toml").write_text(
+            '[superlink]\ndefault = "local-test"\n\n'
+            f'[superlink.local-test]\naddress = "{self.address}"\ninsecure = true\n',
+            encoding="utf-8",
+        )
+
+    # ---------------------------------------------------------------- env
+    def env(self, home: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            FLWR_HOME=str(home),
+            FLWR_TELEMETRY_ENABLED="0",
+            FLWR_DISABLE_UPDATE_CHECK="1",
+            # superlink/supernode spawn `flower-superexec`, which spawns
+            # `flwr-serverapp` / `flwr-clientapp` BY NAME -> venv bin must be on PATH
+            PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+            PYTHONUNBUFFERED="1",
+        )
+        # these would re-enable legacy gRPC Fleet/Control servers on FIXED ports 9092/9093
+        env.pop("FLWR_INTERNAL_GRPC_FLEET_API", None)
+        env.pop("FLWR_INTERNAL_GRPC_CONTROL_API", None)
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, name: str, cmd: list[str], home: Path, cwd: Path) -> subprocess.Popen:
+        home.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{name}.log"
+        self.logs[name] = log
+        fh = open(log, "ab")  # noqa: SIM115  (closed by OS at teardown)
+        p = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=self.env(home),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        fh.close()
+        self.procs[name] = p
+        return p
+
+    # ------------------------------------------------------------ start
+    def start_superlink(self, timeout: float = 30.0) -> None:
+        self._spawn(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--disable-runtime-dependency-installation",
+            ],  # else each ServerApp runs `uv sync`
+            home=self.workdir / "home-superlink",
+            cwd=self.superlink_cwd or self.workdir,
+        )
+        wait_http_ok(f"http://{self.address}/health", timeout)
+
+    def start_supernode(self, idx: int, timeout: float = 30.0) -> int:
+        port = free_port()  # SuperNode Runtime (ClientAppIo) HTTP API
+        name = f"supernode{idx}"
+        self._spawn(
+            name,
+            [
+                str(BIN / "flower-supernode"),
+                "--insecure",
+                "--superlink",
+                self.address,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--node-config",
+                f"partition-id={idx} num-partitions={self.num_supernodes}",
+            ],
+            home=self.workdir / f"home-{name}",  # separate FLWR_HOME per node (FAB install race)
+            cwd=self.workdir,
+        )
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout)
+        return port
+
+    def start(self) -> None:
+        self.start_superlink()
+        for i in range(self.num_supernodes):
+            self.start_supernode(i)
+        self.wait_nodes(self.num_supernodes)
+
+    # ------------------------------------------------------------- CLI
+    def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "flwr"), *args],
+            env=self.env(self.cli_home),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=self.workdir,
+        )
+
+    def run_app(self, app_dir: Path, run_config: str | None = None) -> int:
+        args = ["run", str(app_dir), "local-test", "--format", "json"]
+        if run_config:
+            args += ["--run-config", run_config]
+        cp = self.flwr(*args)
+        # NB: `flwr run --format json` exits 0 even on failure -> check "success"
+        try:
+            payload = json.loads(cp.stdout)
+        except json.JSONDecodeError:
+            payload = {}
+        if cp.returncode != 0 or not payload.get("success"):
+            raise RuntimeError(f"flwr run failed: {cp.stdout}\n{cp.stderr}")
+        return int(payload["run-id"])
+
+    def online_nodes(self) -> list[int]:
+        cp = self.flwr("supernode", "ls", "local-test", "--format", "json")
+        payload = json.loads(cp.stdout) if cp.stdout.strip() else {}
+        return [int(n["node-id"]) for n in payload.get("nodes", []) if n["status"] == "online"]
+
+    def wait_nodes(self, n: int, timeout: float = 30.0) -> list[int]:
+        deadline = time.time() + timeout
+        nodes: list[int] = []
+        while time.time() < deadline:
+            nodes = self.online_nodes()
+            if len(nodes) >= n:
+                return nodes
+            time.sleep(0.5)
+        raise TimeoutError(f"only {len(nodes)}/{n} SuperNodes online after {timeout}s")
+
+    def run_status(self, run_id: int) -> dict:
+        cp = self.flwr("ls", "local-test", "--run-id", str(run_id), "--format", "json")
+        if cp.returncode != 0:
+            raise RuntimeError(f"flwr ls failed: {cp.stdout}\n{cp.stderr}")
+        return json.loads(cp.stdout)["runs"][0]
+
+    def wait_run(self, run_id: int, timeout: float, poll: float = 1.0) -> dict:
+        deadline = time.time() + timeout
+        st: dict = {}
+        while time.time() < deadline:
+            st = self.run_status(run_id)
+            if st["status"].startswith("finished"):
+                return st
+            time.sleep(poll)
+        raise TimeoutError(f"run {run_id} not finished after {timeout}s: {st}")
+
+    def run_logs(self, run_id: int) -> str:
+        cp = self.flwr("log", str(run_id), "local-test", "--show", timeout=30)
+        return cp.stdout + cp.stderr
+
+    # ---------------------------------------------------------- teardown
+    def _remember(self, pids: list[int]) -> None:
+        for pid in pids:
+            self.seen_pids.setdefault(pid, _starttime(pid))
+
+    def snapshot(self) -> None:
+        for p in self.procs.values():
+            self._remember([p.pid, *descendants(p.pid)])
+
+    def crash_supernode(self, idx: int) -> list[int]:
+        """SIGKILL only the supernode PID (simulated crash). Returns its tree.
+
+        Its flower-superexec exits within ~0.2 s (parent-pid monitor) but a running
+        flwr-clientapp can linger (~1 min of HTTP retries): remember it for stop().
+        """
+        name = f"supernode{idx}"
+        p = self.procs.pop(name)
+        tree = [p.pid, *descendants(p.pid)]
+        self._remember(tree)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=5)
+        return tree
+
+    def stop(self) -> None:
+        self.snapshot()
+        # stop supernodes first, then the superlink (each with its process tree)
+        for name in sorted(self.procs, key=lambda n: n == "superlink"):
+            p = self.procs[name]
+            kill_tree(p.pid)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        self.procs.clear()
+        for pid, start in self.seen_pids.items():  # orphans (re-parented to PID 1 or to us)
+            if _alive(pid) and _starttime(pid) == start:  # same process, not a reused PID
+                kill_tree(pid, grace=2.0)
+        reap_orphans()
+
+    def __enter__(self) -> FlowerDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
