@@ -224,6 +224,21 @@ def test_node_reported_unavailable_is_lost_then_rejoins(in_tmp):
     assert sorted(hellos) == [1, 2, 3, 4, 4]  # node 4 was forgotten, then introduced again
 
 
+def test_node_that_cannot_build_the_run_is_named_once_and_left_out(in_tmp):
+    """A node whose own overrides are wrong says why in its hello; the server warns once and never asks again."""
+    configs = nodes()
+    configs[2]["overrides"] = "--data.batch_sise 3"
+    grid = LocalGrid(configs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
+    refusals = [str(w.message) for w in caught if "is not used" in str(w.message)]
+    assert len(refusals) == 1 and "SuperNode 3 is not used: could not build the run" in refusals[0]
+    assert "data.batch_sise" in refusals[0]
+    assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
+    assert [m.metadata.dst_node_id for m in grid.sent].count(3) == 1
+
+
 def test_node_with_other_factors_refuses_to_train(in_tmp):
     """A node whose model differs (factor seed) refuses; the server names it, and stops under upload_policy raise."""
     configs = nodes()

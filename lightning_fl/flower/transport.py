@@ -41,13 +41,14 @@ class FlowerTransport(Transport):
         grid: Grid,
         config_yaml: str,
         round_timeout: float | None = None,
-        hello_timeout: float = 120.0,
+        hello_timeout: float = 60.0,
         wait_for_nodes: float = 60.0,
     ) -> None:
         self.grid, self.config_yaml = grid, config_yaml
         self.round_timeout, self.hello_timeout, self.wait_for_nodes = round_timeout, hello_timeout, wait_for_nodes
         self.node_of: dict[int, int] = {}  # client id -> node id
         self.client_of: dict[int, int] = {}  # node id -> client id
+        self.refused: set[int] = set()  # nodes that could not serve (asked once; a fixed node rejoins under a new id)
         self.num_clients = 0
         self.fingerprint: str | None = None
 
@@ -69,7 +70,7 @@ class FlowerTransport(Transport):
         nodes = set(self.grid.get_node_ids())
         for node in [n for n in self.client_of if n not in nodes]:
             self.node_of.pop(self.client_of.pop(node), None)
-        new = sorted(nodes - set(self.client_of))
+        new = sorted(nodes - set(self.client_of) - self.refused)
         if not new:
             return
         hello = [
@@ -80,11 +81,13 @@ class FlowerTransport(Transport):
             node = reply.metadata.src_node_id
             client, problem = self._read_hello(reply)
             if problem is not None:
+                self.refused.add(node)
                 warnings.warn(f"SuperNode {node} is not used: {problem}", stacklevel=2)
                 continue
             old = self.node_of.get(client)
             if old is not None:  # a node that came back under a new id replaces the one it was
                 self.client_of.pop(old, None)
+                warnings.warn(f"SuperNode {node} now serves client {client} (was SuperNode {old})", stacklevel=2)
             self.node_of[client], self.client_of[node] = node, client
 
     def _read_hello(self, reply: Message) -> tuple[int, str | None]:
