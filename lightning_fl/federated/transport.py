@@ -3,7 +3,7 @@
 The round loop (:class:`~lightning_fl.federated.round.RoundRunner`) is the same for every transport; a
 transport only turns ``(global state, clients, round)`` into one :class:`Reply` per client. :class:`InProcess`
 calls :func:`~lightning_fl.federated.client.run_client` here (on each Fabric process for its share of the
-clients); :class:`lightning_fl.flower.FlowerTransport` sends Flower messages to SuperNodes and parses the
+clients); :class:`lightning_fl.flower.transport.FlowerTransport` sends Flower messages to SuperNodes and parses the
 bytes they send back. The server decodes and gates every reply the same way, whichever way it came.
 """
 
