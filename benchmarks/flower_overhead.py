@@ -1,0 +1,496 @@
+"""What running on Flower's deployment engine costs per round, against the same run in one process.
+
+For two workloads, 2 clients (K clients = K SuperNodes) and R rounds each, it times the round without
+evaluation (``time/clients_and_server_s`` from each round's checkpointed history) of
+
+- ``in-process``: ``python -m lightning_fl fit --config ... [overrides]`` in a subprocess (the clients train
+  one after the other in that process), and
+- ``flower``: ``flwr run`` of this repository as the app on a local deployment (a SuperLink and K SuperNodes
+  on 127.0.0.1, started once per workload with ``tests/deployment.py`` and reused for every repeat), with the
+  run config ``config=<the YAML> overrides=<the same overrides>``,
+
+alternating the two sides ``--repeats`` times (in-process first, then flower; the next repeat flower first).
+Workloads:
+
+- ``quickstart``: configs/quickstart.yaml (FLITE latents on digits, 768-byte payloads), as shipped.
+- ``fedavg_fmnist``: configs/fedavg_fashion_mnist.yaml (full-weight FedAvg, 1,681,792-byte payloads), shrunk
+  with ``--data.max_train_samples 6000`` (a seeded subset of the 60k training images: 600 public images
+  pretrain the base (cached), 2,700 per client, 43 local steps of 64) and ``--data.max_eval_samples 1000``
+  (evaluation is not in the timed part; this only shortens each run). Model, codec and optimiser unchanged.
+
+Both sides get ``--data.num_clients K --trainer.rounds R --trainer.logger false
+--trainer.enable_progress_bar false``, the config's seeds (``seed_everything: 0``), and every process
+(in-process run, SuperLink, SuperNodes and what they start) runs with ``OMP_NUM_THREADS=1`` and one shared
+``LIGHTNING_FL_CACHE`` (the pretrained bases, built by the first in-process run).
+
+    python benchmarks/flower_overhead.py                                 # both workloads, R=5, 3 repeats
+    python benchmarks/flower_overhead.py --workloads quickstart --rounds 3 --repeats 1   # quicker
+
+It prints markdown tables and writes docs/results/flower_overhead.csv (one row per workload and side) and
+docs/results/flower_overhead.md (the tables, the command, the date and the machine). What to look at:
+
+- round time: min and median over rounds 2..R of every repeat (round 1 is warm-up, shown apart), and the
+  ratio flower / in-process (min over min, median over median). On Flower a round includes the SuperNode's
+  poll for work (every 3 s when idle), the SuperExec's poll for tasks (1 s), a fresh ``flwr-clientapp``
+  process per message that imports torch and rebuilds the run from the config, and the ServerApp's poll for
+  replies (every 3 s), so Flower's round times come in steps of about 3 s. With K=2 on 2 cores the two
+  clients train in parallel on Flower but one after the other in process;
+- bytes per client and round: the codec's payload (the ledger's ``comm/client_up_bytes``/``down``, the
+  paper's numbers, equal on both sides) against the Flower messages that carry it (``comm/msg_client_*``);
+- where Flower's time goes: per train message, the SuperNode's time from "Receiving" to "Sending" (its log
+  lines, timestamped here as they arrive), and a cold ClientApp rebuild timed in a fresh process
+  (interpreter + imports of the ClientApp module, then ``build_node`` of the server's resolved config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+import deployment  # noqa: E402  (tests/deployment.py: the SuperLink/SuperNode harness)
+
+SIDES = ("in-process", "flower")
+POLLS = "SuperNode 3 s (idle), SuperExec 1 s, ServerApp 3 s"
+NODE = ("node_between_s", "node_pickup_s", "node_clientapp_s")
+COLD = ("cold_interpreter_s", "cold_imports_s", "cold_build_s", "cold_total_s")
+BYTES = ("comm/client_up_bytes", "comm/client_down_bytes", "comm/msg_client_up_bytes", "comm/msg_client_down_bytes")
+
+
+@dataclass
+class Workload:
+    name: str
+    config: str
+    overrides: list[str]
+    note: str
+
+
+WORKLOADS = {
+    "quickstart": Workload(
+        "quickstart", "configs/quickstart.yaml", [], "FLITE latents on digits (768-byte payloads), as shipped"
+    ),
+    "fedavg_fmnist": Workload(
+        "fedavg_fmnist",
+        "configs/fedavg_fashion_mnist.yaml",
+        ["--data.max_train_samples", "6000", "--data.max_eval_samples", "1000"],
+        "full-weight FedAvg on Fashion-MNIST, 6,000 training images (2,700 per client), 1,000 test images",
+    ),
+}
+
+
+@dataclass
+class Result:
+    """What the runs of one workload on one side measured."""
+
+    warmup: list[float] = field(default_factory=list)  # round 1 of each run
+    rounds: list[float] = field(default_factory=list)  # rounds 2..R of every run
+    walls: list[float] = field(default_factory=list)  # each run's wall time (start to finished)
+    bytes: dict[str, list[float]] = field(default_factory=dict)  # ledger key -> per-round values
+
+
+# ------------------------------------------------------------------------------------ processes
+def environment(work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "NODE_RANK", "LOCAL_RANK", "WORLD_"))}
+    env.update(OMP_NUM_THREADS="1", LIGHTNING_FL_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _stamp(stream, log: Path) -> None:
+    """Copy a process's output to ``log``, each line prefixed with its arrival time (Flower's lack one)."""
+    with open(log, "ab") as out:
+        for line in iter(stream.readline, b""):
+            out.write(f"{time.time():.3f} ".encode() + line)
+            out.flush()
+    stream.close()
+
+
+class TimedDeployment(deployment.FlowerDeployment):
+    """The harness's deployment, with every log line timestamped (for the SuperNode's time per message)."""
+
+    def _spawn(self, name: str, cmd: list[str], home: Path, cwd: Path) -> subprocess.Popen:
+        home.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / f"{name}.log"
+        self.logs[name] = log
+        p = subprocess.Popen(
+            cmd, cwd=cwd, env=self.env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        threading.Thread(target=_stamp, args=(p.stdout, log), daemon=True).start()
+        self.procs[name] = p
+        return p
+
+
+def run_python(args: list[str], work: Path, log: Path, timeout: float) -> float:
+    """Run ``python args`` in ``work`` (output to ``log``); its wall time. Killed by PID (with children) on timeout."""
+    t0 = time.perf_counter()
+    with open(log, "ab") as out:
+        p = subprocess.Popen(
+            [sys.executable, *args], cwd=work, env=environment(work), stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        deployment.kill_tree(p.pid)
+        p.wait(timeout=10)
+        raise RuntimeError(f"{shlex.join(args[:4])} ... ran past {timeout:.0f} s; see {log}") from None
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{shlex.join(args[:4])} ... exited with {rc}:\n{tail}")
+    return time.perf_counter() - t0
+
+
+def checkpoint(root: Path, name: str) -> Path | None:
+    found = sorted((root / name).glob("**/checkpoints/last.ckpt"))
+    return found[-1] if found else None
+
+
+def history(root: Path, name: str) -> list[dict[str, float]]:
+    from lightning_fl.checkpoint import read_checkpoint
+
+    path = checkpoint(root, name)
+    if path is None:
+        raise RuntimeError(f"run {name} left no checkpoint under {root}")
+    return sorted((h for h in read_checkpoint(path)["history"] if h["round"] >= 1), key=lambda h: h["round"])
+
+
+def wait_rounds(root: Path, name: str, rounds: int, timeout: float) -> None:
+    """Wait (reading the round checkpoint when it changes) until run ``name`` checkpointed round ``rounds``.
+
+    Cheaper than polling ``flwr ls`` (a CLI process each time) while clients train on the same 2 cores.
+    """
+    from lightning_fl.checkpoint import read_checkpoint
+
+    deadline, seen = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        path = checkpoint(root, name)
+        if path is not None and (stamp := path.stat().st_mtime_ns) != seen:
+            seen = stamp
+            try:
+                if read_checkpoint(path)["round"] >= rounds:
+                    return
+            except Exception:  # caught mid-write (it is written atomically, but be safe)
+                seen = None
+        time.sleep(0.5)
+    raise TimeoutError(f"run {name} did not reach round {rounds} in {timeout:.0f} s")
+
+
+# ------------------------------------------------------------------------------------ one run per side
+def common(w: Workload, args: argparse.Namespace, root: Path, name: str) -> list[str]:
+    return [
+        *w.overrides,
+        "--data.num_clients", str(args.clients), "--trainer.rounds", str(args.rounds),
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(root), "--trainer.name", name,
+    ]  # fmt: skip
+
+
+def run_in_process(w: Workload, args, work: Path, root: Path, name: str) -> float:
+    argv = ["-m", "lightning_fl", "fit", "--config", str(REPO / w.config), *common(w, args, root, name)]
+    return run_python(argv, work, work / f"{name}.log", timeout=args.run_timeout)
+
+
+def run_flower(w: Workload, args, d: TimedDeployment, root: Path, name: str) -> float:
+    overrides = shlex.join(common(w, args, root, name))
+    run_config = f'config="{REPO / w.config}" overrides="{overrides}" round-timeout={args.round_timeout}'
+    t0 = time.perf_counter()
+    run_id = d.run_app(REPO, run_config)
+    try:
+        wait_rounds(root, name, args.rounds, timeout=args.run_timeout)
+        status = d.wait_run(run_id, timeout=120)
+    except TimeoutError:
+        print(d.run_logs(run_id)[-3000:], file=sys.stderr)
+        raise
+    wall = time.perf_counter() - t0
+    if status["status"] != "finished:completed":
+        raise RuntimeError(f"flwr run {run_id} ended {status['status']}:\n{d.run_logs(run_id)[-3000:]}")
+    return wall
+
+
+def record(result: Result, rounds: list[dict[str, float]], wall: float) -> None:
+    times = [h["time/clients_and_server_s"] for h in rounds]
+    result.warmup.append(times[0])
+    result.rounds.extend(times[1:])
+    result.walls.append(wall)
+    for key in BYTES:
+        result.bytes.setdefault(key, []).extend(h[key] for h in rounds if key in h)
+
+
+# ------------------------------------------------------------------------------------ where Flower's time goes
+REBUILD = r"""
+import json, sys, time
+t0 = time.time()
+from lightning_fl.flower.client import build_node
+t1 = time.time()
+build_node(open(sys.argv[1], encoding="utf-8").read(), {"partition-id": 0})
+t2 = time.time()
+print(json.dumps({"cold_imports_s": t1 - t0, "cold_build_s": t2 - t1}))
+"""
+
+RESOLVE = r"""
+import sys
+from lightning_fl.cli import build
+run = build(["fit", "--config", *sys.argv[2:]])
+open(sys.argv[1], "w", encoding="utf-8").write(run.config_yaml)
+"""
+
+
+def rebuild_times(w: Workload, args, work: Path, root: Path, times: int = 3) -> dict[str, float]:
+    """A cold ClientApp's start: a fresh interpreter imports the ClientApp module and builds the run (median of 3)."""
+    yaml = work / f"{w.name}-resolved.yaml"
+    run_python(["-c", RESOLVE, str(yaml), str(REPO / w.config), *common(w, args, root, f"{w.name}-rebuild")],
+               work, work / f"{w.name}-rebuild.log", timeout=300)  # fmt: skip
+    rows = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        out = subprocess.run(
+            [sys.executable, "-c", REBUILD, str(yaml)], cwd=work, env=environment(work),
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row["cold_interpreter_s"] = wall - row["cold_imports_s"] - row["cold_build_s"]  # start-up and exit
+        row["cold_total_s"] = wall
+        rows.append(row)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def node_timings(logs: list[Path]) -> dict[str, list[float]]:
+    """Per train message, from a SuperNode's (timestamped) log lines, in seconds.
+
+    ``node_pickup_s``: "Receiving: train message" to "Start `flwr-clientapp` process" (the SuperExec's poll for
+    tasks); ``node_clientapp_s``: that start to "Sending: train message" (a fresh ClientApp process: interpreter,
+    imports, rebuild, training, reply); ``node_message_s``: the two; ``node_between_s``: "Sent successfully" of one
+    train reply to "Receiving" the next round's message of the same run (the ServerApp's poll for replies, the
+    other client, aggregation and the SuperNode's poll for work).
+    """
+    out: dict[str, list[float]] = {k: [] for k in (*NODE, "node_message_s")}
+    for log in logs:
+        run = received = started = sending = sent = sent_run = None
+        for line in log.read_text(errors="replace").splitlines():
+            stamp, _, text = line.partition(" ")
+            try:
+                t = float(stamp)
+            except ValueError:
+                continue
+            if m := re.search(r"\[RUN (\d+)", text):
+                run = m[1]
+            elif "Receiving: train message" in text:
+                received, started, sending = t, None, None
+                if sent is not None and sent_run == run:
+                    out["node_between_s"].append(t - sent)
+                sent = None
+            elif "Start `flwr-clientapp` process" in text and received is not None and started is None:
+                started = t
+            elif "Sending: train message" in text and received is not None:
+                sending = t
+                out["node_message_s"].append(t - received)
+                if started is not None:
+                    out["node_pickup_s"].append(started - received)
+                    out["node_clientapp_s"].append(t - started)
+                received = None
+            elif "Sent successfully" in text and sending is not None:
+                sent, sent_run, sending = t, run, None
+    return out
+
+
+# ------------------------------------------------------------------------------------ report
+def cell(v: object) -> object:
+    """A CSV cell: whole numbers (bytes) as integers, other floats to 6 significant digits."""
+    if isinstance(v, float):
+        return int(v) if v.is_integer() else f"{v:.6g}"
+    return v
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "" if x is None else f"{x:,.{digits}f}"
+
+
+def summarise(results: dict[str, dict[str, Result]], extra: dict[str, dict[str, float]], args) -> list[dict]:
+    rows = []
+    for wname, sides in results.items():
+        base = sides["in-process"]
+        for side in SIDES:
+            r = sides[side]
+            row: dict[str, object] = {
+                "workload": wname, "side": side, "clients": args.clients, "rounds": args.rounds,
+                "repeats": args.repeats, "rounds_timed": len(r.rounds),
+                "round1_median_s": statistics.median(r.warmup),
+                "round_min_s": min(r.rounds), "round_median_s": statistics.median(r.rounds),
+                "ratio_min": min(r.rounds) / min(base.rounds),
+                "ratio_median": statistics.median(r.rounds) / statistics.median(base.rounds),
+                "run_wall_median_s": statistics.median(r.walls),
+            }  # fmt: skip
+            for key, col in (
+                ("comm/client_up_bytes", "payload_up_bytes"),
+                ("comm/client_down_bytes", "payload_down_bytes"),
+                ("comm/msg_client_up_bytes", "msg_up_bytes"),
+                ("comm/msg_client_down_bytes", "msg_down_bytes"),
+            ):
+                values = r.bytes.get(key, [])
+                row[col] = statistics.median(values) if values else None
+            for d in ("up", "down"):
+                msg, pay = row[f"msg_{d}_bytes"], row[f"payload_{d}_bytes"]
+                row[f"msg_overhead_{d}"] = msg / pay if msg and pay else None
+            if side == "flower":
+                row.update(extra[wname])
+            rows.append(row)
+    return rows
+
+
+def tables(rows: list[dict], args) -> str:
+    out = [
+        "Per-round time without evaluation (`time/clients_and_server_s`), seconds: min and median over rounds "
+        f"2..{args.rounds} of {args.repeats} run(s) per side ({args.clients} clients; round 1 is warm-up, its median "
+        "shown apart); ratio = flower / in-process.",
+        "",
+        "| workload | side | rounds timed | round 1 (median) | min | median | ratio (min) | ratio (median) "
+        "| run wall (median) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['workload']} | {r['side']} | {r['rounds_timed']} | {fmt(r['round1_median_s'])} | "
+            f"{fmt(r['round_min_s'])} | {fmt(r['round_median_s'])} | {fmt(r['ratio_min'])} | "
+            f"{fmt(r['ratio_median'])} | {fmt(r['run_wall_median_s'], 1)} |"
+        )
+    out += [
+        "",
+        "Bytes per client and round (medians): the codec's payload (the ledger) against the Flower messages "
+        "that carry it; overhead = message / payload.",
+        "",
+        "| workload | side | payload up | payload down | message up | message down | overhead up | overhead down |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['workload']} | {r['side']} | {fmt(r['payload_up_bytes'], 0)} | {fmt(r['payload_down_bytes'], 0)} "
+            f"| {fmt(r['msg_up_bytes'], 0)} | {fmt(r['msg_down_bytes'], 0)} | {fmt(r['msg_overhead_up'], 3)} "
+            f"| {fmt(r['msg_overhead_down'], 3)} |"
+        )
+    out += [
+        "",
+        "Where a Flower round goes (seconds, medians over every train message of every run). From the SuperNodes' "
+        "log lines (timestamped as they arrive): between = its reply to round r sent -> round r+1's message "
+        "received (the ServerApp's poll for replies, the other client, aggregation, the SuperNode's poll for work); "
+        "pick-up = message received -> `flwr-clientapp` started (the SuperExec's poll for tasks); ClientApp = "
+        "started -> reply sending (a fresh process: interpreter, imports, rebuild from the config, training). "
+        "Cold start, timed apart in a fresh process (3 times, median): interpreter start and exit, imports of "
+        "`lightning_fl.flower.client`, `build_node` of the server's resolved config. Training per client: the "
+        f"in-process round median / {args.clients}. Poll intervals: {POLLS}.",
+        "",
+        "| workload | Flower round | between | pick-up | ClientApp | cold: interpreter | cold: imports "
+        "| cold: build_node | cold: total | training per client |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    by = {(r["workload"], r["side"]): r for r in rows}
+    for wname in dict.fromkeys(r["workload"] for r in rows):
+        f, i = by[(wname, "flower")], by[(wname, "in-process")]
+        cells = [f["round_median_s"], *(f[k] for k in NODE), *(f[k] for k in COLD)]
+        out.append(f"| {wname} | " + " | ".join(fmt(c) for c in [*cells, i["round_median_s"] / args.clients]) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--clients", type=int, default=2, help="clients = SuperNodes (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default 5; round 1 is warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side and workload, alternated (default 3)")
+    parser.add_argument("--round-timeout", type=float, default=300.0, help="Flower run config round-timeout (s)")
+    parser.add_argument("--run-timeout", type=float, default=900.0, help="longest wait for one run (s)")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "flower_overhead",
+                        help="writes OUT.csv and OUT.md (default docs/results/flower_overhead)")  # fmt: skip
+    parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores, shared")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep runs and logs here (default: a temp folder)")
+    args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds must be >= 2 (round 1 is warm-up)")
+    command = shlex.join(["python", "benchmarks/flower_overhead.py", *sys.argv[1:]])
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="flower_overhead-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started, date = time.perf_counter(), datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    deployment.enable_subreaper()  # adopt what the SuperNodes start, so the harness can reap it
+    results: dict[str, dict[str, Result]] = {}
+    extra: dict[str, dict[str, float]] = {}
+    try:
+        for wname in args.workloads:
+            w = WORKLOADS[wname]
+            results[wname] = {side: Result() for side in SIDES}
+            root = work / "runs"
+            env = environment(work)
+            keep = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE", "PYTHONPATH", "TQDM_DISABLE")}
+            d = TimedDeployment(work / f"flower-{wname}", num_supernodes=args.clients, extra_env=keep)
+            with d:
+                for i in range(args.repeats):
+                    for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+                        name = f"{wname}-{'inproc' if side == 'in-process' else 'flower'}-{i}"
+                        t = time.perf_counter()
+                        if side == "in-process":
+                            wall = run_in_process(w, args, work, root, name)
+                        else:
+                            wall = run_flower(w, args, d, root, name)
+                        hist = history(root, name)
+                        record(results[wname][side], hist, wall)
+                        times = ", ".join(f"{h['time/clients_and_server_s']:.2f}" for h in hist)
+                        print(f"[{time.perf_counter() - started:6.0f} s] {name}: rounds {times} s "
+                              f"(run {time.perf_counter() - t:.1f} s)", flush=True)  # fmt: skip
+                logs = [d.logs[n] for n in d.logs if n.startswith("supernode")]
+            spans = node_timings(logs)
+            extra[wname] = {k: statistics.median(v) if v else None for k, v in spans.items()}
+            extra[wname].update(rebuild_times(w, args, work, root))
+            print(f"[{time.perf_counter() - started:6.0f} s] {wname}: cold ClientApp start {extra[wname]}", flush=True)
+    finally:
+        deployment.reap_orphans()
+        left = [p for p in deployment.descendants(os.getpid()) if deployment._alive(p)]
+        if left:
+            print(f"warning: processes left running: {left}", file=sys.stderr)
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    total = time.perf_counter() - started
+    rows = summarise(results, extra, args)
+    text = tables(rows, args)
+    print()
+    print(text)
+    print(f"\ntotal {total / 60:.1f} min")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out.with_suffix(".csv"), "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: cell(v) for k, v in r.items()})
+    settings = "; ".join(f"`{w}`: {shlex.join([WORKLOADS[w].config, *WORKLOADS[w].overrides])}" for w in args.workloads)
+    header = [
+        "# Flower deployment engine vs in process: round time and bytes",
+        "",
+        f"Produced by `{command}` on {date}; machine: {args.machine}; total {total / 60:.1f} min.",
+        "",
+        f"Every process with OMP_NUM_THREADS=1, the configs' seeds, {args.clients} clients = {args.clients} "
+        f"SuperNodes on 127.0.0.1 (one deployment per workload, reused for every repeat), {args.rounds} rounds, "
+        f"{args.repeats} run(s) per side, alternated. Workloads: {settings}. Both sides add "
+        f"`--data.num_clients {args.clients} --trainer.rounds {args.rounds} --trainer.logger false "
+        "--trainer.enable_progress_bar false`.",
+        "",
+        "",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(header) + text + "\n", encoding="utf-8")
+    print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
