@@ -185,7 +185,7 @@ def test_malformed_replies_are_rejected_not_fatal(in_tmp, mutate):
     assert all(torch.isfinite(t).all() for t in got["global_state"].values())
 
 
-def test_lost_node_misses_the_round_and_the_run_goes_on(in_tmp):
+def test_lost_node_misses_the_round_and_the_run_goes_on(in_tmp, caplog):
     """A node that stops answering in round 2 is counted lost; the other uploads are aggregated; no NaN."""
     calls = {"n": 0}
 
@@ -198,6 +198,11 @@ def test_lost_node_misses_the_round_and_the_run_goes_on(in_tmp):
         trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
     assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [0.0, 1.0]
     assert trainer.history[-1]["fed/round_skipped"] == 0.0
+    # the ServerApp's log says so, one line per round
+    log = caplog.text
+    assert "round 1: 4 of 4 sampled clients replied; 0 lost, 0 rejected; val/acc" in log
+    assert "round 2: 3 of 4 sampled clients replied; 1 lost, 0 rejected" in log
+    assert "upload 768 B payload in a " in log
     assert all(torch.isfinite(t).all() for t in got["global_state"].values())
     # its download was sent and counted, its upload never arrived
     assert got["ledger"]["up"].tolist() == [1536, 768, 1536, 1536]

@@ -220,6 +220,7 @@ class FederatedTrainer(TrainerLike):
             self.history.append({"round": r + 1, **metrics})
             self.callback_metrics = metrics
             self._save_checkpoint(r + 1, seed, fingerprint, datamodule.num_clients)
+            self.transport.finished_round(r, metrics)
             bar.update(1)
             if "val/acc" in metrics:
                 bar.set_postfix(acc=f"{metrics['val/acc']:.4f}", mb=f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}")

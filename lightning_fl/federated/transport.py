@@ -54,6 +54,9 @@ class Transport:
     def open(self, *, num_clients: int, fingerprint: str | None, seed: int) -> None:
         """Called once before the first round of a fit (a network transport finds its clients here)."""
 
+    def finished_round(self, round: int, metrics: dict[str, float]) -> None:
+        """Called after each round is logged and checkpointed (a network transport reports progress here)."""
+
     def replies(
         self,
         model: L.LightningModule,

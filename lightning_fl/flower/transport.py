@@ -15,12 +15,14 @@ from typing import Any
 
 from flwr.app import Message
 from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from lightning_fl.federated.transport import Reply, Transport
 from lightning_fl.flower import messages as wire_msg
 
 NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
+INFO = 20  # logging.INFO
 
 
 class FlowerTransport(Transport):
@@ -103,6 +105,20 @@ class FlowerTransport(Transport):
         return client, None
 
     # ------------------------------------------------------------------------------------ rounds
+    def finished_round(self, round: int, metrics: dict[str, float]) -> None:
+        """One line per round in the ServerApp's log (``flwr log``): who answered, accuracy, bytes."""
+        answered = metrics["fed/clients"] - metrics["fed/unavailable_clients"] - metrics["fed/lost_clients"]
+        parts = [
+            f"round {round + 1}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
+            f"{metrics['fed/lost_clients']:.0f} lost, {metrics['fed/dropped_clients']:.0f} rejected",
+        ]
+        if "val/acc" in metrics:
+            parts.append(f"val/acc {metrics['val/acc']:.4f}")
+        if "comm/msg_client_up_bytes" in metrics:
+            payload, message = metrics["comm/client_up_bytes"], metrics["comm/msg_client_up_bytes"]
+            parts.append(f"upload {payload:.0f} B payload in a {message:.0f} B message per client")
+        log(INFO, "%s", "; ".join(parts))
+
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
         self.introduce()
         arrays = wire_msg.state_to_record(state)
