@@ -244,6 +244,21 @@ def test_node_that_cannot_build_the_run_is_named_once_and_left_out(in_tmp):
     assert [m.metadata.dst_node_id for m in grid.sent].count(3) == 1
 
 
+def test_node_trains_only_as_its_own_client(in_tmp):
+    """A server (or a bug) asking node 1 (client 0) to train client 2 gets a refusal, not another client's update."""
+
+    class Misrouting(LocalGrid):
+        def send_and_receive(self, messages_, *, timeout=None):
+            for message in messages_:
+                if messages.INSTRUCTIONS in message.content and message.metadata.dst_node_id == 1:
+                    message.content[messages.INSTRUCTIONS]["client"] = 2
+            return super().send_and_receive(messages_, timeout=timeout)
+
+    with pytest.warns(UserWarning, match=r"client 0: upload rejected: refused: asked to train client 2, but this node"):
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", Misrouting(nodes()), "--trainer.rounds", "1")
+    assert trainer.history[-1]["fed/dropped_clients"] == 1.0
+
+
 def test_node_with_other_factors_refuses_to_train(in_tmp):
     """A node whose model differs (factor seed) refuses; the server names it, and stops under upload_policy raise."""
     configs = nodes()

@@ -133,7 +133,10 @@ def train(message: Message, context: Context) -> Message:
     else:
         node = build_node(run_record["config"], dict(context.node_config))
         expected = instructions["fingerprint"] or None
-        if node.fingerprint != expected:
+        mine = context.node_config.get("partition-id")
+        if instructions["client"] != mine:  # a node trains as its own client only, never on another's behalf
+            failure = f"refused: asked to train client {instructions['client']!r}, but this node is client {mine!r}"
+        elif node.fingerprint != expected:
             failure = (
                 f"refused: model fingerprint {node.fingerprint} differs from the server's {expected} (projection "
                 "factors or pretrained base differ); use the server's model.factor_seed, layers, latent_dim, rank "
