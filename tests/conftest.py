@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -8,7 +10,9 @@ import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 # Flower writes under $FLWR_HOME (default ~/.flwr) when imported: keep tests out of the user's home.
-os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="flwr-home-"))
+if "FLWR_HOME" not in os.environ:
+    os.environ["FLWR_HOME"] = tempfile.mkdtemp(prefix="flwr-home-")
+    atexit.register(shutil.rmtree, os.environ["FLWR_HOME"], ignore_errors=True)
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
