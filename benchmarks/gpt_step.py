@@ -1,0 +1,105 @@
+"""One training step of TinyGPT on the CPU: time (forward + backward + Adam) and memory.
+
+Builds the paper-size TinyGPT (6 layers, 384 wide, 6 heads; all weights trained, no latent
+mapping), runs ``--warmup`` steps (the first allocates gradients and Adam's moments), then times
+``--steps`` steps on one fixed random batch of ``--batch x --context`` tokens and prints the min and
+median step time.
+
+Memory is the process's resident set (Linux ``/proc/self/status``; tracemalloc does not see torch's
+allocator): the peak (``VmHWM``, reset through ``/proc/self/clear_refs`` once the model is built) over
+the warm-up and timed steps, above the resident set of the built model. It holds the gradients and
+Adam's moments (``3 x 4`` bytes per parameter, printed alongside) plus the activations and what the
+allocator keeps cached. Where the reset is refused it falls back to the ``ru_maxrss`` delta.
+
+    python benchmarks/gpt_step.py                                   # batch 8 x 128, vocab 65
+    python benchmarks/gpt_step.py --batch 16 --context 256 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+from torch.nn import functional as F
+
+from lightning_fl.models import TinyGPT
+
+MIB = 2**20
+
+
+def status_bytes(key: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(key)).split()[1]) * 1024
+
+
+def reset_peak() -> bool:
+    """Reset ``VmHWM`` to the current resident set (Linux >= 4.0); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=128, help="the model's context and the batch's length")
+    parser.add_argument("--vocab", type=int, default=65, help="65: tiny-shakespeare characters")
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-embd", type=int, default=384)
+    parser.add_argument("--n-head", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    model = TinyGPT(args.vocab, args.n_layer, args.n_embd, args.n_head, context=args.context).train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    x = torch.randint(args.vocab, (args.batch, args.context))
+    y = torch.randint(args.vocab, (args.batch, args.context))
+    params = sum(p.numel() for p in model.parameters())
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    rss_built = status_bytes("VmRSS")
+    maxrss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    reset = reset_peak()
+    first = [step() for _ in range(args.warmup)]
+    times = [step() for _ in range(args.steps)]
+    if reset:
+        extra = status_bytes("VmHWM") - rss_built
+    else:
+        extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - maxrss_built
+    tokens = args.batch * args.context
+
+    print(f"TinyGPT {args.n_layer}x{args.n_embd}, {args.n_head} heads, vocab {args.vocab}: {params:,} parameters")
+    print(f"batch {args.batch} x context {args.context} ({tokens} tokens), threads {torch.get_num_threads()}")
+    print(f"warm-up steps: {', '.join(f'{t * 1e3:.0f}' for t in first)} ms")
+    print(
+        f"step (fwd+bwd+Adam) over {args.steps}: min {min(times) * 1e3:.1f} ms, "
+        f"median {statistics.median(times) * 1e3:.1f} ms ({tokens / statistics.median(times):,.0f} tokens/s)"
+    )
+    print(
+        f"memory: built model {rss_built / MIB:.0f} MiB RSS (libraries included); peak during training "
+        f"+{extra / MIB:.0f} MiB ({'VmHWM' if reset else 'ru_maxrss'}), of which grads + Adam moments "
+        f"{3 * 4 * params / MIB:.0f} MiB (analytic)"
+    )
+
+
+if __name__ == "__main__":
+    main()
