@@ -12,6 +12,17 @@ from lightning_fl.data.sources import (
     TensorImages,
     default_data_dir,
 )
+from lightning_fl.data.text import (
+    ByPlay,
+    ByRole,
+    FederatedTextDataModule,
+    Role,
+    Shakespeare,
+    TextPartition,
+    TextSource,
+    TextWindows,
+    parse_play,
+)
 from lightning_fl.data.vision import CIFAR10, CIFAR100, MNIST, FashionMNIST, ImageFiles, TinyImageNet, read_idx
 
 __all__ = [
@@ -19,6 +30,8 @@ __all__ = [
     "CIFAR100",
     "IID",
     "MNIST",
+    "ByPlay",
+    "ByRole",
     "DataSource",
     "Digits",
     "Dirichlet",
@@ -28,18 +41,25 @@ __all__ = [
     "FeatureExtractor",
     "FeatureSet",
     "FederatedDataModule",
+    "FederatedTextDataModule",
     "FileDataSource",
     "ImageFiles",
     "ImageTransform",
     "LabeledImages",
     "Partitioner",
     "PixelFeatures",
+    "Role",
+    "Shakespeare",
     "Shards",
     "Synthetic",
     "TensorImages",
+    "TextPartition",
+    "TextSource",
+    "TextWindows",
     "TinyImageNet",
     "TransformedSubset",
     "default_data_dir",
     "label_histograms",
+    "parse_play",
     "read_idx",
 ]

