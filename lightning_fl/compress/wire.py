@@ -94,22 +94,11 @@ def loads(data: bytes) -> Payload:
     body, offset = memoryview(data)[_PREFIX.size + length :], 0
     tensors: dict[str, Encoded] = {}
     for i, entry in enumerate(entries):
-        where = f"tensor {i}"
-        name = _name(_field(entry, "name", str, where), where)
-        where = f"tensor {name!r}"
-        if name in tensors:
-            raise PayloadFormatError(f"{where} appears twice")
-        shape = _shape(_field(entry, "shape", list, where), where)
-        dtype = _dtype(_field(entry, "dtype", str, where), where)
+        name, dtype, shape, where = _described(entry, f"tensor {i}", "tensor", tensors)
         info = _info(_field(entry, "info", dict, where), where)
         parts: dict[str, torch.Tensor] = {}
         for spec in _field(entry, "parts", list, where):
-            part = _name(_field(spec, "name", str, where), where)
-            at = f"{where} part {part!r}"
-            if part in parts:
-                raise PayloadFormatError(f"{at} appears twice")
-            part_dtype = _dtype(_field(spec, "dtype", str, at), at)
-            part_shape = _shape(_field(spec, "shape", list, at), at)
+            part, part_dtype, part_shape, at = _described(spec, where, f"{where} part", parts)
             nbytes = math.prod(part_shape) * _itemsize(part_dtype)
             if offset + nbytes > len(body):
                 raise PayloadFormatError(f"{at} needs {nbytes} bytes but only {len(body) - offset} remain")
@@ -128,6 +117,16 @@ def loads(data: bytes) -> Payload:
 def overhead(payload: Payload) -> int:
     """Bytes :func:`dumps` adds to the payload's own (header and prefix)."""
     return len(dumps(payload)) - payload.nbytes
+
+
+def _described(obj: object, where: str, kind: str, seen: dict) -> tuple[str, torch.dtype, list[int], str]:
+    """A header entry's checked ``name``, ``dtype`` and ``shape`` (names unique in ``seen``), and where it is."""
+    name = _name(_field(obj, "name", str, where), where)
+    where = f"{kind} {name!r}"
+    if name in seen:
+        raise PayloadFormatError(f"{where} appears twice")
+    dtype = _dtype(_field(obj, "dtype", str, where), where)
+    return name, dtype, _shape(_field(obj, "shape", list, where), where), where
 
 
 def _no_constant(name: str) -> None:

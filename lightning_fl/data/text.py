@@ -202,6 +202,7 @@ class TextPartition:
         return len(role.lines) >= self.min_lines
 
     def unit(self, role: Role) -> str:
+        """The name of the client ``role`` belongs to; each partition (``ByRole``, ``ByPlay``, ``IID``) defines it."""
         raise NotImplementedError
 
     def split(self, roles: list[Role], owner: np.ndarray, num_clients: int | None, seed: int):

@@ -93,8 +93,18 @@ def _read_logged(record: Any) -> dict[str, tuple[float, float]]:
     return out
 
 
-def message_bytes(message: Message) -> int:
-    """Bytes of ``message`` as Flower serialises it for the wire: the message and every record, array and chunk."""
+def message_bytes(message: Message, sizes: dict[str, int] | None = None) -> int:
+    """Bytes of ``message`` as Flower serialises it for the wire: the message and every record, array and chunk.
+
+    ``sizes`` caches each object's size by its content id, so the global state that every message of a round
+    shares is serialised for counting once, not once per client.
+    """
     from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+    sizes = {} if sizes is None else sizes
+    total = 0
+    for object_id, obj in get_all_nested_objects(message).items():
+        if object_id not in sizes:
+            sizes[object_id] = len(obj.deflate())
+        total += sizes[object_id]
+    return total

@@ -125,6 +125,7 @@ class FlowerTransport(Transport):
         sent: dict[int, tuple[int, int]] = {}  # client -> (node, bytes of its message)
         out: list[Message] = []
         targets: list[int] = []
+        sizes: dict[str, int] = {}  # serialised size per object id: the shared state is counted once
         for cid in clients:
             node = self.node_of.get(cid)
             if node is None:
@@ -133,7 +134,7 @@ class FlowerTransport(Transport):
             message = Message(content=content, dst_node_id=node, message_type=wire_msg.TRAIN, group_id=str(round + 1))
             out.append(message)
             targets.append(cid)
-            sent[cid] = (node, wire_msg.message_bytes(message))
+            sent[cid] = (node, wire_msg.message_bytes(message, sizes))
         answers: dict[int, Any] = {}
         if out:
             replies = list(self.grid.send_and_receive(out, timeout=self.round_timeout))
