@@ -236,7 +236,6 @@ class FederatedTrainer(TrainerLike):
     # ============================================================================ set-up
     def _launch(self, run_dir: Path | None = None) -> L.Fabric:
         root, name, version = self.default_root_dir, self.name, self.version
-        _check_node_environment(self.fabric_args["num_nodes"])
         self.fabric, self.log_dir = setup.launch(self.fabric_args, self.use_logger, root, name, version, run_dir)
         return self.fabric
 
@@ -338,28 +337,3 @@ class FederatedTrainer(TrainerLike):
         if self.fabric.is_global_zero:
             remove_stale_temps(path.parent)
         return int(ckpt["round"])
-
-
-NODE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
-
-
-def _check_node_environment(num_nodes: int) -> None:
-    """Several nodes without a cluster manager: refuse to start (instead of hanging) if a node variable is unset."""
-    if num_nodes == 1:
-        return
-    from lightning.fabric.plugins.environments import (
-        LSFEnvironment,
-        MPIEnvironment,
-        SLURMEnvironment,
-        TorchElasticEnvironment,
-    )
-
-    if any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
-        return  # Fabric takes addresses and ranks from the cluster, as it does for these
-    missing = [name for name in NODE_VARIABLES if not os.environ.get(name)]
-    if missing:
-        raise ConfigError(
-            f"trainer.num_nodes is {num_nodes} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
-            "set: on every node set MASTER_ADDR (node 0's address), MASTER_PORT (the same free port) and NODE_RANK "
-            f"(0 to {num_nodes - 1}) before starting it (docs/deploy.md)"
-        )

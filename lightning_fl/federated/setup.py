@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ def launch(
     fabric_args: dict[str, Any], logger: bool, root: str, name: str, version: int | str | None, resume_dir: Path | None
 ) -> tuple[L.Fabric, Path]:
     """Start Fabric's processes; return it and the run folder (``resume_dir`` keeps logging where a run left off)."""
+    check_node_environment(fabric_args.get("num_nodes", 1))
     loggers = []
     if logger:
         if resume_dir is not None and version is None:
@@ -90,3 +92,28 @@ def check_plan(strategy: Any, attack: Any, num_clients: int, count: int) -> None
         )
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+NODE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
+def check_node_environment(num_nodes: int) -> None:
+    """Several nodes without a cluster manager: refuse to start (instead of hanging) if a node variable is unset."""
+    if num_nodes == 1:
+        return
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    if any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
+        return  # Fabric takes addresses and ranks from the cluster, as it does for these
+    missing = [name for name in NODE_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"trainer.num_nodes is {num_nodes} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+            "set: on every node set MASTER_ADDR (node 0's address), MASTER_PORT (the same free port) and NODE_RANK "
+            f"(0 to {num_nodes - 1}) before starting it (docs/deploy.md)"
+        )
