@@ -122,8 +122,12 @@ class TextSource:
 
     _plugin_base = True  # not offered as a choice in CLI messages
 
-    def prepare(self) -> None: ...
-    def roles(self) -> list[Role]: ...
+    def prepare(self) -> None:
+        """Make the files available (look them up, download them); nothing to do by default."""
+
+    def roles(self) -> list[Role]:
+        """Every (play, speaker, lines) of the corpus."""
+        raise NotImplementedError
 
 
 class Shakespeare(TextSource):
