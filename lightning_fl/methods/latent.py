@@ -29,7 +29,46 @@ from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import HeadKind
 
 
-class LatentClassifier(Classifier):
+class LatentSteering:
+    """FLITE's per-module part, shared by the latent classifier and language model.
+
+    The host module keeps a frozen network (``steered``, the module the latent maps) and a
+    :class:`~lightning_fl.mapping.LatentMapping` over it (``self.mapping``); this mixin computes the forward pass
+    with the mapped weights and the federated hooks that check the averaging identity.
+    """
+
+    mapping: LatentMapping
+
+    @property
+    def steered(self) -> torch.nn.Module:
+        """The frozen network whose weights the latent maps."""
+        raise NotImplementedError
+
+    def mapped_base(self) -> dict[str, torch.Tensor]:
+        """The frozen base weights of the mapped layers."""
+        return {name: self.steered.get_parameter(name) for name in self.mapping.names}
+
+    def steered_forward(self, *args: torch.Tensor) -> torch.Tensor:
+        """``steered(*args)`` with the mapped weights ``theta_pre + U V^T z`` (differentiable in ``z``)."""
+        return functional_call(self.steered, self.mapping.weights(self.mapped_base()), args, strict=False)
+
+    @torch.no_grad()
+    def averaging_identity_error(self, states: list[dict[str, torch.Tensor]]) -> float:
+        """``max |mean_k theta(z_k) - theta(mean_k z_k)|`` over the mapped weights (FLITE eq. 4)."""
+        zs = torch.stack([s["mapping.latent"].to(self.mapping.latent) for s in states])  # (K, D)
+        per_client = [self.mapping.split(z) for z in zs]  # K lists of per-layer latents
+        averaged = self.mapping.split(zs.mean(0))
+        base = self.mapped_base()
+        worst = 0.0
+        for i, lay in enumerate(self.mapping.layers):  # one layer at a time bounds the memory
+            b = base[lay.name]
+            mean_theta = sum(self.mapping.mapped(lay, b, z[i]) for z in per_client) / len(per_client)
+            theta_of_mean = self.mapping.mapped(lay, b, averaged[i])
+            worst = max(worst, (mean_theta - theta_of_mean).abs().max().item())
+        return worst
+
+
+class LatentClassifier(LatentSteering, Classifier):
     """FLITE: a frozen (pretrained) backbone and head, steered by per-layer latents.
 
     Args:
@@ -112,35 +151,18 @@ class LatentClassifier(Classifier):
         )
 
     # ----------------------------------------------------------------------------------- forward
-    def mapped_base(self) -> dict[str, torch.Tensor]:
-        """The frozen base weights of the mapped layers."""
-        return {name: self.backbone.get_parameter(name) for name in self.mapping.names}
+    @property
+    def steered(self) -> torch.nn.Module:
+        return self.backbone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = self.mapping.weights(self.mapped_base())  # theta_pre + U V^T z, differentiable in z
-        features = functional_call(self.backbone, weights, (x,), strict=False)  # (B, F)
-        return self.head(features)
+        return self.head(self.steered_forward(x))  # features (B, F) from the mapped backbone, then the head
 
     # ----------------------------------------------------------------------------------- federated
     def factor_fingerprint(self) -> str:
         """Fingerprint of the factors and of the base; clients refuse to train when theirs differs."""
         base = digest_tensors({**self.backbone.state_dict(), **self.head.state_dict()})
         return f"factors:{self.mapping.fingerprint()} base:{base}"
-
-    @torch.no_grad()
-    def averaging_identity_error(self, states: list[dict[str, torch.Tensor]]) -> float:
-        """``max |mean_k theta(z_k) - theta(mean_k z_k)|`` over the mapped weights (FLITE eq. 4)."""
-        zs = torch.stack([s["mapping.latent"].to(self.mapping.latent) for s in states])  # (K, D)
-        per_client = [self.mapping.split(z) for z in zs]  # K lists of per-layer latents
-        averaged = self.mapping.split(zs.mean(0))
-        base = self.mapped_base()
-        worst = 0.0
-        for i, lay in enumerate(self.mapping.layers):  # one layer at a time bounds the memory
-            b = base[lay.name]
-            mean_theta = sum(self.mapping.mapped(lay, b, z[i]) for z in per_client) / len(per_client)
-            theta_of_mean = self.mapping.mapped(lay, b, averaged[i])
-            worst = max(worst, (mean_theta - theta_of_mean).abs().max().item())
-        return worst
 
     def memory_report(self):
         """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""

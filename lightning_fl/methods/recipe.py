@@ -1,0 +1,241 @@
+"""What every trainable method here shares: the optimiser recipe, the cached pretrained base, the federated contract.
+
+:class:`~lightning_fl.methods.Classifier` and :class:`~lightning_fl.methods.LanguageModel` are siblings on this
+base. A subclass says which state-dict entries make up its weights (``weight_prefixes``), what determines
+its pretrained base (``base_cache_key``) and how to build the module that pretrains it
+(``pretraining_module``); the rest is here:
+
+- ``make_optimizer`` / ``configure_optimizers``: SGD (momentum, Nesterov), Adam or AdamW with a linear warm-up
+  then cosine or constant schedule, and ``grad_clip`` applied by ``lightning.Trainer`` and federated clients alike;
+- ``prepare_base``: load the base from the cache, pretraining and caching it first (one process trains, the
+  others read), keyed by the hash of everything that determines it;
+- ``federated_state`` / ``load_federated_state``: every trainable parameter is what a client sends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch import nn
+
+from lightning_fl.checkpoint import atomic_save, default_cache_dir, read_checkpoint
+from lightning_fl.errors import CheckpointError, ConfigError, UserError
+from lightning_fl.methods.centralised import train_classifier
+from lightning_fl.methods.pretraining import Pretraining
+from lightning_fl.methods.schedules import warmup_cosine_factor
+
+OptimizerName = Literal["sgd", "adam", "adamw"]
+log = logging.getLogger(__name__)
+
+
+class TrainingDivergedError(UserError, FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a Lightning checkpoint (its ``state_dict``) or a plain state dict, without unpickling code."""
+    obj = read_checkpoint(path)
+    state = obj.get("state_dict", obj) if isinstance(obj, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"checkpoint {path} holds no state dict of tensors")
+    return state
+
+
+def recipe_problems(
+    optimizer: str,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool,
+    warmup_epochs: float,
+    schedule: str,
+    grad_clip: float | None,
+) -> list[str]:
+    """What is wrong with an optimiser recipe, one message per key (``model.<key>``)."""
+    problems = []
+    if optimizer not in ("sgd", "adam", "adamw"):
+        problems.append(f"model.optimizer must be 'sgd', 'adam' or 'adamw', got {optimizer!r}")
+    if not lr > 0:
+        problems.append(f"model.lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        problems.append(f"model.momentum must be in [0, 1), got {momentum}")
+    if weight_decay < 0:
+        problems.append(f"model.weight_decay must be >= 0, got {weight_decay}")
+    if nesterov and (optimizer != "sgd" or momentum == 0):
+        problems.append("model.nesterov needs optimizer 'sgd' and momentum > 0")
+    if warmup_epochs < 0:
+        problems.append(f"model.warmup_epochs must be >= 0, got {warmup_epochs}")
+    if schedule not in ("cosine", "constant"):
+        problems.append(f"model.schedule must be 'cosine' or 'constant', got {schedule!r}")
+    if grad_clip is not None and not grad_clip > 0:
+        problems.append(f"model.grad_clip must be > 0 or null, got {grad_clip}")
+    return problems
+
+
+class TrainingRecipe(L.LightningModule):
+    """Base of the methods: optimiser recipe, cached pretrained base and the federated contract (module docstring).
+
+    Subclasses call ``save_hyperparameters`` with the recipe's keys (``optimizer``, ``lr``, ``momentum``,
+    ``weight_decay``, ``nesterov``, ``warmup_epochs``, ``schedule``, ``grad_clip``), set ``self.pretraining``
+    (a :class:`Pretraining` or ``None``) and ``self._base_ready``, and define ``weight_prefixes``,
+    ``base_cache_key`` and ``pretraining_module``.
+    """
+
+    #: State-dict entries (by prefix) that make up the weights a base or ``init_from`` checkpoint provides.
+    weight_prefixes: tuple[str, ...] = ()
+    #: Config keys to name when a checkpoint does not fit the model.
+    weights_hint: str = "the model's architecture"
+    pretraining: Pretraining | None
+    _base_ready: bool
+
+    # ----------------------------------------------------------------------------------- weights
+    def own_weights(self) -> dict[str, torch.Tensor]:
+        """The state-dict entries a base provides (those under ``weight_prefixes``)."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith(self.weight_prefixes)}
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load the weights from ``path``; every weight must be present with the right shape."""
+        state = load_state_dict_file(path)
+        own = self.own_weights()
+        missing = sorted(set(own) - set(state))
+        wrong = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
+        if missing or wrong:
+            details = []
+            if missing:
+                details.append(f"missing {len(missing)} weights (first: {missing[:3]})")
+            if wrong:
+                details.append(
+                    f"{len(wrong)} shape mismatches (first: {wrong[0]} is {tuple(state[wrong[0]].shape)} in the "
+                    f"checkpoint, {tuple(own[wrong[0]].shape)} here)"
+                )
+            raise CheckpointError(
+                f"model.init_from={path} does not match this model: {'; '.join(details)}. Check that "
+                f"{self.weights_hint} are those the checkpoint was trained with."
+            )
+        self.load_state_dict({k: state[k] for k in own}, strict=False)
+
+    # ----------------------------------------------------------------------------------- base
+    def base_cache_key(self, datamodule: object) -> dict[str, object]:
+        """Everything that determines the pretrained base; its hash names the cache folder."""
+        raise NotImplementedError
+
+    def pretraining_module(self) -> TrainingRecipe:
+        """A fresh module, starting from this one's initial weights, that trains with ``self.pretraining``'s recipe."""
+        raise NotImplementedError
+
+    def base_cache_path(self, datamodule: object) -> Path:
+        key = json.dumps(self.base_cache_key(datamodule), sort_keys=True, default=str)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        root = Path(self.pretraining.cache_dir).expanduser() if self.pretraining.cache_dir else default_cache_dir()
+        return root / "bases" / digest / "base.pt"
+
+    def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
+        """Load the base from the cache, pretraining and caching it first if needed (and allowed).
+
+        Call it on one process first (it may train), then on the others with the same data module.
+        """
+        if self._base_ready:
+            return
+        path = self.base_cache_path(datamodule)
+        if not path.is_file():
+            if not allow_training:
+                raise CheckpointError(f"the pretrained base {path} is missing; it should have been prepared first")
+            self._pretrain_base(datamodule, path)
+        self.load_weights(path)
+        self._base_ready = True
+
+    def _pretrain_base(self, datamodule: object, path: Path) -> None:
+        p = self.pretraining
+        log.warning("Pretraining the base for %d epochs (cached at %s)", p.epochs, path)
+        pre = self.pretraining_module()
+        with isolate_rng():
+            torch.manual_seed(p.seed)
+            metrics = train_classifier(
+                pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=path.parent / "pretraining"
+            )
+        state = {k: v.detach().cpu() for k, v in pre.own_weights().items()}
+        atomic_save({"state_dict": state}, path)
+        meta = {"key": self.base_cache_key(datamodule), "final_epoch": metrics}
+        (path.parent / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+
+    # ----------------------------------------------------------------------------------- Lightning hooks
+    def prepare_data(self) -> None:
+        trainer = self._trainer
+        if trainer is not None and getattr(trainer, "ckpt_path", None) is None and trainer.datamodule is not None:
+            self.prepare_base(trainer.datamodule)
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None:
+            self.check_data(datamodule)
+            if getattr(self._trainer, "ckpt_path", None) is None:
+                self.prepare_base(datamodule, allow_training=False)
+
+    def check_data(self, datamodule: object) -> None:
+        """Refuse data that does not fit the model, naming the keys to change (subclasses)."""
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Raise :class:`TrainingDivergedError` if the training loss is NaN or infinite."""
+        if not torch.isfinite(loss):
+            raise TrainingDivergedError(
+                f"train/loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}. "
+                "Lower model.lr, raise model.warmup_epochs, or check the data for NaNs."
+            )
+
+    # ----------------------------------------------------------------------------------- federated
+    def federated_state(self) -> dict[str, torch.Tensor]:
+        """What a client uploads and the server averages: every trainable parameter, detached."""
+        return {name: p.detach().clone() for name, p in self.named_parameters() if p.requires_grad}
+
+    def load_federated_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the trainable parameters from a (global) federated state."""
+        params = dict(self.named_parameters())
+        expected = {n for n, p in params.items() if p.requires_grad}
+        if set(state) != expected:
+            raise ValueError(f"Expected federated state keys {sorted(expected)}, got {sorted(state)}")
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(value)
+
+    # ----------------------------------------------------------------------------------- optimiser
+    def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=hp.nesterov
+            )
+        cls = torch.optim.Adam if hp.optimizer == "adam" else torch.optim.AdamW
+        return cls(params, lr=hp.lr, weight_decay=hp.weight_decay)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        clip = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
+        if clip is not None:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=clip, gradient_clip_algorithm=gradient_clip_algorithm or "norm"
+            )
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("the model has no trainable parameters; check which of its parts are frozen")
+        optimizer = self.make_optimizer(params)
+        if self._trainer is None:  # driven by a loop without epochs: plain optimiser
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)
+        max_epochs = self.trainer.max_epochs
+        steps_per_epoch = total / max_epochs if max_epochs and max_epochs > 0 else total
+        warmup = round(self.hparams.warmup_epochs * steps_per_epoch)
+        schedule = self.hparams.schedule
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine_factor(step, warmup, total, schedule)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
