@@ -20,6 +20,8 @@ The paper size (6 layers, E=384, 6 heads) has 10,647,552 parameters besides the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -156,34 +158,50 @@ class TinyGPT(nn.Module):
     ) -> torch.Tensor:
         """Extend ``idx`` ``(B, T)`` by ``max_new_tokens`` tokens; returns ``(B, T + max_new_tokens)``.
 
-        Each step conditions on the last ``context`` tokens only. ``temperature == 0`` is greedy (argmax);
-        otherwise tokens are sampled from ``softmax(logits / temperature)``, restricted to the ``top_k``
-        most likely ones when given (ties with the k-th are kept), drawing from ``generator``. Runs without
-        dropout (eval mode) and restores the training mode afterwards.
+        See :func:`generate`; runs without dropout (eval mode) and restores the training mode afterwards.
         """
-        if idx.dim() != 2 or idx.shape[1] < 1:
-            raise ValueError(f"generate expects a non-empty prompt of shape (batch, time), got {tuple(idx.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
         was_training = self.training
         self.eval()
         try:
-            for _ in range(max_new_tokens):
-                logits = self(idx[:, -self.context :])[:, -1, :]  # (B, V)
-                if temperature == 0:
-                    nxt = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None and top_k < logits.shape[-1]:
-                        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    probs = torch.softmax(logits, dim=-1)
-                    nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
-                idx = torch.cat([idx, nxt], dim=1)
+            return generate(self, idx, max_new_tokens, self.context, temperature, top_k, generator)
         finally:
             self.train(was_training)
-        return idx
+
+
+@torch.no_grad()
+def generate(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    context: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Extend ``idx`` ``(B, T)`` by ``max_new_tokens`` tokens of ``logits_fn`` (ids ``(B, T)`` -> ``(B, T, V)``).
+
+    Each step conditions on the last ``context`` tokens only. ``temperature == 0`` is greedy (argmax);
+    otherwise tokens are sampled from ``softmax(logits / temperature)``, restricted to the ``top_k`` most
+    likely ones when given (ties with the k-th are kept), drawing from ``generator``.
+    """
+    if idx.dim() != 2 or idx.shape[1] < 1:
+        raise ValueError(f"generate expects a non-empty prompt of shape (batch, time), got {tuple(idx.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    for _ in range(max_new_tokens):
+        logits = logits_fn(idx[:, -context:])[:, -1, :].float()  # (B, V)
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
