@@ -10,7 +10,7 @@ from lightning_fl import compress, data, mapping, methods, models
 from lightning_fl.data import FederatedDataModule
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError, UserError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.methods import Classifier, LanguageModel, LatentClassifier, LatentLanguageModel
 from lightning_fl.trainer_api import TrainerLike
 
 __all__ = [
@@ -20,7 +20,9 @@ __all__ = [
     "DatasetNotFoundError",
     "FederatedDataModule",
     "FederatedTrainer",
+    "LanguageModel",
     "LatentClassifier",
+    "LatentLanguageModel",
     "TrainerLike",
     "UserError",
     "__version__",

@@ -204,6 +204,7 @@ class FederatedTrainer(TrainerLike):
         if start == 0:  # round 0: the starting model (for FLITE, exactly the pretrained base)
             base_metrics = self._evaluate(model, datamodule, "val")
             self._log(base_metrics, step=0)
+            self._log_text(hooks, step=0)
             self.history.append({"round": 0, **base_metrics})
         started = time.perf_counter()
         for r in range(start, self.rounds):
@@ -225,6 +226,8 @@ class FederatedTrainer(TrainerLike):
             if "val/acc" in metrics:
                 bar.set_postfix(acc=f"{metrics['val/acc']:.4f}", mb=f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}")
         bar.close()
+        if start < self.rounds:
+            self._log_text(hooks, step=self.rounds)
         self._finish()
 
     def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
@@ -282,6 +285,14 @@ class FederatedTrainer(TrainerLike):
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if self.fabric.loggers:
             self.fabric.log_dict(metrics, step=step)
+
+    def _log_text(self, hooks: ModuleHooks, step: int) -> None:
+        """The module's text samples (e.g. generated text) under TensorBoard's Text tab, from rank 0."""
+        if hooks.text_samples is None or not self.fabric.loggers or not self.fabric.is_global_zero:
+            return
+        experiment = self.fabric.logger.experiment
+        for tag, text in hooks.text_samples().items():
+            experiment.add_text(tag, text, step)
 
     def _finish(self) -> None:
         self.fabric.barrier()

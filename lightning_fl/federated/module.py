@@ -13,6 +13,8 @@ evaluation hooks are Lightning's own. Optional hooks, looked up once when a run 
 ``factor_fingerprint()``       a string every process must agree on (FLITE: factors and base); a process
                                whose model differs refuses to train, and so does a resume
 ``averaging_identity_error``   ``(uploads) -> float`` logged as ``fed/identity_error`` under linear strategies
+``text_samples()``             ``{tag: markdown}`` written to TensorBoard's Text tab before the first round and
+                               after the last (a language model's generated sample)
 =============================  ==============================================================================
 """
 
@@ -26,7 +28,7 @@ from lightning_fl.errors import ConfigError
 from lightning_fl.federated.state import State
 
 REQUIRED = ("federated_state", "load_federated_state")
-OPTIONAL = ("prepare_base", "check_data", "factor_fingerprint", "averaging_identity_error")
+OPTIONAL = ("prepare_base", "check_data", "factor_fingerprint", "averaging_identity_error", "text_samples")
 
 
 @runtime_checkable
@@ -50,6 +52,7 @@ class ModuleHooks:
     check_data: Callable[[Any], None] | None
     factor_fingerprint: Callable[[], str] | None
     averaging_identity_error: Callable[[list[State]], float] | None
+    text_samples: Callable[[], dict[str, str]] | None
 
     @classmethod
     def of(cls, module: Any) -> ModuleHooks:

@@ -1,0 +1,391 @@
+"""Language models: next-token prediction with a causal network (``TinyGPT``), full-weight and FLITE latent.
+
+:class:`LanguageModel` is the text sibling of :class:`~lightning_fl.methods.Classifier`: the same optimiser
+recipe, pretrained-base cache and federated contract (:class:`~lightning_fl.methods.recipe.TrainingRecipe`),
+with next-token cross-entropy as the loss and ``loss``, ``ppl`` (``exp`` of the mean token loss) and ``acc``
+(next-token accuracy, LEAF's Shakespeare metric) as metrics. :class:`LatentLanguageModel` freezes the network
+and steers it with FLITE's latent (``lightning_fl.mapping`` unchanged), exactly as
+:class:`~lightning_fl.methods.LatentClassifier` steers a backbone.
+
+The vocabulary (the data module's characters, id 0 for unknown ones) is stored with the model as the
+``vocabulary`` buffer of Unicode code points, so checkpoints and cached bases carry it: a model refuses data
+whose vocabulary differs from the one it was trained on, and decodes its generated samples with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from lightning_fl.checkpoint import digest_tensors
+from lightning_fl.errors import ConfigError
+from lightning_fl.mapping.lowrank import FactorMode, LatentMapping, LayerSelection, memory_report
+from lightning_fl.methods.latent import LatentSteering
+from lightning_fl.methods.pretraining import Pretraining
+from lightning_fl.methods.recipe import OptimizerName, TrainingRecipe, recipe_problems
+from lightning_fl.methods.schedules import Schedule
+from lightning_fl.metrics import NextTokenMetrics
+from lightning_fl.models.gpt import generate
+
+#: The recipe that pretrains a language-model base when no checkpoint is given: AdamW with a half-epoch warm-up,
+#: then cosine decay, and 10 epochs over the central split. Pretraining always clips gradient norms at 1.0.
+LM_PRETRAINING = Pretraining(epochs=10, optimizer="adamw", lr=3e-3, weight_decay=0.01, warmup_epochs=0.5)
+
+
+class LanguageModel(TrainingRecipe):
+    """A causal language model trained with next-token cross-entropy.
+
+    Args:
+        network: Token ids ``(B, T)`` to logits ``(B, T, vocab_size)``, with ``vocab_size`` and ``context``
+            attributes (``lightning_fl.models.TinyGPT``). ``vocab_size`` must equal the data's vocabulary.
+        optimizer: ``adamw`` (default), ``adam`` or ``sgd``.
+        lr: Peak learning rate.
+        momentum: SGD momentum (ignored by Adam/AdamW).
+        weight_decay: Weight decay on every trainable parameter.
+        nesterov: Nesterov momentum for SGD.
+        warmup_epochs: Linear warm-up length in epochs (fractions allowed; ``lightning.Trainer`` only).
+        schedule: ``cosine`` or ``constant`` after the warm-up (``lightning.Trainer`` only).
+        grad_clip: Gradient-norm clipping (``null``: none), by ``lightning.Trainer`` and federated clients alike.
+        init_from: Checkpoint whose ``network.*`` weights and vocabulary to start from (e.g. the ``last.ckpt``
+            of ``configs/pretrain_shakespeare.yaml``).
+        pretraining: Without ``init_from``: pretrain the network on the data module's central split
+            (``train_dataloader``: the held-out plays) with this recipe (cosine schedule, gradients clipped
+            at 1.0) and cache it, so every run with the same architecture, seed, data and recipe starts from
+            the same base (FLITE and full-weight FedAvg share it). ``null``: random initialisation.
+        sample_prompt: Prompt of the text sample logged to TensorBoard (under ``Text``) before and after training.
+        sample_tokens: Characters generated for the sample (0: no sample).
+        sample_top_k: Sample among the ``top_k`` most likely tokens (temperature 1, seeded by ``sample_seed``);
+            ``null``: greedy decoding.
+        sample_seed: Seed of the sampled text, so samples before and after training are comparable.
+    """
+
+    weight_prefixes = ("network.", "vocabulary")
+    weights_hint = "model.network (vocab_size, n_layer, n_embd, n_head, context)"
+
+    def __init__(
+        self,
+        network: nn.Module,
+        optimizer: OptimizerName = "adamw",
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        weight_decay: float = 0.01,
+        nesterov: bool = False,
+        warmup_epochs: float = 0.0,
+        schedule: Schedule = "cosine",
+        grad_clip: float | None = 1.0,
+        init_from: str | None = None,
+        pretraining: Pretraining | None = None,
+        sample_prompt: str = "To be, or not to be",
+        sample_tokens: int = 200,
+        sample_top_k: int | None = None,
+        sample_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        problems = recipe_problems(optimizer, lr, momentum, weight_decay, nesterov, warmup_epochs, schedule, grad_clip)
+        if not isinstance(network, nn.Module) or not all(hasattr(network, a) for a in ("vocab_size", "context")):
+            problems.append("model.network must be a causal language model with vocab_size and context (TinyGPT)")
+        if sample_tokens < 0 or not sample_prompt:
+            problems.append("model.sample_tokens must be >= 0 and model.sample_prompt non-empty")
+        if sample_top_k is not None and sample_top_k < 1:
+            problems.append(f"model.sample_top_k must be >= 1 or null, got {sample_top_k}")
+        if pretraining is not None and pretraining.epochs < 1:
+            problems.append(f"model.pretraining.epochs must be >= 1, got {pretraining.epochs}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.save_hyperparameters(ignore=self._hparams_ignore())
+        self.network = network
+        self.vocab_size = int(network.vocab_size)
+        # Unicode code points of the vocabulary (-1: not yet known); saved with the weights.
+        self.register_buffer("vocabulary", torch.full((self.vocab_size,), -1, dtype=torch.int32))
+        self.val_metrics = NextTokenMetrics("val/")
+        self.test_metrics = NextTokenMetrics("test/")
+        self.pretraining = pretraining
+        self._init_digest = digest_tensors(self.network.state_dict())
+        self._base_ready = pretraining is None
+        if init_from is not None:
+            self.load_weights(init_from)
+            self._base_ready = True
+
+    def _hparams_ignore(self) -> list[str]:
+        return ["network", "pretraining"]
+
+    # ----------------------------------------------------------------------------------- vocabulary
+    @property
+    def characters(self) -> list[str] | None:
+        """The vocabulary as characters (id ``i`` is ``characters[i]``), or ``None`` before it is known."""
+        codes = self.vocabulary.tolist()
+        return None if min(codes) < 0 else [chr(c) for c in codes]
+
+    def check_data(self, datamodule: object) -> None:
+        """Refuse data whose vocabulary or window length does not fit; adopt the data's vocabulary if unset."""
+        vocabulary = getattr(datamodule, "vocabulary", None) or None  # known once the data is set up
+        problems = []
+        if vocabulary is not None and len(vocabulary) != self.vocab_size:
+            problems.append(
+                f"model.network.vocab_size={self.vocab_size} but the data's vocabulary has {len(vocabulary)} "
+                f"characters: set --model.network.vocab_size {len(vocabulary)}"
+            )
+        context = getattr(datamodule, "context", None)
+        if context is not None and context > self.network.context:
+            problems.append(
+                f"data.context={context} is longer than model.network.context={self.network.context}: "
+                "shorten the windows or widen the network"
+            )
+        if not problems and vocabulary is not None:
+            mine = self.characters
+            if mine is None:
+                self.vocabulary.copy_(torch.tensor([ord(c) for c in vocabulary], dtype=torch.int32))
+            elif mine != list(vocabulary):
+                differ = next(i for i, (a, b) in enumerate(zip(mine, vocabulary, strict=True)) if a != b)
+                problems.append(
+                    f"the model's vocabulary (from its checkpoint or base) differs from the data's at id {differ} "
+                    f"({mine[differ]!r} vs {vocabulary[differ]!r}): use the data settings (data.source, "
+                    "data.pretrain_plays, data.seed, fractions) the model was trained with"
+                )
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Token ids ``(len(text),)`` of ``text`` under the stored vocabulary (unknown characters: id 0)."""
+        index = {c: i for i, c in enumerate(self.characters or [])}
+        return torch.tensor([index.get(c, 0) for c in text], dtype=torch.long)
+
+    def decode(self, ids: torch.Tensor) -> str:
+        chars = self.characters
+        if chars is None:
+            raise ValueError("the model has no vocabulary yet: train it on data or load a checkpoint first")
+        return "".join(chars[i] for i in ids.tolist())
+
+    # ----------------------------------------------------------------------------------- forward
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.network(idx)  # (B, T, V)
+
+    def logits_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function from ids to logits that generation calls repeatedly (weights prepared once)."""
+        return self.network
+
+    @torch.no_grad()
+    def generate_text(self, prompt: str, max_new_tokens: int, top_k: int | None = None, seed: int = 0) -> str:
+        """``prompt`` continued by ``max_new_tokens`` characters: greedy, or top-k sampling seeded by ``seed``."""
+        was_training = self.training
+        self.eval()
+        try:
+            idx = self.encode(prompt)[None].to(self.vocabulary.device)
+            generator = torch.Generator(device=idx.device).manual_seed(seed) if top_k is not None else None
+            temperature = 0.0 if top_k is None else 1.0
+            out = generate(
+                self.logits_function(), idx, max_new_tokens, self.network.context, temperature, top_k, generator
+            )
+        finally:
+            self.train(was_training)
+        return self.decode(out[0])
+
+    def text_samples(self) -> dict[str, str]:
+        """Markdown samples for TensorBoard's Text tab: ``{tag: text}`` (empty without a vocabulary)."""
+        hp = self.hparams
+        if hp.sample_tokens == 0 or self.characters is None:
+            return {}
+        text = self.generate_text(hp.sample_prompt, hp.sample_tokens, hp.sample_top_k, hp.sample_seed)
+        how = "greedy" if hp.sample_top_k is None else f"top-{hp.sample_top_k}, seed {hp.sample_seed}"
+        body = "\n".join(f"    {line}" for line in text.split("\n"))  # indented: shown verbatim
+        return {"samples/generated": f"{hp.sample_tokens} characters, {how}:\n\n{body}"}
+
+    def _log_samples(self) -> None:
+        experiment = getattr(self.logger, "experiment", None) if self._trainer is not None else None
+        if experiment is not None and hasattr(experiment, "add_text") and self.trainer.is_global_zero:
+            for tag, text in self.text_samples().items():
+                experiment.add_text(tag, text, self.global_step)
+
+    def on_train_start(self) -> None:
+        self._log_samples()
+
+    def on_train_end(self) -> None:
+        self._log_samples()
+
+    # ----------------------------------------------------------------------------------- base
+    def base_cache_key(self, datamodule: object) -> dict[str, object]:
+        describe = getattr(datamodule, "describe", None)
+        recipe = {k: v for k, v in asdict(self.pretraining).items() if k not in ("cache_dir", "accelerator")}
+        return {
+            "loop": "lightning_fl.methods.centralised.train_classifier/1",  # bump when the pretraining loop changes
+            "network": f"{type(self.network).__module__}.{type(self.network).__qualname__}",
+            "initial_weights": self._init_digest,
+            "vocabulary": "".join(self.characters or []),
+            "data": describe() if callable(describe) else repr(datamodule),
+            "pretraining": recipe,
+        }
+
+    def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
+        if not self._base_ready:  # the base is trained on, and keyed by, the data's vocabulary
+            if getattr(datamodule, "vocabulary", None) == [] and callable(getattr(datamodule, "setup", None)):
+                datamodule.setup("fit")
+            self.check_data(datamodule)
+        super().prepare_base(datamodule, allow_training)
+
+    def pretraining_module(self) -> LanguageModel:
+        """A language model with a trainable copy of this network that trains with the pretraining recipe."""
+        p = self.pretraining
+        pre = LanguageModel(
+            network=copy.deepcopy(self.network).requires_grad_(True),
+            optimizer=p.optimizer,
+            lr=p.lr,
+            momentum=p.momentum,
+            weight_decay=p.weight_decay,
+            warmup_epochs=p.warmup_epochs,
+            schedule="cosine",
+            grad_clip=1.0,
+            sample_tokens=0,
+        )
+        pre.vocabulary.copy_(self.vocabulary)
+        return pre
+
+    # ----------------------------------------------------------------------------------- steps
+    def compute_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over every position, in float32."""
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # (B, T) ids and the ids one position later
+        logits = self(x)
+        loss = self.compute_loss(logits, y)
+        self.check_loss(loss)
+        acc = (logits.detach().argmax(-1) == y).float().mean()
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y), sync_dist=True)
+        self.log("train/acc", acc, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
+        return loss
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        x, y = batch
+        (self.val_metrics if stage == "val" else self.test_metrics).update(self(x), y)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        metrics = self.val_metrics if stage == "val" else self.test_metrics
+        values = metrics.compute()  # summed over processes by torchmetrics
+        metrics.reset()
+        self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+
+class LatentLanguageModel(LatentSteering, LanguageModel):
+    """FLITE on a language model: a frozen (pretrained) network steered by per-layer latents.
+
+    Only the latent trains and only the latent is sent. With ``layers: linear`` on ``TinyGPT`` the map covers
+    the ``6 n_layer`` projection matrices (36 for the paper's size), so an upload is ``4 x 6 n_layer x d`` bytes
+    in float32 (147,456 at ``d = 1024``); embeddings, LayerNorms and biases stay at the base.
+
+    Args:
+        network: The network architecture (weights come from the base).
+        base: ``pretrained`` (delta mode on a pretrained base) or ``scratch`` (the random initialisation).
+        base_checkpoint: Checkpoint with the base's ``network.*`` weights and vocabulary (e.g. the ``last.ckpt``
+            of ``configs/pretrain_shakespeare.yaml``). ``null``: pretrain per ``pretraining`` and cache.
+        pretraining: Recipe for pretraining the base when no checkpoint is given.
+        latent_dim: ``d`` per mapped layer: one value, or one per layer (paper's TinyGPT: 1024).
+        rank: ``r`` of the factors.
+        layers: Which network weights are mapped: ``linear`` (every projection), or a list of name patterns.
+        factors: ``stored``, ``regenerate``, ``streamed`` or ``dense`` (see :mod:`lightning_fl.mapping.lowrank`).
+        factor_seed: The 64-bit seed of the factors, shared by every client.
+        max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
+        optimizer: Latent optimiser (paper: Adam).
+        lr: Learning rate (paper: 1e-2).
+        momentum: SGD momentum, if ``optimizer`` is ``sgd``.
+        weight_decay: Weight decay on the latent (paper: 1e-4).
+        warmup_epochs: Linear warm-up epochs (under ``lightning.Trainer``).
+        schedule: Learning-rate schedule after warm-up (under ``lightning.Trainer``).
+        grad_clip: Gradient-norm clipping (paper: 1.0).
+        sample_prompt: See :class:`LanguageModel`.
+        sample_tokens: See :class:`LanguageModel`.
+        sample_top_k: See :class:`LanguageModel`.
+        sample_seed: See :class:`LanguageModel`.
+    """
+
+    def __init__(
+        self,
+        network: nn.Module,
+        base: Literal["pretrained", "scratch"] = "pretrained",
+        base_checkpoint: str | None = None,
+        pretraining: Pretraining = LM_PRETRAINING,
+        latent_dim: int | list[int] = 1024,
+        rank: int = 32,
+        layers: LayerSelection | list[str] = "linear",
+        factors: FactorMode = "stored",
+        factor_seed: int = 0,
+        max_dense_bytes: int = 2**31,
+        optimizer: OptimizerName = "adam",
+        lr: float = 1e-2,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        warmup_epochs: float = 0.0,
+        schedule: Schedule = "constant",
+        grad_clip: float | None = 1.0,
+        sample_prompt: str = "To be, or not to be",
+        sample_tokens: int = 200,
+        sample_top_k: int | None = None,
+        sample_seed: int = 0,
+    ) -> None:
+        if base not in ("pretrained", "scratch"):
+            raise ConfigError(f"model.base must be 'pretrained' or 'scratch', got {base!r}")
+        if base == "scratch" and base_checkpoint is not None:
+            raise ConfigError("model.base is 'scratch' but model.base_checkpoint is set; drop one of them")
+        super().__init__(
+            network=network,
+            optimizer=optimizer,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            warmup_epochs=warmup_epochs,
+            schedule=schedule,
+            grad_clip=grad_clip,
+            init_from=base_checkpoint,
+            pretraining=pretraining if base == "pretrained" else None,
+            sample_prompt=sample_prompt,
+            sample_tokens=sample_tokens,
+            sample_top_k=sample_top_k,
+            sample_seed=sample_seed,
+        )
+        self.network.requires_grad_(False)
+        self.mapping = LatentMapping(
+            self.network,
+            latent_dim=latent_dim,
+            rank=rank,
+            layers=layers,
+            mode=factors,
+            seed=factor_seed,
+            max_dense_bytes=max_dense_bytes,
+        )
+
+    @property
+    def steered(self) -> nn.Module:
+        return self.network
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.steered_forward(idx)  # (B, T, V) from the mapped network
+
+    def logits_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        weights = self.mapping.weights(self.mapped_base())  # computed once for the whole generation
+        return lambda idx: functional_call(self.network, weights, (idx,), strict=False)
+
+    def factor_fingerprint(self) -> str:
+        """Fingerprint of the factors and of the base (with its vocabulary); clients refuse to train on another."""
+        return f"factors:{self.mapping.fingerprint()} base:{digest_tensors(self.own_weights())}"
+
+    def memory_report(self):
+        """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""
+        hp = self.hparams
+        return memory_report(self.network, hp.latent_dim, hp.rank, hp.layers)
