@@ -54,6 +54,7 @@ import yaml
 METRIC_COLUMNS = [
     "val/acc",
     "val/ece",
+    "val/ppl",
     "val/loss",
     "train/loss",
     "comm/client_up_bytes",
