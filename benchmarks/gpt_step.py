@@ -1,7 +1,9 @@
 """One training step of TinyGPT on the CPU: time (forward + backward + Adam) and memory.
 
-Builds the paper-size TinyGPT (6 layers, 384 wide, 6 heads; all weights trained, no latent
-mapping), runs ``--warmup`` steps (the first allocates gradients and Adam's moments), then times
+Builds the paper-size TinyGPT (6 layers, 384 wide, 6 heads) with all weights trained, or with
+``--latent d`` FLITE's latent on its projections (``LatentLanguageModel``, ``layers: linear``, rank
+``--rank``, factors ``--factors``): only the latent trains, and the step includes mapping it to the
+weights. It runs ``--warmup`` steps (the first allocates gradients and Adam's moments), then times
 ``--steps`` steps on one fixed random batch of ``--batch x --context`` tokens and prints the min and
 median step time.
 
@@ -12,6 +14,7 @@ Adam's moments (``3 x 4`` bytes per parameter, printed alongside) plus the activ
 allocator keeps cached. Where the reset is refused it falls back to the ``ru_maxrss`` delta.
 
     python benchmarks/gpt_step.py                                   # batch 8 x 128, vocab 65
+    python benchmarks/gpt_step.py --latent 1024 --factors streamed  # the paper's latent, d = 1024
     python benchmarks/gpt_step.py --batch 16 --context 256 --threads 1
 """
 
@@ -25,6 +28,7 @@ import time
 import torch
 from torch.nn import functional as F
 
+from lightning_fl.methods import LatentLanguageModel
 from lightning_fl.models import TinyGPT
 
 MIB = 2**20
@@ -58,15 +62,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latent", type=int, default=0, help="d per projection; 0: train every weight")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--factors", default="stored", choices=["stored", "regenerate", "streamed"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    model = TinyGPT(args.vocab, args.n_layer, args.n_embd, args.n_head, context=args.context).train()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    network = TinyGPT(args.vocab, args.n_layer, args.n_embd, args.n_head, context=args.context)
+    model = network
+    if args.latent:
+        model = LatentLanguageModel(
+            network, base="scratch", latent_dim=args.latent, rank=args.rank, factors=args.factors, sample_tokens=0
+        )
+    model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(trained, lr=3e-4)
     x = torch.randint(args.vocab, (args.batch, args.context))
     y = torch.randint(args.vocab, (args.batch, args.context))
-    params = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() for p in network.parameters())
+    params = sum(p.numel() for p in trained)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -87,7 +102,14 @@ def main() -> None:
         extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - maxrss_built
     tokens = args.batch * args.context
 
-    print(f"TinyGPT {args.n_layer}x{args.n_embd}, {args.n_head} heads, vocab {args.vocab}: {params:,} parameters")
+    print(f"TinyGPT {args.n_layer}x{args.n_embd}, {args.n_head} heads, vocab {args.vocab}: {weights:,} weights")
+    if args.latent:
+        layers = len(model.mapping.layers)
+        print(
+            f"latent: d={args.latent} on {layers} projections, r={args.rank}, factors {args.factors}: {params:,} "
+            f"trained values, {4 * params:,} bytes per float32 upload ({4 * weights / (4 * params):.0f}x fewer than "
+            f"the {4 * weights:,} of full weights)"
+        )
     print(f"batch {args.batch} x context {args.context} ({tokens} tokens), threads {torch.get_num_threads()}")
     print(f"warm-up steps: {', '.join(f'{t * 1e3:.0f}' for t in first)} ms")
     print(
@@ -96,8 +118,8 @@ def main() -> None:
     )
     print(
         f"memory: built model {rss_built / MIB:.0f} MiB RSS (libraries included); peak during training "
-        f"+{extra / MIB:.0f} MiB ({'VmHWM' if reset else 'ru_maxrss'}), of which grads + Adam moments "
-        f"{3 * 4 * params / MIB:.0f} MiB (analytic)"
+        f"+{extra / MIB:.0f} MiB ({'VmHWM' if reset else 'ru_maxrss'}), of which grads + Adam moments of the "
+        f"trained values {3 * 4 * params / MIB:.0f} MiB (analytic)"
     )
 
 

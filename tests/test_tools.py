@@ -160,6 +160,25 @@ def test_method_table_means_over_labels():
     assert lines["m"].endswith("| 0.7500 | 0.1000 |") and lines["n"].endswith("| - | - |")
 
 
+def test_best_table_takes_each_runs_best_round_in_the_metrics_direction():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    curve = {0: (9.0, 0.9), 1: (6.0, 0.3), 2: (5.0, 0.5), 3: (7.0, 0.4)}  # round: (ppl, acc); round 0 is the base
+    rows = [
+        {"label": "x", "seed": seed, "round": r, "final": int(r == 3), "val/ppl": p + seed, "val/acc": a + seed / 10}
+        for seed in (0, 1)
+        for r, (p, a) in curve.items()
+    ]
+    text = report.table(rows, {"labels": ["x"], "columns": ["val/ppl", "val/acc"], "best": True})
+    # best ppl: 5.0 and 6.0 (round 2); best acc over rounds 1..3: 0.5 and 0.6 (the base's 0.9 is not a round)
+    assert "best over rounds 1 to R" in text and "| x | 2 | 5.5000 +/- 0.7071 | 0.5500 +/- 0.0707 |" in text
+    final = report.table(rows, {"labels": ["x"], "columns": ["val/ppl", "val/acc"]})
+    assert "| x | 2 | 7.5000 +/- 0.7071 | 0.4500 +/- 0.0707 |" in final
+
+
 def test_pivot_table_puts_tags_on_rows_and_columns():
     sys.path.insert(0, str(REPO / "tools"))
     try:

@@ -10,6 +10,7 @@ tables:
   - title: Final accuracy, calibration and bytes
     labels: [latent_d64, fedavg]       # default: every label, in CSV order
     round: null                        # a round number shows that round (0: the starting model) instead
+    best: false                        # true: each run's best value over rounds 1.. (lowest loss/ppl, else highest)
     columns: [val/acc, val/ece, comm/client_up_bytes, comm/cum_client_bytes]
   - title: Accuracy under attack        # a pivot: rows and columns are tags, cells one metric
     pivot: {rows: strategy, columns: [attack, f]}
@@ -114,11 +115,35 @@ def fmt(column: str, mean: float, std: float) -> str:
     return f"{mean:.4f} +/- {std:.4f}"
 
 
+def lower_is_better(column: str) -> bool:
+    return any(k in column for k in ("loss", "ppl", "ece", "bytes", "time"))
+
+
+def bests(rows: list[dict], columns: list[str]) -> dict[Any, list[dict]]:
+    """Per label, one row per seed holding each column's best value over rounds 1.. (the federated rounds)."""
+    runs = defaultdict(list)
+    for r in rows:
+        if r["round"] >= 1:
+            runs[(r["label"], r["seed"])].append(r)
+    groups = defaultdict(list)
+    for (label, seed), group in runs.items():
+        best = {"label": label, "seed": seed}
+        for c in columns:
+            values = [r[c] for r in group if r.get(c, "") != ""]
+            if values:
+                best[c] = min(values) if lower_is_better(c) else max(values)
+        groups[label].append(best)
+    return groups
+
+
 def table(rows: list[dict], spec: dict) -> str:
     labels = spec.get("labels") or labels_in_order(rows)
     columns = spec.get("columns", ["val/acc", "val/ece", "comm/client_up_bytes", "comm/cum_client_bytes"])
-    groups = finals(select(rows, labels), spec.get("round"))
-    which = "final round" if spec.get("round") is None else f"round {spec['round']}"
+    if spec.get("best"):
+        groups, which = bests(select(rows, labels), columns), "best over rounds 1 to R"
+    else:
+        groups = finals(select(rows, labels), spec.get("round"))
+        which = "final round" if spec.get("round") is None else f"round {spec['round']}"
     lines = [f"**{spec.get('title', 'Results')}** ({which}, mean +/- std over seeds)", ""]
     lines.append("| run | seeds | " + " | ".join(columns) + " |")
     lines.append("| --- | --- | " + " | ".join("---" for _ in columns) + " |")
