@@ -177,6 +177,7 @@ def test_the_real_layout_variants(corpus):
 # ------------------------------------------------------------------------------------------ the source
 def test_missing_corpus_names_every_path_and_the_command(tmp_path, monkeypatch):
     monkeypatch.setattr(text_module.sources, "system_data_dirs", lambda: [tmp_path / "env", tmp_path / "cache"])
+    monkeypatch.setattr(text_module.sources, "default_data_dir", lambda: tmp_path / "cache")  # not this machine's
     with pytest.raises(DatasetNotFoundError) as info:
         Shakespeare(download=False).prepare()
     msg = str(info.value)
