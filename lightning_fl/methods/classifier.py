@@ -182,21 +182,3 @@ class Classifier(TrainingRecipe):
         metrics.update(logits.float().softmax(-1), y)
         loss = self.compute_loss(logits, y)
         self.log(f"{stage}/loss", loss, on_epoch=True, prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
-
-    def _eval_epoch_end(self, stage: str) -> None:
-        metrics = self.val_metrics if stage == "val" else self.test_metrics
-        values = metrics.compute()  # synchronised across processes by torchmetrics
-        metrics.reset()
-        self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "test")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")

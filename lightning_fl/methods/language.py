@@ -264,24 +264,6 @@ class LanguageModel(TrainingRecipe):
         x, y = batch
         (self.val_metrics if stage == "val" else self.test_metrics).update(self(x), y)
 
-    def _eval_epoch_end(self, stage: str) -> None:
-        metrics = self.val_metrics if stage == "val" else self.test_metrics
-        values = metrics.compute()  # summed over processes by torchmetrics
-        metrics.reset()
-        self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "test")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
 
 class LatentLanguageModel(LatentSteering, LanguageModel):
     """FLITE on a language model: a frozen (pretrained) network steered by per-layer latents.
@@ -339,10 +321,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         sample_top_k: int | None = None,
         sample_seed: int = 0,
     ) -> None:
-        if base not in ("pretrained", "scratch"):
-            raise ConfigError(f"model.base must be 'pretrained' or 'scratch', got {base!r}")
-        if base == "scratch" and base_checkpoint is not None:
-            raise ConfigError("model.base is 'scratch' but model.base_checkpoint is set; drop one of them")
+        source = self.base_source(base, base_checkpoint, pretraining)
         super().__init__(
             network=network,
             optimizer=optimizer,
@@ -352,8 +331,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
             warmup_epochs=warmup_epochs,
             schedule=schedule,
             grad_clip=grad_clip,
-            init_from=base_checkpoint,
-            pretraining=pretraining if base == "pretrained" else None,
+            **source,
             sample_prompt=sample_prompt,
             sample_tokens=sample_tokens,
             sample_top_k=sample_top_k,

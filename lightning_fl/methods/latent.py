@@ -39,6 +39,15 @@ class LatentSteering:
 
     mapping: LatentMapping
 
+    @staticmethod
+    def base_source(base: str, base_checkpoint: str | None, pretraining: Pretraining) -> dict:
+        """``init_from`` and ``pretraining`` for the host's constructor, from ``model.base`` and its checkpoint."""
+        if base not in ("pretrained", "scratch"):
+            raise ConfigError(f"model.base must be 'pretrained' or 'scratch', got {base!r}")
+        if base == "scratch" and base_checkpoint is not None:
+            raise ConfigError("model.base is 'scratch' but model.base_checkpoint is set; drop one of them")
+        return {"init_from": base_checkpoint, "pretraining": pretraining if base == "pretrained" else None}
+
     @property
     def steered(self) -> torch.nn.Module:
         """The frozen network whose weights the latent maps."""
@@ -120,10 +129,7 @@ class LatentClassifier(LatentSteering, Classifier):
         label_smoothing: float = 0.0,
         grad_clip: float | None = 1.0,
     ) -> None:
-        if base not in ("pretrained", "scratch"):
-            raise ConfigError(f"model.base must be 'pretrained' or 'scratch', got {base!r}")
-        if base == "scratch" and base_checkpoint is not None:
-            raise ConfigError("model.base is 'scratch' but model.base_checkpoint is set; drop one of them")
+        source = self.base_source(base, base_checkpoint, pretraining)
         super().__init__(
             backbone=backbone,
             num_classes=num_classes,
@@ -136,8 +142,7 @@ class LatentClassifier(LatentSteering, Classifier):
             schedule=schedule,
             label_smoothing=label_smoothing,
             grad_clip=grad_clip,
-            init_from=base_checkpoint,
-            pretraining=pretraining if base == "pretrained" else None,
+            **source,
         )
         self.backbone.requires_grad_(False)
         self.mapping = LatentMapping(

@@ -189,6 +189,29 @@ class TrainingRecipe(L.LightningModule):
                 "Lower model.lr, raise model.warmup_epochs, or check the data for NaNs."
             )
 
+    # ----------------------------------------------------------------------------------- evaluation
+    def _eval_step(self, batch: Any, stage: str) -> None:
+        """Update ``self.val_metrics`` (``stage == 'val'``) or ``self.test_metrics`` with one batch (subclasses)."""
+        raise NotImplementedError
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        metrics = self.val_metrics if stage == "val" else self.test_metrics
+        values = metrics.compute()  # synchronised across processes by torchmetrics
+        metrics.reset()
+        self.log_dict(values, prog_bar=stage == "val", sync_dist=True)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
     # ----------------------------------------------------------------------------------- federated
     def federated_state(self) -> dict[str, torch.Tensor]:
         """What a client uploads and the server averages: every trainable parameter, detached."""
