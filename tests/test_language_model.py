@@ -9,10 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_text_data import PLAYS, play_text, write_corpus
 from torch.func import functional_call
 
-from conftest import CONFIGS, run_cli
+from conftest import CONFIGS, PLAYS, play_text, run_cli, write_corpus
 from lightning_fl.compress import Quantize
 from lightning_fl.data import ByRole, FederatedTextDataModule, Shakespeare
 from lightning_fl.errors import CheckpointError, ConfigError
