@@ -98,6 +98,20 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path):
     assert any((tmp_path / "tb").iterdir())
 
 
+def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
+    spec = {
+        "name": "broken",
+        "out": str(tmp_path / "sweep"),
+        "seeds": [0],
+        "runs": [{"label": "typo", "config": str(CONFIGS / "quickstart.yaml"), "args": ["--model.lrr", "0.1"]}],
+    }
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    result = tool(REPO / "tools" / "sweep.py", tmp_path / "sweep.yaml", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "error: 1 run failed: typo__seed0" in result.stderr
+    assert "model.lrr" in (tmp_path / "sweep" / "typo__seed0.log").read_text()
+
+
 def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
     shrink = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--model.generator_training.steps",
               "2", "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",

@@ -24,7 +24,8 @@ runs:
     python tools/sweep.py SWEEP.yaml --dry-run  # print the commands
 
 A run is finished when its ``last.ckpt`` has done all ``trainer.rounds``; unfinished runs continue from
-it (``--trainer.resume auto``). ``seed_args`` (e.g. ``["--data.seed", "{seed}"]``) are added to every
+it (``--trainer.resume auto``). When a run fails, the sweep goes on with the others, collects what finished,
+and exits with status 1 naming the failed runs. ``seed_args`` (e.g. ``["--data.seed", "{seed}"]``) are added to every
 command with the seed filled in, for configs whose data or caches have seeds of their own.
 
 ``kind: oneshot`` is for configs run by ``lightning.Trainer`` whose numbers come from ``test`` (FMP and
@@ -242,6 +243,7 @@ def main() -> None:
     spec = yaml.safe_load(args.sweep.read_text())
     out = Path(spec.get("out", f"runs/sweeps/{spec['name']}"))
     runs = expand(spec)
+    failed = []
     if not args.collect:
         todo = [r for r in runs if args.only is None or args.only in r["label"]]
         for i, run in enumerate(todo, 1):
@@ -263,10 +265,14 @@ def main() -> None:
                     code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
             if code != 0:
                 print(f"  failed (exit {code}); see {out / (run['id'] + '.log')}")
+                failed.append(run["id"])
             else:
                 print(f"  finished in {time.perf_counter() - t0:.0f} s")
     if not args.dry_run:
         collect(spec, out, runs)
+    if failed:
+        runs_word = "run" if len(failed) == 1 else "runs"
+        sys.exit(f"error: {len(failed)} {runs_word} failed: {', '.join(failed)} (logs: {out}/<run>.log)")
 
 
 if __name__ == "__main__":
