@@ -127,7 +127,7 @@ class TextSource:
 
     def roles(self) -> list[Role]:
         """Every (play, speaker, lines) of the corpus."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define roles")
 
 
 class Shakespeare(TextSource):
@@ -206,8 +206,8 @@ class TextPartition:
         return len(role.lines) >= self.min_lines
 
     def unit(self, role: Role) -> str:
-        """The name of the client ``role`` belongs to; each partition (``ByRole``, ``ByPlay``, ``IID``) defines it."""
-        raise NotImplementedError
+        """The client ``role`` belongs to (``ByRole``, ``ByPlay``); ``IID`` overrides :meth:`split` instead."""
+        raise NotImplementedError(f"{type(self).__name__} must define unit or override split")
 
     def split(self, roles: list[Role], owner: np.ndarray, num_clients: int | None, seed: int):
         """``[(name, sorted window indices)]`` per client; ``owner[i]`` is the role of window ``i``."""

@@ -164,17 +164,6 @@ class Classifier(TrainingRecipe):
         """Mean cross-entropy (with ``label_smoothing``) computed in float32."""
         return nn.functional.cross_entropy(logits.float(), y, label_smoothing=self.hparams.label_smoothing)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        loss = self.compute_loss(logits, y)
-        self.check_loss(loss)
-        # Plain tensors (not Metric objects) so the same step logs under lightning.Trainer and federated loops.
-        acc = (logits.detach().argmax(-1) == y).float().mean()
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y), sync_dist=True)
-        self.log("train/acc", acc, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
-        return loss
-
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
         x, y = batch
         logits = self(x)

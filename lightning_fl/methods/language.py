@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
-from lightning_fl.mapping.lowrank import FactorMode, LatentMapping, LayerSelection, memory_report
+from lightning_fl.mapping.lowrank import FactorMode, LayerSelection
 from lightning_fl.methods.latent import LatentSteering
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.recipe import OptimizerName, TrainingRecipe, recipe_problems
@@ -247,18 +247,8 @@ class LanguageModel(TrainingRecipe):
 
     # ----------------------------------------------------------------------------------- steps
     def compute_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over every position, in float32."""
+        """Mean next-token cross-entropy over every position, in float32 (logits ``(B, T, V)``, y ``(B, T)``)."""
         return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch  # (B, T) ids and the ids one position later
-        logits = self(x)
-        loss = self.compute_loss(logits, y)
-        self.check_loss(loss)
-        acc = (logits.detach().argmax(-1) == y).float().mean()
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y), sync_dist=True)
-        self.log("train/acc", acc, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
-        return loss
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
         x, y = batch
@@ -337,16 +327,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
             sample_top_k=sample_top_k,
             sample_seed=sample_seed,
         )
-        self.network.requires_grad_(False)
-        self.mapping = LatentMapping(
-            self.network,
-            latent_dim=latent_dim,
-            rank=rank,
-            layers=layers,
-            mode=factors,
-            seed=factor_seed,
-            max_dense_bytes=max_dense_bytes,
-        )
+        self.steer(latent_dim, rank, layers, factors, factor_seed, max_dense_bytes)
 
     @property
     def steered(self) -> nn.Module:
@@ -362,8 +343,3 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
     def factor_fingerprint(self) -> str:
         """Fingerprint of the factors and of the base (with its vocabulary); clients refuse to train on another."""
         return f"factors:{self.mapping.fingerprint()} base:{digest_tensors(self.own_weights())}"
-
-    def memory_report(self):
-        """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""
-        hp = self.hparams
-        return memory_report(self.network, hp.latent_dim, hp.rank, hp.layers)

@@ -51,7 +51,33 @@ class LatentSteering:
     @property
     def steered(self) -> torch.nn.Module:
         """The frozen network whose weights the latent maps."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must say which network its latent steers")
+
+    def steer(
+        self,
+        latent_dim: int | list[int],
+        rank: int,
+        layers: LayerSelection | list[str],
+        factors: FactorMode,
+        factor_seed: int,
+        max_dense_bytes: int,
+    ) -> None:
+        """Freeze ``steered`` and build ``self.mapping`` over it (the constructor arguments of the same names)."""
+        self.steered.requires_grad_(False)
+        self.mapping = LatentMapping(
+            self.steered,
+            latent_dim=latent_dim,
+            rank=rank,
+            layers=layers,
+            mode=factors,
+            seed=factor_seed,
+            max_dense_bytes=max_dense_bytes,
+        )
+
+    def memory_report(self):
+        """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""
+        hp = self.hparams
+        return memory_report(self.steered, hp.latent_dim, hp.rank, hp.layers)
 
     def mapped_base(self) -> dict[str, torch.Tensor]:
         """The frozen base weights of the mapped layers."""
@@ -144,16 +170,7 @@ class LatentClassifier(LatentSteering, Classifier):
             grad_clip=grad_clip,
             **source,
         )
-        self.backbone.requires_grad_(False)
-        self.mapping = LatentMapping(
-            self.backbone,
-            latent_dim=latent_dim,
-            rank=rank,
-            layers=layers,
-            mode=factors,
-            seed=factor_seed,
-            max_dense_bytes=max_dense_bytes,
-        )
+        self.steer(latent_dim, rank, layers, factors, factor_seed, max_dense_bytes)
 
     # ----------------------------------------------------------------------------------- forward
     @property
@@ -168,8 +185,3 @@ class LatentClassifier(LatentSteering, Classifier):
         """Fingerprint of the factors and of the base; clients refuse to train when theirs differs."""
         base = digest_tensors({**self.backbone.state_dict(), **self.head.state_dict()})
         return f"factors:{self.mapping.fingerprint()} base:{base}"
-
-    def memory_report(self):
-        """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""
-        hp = self.hparams
-        return memory_report(self.backbone, hp.latent_dim, hp.rank, hp.layers)

@@ -5,6 +5,8 @@ base. A subclass says which state-dict entries make up its weights (``weight_pre
 its pretrained base (``base_cache_key``) and how to build the module that pretrains it
 (``pretraining_module``); the rest is here:
 
+- ``training_step`` (the subclass's ``compute_loss``, logged with next-label accuracy) and the evaluation steps
+  (the subclass's ``_eval_step`` updating its ``val_metrics``/``test_metrics``);
 - ``make_optimizer`` / ``configure_optimizers``: SGD (momentum, Nesterov), Adam or AdamW with a linear warm-up
   then cosine or constant schedule, and ``grad_clip`` applied by ``lightning.Trainer`` and federated clients alike;
 - ``prepare_base``: load the base from the cache, pretraining and caching it first (one process trains, the
@@ -84,8 +86,9 @@ class TrainingRecipe(L.LightningModule):
 
     Subclasses call ``save_hyperparameters`` with the recipe's keys (``optimizer``, ``lr``, ``momentum``,
     ``weight_decay``, ``nesterov``, ``warmup_epochs``, ``schedule``, ``grad_clip``), set ``self.pretraining``
-    (a :class:`Pretraining` or ``None``) and ``self._base_ready``, and define ``weight_prefixes``,
-    ``base_cache_key`` and ``pretraining_module``.
+    (a :class:`Pretraining` or ``None``), ``self._base_ready``, ``self.val_metrics`` and ``self.test_metrics``,
+    and define ``weight_prefixes``, ``compute_loss``, ``_eval_step``, ``base_cache_key`` and
+    ``pretraining_module``.
     """
 
     #: State-dict entries (by prefix) that make up the weights a base or ``init_from`` checkpoint provides.
@@ -124,11 +127,11 @@ class TrainingRecipe(L.LightningModule):
     # ----------------------------------------------------------------------------------- base
     def base_cache_key(self, datamodule: object) -> dict[str, object]:
         """Everything that determines the pretrained base; its hash names the cache folder."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define base_cache_key to pretrain a base")
 
     def pretraining_module(self) -> TrainingRecipe:
         """A fresh module, starting from this one's initial weights, that trains with ``self.pretraining``'s recipe."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define pretraining_module to pretrain a base")
 
     def base_cache_path(self, datamodule: object) -> Path:
         key = json.dumps(self.base_cache_key(datamodule), sort_keys=True, default=str)
@@ -181,6 +184,22 @@ class TrainingRecipe(L.LightningModule):
     def check_data(self, datamodule: object) -> None:
         """Refuse data that does not fit the model, naming the keys to change (subclasses)."""
 
+    # ----------------------------------------------------------------------------------- steps
+    def compute_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean training loss of one batch (subclasses: cross-entropy over classes or over tokens)."""
+        raise NotImplementedError(f"{type(self).__name__} must define compute_loss")
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # inputs and targets: labels (B,) or the next tokens (B, T)
+        logits = self(x)
+        loss = self.compute_loss(logits, y)
+        self.check_loss(loss)
+        # Plain tensors (not Metric objects) so the same step logs under lightning.Trainer and federated loops.
+        acc = (logits.detach().argmax(-1) == y).float().mean()
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y), sync_dist=True)
+        self.log("train/acc", acc, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
+        return loss
+
     def check_loss(self, loss: torch.Tensor) -> None:
         """Raise :class:`TrainingDivergedError` if the training loss is NaN or infinite."""
         if not torch.isfinite(loss):
@@ -192,7 +211,7 @@ class TrainingRecipe(L.LightningModule):
     # ----------------------------------------------------------------------------------- evaluation
     def _eval_step(self, batch: Any, stage: str) -> None:
         """Update ``self.val_metrics`` (``stage == 'val'``) or ``self.test_metrics`` with one batch (subclasses)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define _eval_step")
 
     def _eval_epoch_end(self, stage: str) -> None:
         metrics = self.val_metrics if stage == "val" else self.test_metrics
