@@ -8,7 +8,6 @@ and the orthogonal classifier head frozen from the first step.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -115,16 +114,10 @@ class Classifier(TrainingRecipe):
     # ----------------------------------------------------------------------------------- base
     def base_cache_key(self, datamodule: object) -> dict[str, object]:
         """Everything that determines the pretrained base; its hash names the cache folder."""
-        describe = getattr(datamodule, "describe", None)
-        recipe = {k: v for k, v in asdict(self.pretraining).items() if k not in ("cache_dir", "accelerator")}
-        return {
-            "loop": "lightning_fl.methods.centralised.train_classifier/1",  # bump when the pretraining loop changes
+        return self.shared_base_key(datamodule) | {
             "backbone": f"{type(self.backbone).__module__}.{type(self.backbone).__qualname__}",
-            "initial_weights": self._init_digest,
             "num_classes": self.num_classes,
             "head": self.hparams.head,
-            "data": describe() if callable(describe) else repr(datamodule),
-            "pretraining": recipe,
         }
 
     def pretraining_module(self) -> Classifier:

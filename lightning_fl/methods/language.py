@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Literal
 
 import torch
@@ -210,15 +209,9 @@ class LanguageModel(TrainingRecipe):
 
     # ----------------------------------------------------------------------------------- base
     def base_cache_key(self, datamodule: object) -> dict[str, object]:
-        describe = getattr(datamodule, "describe", None)
-        recipe = {k: v for k, v in asdict(self.pretraining).items() if k not in ("cache_dir", "accelerator")}
-        return {
-            "loop": "lightning_fl.methods.centralised.train_classifier/1",  # bump when the pretraining loop changes
+        return self.shared_base_key(datamodule) | {
             "network": f"{type(self.network).__module__}.{type(self.network).__qualname__}",
-            "initial_weights": self._init_digest,
             "vocabulary": "".join(self.characters or []),
-            "data": describe() if callable(describe) else repr(datamodule),
-            "pretraining": recipe,
         }
 
     def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:

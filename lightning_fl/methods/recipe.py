@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,6 +98,7 @@ class TrainingRecipe(L.LightningModule):
     weights_hint: str = "the model's architecture"
     pretraining: Pretraining | None
     _base_ready: bool
+    _init_digest: str
 
     # ----------------------------------------------------------------------------------- weights
     def own_weights(self) -> dict[str, torch.Tensor]:
@@ -126,8 +128,21 @@ class TrainingRecipe(L.LightningModule):
 
     # ----------------------------------------------------------------------------------- base
     def base_cache_key(self, datamodule: object) -> dict[str, object]:
-        """Everything that determines the pretrained base; its hash names the cache folder."""
+        """Everything that determines the pretrained base; its hash names the cache folder.
+
+        Subclasses add their architecture's entries to :meth:`shared_base_key`'s."""
         raise NotImplementedError(f"{type(self).__name__} must define base_cache_key to pretrain a base")
+
+    def shared_base_key(self, datamodule: object) -> dict[str, object]:
+        """The base key's entries every method has: loop, initial weights (``self._init_digest``), data, recipe."""
+        describe = getattr(datamodule, "describe", None)
+        recipe = {k: v for k, v in asdict(self.pretraining).items() if k not in ("cache_dir", "accelerator")}
+        return {
+            "loop": "lightning_fl.methods.centralised.train_classifier/1",  # bump when the pretraining loop changes
+            "initial_weights": self._init_digest,
+            "data": describe() if callable(describe) else repr(datamodule),
+            "pretraining": recipe,
+        }
 
     def pretraining_module(self) -> TrainingRecipe:
         """A fresh module, starting from this one's initial weights, that trains with ``self.pretraining``'s recipe."""
