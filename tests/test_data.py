@@ -70,15 +70,18 @@ def test_idx_reader_rejects_truncated_files():
 
 def test_missing_data_set_error_names_paths_and_fixes(in_tmp, monkeypatch):
     monkeypatch.setattr("lightning_fl.data.sources.system_data_dirs", lambda: [in_tmp / "system"])
-    source = FashionMNIST(root=str(in_tmp / "nowhere"), download=False)
-    source.system_paths = (str(in_tmp / "not-installed"),)
+    monkeypatch.setattr(FashionMNIST, "system_paths", (str(in_tmp / "not-installed"),))
     with pytest.raises(DatasetNotFoundError) as info:
-        source.prepare()
+        FashionMNIST(download=False).prepare()
     msg = str(info.value)
     assert "Fashion-MNIST was not found" in msg
-    assert str(in_tmp / "nowhere") in msg and str(in_tmp / "not-installed") in msg
+    assert str(in_tmp / "system") in msg and str(in_tmp / "not-installed") in msg
     assert "apt-get install -y dataset-fashion-mnist" in msg
     assert "--data.source.root" in msg and "download is off" in msg
+    (in_tmp / "empty").mkdir()  # a root given is the only place searched, and the only one named
+    with pytest.raises(DatasetNotFoundError) as info:
+        FashionMNIST(root=str(in_tmp / "empty"), download=False).prepare()
+    assert f"{in_tmp / 'empty'} (root given)" in str(info.value) and "not-installed" not in str(info.value)
 
 
 def test_failed_download_is_reported(in_tmp, monkeypatch):

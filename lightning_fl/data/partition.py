@@ -1,8 +1,9 @@
 """Client partitioners: split a labelled training set among ``num_clients`` clients.
 
-Every partitioner is seeded and deterministic, and returns disjoint index arrays that together
-cover every sample exactly once. Add your own by subclassing :class:`Partitioner` and
-implementing :meth:`Partitioner.split`; select it with ``data.partition.class_path``.
+Every partitioner is seeded and deterministic, and returns disjoint, non-empty index arrays that
+together cover every sample exactly once (a split that leaves a client empty is refused). Add your own
+by subclassing :class:`Partitioner` and implementing :meth:`Partitioner.split`; select it with
+``data.partition.class_path``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,17 @@ class Partitioner:
                 f"data.num_clients must be between 1 and the number of client samples ({len(targets)}), "
                 f"got {num_clients}"
             )
-        parts = self.split(targets, num_clients, np.random.default_rng(seed))
-        return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+        parts = [
+            np.sort(np.asarray(p, dtype=np.int64))
+            for p in self.split(targets, num_clients, np.random.default_rng(seed))
+        ]
+        if empty := [k for k, p in enumerate(parts) if len(p) == 0]:
+            shown = ", ".join(map(str, empty[:10])) + (", ..." if len(empty) > 10 else "")
+            raise ConfigError(
+                f"data.partition ({self!r}) left {len(empty)} of {num_clients} clients with no samples (client "
+                f"{shown}); an empty client cannot train: lower data.num_clients or make the split less skewed"
+            )
+        return parts
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -71,8 +81,8 @@ class Dirichlet(Partitioner):
         problems = []
         if not alpha > 0:
             problems.append(f"alpha must be > 0, got {alpha}")
-        if min_partition_size < 0:
-            problems.append(f"min_partition_size must be >= 0, got {min_partition_size}")
+        if min_partition_size < 1:
+            problems.append(f"min_partition_size must be >= 1 (an empty client cannot train), got {min_partition_size}")
         if max_retries < 1:
             problems.append(f"max_retries must be >= 1, got {max_retries}")
         if problems:

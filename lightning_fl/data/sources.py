@@ -139,14 +139,15 @@ def system_data_dirs() -> list[Path]:
 
 
 class FileDataSource(DataSource):
-    """A data set read from files, looked up in order: ``root``, system locations, download.
+    """A data set read from files: in ``root`` when one is given (only there), else system locations; then download.
 
     Subclasses implement :meth:`candidates` (folders under a base directory that may hold the
     files), :meth:`is_complete` (the folder holds every file needed), :meth:`read` and, when the
     set can be downloaded, :meth:`fetch`.
 
     Args:
-        root: Folder holding the data set (or its parent). Searched first; downloads go here.
+        root: Folder holding the data set (or its parent). When given it is the only place searched (with
+            download off it must exist) and downloads go there.
         download: Download into ``root`` (or ``$LIGHTNING_FL_DATA``, default ``~/.cache/lightning_fl/data``)
             when the files are not found locally.
     """
@@ -181,8 +182,9 @@ class FileDataSource(DataSource):
     def search_paths(self) -> list[tuple[Path, str]]:
         """Every folder looked at, in order, with a note saying why."""
         out: list[tuple[Path, str]] = []
-        if self.root is not None:
+        if self.root is not None:  # an explicit root is authoritative: nothing else is searched
             out += [(p, "root given") for p in self.candidates(Path(self.root).expanduser())]
+            return list(dict.fromkeys(out))
         out += [(Path(p), "system location") for p in self.system_paths]
         for base in system_data_dirs():
             out += [(p, "system location") for p in self.candidates(base)]
@@ -198,12 +200,17 @@ class FileDataSource(DataSource):
         """Return the folder holding the data set, downloading it if allowed; raise a clear error otherwise."""
         if self._located is not None:
             return self._located
+        allow = self.download if allow_download is None else allow_download
+        if self.root is not None and not allow and not Path(self.root).expanduser().is_dir():
+            raise DatasetNotFoundError(
+                f"{self.display_name}: the root given ({self.root}) does not exist and download is off; fix the "
+                "path, or turn download on to fetch the data into it"
+            )
         tried = self.search_paths()
         for folder, _ in tried:
             if self.is_complete(folder):
                 self._located = folder
                 return folder
-        allow = self.download if allow_download is None else allow_download
         target = Path(self.root).expanduser() if self.root is not None else default_data_dir()
         if allow:
             try:

