@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -53,15 +55,95 @@ def remove_stale_temps(folder: str | Path) -> int:
     return removed
 
 
-def read_checkpoint(path: str | Path, what: str = "checkpoint") -> Any:
-    """``torch.load`` with ``weights_only=True`` (tensors and plain containers, no code); failures name ``what``."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise CheckpointError(f"{what} {path} does not exist")
+#: What to do about a checkpoint that cannot be used, unless the caller knows better.
+DEFAULT_FIX = "pass a checkpoint written by this package"
+
+Source = str | Path | bytes | bytearray | memoryview | BinaryIO
+
+
+def read_checkpoint(
+    source: Source, what: str = "checkpoint", *, fix: str = DEFAULT_FIX, map_location: Any = "cpu"
+) -> Any:
+    """The one way the package reads a checkpoint or cached file: ``torch.load(..., weights_only=True)``.
+
+    ``source`` is a path, the bytes of a file, or a binary file object. ``weights_only=True`` is passed
+    explicitly, so tensors and plain containers load but nothing is imported and no code runs, even when
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set (torch honours that variable only when the argument is left out).
+
+    Every failure (missing, a folder, empty, truncated, not a checkpoint, a pickle that needs a Python object)
+    raises :class:`CheckpointError` with one line: ``what`` (the config key or the cache it is for), the file,
+    the reason and ``fix``. A ``what`` ending in ``=`` is joined to the path without a space (``key=path``).
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        name, stream = f"{what} (in-memory bytes)", io.BytesIO(bytes(source))
+    elif hasattr(source, "read"):
+        name, stream = f"{what} ({getattr(source, 'name', 'in-memory stream')})", source
+    else:
+        path = Path(source).expanduser()
+        name = checkpoint_name(what, path)
+        if path.is_dir():
+            raise CheckpointError(f"{name} is a folder, not a checkpoint file; {fix}")
+        if not path.is_file():
+            problem = "is not a regular file" if path.exists() else "does not exist"
+            raise CheckpointError(f"{name} {problem}; {fix}")
+        stream = path
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(stream, map_location=map_location, weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"{what} {path} could not be read safely (weights_only=True): {err}") from err
+        raise CheckpointError(f"{name} could not be read safely (weights_only=True): {_why(err)}; {fix}") from err
+
+
+def checkpoint_name(what: str, path: str | Path) -> str:
+    """How messages name a file: ``what path``, or ``key=path`` when ``what`` ends with ``=``."""
+    return f"{what}{path}" if what.endswith("=") else f"{what} {path}"
+
+
+def _why(err: Exception) -> str:
+    """One line saying why ``torch.load(weights_only=True)`` failed (torch's own messages span paragraphs)."""
+    text = str(err)
+    # The name comes from the file: keep to identifier characters so a crafted one cannot garble the terminal.
+    if match := re.search(r"(?:unsupported GLOBAL|Unsupported (?:global|class): GLOBAL) ([\w.]+)", text):
+        return f"it needs the Python object {match.group(1)} (loading it could run code), which is refused"
+    if match := re.search(r"Unsupported operand (\d+)", text):
+        return f"it is not a file written by torch.save, or it is corrupt (pickle opcode {match.group(1)} refused)"
+    if "Weights only load failed" in text:
+        return "it holds Python objects other than tensors and plain containers, which are refused"
+    if isinstance(err, EOFError):
+        return "it is empty or truncated"
+    if "zip archive" in text or "PytorchStreamReader" in text:
+        return "it is truncated or corrupt (an incomplete zip archive)"
+    if isinstance(err, OSError):
+        return f"{type(err).__name__}: {err.strerror or text}"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
+
+
+def tensor_state(obj: Any, name: str, *, keys: tuple[str, ...] = (), fix: str = DEFAULT_FIX) -> dict[str, torch.Tensor]:
+    """The state dict (names to tensors) in a loaded checkpoint: ``obj[key]`` for the first of ``keys`` present, else
+    ``obj`` itself; raise :class:`CheckpointError` naming ``name`` (the key and file) when it is not one."""
+    if isinstance(obj, dict):
+        obj = next((obj[k] for k in keys if k in obj), obj)
+    if (
+        not isinstance(obj, dict)
+        or not obj
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    ):
+        raise CheckpointError(f"{name} holds no state dict of tensors; {fix}")
+    return obj
+
+
+def state_mismatch(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> str | None:
+    """What keeps ``state`` from loading into a module whose state dict is ``own`` (``None`` if it fits)."""
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    parts = [f"missing {missing[:4]}"] * bool(missing) + [f"unexpected {unexpected[:4]}"] * bool(unexpected)
+    parts += [f"shape (file vs model) {wrong[:4]}"] * bool(wrong)
+    return "; ".join(parts) or None
 
 
 def digest_tensors(tensors: dict[str, torch.Tensor]) -> str:

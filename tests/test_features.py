@@ -185,7 +185,8 @@ def test_unreadable_cache_is_recomputed(trained, tmp_path, monkeypatch):
 
 def test_missing_data_set_propagates_its_own_error(tmp_path, monkeypatch):
     monkeypatch.setattr("lightning_fl.data.sources.system_data_dirs", lambda: [tmp_path / "system"])
-    source = FashionMNIST(root=str(tmp_path / "nowhere"), download=False)
+    (tmp_path / "empty").mkdir()
+    source = FashionMNIST(root=str(tmp_path / "empty"), download=False)
     source.system_paths = ()
     features = ExtractedFeatures(source, SmallCNN(image_size=28), cache_dir=str(tmp_path), **TINY)
     with pytest.raises(DatasetNotFoundError, match="Fashion-MNIST was not found"):

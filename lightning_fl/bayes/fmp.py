@@ -32,7 +32,15 @@ from lightning_fl.bayes.predictive import PredictiveGenerator, refit
 from lightning_fl.bayes.protocol import ANN, CANN, FMP, MP, Context, OneShotMethod, predictive_probs
 from lightning_fl.bayes.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
 from lightning_fl.bayes.tasks import Task
-from lightning_fl.checkpoint import atomic_save, default_cache_dir, digest_tensors
+from lightning_fl.checkpoint import (
+    atomic_save,
+    checkpoint_name,
+    default_cache_dir,
+    digest_tensors,
+    read_checkpoint,
+    state_mismatch,
+    tensor_state,
+)
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.metrics import classification_metrics
@@ -161,33 +169,47 @@ class FMPMetaLearner(L.LightningModule):
         if bool(self.generator_ready):
             return
         if self.generator_checkpoint is not None:
-            path = Path(self.generator_checkpoint)
-            if not path.is_file():
-                raise CheckpointError(f"model.generator_checkpoint: no file at {path}")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            self._load_generator(state.get("generator", state), str(path))
-            self.generator_report = state.get("report", {})
+            # A path the user gave: any problem is an error, never replaced by training.
+            path = Path(self.generator_checkpoint).expanduser()
+            fix = "pass a generator file written by this package (a cached generators/<digest>.pt) or remove the key"
+            self.generator_report = self._load_generator(path, "model.generator_checkpoint", fix)
         else:
             key = self.generator_cache_key()
             digest = digest_tensors({"key": torch.tensor(list(json.dumps(key, sort_keys=True).encode()))})[:16]
             path = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
             path = path / "generators" / f"{digest}.pt"
-            if path.is_file():
-                state = torch.load(path, map_location="cpu", weights_only=True)
-                self._load_generator(state["generator"], str(path))
-                self.generator_report = state.get("report", {})
-                log.info("generator loaded from the cache %s", path)
-            else:
+            if path.is_dir():
+                raise CheckpointError(f"FMP generator cache {path} is a folder, not a file; delete it")
+            loaded = False
+            if path.exists():
+                # A derived file: an unusable one is a cache miss (warned about), retrained and overwritten.
+                miss = "treated as a cache miss: the generator is retrained and the file overwritten"
+                try:
+                    self.generator_report = self._load_generator(path, "FMP generator cache", miss)
+                    loaded = True
+                    log.info("generator loaded from the cache %s", path)
+                except CheckpointError as err:
+                    log.warning("%s", err)
+            if not loaded:
                 self._train_generator(path, key)
         self.generator.to(self.device).eval().requires_grad_(False)
         self.generator_ready.fill_(True)
         for name, value in self.generator_report.get("heldout", {}).items():
             self._log_once(f"generator/{name}", value)
 
-    def _load_generator(self, state: dict, where: str) -> None:
-        missing, unexpected = self.generator.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"{where} does not fit the generator: missing {missing}, unexpected {unexpected}")
+    def _load_generator(self, path: Path, what: str, fix: str) -> dict:
+        """Load the generator from ``path`` (read safely; every weight must fit); return the file's report."""
+        state = read_checkpoint(path, what, fix=fix)
+        name = checkpoint_name(what, path)
+        weights = tensor_state(state, name, keys=("generator",), fix=fix)
+        if problem := state_mismatch(weights, self.generator.state_dict()):
+            raise CheckpointError(f"{name} does not fit the generator: {problem}; {fix}")
+        report = state.get("report", {}) if isinstance(state, dict) else {}
+        heldout = report.get("heldout", {}) if isinstance(report, dict) else None
+        if not isinstance(heldout, dict) or not all(isinstance(v, (int, float)) for v in heldout.values()):
+            raise CheckpointError(f"{name} holds a malformed 'report' (not {{'heldout': {{name: number}}}}); {fix}")
+        self.generator.load_state_dict(weights)
+        return report
 
     def _train_generator(self, path: Path, key: dict) -> None:
         dm = self.trainer.datamodule

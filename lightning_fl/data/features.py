@@ -35,7 +35,14 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fl.checkpoint import atomic_save, default_cache_dir, digest_tensors
+from lightning_fl.checkpoint import (
+    atomic_save,
+    default_cache_dir,
+    digest_tensors,
+    read_checkpoint,
+    state_mismatch,
+    tensor_state,
+)
 from lightning_fl.data.builtin import Digits
 from lightning_fl.data.sources import DataSource, ImageTransform, LabeledImages, Split, TensorImages
 from lightning_fl.errors import CheckpointError, ConfigError
@@ -392,16 +399,9 @@ class ExtractedFeatures(FeatureData):
     def _checkpoint_state(self) -> dict[str, Tensor]:
         """The checkpoint's weights for this extractor; raise naming the keys that do not fit."""
         path = Path(self.checkpoint).expanduser()
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointError(
-                f"{KEY}.checkpoint={path} could not be read safely (weights_only=True): {err}"
-            ) from err
-        if isinstance(obj, dict):
-            obj = obj.get("extractor", obj.get("state_dict", obj))
-        if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
-            raise CheckpointError(f"{KEY}.checkpoint={path} holds no state dict of tensors")
+        fix = "pass a Lightning checkpoint of a pretrain_*.yaml run or a features cache file written by this package"
+        obj = read_checkpoint(path, f"{KEY}.checkpoint=", fix=fix)
+        obj = tensor_state(obj, f"{KEY}.checkpoint={path}", keys=("extractor", "state_dict"), fix=fix)
         own = {k: v for k, v in self.model.state_dict().items() if k.startswith("backbone.")}
         missing = sorted(set(own) - set(obj))
         unexpected = sorted(k for k in obj if k.startswith("backbone.") and k not in own)
@@ -454,24 +454,52 @@ class ExtractedFeatures(FeatureData):
         self._allow_training = allow_training
         super().prepare()
 
+    def _read_cache(self, path: Path, text: str) -> dict[str, Any] | None:
+        """The cache file's contents if it is a usable cache for key ``text``, else ``None``.
+
+        A derived file: one that cannot be read safely (truncated, foreign, needs Python objects), is for another
+        key or is malformed is a cache miss; it is warned about, recomputed and overwritten. A folder in its
+        place is an error (it cannot be overwritten).
+        """
+        if path.is_dir():
+            raise CheckpointError(f"the features cache {path} is a folder, not a file; delete it")
+        miss = "treated as a cache miss: the features are recomputed and the file overwritten"
+        try:
+            data = read_checkpoint(path, "features cache", fix=miss)
+        except CheckpointError as err:
+            log.warning("%s", err)
+            return None
+        own = {k: v for k, v in self.model.state_dict().items() if k.startswith(("backbone.", "head."))}
+        problem = None
+        if not isinstance(data, dict) or data.get("key") != text:
+            problem = "it was written for another key or format"
+        elif not isinstance(data.get("info"), dict) or not isinstance(data.get("extractor"), dict):
+            problem = "it lacks 'info' or 'extractor'"
+        elif not all(isinstance(data.get(f"{s}_{f}"), Tensor) for s in ("train", "test") for f in ("h", "y")):
+            problem = "it lacks the feature tensors"
+        elif any(data[f"{s}_h"].ndim != 2 or len(data[f"{s}_h"]) != len(data[f"{s}_y"]) for s in ("train", "test")):
+            problem = "its feature tensors have inconsistent shapes"
+        elif not all(isinstance(v, Tensor) for v in data["extractor"].values()):
+            problem = "its 'extractor' is not a state dict of tensors"
+        elif mismatch := state_mismatch(data["extractor"], own):
+            problem = f"its extractor does not fit: {mismatch}"
+        if problem is not None:
+            log.warning("features cache %s is unusable (%s); %s", path, problem, miss)
+            return None
+        return data
+
     def compute(self) -> tuple[FeatureSet, FeatureSet]:
         ckpt = self._checkpoint_state() if self.checkpoint is not None else None
         key = self.cache_key(ckpt)
         path = self.cache_path(key)
         text = json.dumps(key, sort_keys=True, default=str)
-        if path.is_file():
-            try:
-                data = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as err:  # e.g. written by another torch version: recompute
-                data = {"error": f"{type(err).__name__}: {err}"}
-            if data.get("key") == text:
+        if path.exists():
+            data = self._read_cache(path, text)
+            if data is not None:
                 self.model.load_state_dict(data["extractor"], strict=False)
                 self.info = {**data["info"], "cached": True, "cache_path": str(path)}
                 c = self.num_classes
                 return FeatureSet(data["train_h"], data["train_y"], c), FeatureSet(data["test_h"], data["test_y"], c)
-            log.warning(
-                "Features cache %s is unreadable or for another key (%s); recomputing it", path, data.get("error")
-            )
         self.source.prepare()
         splits = {s: self.source.load(s) for s in ("train", "test")}
         picks = {

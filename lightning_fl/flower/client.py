@@ -28,6 +28,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from lightning_fl.checkpoint import read_checkpoint
 from lightning_fl.errors import UserError
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.setup import prepare
@@ -166,7 +167,9 @@ def _load_codec_state(codec: Any, context: Context) -> None:
     record = context.state.get(_CODEC_STATE) if _CODEC_STATE in context.state else None
     if record is None:
         return
-    codec.load_state_dict(torch.load(io.BytesIO(record["state"]), weights_only=True))
+    what = f"this node's codec memory (context.state[{_CODEC_STATE!r}])"
+    state = read_checkpoint(record["state"], what, fix="restart the node to start its codec memory afresh")
+    codec.load_state_dict(state)
 
 
 def _save_codec_state(codec: Any, context: Context) -> None:

@@ -28,7 +28,14 @@ import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
-from lightning_fl.checkpoint import atomic_save, default_cache_dir, read_checkpoint
+from lightning_fl.checkpoint import (
+    DEFAULT_FIX,
+    atomic_save,
+    checkpoint_name,
+    default_cache_dir,
+    read_checkpoint,
+    tensor_state,
+)
 from lightning_fl.errors import CheckpointError, ConfigError, UserError
 from lightning_fl.methods.centralised import train_classifier
 from lightning_fl.methods.pretraining import Pretraining
@@ -42,13 +49,13 @@ class TrainingDivergedError(UserError, FloatingPointError):
     """The training loss became NaN or infinite."""
 
 
-def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a Lightning checkpoint (its ``state_dict``) or a plain state dict, without unpickling code."""
-    obj = read_checkpoint(path)
-    state = obj.get("state_dict", obj) if isinstance(obj, dict) else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"checkpoint {path} holds no state dict of tensors")
-    return state
+def load_state_dict_file(path: str | Path, what: str = "checkpoint", fix: str = DEFAULT_FIX) -> dict[str, torch.Tensor]:
+    """Read a Lightning checkpoint (its ``state_dict``) or a plain state dict, without unpickling code.
+
+    Raises :class:`CheckpointError` naming ``what`` (the config key or cache), the file and ``fix``.
+    """
+    obj = read_checkpoint(path, what, fix=fix)
+    return tensor_state(obj, checkpoint_name(what, path), keys=("state_dict",), fix=fix)
 
 
 def recipe_problems(
@@ -105,9 +112,12 @@ class TrainingRecipe(L.LightningModule):
         """The state-dict entries a base provides (those under ``weight_prefixes``)."""
         return {k: v for k, v in self.state_dict().items() if k.startswith(self.weight_prefixes)}
 
-    def load_weights(self, path: str | Path) -> None:
-        """Load the weights from ``path``; every weight must be present with the right shape."""
-        state = load_state_dict_file(path)
+    def load_weights(self, path: str | Path, what: str = "model.init_from=", fix: str | None = None) -> None:
+        """Load the weights from ``path``; every weight must be present with the right shape.
+
+        Errors name ``what`` (the config key, or the cache) and the file, and end with ``fix``."""
+        fix = fix or f"check that {self.weights_hint} are those the checkpoint was trained with"
+        state = load_state_dict_file(path, what, fix)
         own = self.own_weights()
         missing = sorted(set(own) - set(state))
         wrong = sorted(k for k in own if k in state and state[k].shape != own[k].shape)
@@ -121,8 +131,7 @@ class TrainingRecipe(L.LightningModule):
                     f"checkpoint, {tuple(own[wrong[0]].shape)} here)"
                 )
             raise CheckpointError(
-                f"model.init_from={path} does not match this model: {'; '.join(details)}. Check that "
-                f"{self.weights_hint} are those the checkpoint was trained with."
+                f"{checkpoint_name(what, path)} does not match this model: {'; '.join(details)}; {fix}"
             )
         self.load_state_dict({k: state[k] for k in own}, strict=False)
 
@@ -162,11 +171,23 @@ class TrainingRecipe(L.LightningModule):
         if self._base_ready:
             return
         path = self.base_cache_path(datamodule)
+        what = "pretrained base cache"
+        if path.is_file() and allow_training:
+            # A derived file: an unusable one (unreadable, unsafe, not this model's) is a cache miss, warned about,
+            # pretrained again and overwritten.
+            try:
+                self.load_weights(path, what, fix="treated as a cache miss: pretraining it again")
+            except CheckpointError as err:
+                log.warning("%s", err)
+                self._pretrain_base(datamodule, path)
+            else:
+                self._base_ready = True
+                return
         if not path.is_file():
             if not allow_training:
                 raise CheckpointError(f"the pretrained base {path} is missing; it should have been prepared first")
             self._pretrain_base(datamodule, path)
-        self.load_weights(path)
+        self.load_weights(path, what, fix="delete it; the next run pretrains it again")
         self._base_ready = True
 
     def _pretrain_base(self, datamodule: object, path: Path) -> None:
