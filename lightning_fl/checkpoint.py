@@ -46,6 +46,21 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     return path
 
 
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temp file and a rename: concurrent writers never interleave."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def remove_stale_temps(folder: str | Path) -> int:
     """Delete temp files left by an interrupted :func:`atomic_save`; returns how many."""
     removed = 0

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_fl.checkpoint import (
     atomic_save,
+    atomic_write_text,
     default_cache_dir,
     digest_tensors,
     read_checkpoint,
@@ -527,7 +528,7 @@ class ExtractedFeatures(FeatureData):
         payload = {"key": text, "extractor": state, "info": info}
         payload.update({f"{s}_{f}": getattr(sets[s], f) for s in sets for f in ("h", "y")})
         atomic_save(payload, path)
-        (path.parent / "meta.json").write_text(json.dumps({"key": key, "info": info}, indent=2, default=str))
+        atomic_write_text(path.parent / "meta.json", json.dumps({"key": key, "info": info}, indent=2, default=str))
         self.info = {**info, "cached": False, "cache_path": str(path)}
         log.warning(
             "Feature extractor ready: train acc %s, test acc %s; features cached at %s",

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_fl.checkpoint import (
     DEFAULT_FIX,
     atomic_save,
+    atomic_write_text,
     checkpoint_name,
     default_cache_dir,
     read_checkpoint,
@@ -202,7 +203,7 @@ class TrainingRecipe(L.LightningModule):
         state = {k: v.detach().cpu() for k, v in pre.own_weights().items()}
         atomic_save({"state_dict": state}, path)
         meta = {"key": self.base_cache_key(datamodule), "final_epoch": metrics}
-        (path.parent / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        atomic_write_text(path.parent / "meta.json", json.dumps(meta, indent=2, sort_keys=True, default=str))
 
     # ----------------------------------------------------------------------------------- Lightning hooks
     def prepare_data(self) -> None:
