@@ -105,7 +105,8 @@ def nodes(k: int = 4) -> list[dict]:
 
 
 def final(root, name):
-    return read_checkpoint(root / name / "checkpoints" / "last.ckpt")
+    (path,) = (root / name).glob("*/checkpoints/last.ckpt")  # the run's own folder, logger or not
+    return read_checkpoint(path)
 
 
 def in_process(tmp_path, config, *extra) -> dict:

@@ -62,6 +62,7 @@ METRIC_COLUMNS = [
     "comm/client_down_bytes",
     "comm/cum_client_bytes",
     "comm/cum_client_up_bytes",
+    "comm/cum_rejected_bytes",
     "fed/identity_error",
     "fed/dropped_clients",
     "fed/attacked_clients",
@@ -88,7 +89,7 @@ def expand(spec: dict) -> list[dict]:
             runs.append(
                 {
                     "label": label,
-                    "config": entry["config"],
+                    "config": sub(entry["config"]),
                     "args": [sub(a) for a in entry.get("args", [])],
                     "tags": {k: sub(v) for k, v in (entry.get("tags") or {}).items()},
                 }

@@ -1,6 +1,6 @@
 """Upload codecs and compressors: what clients send, counted in bytes from the encoded payload."""
 
-from lightning_fl.compress.base import FP32, Codec, Encoded, Payload
+from lightning_fl.compress.base import FP32, Codec, Encoded, Layout, Payload, PayloadDecodeError, PayloadError
 from lightning_fl.compress.error_feedback import UpdateCompressor
 from lightning_fl.compress.powersgd import PowerSGD
 from lightning_fl.compress.quantize import Quantize, pack_bits, unpack_bits
@@ -10,7 +10,10 @@ __all__ = [
     "FP32",
     "Codec",
     "Encoded",
+    "Layout",
     "Payload",
+    "PayloadDecodeError",
+    "PayloadError",
     "PowerSGD",
     "Quantize",
     "TopK",

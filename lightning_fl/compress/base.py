@@ -8,14 +8,28 @@ error-feedback residuals lives in the codec and is saved through :meth:`Codec.st
 
 Write your own by subclassing :class:`Codec` and implementing ``encode_tensor``/``decode_tensor``
 (stateless, per tensor) or ``encode``/``decode`` (whole state, may use ``reference`` and ``client``).
+
+The server trusts no payload: before decoding it asks :meth:`Codec.check_payload` whether the payload has
+the structure the codec produces. A codec states that structure with :meth:`Codec.layout` (per encoded
+tensor: shape, dtype, info and each part's dtype and shape, all derived from the reference state); the base
+check compares every payload with it, so :meth:`Codec.decode` only ever sees what ``encode`` could have made.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+class PayloadError(ValueError):
+    """A payload that is not what the codec sends: malformed bytes, a wrong structure, or one it cannot decode."""
+
+
+class PayloadDecodeError(PayloadError):
+    """A codec failed to decode a payload (the server rejects the upload instead of failing)."""
 
 
 @dataclass
@@ -44,6 +58,121 @@ class Payload:
         return sum(e.nbytes for e in self.tensors.values())
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The structure of one encoded tensor as a codec produces it (what :meth:`Codec.check_payload` expects).
+
+    Args:
+        shape: The :attr:`Encoded.shape` the encoded tensor declares.
+        dtype: The :attr:`Encoded.dtype` it declares.
+        parts: Every wire part by name: its dtype and shape (no other part may appear).
+        info: The exact :attr:`Encoded.info`.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def check_containers(payload: object) -> list[str]:
+    """Problems with the containers of ``payload``, whatever the codec: a :class:`Payload` whose ``tensors`` map
+    names to :class:`Encoded`, each with a dict of named tensors as ``parts``, a shape of non-negative ints, a
+    ``torch.dtype`` and a dict ``info``. A payload that passes can be measured (:attr:`Payload.nbytes`) and
+    compared with a :class:`Layout`; nothing here looks at the values.
+    """
+    if not isinstance(payload, Payload):
+        return [f"expected a Payload, got {type(payload).__name__}"]
+    if not isinstance(payload.tensors, dict):
+        return [f"the payload's tensors must be a dict, got {type(payload.tensors).__name__}"]
+    problems = []
+    for name, enc in payload.tensors.items():
+        if not isinstance(name, str):
+            problems.append(f"tensor names must be strings, got {type(name).__name__}")
+            continue
+        at = _label(name)
+        if not isinstance(enc, Encoded):
+            problems.append(f"{at}: expected an Encoded tensor, got {type(enc).__name__}")
+            continue
+        if not isinstance(enc.parts, dict):
+            problems.append(f"{at}: parts must be a dict, got {type(enc.parts).__name__}")
+        else:
+            for part, t in enc.parts.items():
+                if not isinstance(part, str):
+                    problems.append(f"{at}: part names must be strings, got {type(part).__name__}")
+                elif not isinstance(t, torch.Tensor):
+                    problems.append(f"{at}.{_label(part)}: expected a tensor, got {type(t).__name__}")
+        shape = enc.shape
+        if not isinstance(shape, (tuple, list)):
+            problems.append(f"{at}: shape must be a tuple of non-negative ints, got {type(shape).__name__}")
+        elif not all(_is_count(d) for d in shape):
+            bad = next(d for d in shape if not _is_count(d))
+            got = bad if isinstance(bad, int) and not isinstance(bad, bool) else f"a {type(bad).__name__}"
+            problems.append(f"{at}: shape must be a tuple of non-negative ints, got {got} in it")
+        if not isinstance(enc.dtype, torch.dtype):
+            problems.append(f"{at}: dtype must be a torch.dtype, got {type(enc.dtype).__name__}")
+        if not isinstance(enc.info, dict) or not all(isinstance(k, str) for k in enc.info):
+            problems.append(f"{at}: info must be a dict with string keys")
+    return problems
+
+
+def check_layout_of(payload: Payload, expected: dict[str, Layout]) -> list[str]:
+    """Problems of a payload whose containers are sound (:func:`check_containers`) against the ``expected``
+    structure: the same tensor names, and for each the declared shape, dtype and info, and exactly the expected
+    parts, each a strided CPU tensor of the expected dtype and shape, finite if it holds floats.
+    """
+    problems = []
+    got = payload.tensors
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if missing or extra:
+        problems.append(f"tensors differ (missing {_few(missing)}, unexpected {_few(extra)})")
+    for name in sorted(set(expected) & set(got)):
+        want, enc, at = expected[name], got[name], _label(name)
+        if tuple(enc.shape) != tuple(want.shape):
+            problems.append(f"{at}: declares shape {_shape(enc.shape)}, expected {tuple(want.shape)}")
+        if enc.dtype != want.dtype:
+            problems.append(f"{at}: declares dtype {enc.dtype}, expected {want.dtype}")
+        if not _same_info(enc.info, want.info):
+            problems.append(f"{at}: info is not {want.info}")
+        missing, extra = sorted(set(want.parts) - set(enc.parts)), sorted(set(enc.parts) - set(want.parts))
+        if missing or extra:
+            problems.append(f"{at}: parts differ (missing {_few(missing)}, unexpected {_few(extra)})")
+        for part in sorted(set(want.parts) & set(enc.parts)):
+            (dtype, shape), t, where = want.parts[part], enc.parts[part], f"{at}.{_label(part)}"
+            if t.layout != torch.strided or t.device.type != "cpu":
+                problems.append(f"{where}: expected a dense CPU tensor, got {t.layout} on {t.device}")
+            elif t.dtype != dtype:
+                problems.append(f"{where}: expected dtype {dtype}, got {t.dtype}")
+            elif tuple(t.shape) != tuple(shape):
+                problems.append(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                # caught here, not only after decoding: cast to an integer state tensor a NaN would pass as a number
+                problems.append(f"{where}: {int((~torch.isfinite(t)).sum())} non-finite values")
+    return problems
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _same_info(got: dict, want: dict) -> bool:
+    """Equal keys and values of the same type (``True`` is not ``1``, ``1.0`` is not ``1``)."""
+    return set(got) == set(want) and all(type(got[k]) is type(want[k]) and got[k] == want[k] for k in want)
+
+
+def _label(name: str) -> str:
+    return name if len(name) <= 80 else name[:77] + "..."
+
+
+def _shape(shape: tuple | list) -> str:
+    text = str(tuple(shape))
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _few(names: list[str]) -> list[str]:
+    return [_label(n) for n in names[:5]] + (["..."] if len(names) > 5 else [])
+
+
 class Codec:
     """Base class: identity behaviour per tensor is left to subclasses; see the module docstring."""
 
@@ -54,6 +183,28 @@ class Codec:
 
     def decode(self, payload: Payload, reference: dict[str, torch.Tensor], client: int) -> dict[str, torch.Tensor]:
         return {name: self.decode_tensor(enc) for name, enc in payload.tensors.items()}
+
+    def layout(self, reference: dict[str, torch.Tensor]) -> dict[str, Layout] | None:
+        """The structure :meth:`encode` produces for a state laid out like ``reference`` (``None``: not stated).
+
+        Every codec here states it; a codec of your own should too, so the server can refuse a malformed
+        upload before decoding it. Without it :meth:`check_payload` checks only the containers, and a payload
+        that the codec then fails to decode is still rejected (:class:`PayloadDecodeError`).
+        """
+        return None
+
+    def check_payload(self, payload: Payload, reference: dict[str, torch.Tensor]) -> list[str]:
+        """Problems with ``payload``'s structure, found before it is decoded (empty: decode may trust it).
+
+        The base checks the containers (:func:`check_containers`) and compares the payload with
+        :meth:`layout`; a codec whose payloads must satisfy more (top-k's positions) adds its own checks.
+        Never raises for any ``payload``: a malformed one is described, not executed.
+        """
+        problems = check_containers(payload)
+        if problems:
+            return problems
+        expected = self.layout(reference)
+        return check_layout_of(payload, expected) if expected is not None else []
 
     def encode_tensor(self, tensor: torch.Tensor) -> Encoded:
         raise NotImplementedError
@@ -82,3 +233,20 @@ class FP32(Codec):
 
     def decode_tensor(self, encoded: Encoded) -> torch.Tensor:
         return encoded.parts["values"].reshape(encoded.shape).to(encoded.dtype)
+
+    def layout(self, reference: dict[str, torch.Tensor]) -> dict[str, Layout]:
+        """Per state tensor: its shape and dtype, and its values flattened as float32."""
+        return per_tensor_layout(reference, lambda t: ({"values": (torch.float32, (t.numel(),))}, {}))
+
+
+def per_tensor_layout(
+    reference: dict[str, torch.Tensor],
+    parts_and_info: Callable[[torch.Tensor], tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, Any]]],
+) -> dict[str, Layout]:
+    """The layout of a per-tensor codec (the base :meth:`Codec.encode`): one entry per state tensor, declaring
+    its shape and dtype, with the parts and info ``parts_and_info`` gives for that tensor."""
+    layout = {}
+    for name, t in reference.items():
+        parts, info = parts_and_info(t)
+        layout[name] = Layout(tuple(t.shape), t.dtype, parts, info)
+    return layout

@@ -7,7 +7,8 @@ adds the decompressed update back to the reference. Residuals are per client and
 :meth:`UpdateCompressor.state_dict`, so they are saved in every round checkpoint.
 
 Subclasses implement :meth:`UpdateCompressor.compress` (update -> payload and the approximation the
-server will reconstruct) and :meth:`UpdateCompressor.decompress`.
+server will reconstruct) and :meth:`UpdateCompressor.decompress`, and state their payload's structure with
+:meth:`~lightning_fl.compress.base.Codec.layout` so the server refuses a malformed upload before decompressing it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_fl.compress.base import Encoded, Payload
+from lightning_fl.compress.base import Encoded, Layout, Payload
 from lightning_fl.compress.error_feedback import State, UpdateCompressor
 from lightning_fl.errors import ConfigError
 from lightning_fl.seeding import derive_seed
@@ -86,6 +86,19 @@ class PowerSGD(UpdateCompressor):
                     raise ValueError(f"{name}: factors {tuple(p.shape)} and {tuple(q.shape)} do not make {enc.shape}")
                 out[name] = (p @ q.T).to(torch.float32).view(enc.shape)
         return out
+
+    def layout(self, reference: State) -> dict[str, Layout]:
+        """Per state tensor, declaring its shape as float32: factors ``p`` ``(n, r)`` and ``q`` ``(m, r)``
+        where :meth:`compressible` gives a rank, else its ``values`` flattened."""
+        layout = {}
+        for name, t in reference.items():
+            shape, r = tuple(t.shape), self.compressible(tuple(t.shape))
+            if r == 0:
+                parts = {"values": (torch.float32, (t.numel(),))}
+            else:
+                parts = {"p": (torch.float32, (shape[0], r)), "q": (torch.float32, (t.numel() // shape[0], r))}
+            layout[name] = Layout(shape, torch.float32, parts)
+        return layout
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "queries": {str(c): dict(q) for c, q in self.queries.items()}}

@@ -10,9 +10,11 @@ int4 is 648 bytes (the FLITE paper, arXiv 2607.18343, section 5.9).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from lightning_fl.compress.base import Codec, Encoded
+from lightning_fl.compress.base import Codec, Encoded, Layout, per_tensor_layout
 from lightning_fl.errors import ConfigError
 
 SUPPORTED_BITS = (2, 4, 8, 16)
@@ -72,6 +74,16 @@ class Quantize(Codec):
         scale, zero = encoded.parts["params"].to(torch.float64)
         q = unpack_bits(encoded.parts["packed"], self.bits, encoded.info["numel"])
         return (q.to(torch.float64) * scale + zero).to(encoded.dtype).reshape(encoded.shape)
+
+    def layout(self, reference: dict[str, torch.Tensor]) -> dict[str, Layout]:
+        """Per state tensor: its shape and dtype, ``ceil(n b / 8)`` packed bytes and two float32 parameters."""
+
+        def parts_and_info(t: torch.Tensor):
+            n = t.numel()
+            parts = {"packed": (torch.uint8, (math.ceil(n * self.bits / 8),)), "params": (torch.float32, (2,))}
+            return parts, {"bits": self.bits, "numel": n}
+
+        return per_tensor_layout(reference, parts_and_info)
 
     def __repr__(self) -> str:
         return f"Quantize(bits={self.bits})"

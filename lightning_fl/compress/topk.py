@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from lightning_fl.compress.base import Encoded, Payload
+from lightning_fl.compress.base import Encoded, Layout, Payload
 from lightning_fl.compress.error_feedback import State, UpdateCompressor
 from lightning_fl.errors import ConfigError
 
@@ -43,8 +43,12 @@ class TopK(UpdateCompressor):
         """Positions of the ``k`` entries of largest magnitude, ascending."""
         return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
 
+    def kept(self, numel: int) -> int:
+        """How many of ``numel`` entries are sent."""
+        return max(1, math.ceil(self.density * numel))
+
     def _sparsify(self, flat: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
-        k = max(1, math.ceil(self.density * flat.numel()))
+        k = self.kept(flat.numel())
         idx = self.select(flat, k)
         values = flat[idx]
         approx = torch.zeros_like(flat)
@@ -83,6 +87,32 @@ class TopK(UpdateCompressor):
             out[n] = flat[offset : offset + reference[n].numel()].view(reference[n].shape)
             offset += reference[n].numel()
         return out
+
+    def layout(self, reference: State) -> dict[str, Layout]:
+        """One flat float32 entry (``update``, or one per state tensor with ``scope: tensor``) of ``numel``
+        values, carrying ``k`` float32 values and their ``k`` int32 positions."""
+
+        def flat(numel: int) -> Layout:
+            k = self.kept(numel)
+            return Layout((numel,), torch.float32, {"values": (torch.float32, (k,)), "indices": (torch.int32, (k,))})
+
+        if self.scope == "tensor":
+            return {n: flat(t.numel()) for n, t in reference.items()}
+        return {"update": flat(sum(t.numel() for t in reference.values()))}
+
+    def check_payload(self, payload: Payload, reference: State) -> list[str]:
+        """The layout, and positions as :meth:`select` makes them: ascending, distinct and inside the tensor
+        (a negative one would silently index from the end)."""
+        problems = super().check_payload(payload, reference)
+        if problems:
+            return problems
+        for name, enc in sorted(payload.tensors.items()):
+            idx = enc.parts["indices"].to(torch.int64)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= enc.shape[0]):
+                problems.append(f"{name}: positions must lie in [0, {enc.shape[0]})")
+            elif bool((idx[1:] <= idx[:-1]).any()):
+                problems.append(f"{name}: positions must be strictly ascending")
+        return problems
 
     def __repr__(self) -> str:
         return f"TopK(density={self.density}, scope={self.scope!r}, error_feedback={self.error_feedback})"

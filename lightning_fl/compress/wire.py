@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from lightning_fl.compress.base import Encoded, Payload
+from lightning_fl.compress.base import Encoded, Payload, PayloadError
 
 MAGIC = b"LFLP"
 VERSION = 1
@@ -46,7 +46,7 @@ MAX_NDIM = 8
 MAX_NAME = 256
 
 
-class PayloadFormatError(ValueError):
+class PayloadFormatError(PayloadError):
     """Bytes that are not a well-formed payload."""
 
 

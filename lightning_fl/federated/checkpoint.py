@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lightning_fl import runs
 from lightning_fl.checkpoint import atomic_save, read_checkpoint
 from lightning_fl.errors import CheckpointError
 
@@ -29,7 +30,10 @@ def save_round(state: dict[str, Any], folder: Path, completed: int, every: int) 
 
 
 def find_resume(ckpt_path: str | None, resume: bool | str, root: Path, version: int | str | None) -> Path | None:
-    """The checkpoint to resume from: ``ckpt_path``, else with ``resume`` the newest ``last.ckpt`` under ``root``."""
+    """The checkpoint to resume from: ``ckpt_path``, else with ``resume`` the newest ``last.ckpt`` under ``root``.
+
+    Runs that a live process is writing (their folder is locked, :mod:`lightning_fl.runs`) are never resumed.
+    """
     if ckpt_path is not None:
         return Path(ckpt_path).expanduser()
     if resume not in ("auto", True):
@@ -40,9 +44,17 @@ def find_resume(ckpt_path: str | None, resume: bool | str, root: Path, version: 
     else:
         candidates = list(root.glob("*/checkpoints/last.ckpt"))
     candidates = [c for c in candidates if c.is_file()]
-    if candidates:
-        return max(candidates, key=lambda p: p.stat().st_mtime)
+    busy = {c: runs.holder(c.parent.parent) for c in candidates}
+    free = [c for c in candidates if busy[c] is None]
+    if free:
+        return max(free, key=lambda p: p.stat().st_mtime)
     if resume is True:
+        if candidates:
+            writers = "; ".join(f"{c.parent.parent} by {busy[c]}" for c in candidates)
+            raise CheckpointError(
+                f"trainer.resume is true but every run with a checkpoint under {root} is being written ({writers}); "
+                "wait for it to finish"
+            )
         raise CheckpointError(f"trainer.resume is true but no checkpoint was found under {root}")
     return None
 

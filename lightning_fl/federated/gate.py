@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from lightning_fl.compress.base import Payload
+from lightning_fl.compress.base import Codec, Encoded, Payload, PayloadDecodeError, check_containers
 from lightning_fl.errors import UserError
 from lightning_fl.federated.state import State
 
@@ -49,18 +49,77 @@ def check_upload(decoded: State, reference: State, payload: Payload) -> list[str
 
 
 def check_layout(payload: Payload, reference: State) -> list[str]:
-    """Problems with a payload's declared sizes, found before the codec decodes it.
+    """Problems with a payload's containers and declared sizes, found before any codec looks at it.
 
-    A payload that crossed a network says what shape each tensor has; no tensor may declare more values
-    than the whole reference state holds, so a hostile header cannot make the decoder allocate without bound.
+    The payload must be made of the right containers (:func:`~lightning_fl.compress.base.check_containers`:
+    tensors in every part slot, int shapes, ...). A payload that crossed a network says what shape each tensor
+    has; no tensor may declare more values than the whole reference state holds, so a hostile header cannot
+    make the decoder allocate without bound.
     """
+    problems = check_containers(payload)
+    if problems:
+        return problems
     total = sum(t.numel() for t in reference.values())
-    problems = []
     for name, enc in payload.tensors.items():
         numel = math.prod(enc.shape)
         if numel > total:
             problems.append(f"{name}: declares {numel} values; the whole state has {total}")
     return problems
+
+
+def screen_upload(
+    payload: Payload | None, codec: Codec, reference: State, client: int
+) -> tuple[State | None, list[str]]:
+    """What the server does with one client's payload: the decoded upload, or ``None`` and why it was refused.
+
+    In order: :func:`check_layout`, the size cap of :func:`check_upload`, the codec's own structure check
+    (:meth:`~lightning_fl.compress.base.Codec.check_payload`), decoding (:func:`decode_upload`) and
+    :func:`check_upload`. Never raises for a malformed payload, and changes neither ``reference`` nor the
+    codec's state: a refused upload leaves no trace.
+    """
+    if payload is None:
+        return None, ["no payload"]
+    problems = check_layout(payload, reference)
+    if problems:
+        return None, problems
+    cap = sum(t.numel() * 4 + 64 for t in reference.values())
+    if payload.nbytes > cap:
+        problems.append(f"payload is {payload.nbytes} bytes, more than the {cap} of sending the state in float32")
+    try:
+        problems += codec.check_payload(payload, reference)
+    except Exception as err:  # a codec's own check must not take the server down either
+        problems.append(f"structure could not be checked ({type(err).__name__}: {err})")
+    if problems:
+        return None, problems
+    try:
+        decoded = decode_upload(payload, codec, reference, client)
+    except PayloadDecodeError as err:
+        return None, [str(err)]
+    problems = check_upload(decoded, reference, payload)
+    return (None, problems) if problems else (decoded, [])
+
+
+def decode_upload(payload: Payload, codec: Codec, reference: State, client: int) -> State:
+    """``codec.decode``, with any failure (or a result that is not a dict of named tensors) raised as
+    :class:`~lightning_fl.compress.base.PayloadDecodeError`."""
+    try:
+        decoded = codec.decode(payload, reference, client)
+    except Exception as err:  # a malformed payload must not take the server down
+        raise PayloadDecodeError(f"could not be decoded ({type(err).__name__}: {err})") from err
+    if not isinstance(decoded, dict) or not all(isinstance(n, str) for n in decoded):
+        raise PayloadDecodeError(f"could not be decoded (the codec returned a {type(decoded).__name__})")
+    return decoded
+
+
+def upload_nbytes(payload: object) -> int:
+    """The payload's bytes for the ledger (:attr:`Payload.nbytes`), counting only its tensors if it is malformed."""
+    if not isinstance(payload, Payload) or not isinstance(payload.tensors, dict):
+        return 0
+    total = 0
+    for enc in payload.tensors.values():
+        if isinstance(enc, Encoded) and isinstance(enc.parts, dict):
+            total += sum(t.numel() * t.element_size() for t in enc.parts.values() if isinstance(t, torch.Tensor))
+    return total
 
 
 def non_finite_rows(flats: torch.Tensor) -> list[int]:

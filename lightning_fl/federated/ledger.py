@@ -8,6 +8,10 @@ import torch
 class ByteLedger:
     """Cumulative bytes per client and direction, plus the current round's traffic.
 
+    Uploads count under ``up`` only when they were aggregated; an upload the gate refused counts under
+    ``rejected`` (``comm/rejected_bytes`` this round, ``comm/cum_rejected_bytes`` in all), so ``comm/cum_*``
+    says what the model was built from.
+
     The paper reports cumulative bytes per client counting both directions (FLITE, arXiv 2607.18343, section 4,
     "Communication accounting"); ``comm/cum_client_bytes`` is that number averaged over clients. It counts the
     codec's payloads, whatever carries them. A network transport (Flower) also reports the size of the messages
@@ -20,12 +24,14 @@ class ByteLedger:
         self.down = torch.zeros(num_clients, dtype=torch.int64)
         self.msg_up = torch.zeros(num_clients, dtype=torch.int64)
         self.msg_down = torch.zeros(num_clients, dtype=torch.int64)
+        self.rejected = torch.zeros(num_clients, dtype=torch.int64)  # uploads the gate refused
         self._round_up: dict[int, int] = {}
         self._round_down: dict[int, int] = {}
+        self._round_rejected: dict[int, int] = {}
         self._round_msg: dict[str, dict[int, int]] = {"up": {}, "down": {}}
 
     def start_round(self) -> None:
-        self._round_up, self._round_down = {}, {}
+        self._round_up, self._round_down, self._round_rejected = {}, {}, {}
         self._round_msg = {"up": {}, "down": {}}
 
     def record_message(self, client: int, direction: str, nbytes: int) -> None:
@@ -39,11 +45,17 @@ class ByteLedger:
         this_round[client] = this_round.get(client, 0) + nbytes
 
     def record(self, client: int, direction: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``client``'s traffic: ``up`` (aggregated upload), ``down`` or ``rejected`` (upload)."""
         if nbytes < 0:
             raise ValueError(f"Expected a non-negative byte count, got {nbytes}")
-        if direction not in ("up", "down"):
-            raise ValueError(f"Expected direction 'up' or 'down', got {direction!r}")
-        table, this_round = (self.up, self._round_up) if direction == "up" else (self.down, self._round_down)
+        tables = {
+            "up": (self.up, self._round_up),
+            "down": (self.down, self._round_down),
+            "rejected": (self.rejected, self._round_rejected),
+        }
+        if direction not in tables:
+            raise ValueError(f"Expected direction 'up', 'down' or 'rejected', got {direction!r}")
+        table, this_round = tables[direction]
         table[client] += nbytes
         this_round[client] = this_round.get(client, 0) + nbytes
 
@@ -70,10 +82,12 @@ class ByteLedger:
             "comm/cum_client_bytes": float(total.double().mean()),
             "comm/cum_client_bytes_max": float(total.max()),
             "comm/cum_total_bytes": float(total.sum()),
+            "comm/rejected_bytes": float(sum(self._round_rejected.values())),
+            "comm/cum_rejected_bytes": float(self.rejected.sum()),
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {"up": self.up.clone(), "down": self.down.clone()}
+        state = {"up": self.up.clone(), "down": self.down.clone(), "rejected": self.rejected.clone()}
         if bool(self.msg_up.any() or self.msg_down.any()):
             state.update(msg_up=self.msg_up.clone(), msg_down=self.msg_down.clone())
         return state
@@ -84,3 +98,4 @@ class ByteLedger:
         self.up, self.down = state["up"].clone(), state["down"].clone()
         zeros = torch.zeros_like(self.up)
         self.msg_up, self.msg_down = state.get("msg_up", zeros).clone(), state.get("msg_down", zeros).clone()
+        self.rejected = state.get("rejected", zeros).clone()  # older checkpoints counted rejected uploads as up

@@ -20,8 +20,10 @@ state does not depend on how clients are placed, and a resumed run equals an uni
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +45,7 @@ from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
 from lightning_fl.federated.transport import InProcess, Transport
+from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, write_config
 
 
@@ -60,6 +63,12 @@ class FederatedTrainer(TrainerLike):
         codec: Upload codec (``FP32``, ``Quantize``, or a compressor); downloads are always float32.
         upload_policy: What the gate does with a malformed or non-finite upload (or a client whose training
             diverges): ``drop`` it from the round (logged) or ``raise`` an error naming client and round.
+        max_update_norm: The gate refuses an upload whose change to the global state (L2 norm over the whole
+            federated state) exceeds this; ``null``: no absolute bound. The aggregate's step obeys it too.
+        max_update_norm_ratio: The gate refuses an upload whose update norm is more than this many times the
+            round's median update norm (a scaled or runaway upload); ``null``: off. With a linear strategy
+            (FedAvg) the aggregate's step obeys it too. A refused upload follows ``upload_policy``; a refused
+            aggregate keeps the global state and names the client with the largest update.
         dropout: Probability that a sampled client is unavailable in a round (seeded per client and round):
             its download is counted, its upload never arrives.
         attack: Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``,
@@ -99,6 +108,8 @@ class FederatedTrainer(TrainerLike):
         strategy: Strategy = lazy_instance(FedAvg),
         codec: Codec = lazy_instance(FP32),
         upload_policy: Literal["drop", "raise"] = "drop",
+        max_update_norm: float | None = None,
+        max_update_norm_ratio: float | None = 100.0,
         dropout: float = 0.0,
         attack: Attack | None = None,
         seed: int | None = None,
@@ -130,6 +141,12 @@ class FederatedTrainer(TrainerLike):
              f"trainer.upload_policy must be 'drop' or 'raise', got {upload_policy!r}"),
             (0 <= dropout < 1, f"trainer.dropout must be in [0, 1), got {dropout}"),
             (num_nodes >= 1, f"trainer.num_nodes must be >= 1, got {num_nodes}"),
+            ((d := str(devices).replace(" ", "")) in ("auto", "-1") or (d.isdigit() and int(d) >= 1)
+             or ("," in d and d.strip(",") != "" and all(i.isdigit() for i in d.split(",") if i)),
+             f"trainer.devices must be a number of processes >= 1, -1 (all GPUs), 'auto' or GPU indices such as "
+             f"'0,1', got {devices!r}"),
+            (accelerator != "cpu" or not (d == "-1" or ("," in d and d.replace(",", "").isdigit())),
+             f"trainer.devices {devices!r} selects GPUs but trainer.accelerator is cpu: give a number of processes"),
             (num_nodes == 1 or str(devices) not in ("auto", "-1"),
              f"trainer.devices must be a number of processes per node when trainer.num_nodes > 1 (every node must "
              f"start the same number), got {devices!r}"),
@@ -139,11 +156,15 @@ class FederatedTrainer(TrainerLike):
             (isinstance(strategy, Strategy), f"trainer.strategy must be a Strategy, got {type(strategy).__name__}"),
         ]  # fmt: skip
         problems = [message for ok, message in checks if not ok]
+        for key, value in (("max_update_norm", max_update_norm), ("max_update_norm_ratio", max_update_norm_ratio)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                problems.append(f"trainer.{key} must be a positive number or null, got {value}")
         if problems:
             raise ConfigError("; ".join(problems))
         self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
         self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val)
         self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
+        self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
         self.dropout, self.attack, self.seed = dropout, attack, seed
         self.fabric_args = {"accelerator": accelerator, "devices": devices, "strategy": fabric_strategy}
         self.fabric_args["num_nodes"] = num_nodes
@@ -156,6 +177,7 @@ class FederatedTrainer(TrainerLike):
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
         self.log_dir: Path | None = None
+        self._run_lock: RunLock | None = None
         self.history: list[dict[str, float]] = []
         self.callback_metrics: dict[str, float] = {}
         self.global_state: dict[str, torch.Tensor] = {}
@@ -170,15 +192,17 @@ class FederatedTrainer(TrainerLike):
         self.config_yaml = config_yaml
 
     def fit(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None) -> None:
-        root = Path(self.default_root_dir) / self.name
-        ckpt = round_ckpt.find_resume(ckpt_path, self.resume, root, self.version)
         known = isinstance(getattr(datamodule, "num_clients", None), int)  # else it is known after setup
         if known:
             self._check_plan(datamodule.num_clients)  # before any work
-        fabric = self._launch(run_dir=ckpt.parent.parent if ckpt is not None else None)
-        # rank 0 decides whether and where to resume (nodes without a shared disk may see no checkpoint)
-        found = fabric.broadcast(str(ckpt) if ckpt is not None else None)
-        ckpt = Path(found) if found is not None else None
+        root = Path(self.default_root_dir) / self.name
+        ckpt = self._launch(lambda: round_ckpt.find_resume(ckpt_path, self.resume, root, self.version))
+        try:
+            self._fit(self.fabric, model, datamodule, ckpt, known)
+        finally:
+            self._release()
+
+    def _fit(self, fabric: L.Fabric, model: L.LightningModule, datamodule: Any, ckpt: Path | None, known: bool) -> None:
         model, hooks = self._prepare(model, datamodule, stage="fit")
         if not known:
             self._check_plan(datamodule.num_clients)
@@ -191,6 +215,7 @@ class FederatedTrainer(TrainerLike):
         runner = RoundRunner(
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
             identity, progress=self.enable_progress_bar, transport=self.transport,
+            max_update_norm=self.max_update_norm, max_update_norm_ratio=self.max_update_norm_ratio,
         )  # fmt: skip
         self.transport.open(num_clients=datamodule.num_clients, fingerprint=fingerprint, seed=seed)
         count = self._clients_per_round(datamodule.num_clients)
@@ -218,6 +243,7 @@ class FederatedTrainer(TrainerLike):
             metrics["time/round_s"] = time.perf_counter() - t0
             metrics["time/elapsed_s"] = time.perf_counter() - started
             self._log(metrics, step=r + 1)
+            self._log_dropped(runner.dropped, step=r + 1)
             self.history.append({"round": r + 1, **metrics})
             self.callback_metrics = metrics
             self._save_checkpoint(r + 1, seed, fingerprint, datamodule.num_clients)
@@ -237,10 +263,20 @@ class FederatedTrainer(TrainerLike):
         return self._evaluate_only(model, datamodule, ckpt_path, "test")
 
     # ============================================================================ set-up
-    def _launch(self, run_dir: Path | None = None) -> L.Fabric:
+    def _launch(self, find_checkpoint: Callable[[], Path | None] = lambda: None) -> Path | None:
+        """Start Fabric and claim the run folder (rank 0 decides); the checkpoint to resume, if any."""
         root, name, version = self.default_root_dir, self.name, self.version
-        self.fabric, self.log_dir = setup.launch(self.fabric_args, self.use_logger, root, name, version, run_dir)
-        return self.fabric
+        restart = self.resume in (True, "auto")  # a named run that died before its first checkpoint starts over
+        self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(
+            self.fabric_args, self.use_logger, root, name, version, find_checkpoint, restart
+        )
+        return ckpt
+
+    def _release(self) -> None:
+        """Let go of the run folder (other processes may resume it from now on)."""
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
 
     def _run_seed(self) -> int:
         return int(self.seed) if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -267,6 +303,12 @@ class FederatedTrainer(TrainerLike):
 
     def _evaluate_only(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
         self._launch()
+        try:
+            return self._evaluate_in_folder(model, datamodule, ckpt_path, stage)
+        finally:
+            self._release()
+
+    def _evaluate_in_folder(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
         model, _ = self._prepare(model, datamodule, stage="validate" if stage == "val" else "test")
         if ckpt_path is not None:
             ckpt = read_checkpoint(ckpt_path)
@@ -293,6 +335,11 @@ class FederatedTrainer(TrainerLike):
         experiment = self.fabric.logger.experiment
         for tag, text in hooks.text_samples().items():
             experiment.add_text(tag, text, step)
+
+    def _log_dropped(self, dropped: list[int], step: int) -> None:
+        """The ids of the clients the gate left out of round ``step`` (TensorBoard Text, ``fed/dropped_clients``)."""
+        if dropped and self.fabric.loggers and self.fabric.is_global_zero:
+            self.fabric.logger.experiment.add_text("fed/dropped_clients", ", ".join(map(str, dropped)), step)
 
     def _finish(self) -> None:
         self.fabric.barrier()

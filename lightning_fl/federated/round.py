@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.federated.attacks import Attack
 from lightning_fl.federated.client import LocalTraining
-from lightning_fl.federated.gate import UploadRejectedError, check_layout, check_upload, non_finite_rows
+from lightning_fl.federated.gate import UploadRejectedError, non_finite_rows, screen_upload, upload_nbytes
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.state import State, flatten, unflatten
 from lightning_fl.federated.strategies import Strategy
@@ -49,11 +49,16 @@ class RoundRunner:
         identity: Callable[[list[State]], float] | None = None,
         progress: bool = False,
         transport: Transport | None = None,
+        max_update_norm: float | None = None,
+        max_update_norm_ratio: float | None = None,
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
         self.upload_policy, self.dropout, self.attack = upload_policy, dropout, attack
         self.identity, self.progress = identity, progress
         self.transport = transport if transport is not None else InProcess()
+        self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
+        #: Clients that answered the last round but were left out of its aggregate (rejected by the gate).
+        self.dropped: list[int] = []
 
     def unavailable(self, seed: int, r: int, client: int) -> bool:
         """Whether ``client`` drops out of round ``r`` (seeded per client and round)."""
@@ -80,17 +85,6 @@ class RoundRunner:
             model, datamodule, state, names, available, r, seed
         )
         order = sorted((i for i in range(len(ids)) if ids[i] >= 0), key=lambda i: int(ids[i]))
-        down = FP32().encode(state, state, -1).nbytes
-        self.ledger.start_round()
-        for i in order:
-            self.ledger.record(int(ids[i]), "down", down)
-            if status[i] != LOST:
-                self.ledger.record(int(ids[i]), "up", int(up[i]))
-            for direction, sizes in (("up", msg_up), ("down", msg_down)):
-                if sizes[i] >= 0:
-                    self.ledger.record_message(int(ids[i]), direction, int(sizes[i]))
-        for c in away:
-            self.ledger.record(c, "down", down)
         lost = [int(ids[i]) for i in order if status[i] == LOST]
         if lost:
             warnings.warn(f"round {r + 1}: no reply from client(s) {lost}; they miss this round", stacklevel=2)
@@ -102,7 +96,6 @@ class RoundRunner:
             "fed/unavailable_clients": len(away),
             "fed/lost_clients": len(lost),
         }
-        metrics.update(mean_over_clients([logged[int(ids[i])] for i in answered]))
         clients, uploads, num_samples = [int(ids[i]) for i in keep], flats[keep], weights[keep]
         current = flatten(state, names)
         if self.attack is not None:
@@ -113,11 +106,64 @@ class RoundRunner:
                 self.reject(r, clients[i], ["non-finite values"])
             good = [i for i in range(len(clients)) if i not in bad]
             clients, uploads, num_samples = [clients[i] for i in good], uploads[good], num_samples[good]
-        metrics["fed/dropped_clients"] = len(answered) - len(clients)
-        state, aggregated = self._aggregate(r, state, names, current, uploads, num_samples, clients)
+        norms = update_norms(uploads, current)
+        good = self._norm_gate(r, clients, norms)
+        clients, uploads, num_samples, norms = [clients[i] for i in good], uploads[good], num_samples[good], norms[good]
+        aggregated_ids = set(clients)
+        self.dropped = [int(ids[i]) for i in answered if int(ids[i]) not in aggregated_ids]
+        metrics["fed/dropped_clients"] = len(self.dropped)
+        # what the round aggregated: the metrics and the ledger's upload bytes leave dropped clients out
+        metrics.update(mean_over_clients([logged[int(ids[i])] for i in answered if int(ids[i]) in aggregated_ids]))
+        self._record_bytes(state, ids, order, status, up, msg_up, msg_down, away, aggregated_ids)
+        state, aggregated = self._aggregate(r, state, names, current, uploads, num_samples, clients, norms)
         metrics.update(aggregated)
         metrics.update(self.ledger.metrics())
         return state, {k: float(v) for k, v in metrics.items()}
+
+    def _norm_gate(self, r: int, clients: list[int], norms: torch.Tensor) -> list[int]:
+        """Indices of the uploads whose update norm passes ``max_update_norm`` and ``max_update_norm_ratio``."""
+        limits = self.norm_limits(norms)
+        good = []
+        for i, client in enumerate(clients):
+            problems = [f"update norm {float(norms[i]):.4g} {why}" for limit, why in limits if float(norms[i]) > limit]
+            if problems:
+                self.reject(r, client, problems)
+            else:
+                good.append(i)
+        return good
+
+    def norm_limits(self, norms: torch.Tensor, relative: bool = True) -> list[tuple[float, str]]:
+        """The update-norm bounds of a round whose uploads have ``norms``, each with the reason it names.
+
+        ``relative``: include ``max_update_norm_ratio`` times the round's median (skipped when the median is 0).
+        """
+        limits = []
+        if self.max_update_norm is not None:
+            limits.append((self.max_update_norm, f"exceeds trainer.max_update_norm={self.max_update_norm:g}"))
+        if relative and self.max_update_norm_ratio is not None and len(norms):
+            median = float(norms.median())  # the lower median: an honest majority keeps it honest
+            if median > 0:
+                limits.append((
+                    self.max_update_norm_ratio * median,
+                    f"is more than trainer.max_update_norm_ratio={self.max_update_norm_ratio:g} times the round's "
+                    f"median update norm {median:.4g}",
+                ))  # fmt: skip
+        return limits
+
+    def _record_bytes(self, state, ids, order, status, up, msg_up, msg_down, away, aggregated) -> None:
+        """Count the round's traffic: downloads to every sampled client, uploads aggregated or rejected."""
+        down = FP32().encode(state, state, -1).nbytes
+        self.ledger.start_round()
+        for i in order:
+            client = int(ids[i])
+            self.ledger.record(client, "down", down)
+            if status[i] != LOST:
+                self.ledger.record(client, "up" if client in aggregated else "rejected", int(up[i]))
+            for direction, sizes in (("up", msg_up), ("down", msg_down)):
+                if sizes[i] >= 0:
+                    self.ledger.record_message(client, direction, int(sizes[i]))
+        for c in away:
+            self.ledger.record(c, "down", down)
 
     def _train_mine(self, model, datamodule, state: State, names: list[str], available: list[int], r: int, seed: int):
         """Have this process's share of ``available`` trained (by the transport); gather what the round needs.
@@ -152,20 +198,12 @@ class RoundRunner:
                 if reply.lost:
                     status[slot] = LOST
                     continue
-                up[slot] = reply.payload.nbytes if reply.payload is not None else 0
-                problems = [reply.failure] if reply.failure else []
-                if not problems and reply.payload is None:
-                    problems = ["no payload"]
-                if not problems:
-                    problems = check_layout(reply.payload, state)
-                if not problems:
-                    try:
-                        decoded = self.codec.decode(reply.payload, state, cid)
-                    except Exception as err:  # a malformed payload must not take the server down
-                        problems = [f"could not be decoded ({type(err).__name__}: {err})"]
-                    else:
-                        problems = check_upload(decoded, state, reply.payload)
-                if problems:
+                up[slot] = upload_nbytes(reply.payload)
+                if reply.failure:
+                    decoded, problems = None, [reply.failure]
+                else:
+                    decoded, problems = screen_upload(reply.payload, self.codec, state, cid)
+                if problems or decoded is None:
                     self.reject(r, cid, problems)
                     continue
                 status[slot] = ACCEPTED
@@ -173,20 +211,38 @@ class RoundRunner:
         gathered = (self._gather(t) for t in (ids, status, weights, flats, up, msg_up, msg_down))
         return (*gathered, self._gather_logged(logged))
 
-    def _aggregate(self, r, state, names, current, uploads, num_samples, clients) -> tuple[State, dict[str, float]]:
-        """Apply the strategy; keep ``state`` when the round cannot be aggregated or its result is unusable."""
+    def _aggregate(
+        self, r, state, names, current, uploads, num_samples, clients, norms
+    ) -> tuple[State, dict[str, float]]:
+        """Apply the strategy; keep ``state`` when the round cannot be aggregated or its result is unusable.
+
+        The aggregate passes the gate's checks before it becomes the global state: finite values, and a step
+        within ``max_update_norm`` (and, for linear strategies, ``max_update_norm_ratio`` times the median).
+        """
         problem = self.strategy.problem(len(clients))
         metrics: dict[str, float] = {}
         if problem is None:
             new_flat, extra = self.strategy.aggregate(r, current, uploads, num_samples, clients)
-            new_state = unflatten(new_flat, state, names)
-            if all(torch.isfinite(t).all() for t in new_state.values()):
+            step = float((new_flat.double() - current.double()).norm())
+            # a server optimiser's step is not bounded by the clients' updates: only the absolute bound applies
+            limits = self.norm_limits(norms, relative=self.strategy.linear)
+            name = self.strategy.name
+            if not bool(torch.isfinite(new_flat).all()):
+                problem = f"aggregate refused: {name} produced non-finite values"
+            elif too_far := [why for limit, why in limits if step > limit]:
+                problem = f"aggregate refused: {name}'s step has norm {step:.4g}, which " + "; ".join(too_far)
+            else:
+                new_state = unflatten(new_flat, state, names)
                 if self.identity is not None and self.fabric.is_global_zero:
                     metrics["fed/identity_error"] = self.identity([unflatten(u, state, names) for u in uploads])
                 metrics.update({f"strategy/{k}": float(v) for k, v in extra.items()})
                 state = {n: t.to(state[n].device) for n, t in new_state.items()}
-            else:
-                problem = f"{self.strategy.name} produced a non-finite aggregate"
+            if problem is not None and len(clients):
+                top = int(norms.argmax())
+                problem += (
+                    f"; the largest update came from client {clients[top]} (norm {float(norms[top]):.4g}, the "
+                    f"round's median {float(norms.median()):.4g})"
+                )
         if problem is not None:
             warnings.warn(f"round {r + 1}: {problem}; the global state is unchanged", stacklevel=3)
         metrics["fed/round_skipped"] = float(problem is not None)
@@ -206,6 +262,11 @@ class RoundRunner:
             return t
         gathered = fabric.all_gather(fabric.to_device(t))
         return gathered.reshape(-1, *t.shape[1:]).cpu()
+
+
+def update_norms(uploads: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each upload's change to the global state (one upload per row), in float64."""
+    return (uploads.double() - current.double().unsqueeze(0)).norm(dim=1)
 
 
 def mean_over_clients(logged: list[dict[str, tuple[float, float]]]) -> dict[str, float]:

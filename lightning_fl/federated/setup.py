@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.fabric.loggers import TensorBoardLogger
 
+from lightning_fl import runs
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.module import ModuleHooks
+from lightning_fl.runs import RunLock
 
 FEDERATED_DATA = ("num_clients", "client_dataloader", "client_num_samples", "val_dataloader")
 
@@ -20,20 +23,46 @@ class FactorMismatchError(UserError):
 
 
 def launch(
-    fabric_args: dict[str, Any], logger: bool, root: str, name: str, version: int | str | None, resume_dir: Path | None
-) -> tuple[L.Fabric, Path]:
-    """Start Fabric's processes; return it and the run folder (``resume_dir`` keeps logging where a run left off)."""
+    fabric_args: dict[str, Any],
+    logger: bool,
+    root: str,
+    name: str,
+    version: int | str | None,
+    find_checkpoint: Callable[[], Path | None] = lambda: None,
+    restart_incomplete: bool = False,
+) -> tuple[L.Fabric, Path, RunLock | None, Path | None]:
+    """Start Fabric's processes and claim the run folder; return Fabric, the folder, its lock and the checkpoint.
+
+    Rank 0 decides for every process (nodes without a shared disk may see no checkpoint): it looks for the
+    checkpoint to resume (``find_checkpoint``) and claims the run folder (:func:`lightning_fl.runs.claim`: a new
+    ``version_N``, the folder named by ``version``, or the resumed run's folder, to keep logging where it left
+    off; ``restart_incomplete``: a named folder whose run saved no checkpoint may be started over). Only rank 0
+    holds the lock; the other processes get ``None``.
+    """
     check_node_environment(fabric_args.get("num_nodes", 1))
-    loggers = []
-    if logger:
-        if resume_dir is not None and version is None:
-            loggers.append(TensorBoardLogger(str(resume_dir.parent.parent), resume_dir.parent.name, resume_dir.name))
-        else:
-            loggers.append(TensorBoardLogger(root, name=name, version=version))
+    loggers: list = []  # filled once the folder is claimed: Fabric keeps this list
     fabric = L.Fabric(**fabric_args, loggers=loggers)
     fabric.launch()
-    mine = str(fabric.logger.log_dir) if logger else str(Path(root) / name)
-    return fabric, Path(fabric.broadcast(mine if fabric.is_global_zero else None))
+    lock, ckpt, error = None, None, None
+    if fabric.is_global_zero:
+        try:
+            ckpt = find_checkpoint()
+            resume_dir = run_folder_of(ckpt) if ckpt is not None else None
+            lock = runs.claim(Path(root) / name, version, resume_dir, restart_incomplete)
+        except UserError as err:
+            error = (type(err), str(err))
+    folder, ckpt, error = fabric.broadcast((str(lock.folder) if lock else None, str(ckpt) if ckpt else None, error))
+    if error is not None:
+        raise error[0](error[1])
+    folder = Path(folder)
+    if logger:
+        loggers.append(TensorBoardLogger(str(folder.parent.parent), name=folder.parent.name, version=folder.name))
+    return fabric, folder, lock, Path(ckpt) if ckpt is not None else None
+
+
+def run_folder_of(ckpt: Path) -> Path | None:
+    """The run folder a checkpoint belongs to (``<run>/checkpoints/<file>``), or ``None`` if it is elsewhere."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
 
 
 def prepare(
