@@ -8,7 +8,10 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS, REPO, run_cli
-from lightning_fl.cli import main
+from lightning_fl.cli import _build_error, main
+from lightning_fl.compress import FP32
+from lightning_fl.data import Digits
+from lightning_fl.errors import ConfigError
 
 DIGITS = str(CONFIGS / "pretrain_digits.yaml")
 QUIET = ["--trainer.enable_model_summary", "false"]
@@ -123,7 +126,7 @@ BAD_CASES = {
             "--model.backbone.norm_groups",
             "4",
         ],
-        ["CIFAR-10 was not found", "c10/cifar-10-batches-py (root given)", "--data.source.root DIR"],
+        ["CIFAR-10: the root given (c10) does not exist and download is off", "fix the path, or turn download on"],
     ),
     "mismatched classes": (["--model.num_classes", "7"], ["model.num_classes=7 but the data has 10 classes"]),
 }
@@ -149,6 +152,167 @@ def test_yaml_typos_are_named(in_tmp, capsys):
     assert "Did you mean 'model.weight_decay'?" in capsys.readouterr().err
     assert run_cli("fitt", "--config", DIGITS) == 2
     assert "unknown subcommand 'fitt'. Did you mean 'fit'?" in capsys.readouterr().err
+
+
+QUICKSTART = str(CONFIGS / "quickstart.yaml")  # a FederatedTrainer
+FMP = str(CONFIGS / "fmp_digits.yaml")  # lightning.Trainer, a model with an optional summariser class
+
+
+class StrictDigits(Digits):
+    """A data source that refuses a value without naming its key."""
+
+    def __init__(self, strictness: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if strictness:
+            raise ConfigError("strictness must be 0 for this source")
+
+
+class PickyCodec(FP32):
+    """A codec (built inside the trainer, a Union member) that refuses a value without naming its key."""
+
+    def __init__(self, level: int = 0) -> None:
+        super().__init__()
+        if level:
+            raise ConfigError(f"level {level} is not supported; drop it")
+
+
+# The config, the arguments, and what the one line must say: the dotted key, the problem and the fix.
+REAL_CAUSES = {
+    "unknown codec": (
+        QUICKSTART,
+        ["--trainer.codec", "Foo"],
+        ["error: fit: trainer.codec: unknown class 'Foo'. Accepted short names: FP32, PowerSGD, Quantize, TopK;"],
+    ),
+    "codec of another base": (
+        QUICKSTART,
+        ["--trainer.codec", "lightning_fl.data.Digits"],
+        ["trainer.codec: 'lightning_fl.data.Digits' is not a Codec subclass. Accepted short names: FP32"],
+    ),
+    "renamed key": (
+        QUICKSTART,
+        ["--trainer.aggregation", "median"],
+        ["error: fit: unknown key 'trainer.aggregation': it became trainer.strategy: FedAvg with weighted false"],
+    ),
+    "literal of the federated trainer": (
+        QUICKSTART,
+        ["--trainer.upload_policy", "ignore"],
+        ["error: fit: trainer.upload_policy: expected one of 'drop', 'raise', got 'ignore'.\n"],
+    ),
+    "type of the federated trainer": (
+        QUICKSTART,
+        ["--trainer.clients_per_round", "x"],
+        ["error: fit: trainer.clients_per_round: expected int or null, got 'x'.\n"],
+    ),
+    "unknown optional class": (
+        FMP,
+        ["--model.summariser", "Foo"],
+        ["error: fit: model.summariser: unknown class 'Foo'. Accepted short names: Identity, MeanPooling, PMASum"],
+    ),
+    "unknown logger": (
+        DIGITS,
+        ["--trainer.logger", "Foo"],
+        ["error: fit: trainer.logger: unknown class 'Foo'. Accepted short names: CSVLogger", "TensorBoardLogger"],
+    ),
+    "refused by the federated trainer": (
+        QUICKSTART,
+        ["--trainer.rounds", "0"],
+        ["error: fit: could not build the config: trainer.rounds must be >= 1, got 0\n"],
+    ),
+    "refused by a codec, named from its level": (
+        QUICKSTART,
+        ["--trainer.codec", "Quantize", "--trainer.codec.bits", "3"],
+        ["error: fit: could not build the config: trainer.codec.bits must be one of (2, 4, 8, 16), got 3\n"],
+    ),
+    "refused by a codec, unnamed": (
+        QUICKSTART,
+        ["--trainer.codec", f"{__name__}.PickyCodec", "--trainer.codec.level", "2"],
+        ["error: fit: could not build the config: trainer.codec: level 2 is not supported; drop it\n"],
+    ),
+    "refused by an optional class": (
+        FMP,
+        ["--model.summariser.num_points", "0"],
+        ["error: fit: could not build the config: model.summariser.num_points must be >= 1, got 0\n"],
+    ),
+    "refused by the model": (
+        QUICKSTART,
+        ["--model.rank", "0"],
+        ["error: fit: could not build the config: model.latent_dim and model.rank must be >= 1, got 64 and 0\n"],
+    ),
+    "refused by a data source, unnamed": (
+        DIGITS,
+        ["--data.source", f"{__name__}.StrictDigits", "--data.source.strictness", "1"],
+        ["error: fit: could not build the config: data.source: strictness must be 0 for this source\n"],
+    ),
+    "federated devices": (
+        QUICKSTART,
+        ["--trainer.devices", "0"],
+        ["could not build the config: trainer.devices must be a number of processes >= 1, -1 (all GPUs), 'auto'"],
+    ),
+    "federated GPU indices on cpu": (
+        QUICKSTART,
+        ["--trainer.devices", "0,1"],
+        ["trainer.devices '0,1' selects GPUs but trainer.accelerator is cpu: give a number of processes\n"],
+    ),
+    "lightning devices": (
+        DIGITS,
+        ["--trainer.devices", "0"],
+        [
+            "error: fit: could not build the config: trainer.devices: `Trainer(devices='0')` value is not a valid",
+            "give a number of devices >= 1 or 'auto'",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REAL_CAUSES), ids=list(REAL_CAUSES))
+def test_the_real_cause_comes_first_in_one_line_naming_the_key(case, in_tmp, capsys):
+    config, args, expected = REAL_CAUSES[case]
+    assert run_cli("fit", "--config", config, *args) == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err
+    assert len(err.splitlines()) == 2  # the reason, then the --help hint
+    for noise in ("Traceback", "Given value", "Namespace(", "Union subtypes", "lightning_fl.FederatedTrainer"):
+        assert noise not in err
+
+
+def test_a_yaml_syntax_error_names_the_file_and_the_line(in_tmp, capsys):
+    bad = write(in_tmp / "bad.yaml", "trainer:\n  init_args:\n    rounds: 1\n   devices: 1\n")
+    assert run_cli("fit", "--config", QUICKSTART, "--config", bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: fit: config file {bad}: YAML syntax error at line 4, column 4: ")
+    assert "check the indentation" in err and len(err.splitlines()) == 2
+    unclosed = write(in_tmp / "unclosed.yaml", "trainer:\n  init_args:\n    devices: [0, 1\n")
+    assert run_cli("fit", f"--config={unclosed}") == 2
+    err = capsys.readouterr().err
+    assert f"config file {unclosed}: YAML syntax error at line 4" in err and "flow sequence at line 3" in err
+
+
+def test_lightning_refusing_its_settings_at_the_start_is_one_line(in_tmp, capsys):
+    args = ["--trainer.max_epochs", "1", "--trainer.val_check_interval", "1000", *QUIET]
+    assert run_cli("fit", "--config", DIGITS, *args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: fit: trainer.val_check_interval: `val_check_interval` (1000) must be less than")
+    assert len(err.splitlines()) == 2 and "Traceback" not in err
+    assert run_cli("fit", "--config", QUICKSTART, "--trainer.accelerator", "tpuu") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "error: fit: trainer.accelerator: You selected an invalid accelerator name: `accelerator='tpuu'`"
+    )
+
+
+def test_a_union_report_without_the_built_class_keeps_the_given_members_failure():
+    # jsonargparse's report alone, as when it takes no instantiator for the call
+    report = (
+        "Does not validate against any of the Union subtypes\n"
+        "Subtypes: [<class 'lightning_fl.bayes.summarize.Summariser'>, <class 'NoneType'>]\n"
+        "Errors:\n"
+        "  - model.summariser.num_points must be >= 1, got 0\n"
+        "  - Expected a <class 'NoneType'>\n"
+        "Given value type: <class 'jsonargparse._namespace.Namespace'>\n"
+        "Given value: Namespace(class_path='lightning_fl.bayes.PMASummariser', init_args=Namespace(num_points=0))\n"
+    )
+    assert _build_error(ValueError(report)) == "model.summariser.num_points must be >= 1, got 0"
 
 
 def test_real_process_prints_no_traceback(tmp_path):

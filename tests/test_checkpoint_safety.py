@@ -1,0 +1,322 @@
+"""Every checkpoint or cached file the package reads goes through one safe reader.
+
+A malicious pickle (its ``__reduce__`` creates a marker file) and truncated files are handed to each entry point
+with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` set (torch then unpickles anything for calls that leave
+``weights_only`` out). An explicit path must fail with one line naming the file; a corrupt cache is a warned-about
+cache miss and is rebuilt. The marker file must never appear.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from conftest import CONFIGS, run_cli
+from lightning_fl.bayes import FederatedTasks, FMPMetaLearner, GeneratorTraining, PMASummariser, PredictiveGenerator
+from lightning_fl.checkpoint import read_checkpoint
+from lightning_fl.data import Digits, PixelFeatures
+from lightning_fl.data.features import ExtractedFeatures
+from lightning_fl.errors import CheckpointError
+from lightning_fl.methods import Classifier
+from lightning_fl.models import SmallCNN
+
+
+class Evil:
+    """Unpickling it opens (creates) the marker file: code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture(autouse=True)
+def unsafe_env(monkeypatch):
+    """torch reads the variable at each load: it forces weights_only=False where a call leaves it out."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def marker(tmp_path):
+    path = tmp_path / "PWNED"
+    yield path
+    assert not path.exists(), "a checkpoint ran code while being read"
+
+
+def evil_file(path: Path, marker: Path, wrap=lambda evil: {"state_dict": {"w": evil}}) -> Path:
+    torch.save(wrap(Evil(marker)), path)
+    return path
+
+
+def truncated_file(path: Path, obj) -> Path:
+    torch.save(obj, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def error_line(capsys) -> str:
+    """The CLI's error: one line (the next one is the hint)."""
+    lines = capsys.readouterr().err.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    assert lines[at + 1].startswith("Run with --help"), lines[at : at + 2]
+    return lines[at]
+
+
+def test_the_payload_is_live_without_the_safe_reader(tmp_path):
+    # The environment variable is honoured in-process: a load that leaves weights_only out runs the payload.
+    path = evil_file(tmp_path / "evil.pt", tmp_path / "ran")
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        torch.load(path)
+    assert (tmp_path / "ran").exists()
+
+
+def bad_files(tmp_path: Path, marker: Path) -> dict[str, tuple[object, str]]:
+    """Each bad source and a phrase its error must hold."""
+    folder = tmp_path / "folder.pt"
+    folder.mkdir()
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": Evil(marker)}, legacy, _use_new_zipfile_serialization=False)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a torch file")
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    evil = evil_file(tmp_path / "evil.pt", marker)
+    return {
+        "malicious": (evil, "needs the Python object io.open"),
+        "malicious legacy format": (legacy, "needs the Python object io.open"),
+        "malicious bytes": (evil.read_bytes(), "needs the Python object io.open"),
+        "truncated": (truncated_file(tmp_path / "cut.pt", {"w": torch.ones(50)}), "truncated or corrupt"),
+        "junk": (junk, "not a file written by torch.save"),
+        "empty": (empty, "empty or truncated"),
+        "folder": (folder, "is a folder"),
+        "missing": (tmp_path / "gone.pt", "does not exist"),
+    }
+
+
+def test_reader_turns_every_failure_into_one_line(tmp_path, marker):
+    for label, (source, reason) in bad_files(tmp_path, marker).items():
+        with pytest.raises(CheckpointError) as info:
+            read_checkpoint(source, "some.key", fix="do the fix")
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith("some.key ") and reason in msg and msg.endswith("; do the fix"), label
+        if isinstance(source, Path):
+            assert str(source) in msg, label
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buffer)
+    assert read_checkpoint(buffer.getvalue())["w"].sum() == 2  # bytes and file objects read like files
+    buffer.seek(0)
+    assert read_checkpoint(buffer)["w"].sum() == 2
+
+
+# ------------------------------------------------------------------------------ lightning.Trainer --ckpt_path
+DIGITS = str(CONFIGS / "pretrain_digits.yaml")
+TINY_FIT = ["--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+TINY_FIT += ["--trainer.enable_model_summary", "false"]
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "test"])
+def test_lightning_ckpt_path_is_checked_before_lightning_reads_it(in_tmp, marker, capsys, subcommand):
+    evil = evil_file(in_tmp / "evil.ckpt", marker)
+    assert run_cli(subcommand, "--config", DIGITS, "--ckpt_path", str(evil)) == 2
+    line = error_line(capsys)
+    assert f"ckpt_path {evil} could not be read safely" in line and "io.open" in line
+    cut = truncated_file(in_tmp / "cut.ckpt", {"state_dict": {"w": torch.ones(100)}})
+    assert run_cli(subcommand, "--config", DIGITS, "--ckpt_path", str(cut)) == 2
+    assert f"ckpt_path {cut} could not be read safely (weights_only=True): it is truncated" in error_line(capsys)
+    torch.save([1, 2], in_tmp / "list.ckpt")
+    assert run_cli(subcommand, "--config", DIGITS, "--ckpt_path", str(in_tmp / "list.ckpt")) == 2
+    assert "is not a Lightning checkpoint" in error_line(capsys)
+    for remote in ("https://example.com/evil.ckpt", "registry:model"):  # cannot be checked before Lightning reads it
+        assert run_cli(subcommand, "--config", DIGITS, "--ckpt_path", remote) == 2
+        assert f"ckpt_path {remote}: remote checkpoints are not read" in error_line(capsys)
+
+
+def test_a_legitimate_lightning_checkpoint_still_resumes(in_tmp):
+    assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "1", *TINY_FIT) == 0
+    (last,) = (in_tmp / "runs" / "pretrain_digits").glob("**/last.ckpt")
+    assert read_checkpoint(last)["epoch"] == 0  # written by lightning.Trainer, readable with weights_only=True
+    last = last.rename(in_tmp / "first.ckpt")
+    assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "2", "--ckpt_path", str(last), *TINY_FIT) == 0
+    (resumed,) = (in_tmp / "runs" / "pretrain_digits").glob("**/last.ckpt")
+    state = read_checkpoint(resumed)
+    assert state["epoch"] == 1 and state["global_step"] == 4
+
+
+# ------------------------------------------------------------------------------ FMP
+FMP = str(CONFIGS / "fmp_digits.yaml")
+FMP_SHRINK = [
+    "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.generator_training.steps", "2",
+    "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
+    "--model.num_generated", "10", "--model.test_samples", "2", "--data.meta_tasks", "20", "--trainer.logger",
+    "false", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+]  # fmt: skip
+
+
+def test_fmp_ckpt_path_and_generator_checkpoint_refuse_bad_files(in_tmp, marker, capsys, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    monkeypatch.setattr(FMPMetaLearner, "_train_generator", lambda *a: pytest.fail("a bad file was replaced"))
+    evil = evil_file(in_tmp / "evil.ckpt", marker)
+    assert run_cli("test", "--config", FMP, *FMP_SHRINK, "--ckpt_path", str(evil)) == 2
+    assert f"ckpt_path {evil} could not be read safely" in error_line(capsys)
+    gen = evil_file(in_tmp / "gen.pt", marker, wrap=lambda e: {"generator": {"w": e}})
+    assert run_cli("fit", "--config", FMP, *FMP_SHRINK, "--model.generator_checkpoint", str(gen)) == 2
+    line = error_line(capsys)
+    assert f"model.generator_checkpoint {gen} could not be read safely" in line and "io.open" in line
+    cut = truncated_file(in_tmp / "cut.pt", {"generator": {"w": torch.ones(100)}})
+    assert run_cli("fit", "--config", FMP, *FMP_SHRINK, "--model.generator_checkpoint", str(cut)) == 2
+    assert f"model.generator_checkpoint {cut} could not be read safely" in error_line(capsys)
+    torch.save({"generator": {"w": torch.ones(3)}}, in_tmp / "other.pt")
+    assert run_cli("fit", "--config", FMP, *FMP_SHRINK, "--model.generator_checkpoint", str(in_tmp / "other.pt")) == 2
+    assert "does not fit the generator: missing" in error_line(capsys)
+
+
+def fmp_learner(cache: Path) -> FMPMetaLearner:
+    return FMPMetaLearner(
+        summariser=PMASummariser(4, hidden=16, num_heads=2),
+        generator=PredictiveGenerator(16, 2),
+        generator_training=GeneratorTraining(steps=2, tasks_per_step=2, num_samples=2, eval_tasks=1),
+        num_generated=10,
+        test_samples=2,
+        cache_dir=str(cache),
+    )
+
+
+def fmp_fit(model: FMPMetaLearner, root: Path) -> None:
+    data = FederatedTasks(
+        PixelFeatures(), num_clients=2, points_per_client=20, meta_tasks=20, tasks_per_step=2, val_tasks=1,
+        test_tasks=1, heldout_points=20, min_classes=6,
+    )  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)
+
+
+def test_a_bad_fmp_generator_cache_is_a_warned_cache_miss(tmp_path, marker, caplog):
+    fmp_fit(fmp_learner(tmp_path / "cache"), tmp_path)
+    (cached,) = (tmp_path / "cache" / "generators").glob("*.pt")
+    good = read_checkpoint(cached)["generator"]
+    for spoil in (
+        lambda: evil_file(cached, marker, wrap=lambda e: {"generator": {"w": e}}),
+        lambda: truncated_file(cached, {"generator": good}),
+        lambda: torch.save({"generator": {"w": torch.ones(3)}}, cached),  # readable, but not this generator's
+    ):
+        spoil()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lightning_fl.bayes.fmp"):
+            fmp_fit(model := fmp_learner(tmp_path / "cache"), tmp_path)
+        assert f"FMP generator cache {cached}" in caplog.text and "treated as a cache miss" in caplog.text
+        assert torch.equal(model.generator.state_dict()["out.weight"].cpu(), good["out.weight"])
+        assert torch.equal(read_checkpoint(cached)["generator"]["out.weight"], good["out.weight"])  # rewritten
+
+
+# ------------------------------------------------------------------------------ FederatedTrainer --ckpt_path
+QUICK = ["--config", str(CONFIGS / "quickstart.yaml"), "--model.base", "scratch", "--trainer.rounds", "1"]
+QUICK += ["--trainer.enable_progress_bar", "false"]
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "test"])
+def test_federated_ckpt_path_refuses_bad_files(in_tmp, marker, capsys, subcommand):
+    evil = evil_file(in_tmp / "evil.ckpt", marker, wrap=lambda e: {"format": "x", "global_state": {"w": e}})
+    assert run_cli(subcommand, *QUICK, "--ckpt_path", str(evil)) == 2
+    line = error_line(capsys)
+    assert f"{evil} could not be read safely" in line and "io.open" in line
+    cut = truncated_file(in_tmp / "cut.ckpt", {"global_state": {"w": torch.ones(100)}})
+    assert run_cli(subcommand, *QUICK, "--ckpt_path", str(cut)) == 2
+    assert f"{cut} could not be read safely (weights_only=True): it is truncated" in error_line(capsys)
+
+
+# ------------------------------------------------------------------------------ feature caches and checkpoints
+def digits_cnn() -> SmallCNN:
+    torch.manual_seed(0)
+    return SmallCNN(in_channels=1, image_size=8, channels=[8, 16], feature_dim=32, norm_groups=4)
+
+
+def test_features_checkpoint_is_refused_and_a_bad_cache_is_recomputed(tmp_path, marker, caplog, monkeypatch):
+    monkeypatch.setattr(ExtractedFeatures, "_train", lambda *a, **k: pytest.fail("should not train"))
+    evil = evil_file(tmp_path / "evil.ckpt", marker)
+    with pytest.raises(CheckpointError, match=f"^data.features.checkpoint={evil} could not be read safely"):
+        ExtractedFeatures(Digits(), digits_cnn(), feature_dim=None, checkpoint=str(evil)).prepare()
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": Classifier(digits_cnn(), num_classes=10).state_dict()}, ckpt)
+
+    def build() -> ExtractedFeatures:
+        return ExtractedFeatures(
+            Digits(), digits_cnn(), feature_dim=None, checkpoint=str(ckpt), cache_dir=str(tmp_path / "cache")
+        )
+
+    first = build()
+    first.prepare()
+    cached = Path(first.info["cache_path"])
+    expected = first.load("test").h
+    for spoil in (
+        lambda: evil_file(cached, marker, wrap=lambda e: {"key": "x", "train_h": e}),
+        lambda: truncated_file(cached, {"train_h": torch.ones(100)}),
+        lambda: torch.save({"key": "another"}, cached),  # readable, but not this cache's
+    ):
+        spoil()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lightning_fl.data.features"):
+            again = build()
+            again.prepare()
+        assert f"features cache {cached}" in caplog.text and "treated as a cache miss" in caplog.text
+        assert not again.info["cached"] and torch.equal(again.load("test").h, expected)
+        assert build().load("test") is not None and read_checkpoint(cached)["key"]  # rewritten, readable
+
+
+# ------------------------------------------------------------------------------ pretrained base cache, init_from
+def test_init_from_is_refused_and_a_bad_base_cache_is_pretrained_again(tmp_path, marker, caplog, monkeypatch):
+    from conftest import make_dm, make_model
+    from lightning_fl.methods import Pretraining
+
+    evil = evil_file(tmp_path / "evil.ckpt", marker)
+    with pytest.raises(CheckpointError, match=f"^model.init_from={evil} could not be read safely"):
+        Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), num_classes=10, init_from=str(evil))
+    dm = make_dm(public_fraction=0.25, train_split="public")
+    dm.prepare_data()
+    dm.setup("fit")
+    recipe = Pretraining(epochs=1, cache_dir=str(tmp_path / "cache"), accelerator="cpu")
+    model = make_model(base="pretrained", pretraining=recipe)
+    model.prepare_base(dm)
+    cached = model.base_cache_path(dm)
+    good = read_checkpoint(cached)["state_dict"]
+    for spoil in (lambda: evil_file(cached, marker), lambda: truncated_file(cached, {"state_dict": good})):
+        spoil()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lightning_fl.methods.recipe"):
+            again = make_model(base="pretrained", pretraining=recipe)
+            again.prepare_base(dm)
+        assert f"pretrained base cache {cached}" in caplog.text and "treated as a cache miss" in caplog.text
+        assert all(torch.equal(read_checkpoint(cached)["state_dict"][k], v) for k, v in good.items())
+    evil_file(cached, marker)
+    with pytest.raises(CheckpointError, match=f"^pretrained base cache {cached} could not be read safely"):
+        make_model(base="pretrained", pretraining=recipe).prepare_base(dm, allow_training=False)
+
+
+# ------------------------------------------------------------------------------ bytes: a Flower node's codec memory
+def test_flower_codec_memory_is_read_with_the_same_reader(tmp_path, marker):
+    from lightning_fl.compress import TopK
+    from lightning_fl.flower.client import _CODEC_STATE, _load_codec_state, _save_codec_state
+
+    codec, context = TopK(density=0.5), SimpleNamespace(state={})
+    codec.residuals = {3: {"w": torch.arange(4.0)}}
+    _save_codec_state(codec, context)
+    restored = TopK(density=0.5)
+    _load_codec_state(restored, context)  # the node's own memory still loads
+    assert torch.equal(restored.residuals[3]["w"], torch.arange(4.0))
+    context.state[_CODEC_STATE] = {"state": evil_file(tmp_path / "evil.pt", marker).read_bytes()}
+    with pytest.raises(CheckpointError, match=r"codec memory .* \(in-memory bytes\) could not be read safely"):
+        _load_codec_state(restored, context)
