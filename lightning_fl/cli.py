@@ -529,10 +529,11 @@ def _name_key(message: str, key: str | None, cls: type | None) -> str:
 def _check_ckpt_path(path: str | None, trainer: Any = None) -> None:
     """Refuse a ``ckpt_path`` that is missing, or, for ``lightning.Trainer``, one our safe reader refuses.
 
-    Lightning loads ``ckpt_path`` with ``torch.load`` without passing ``weights_only``, so with
+    Left to itself, Lightning loads ``ckpt_path`` with ``torch.load`` without passing ``weights_only``, so with
     ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` in the environment it would unpickle anything. Reading the file first
     with :func:`~lightning_fl.checkpoint.read_checkpoint` (``weights_only=True``) refuses a file that needs a
-    Python object (or is truncated, or not a Lightning checkpoint) before Lightning opens it. Lightning's names
+    Python object (or is truncated, or not a Lightning checkpoint) with one clear line before Lightning opens it;
+    :func:`main` then also passes ``weights_only=True`` to Lightning, which covers its own names. Lightning's names
     ``last``, ``best`` and ``hpc`` name the run's own files and are left to it; remote checkpoints (URLs, the
     model registry) are refused for ``lightning.Trainer`` as they cannot be checked first. Other trainers read
     their checkpoints themselves (``FederatedTrainer`` through the same reader).
