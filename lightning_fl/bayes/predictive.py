@@ -1,9 +1,9 @@
 """The predictive generator of martingale-posterior sampling: ``Z' = ISAB(Z, E) = MAB(E, MAB(R, E))``.
 
-FMP (section II-2, after Lee et al. 2023's MPNP) draws unseen data with a set transformer: the
-observed points are mapped to inducing points ``R = g(Z)``, a base set ``E ~ N(0, I)`` of ``n'``
-noise vectors attends to them, and the result is ``n'`` new points. Permuting ``Z`` does not change
-the output's distribution and permuting ``E`` permutes the output (conditional exchangeability).
+FMP (section II-2, after the MPNP of Lee et al. 2023, "Martingale Posterior Neural Processes") draws unseen
+data with a set transformer: the observed points are mapped to inducing points ``R = g(Z)``, a base set
+``E ~ N(0, I)`` of ``n'`` noise vectors attends to them, and the result is ``n'`` new points. Permuting ``Z``
+does not change the output's distribution and permuting ``E`` permutes the output (conditional exchangeability).
 
 A generated point is ``[h', p']``: features and a label distribution, so the ERM refit treats
 generated labels as soft targets. ``labels`` chooses where ``p'`` comes from:

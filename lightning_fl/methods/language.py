@@ -252,7 +252,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
     """FLITE on a language model: a frozen (pretrained) network steered by per-layer latents.
 
     Only the latent trains and only the latent is sent. With ``layers: linear`` on ``TinyGPT`` the map covers
-    the ``6 n_layer`` projection matrices (36 for the paper's size), so an upload is ``4 x 6 n_layer x d`` bytes
+    the ``6 n_layer`` projection matrices (36 for the FLITE paper's size), so an upload is ``4 x 6 n_layer x d`` bytes
     in float32 (147,456 at ``d = 1024``); embeddings, LayerNorms and biases stay at the base.
 
     Args:
@@ -261,7 +261,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         base_checkpoint: Checkpoint with the base's ``network.*`` weights and vocabulary (e.g. the ``last.ckpt``
             of ``configs/pretrain_shakespeare.yaml``). ``null``: pretrain per ``pretraining`` and cache.
         pretraining: Recipe for pretraining the base when no checkpoint is given.
-        latent_dim: ``d`` per mapped layer: one value, or one per layer (paper's TinyGPT: 1024).
+        latent_dim: ``d`` per mapped layer: one value, or one per layer (the FLITE paper's TinyGPT: 1024).
         rank: ``r`` of the factors.
         layers: Which network weights are mapped: ``linear`` (every projection), or a list of name patterns.
         factors: ``stored``, ``regenerate``, ``streamed`` or ``dense`` (see :mod:`lightning_fl.mapping.lowrank`).

@@ -6,16 +6,16 @@ token and position embeddings; a final LayerNorm; an LM head tied to the token e
 
 The only ``nn.Linear`` modules are the six projections of each block, in the order
 ``attn.q, attn.k, attn.v, attn.o, mlp.fc_in, mlp.fc_out``. So FLITE's ``layers: linear`` maps exactly
-``6 n_layer`` weight matrices (36 for the paper's 6 layers) and nothing else: the LM head reuses the
-embedding matrix through :func:`torch.nn.functional.linear` and is neither a module nor a second
-parameter. Biases, LayerNorms and embeddings are never mapped (the mapping maps weights only).
+``6 n_layer`` weight matrices (36 for the 6 layers of the FLITE paper's TinyGPT) and nothing else: the LM
+head reuses the embedding matrix through :func:`torch.nn.functional.linear` and is neither a module nor a
+second parameter. Biases, LayerNorms and embeddings are never mapped (the mapping maps weights only).
 
 Parameters (``bias=True``, ``E = n_embd``, ``V = vocab_size``, ``C = context``)::
 
     per block   4 (E^2 + E)  +  (4E^2 + 4E) + (4E^2 + E)  +  2 * 2E  =  12 E^2 + 13 E
     total       n_layer (12 E^2 + 13 E)  +  2E (final LN)  +  V E  +  C E
 
-The paper size (6 layers, E=384, 6 heads) has 10,647,552 parameters besides the embeddings.
+The FLITE paper's size (6 layers, E=384, 6 heads) has 10,647,552 parameters besides the embeddings.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """GPT-2 style causal language model: token ids ``(B, T)`` in, next-token logits ``(B, T, vocab_size)`` out.
 
-    The paper's size is the default (6 layers, 384 wide, 6 heads). The LM head is tied to the token
+    The FLITE paper's size is the default (6 layers, 384 wide, 6 heads). The LM head is tied to the token
     embedding (``logits = LN(h) @ wte.weight^T``), so the model's only ``nn.Linear`` modules are the
     ``6 n_layer`` projections that FLITE's ``layers: linear`` maps.
 

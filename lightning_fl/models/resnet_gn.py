@@ -56,7 +56,7 @@ class ResNetGN(Backbone):
         in_channels: Image channels.
         stem: ``cifar`` (32x32), ``tinyimagenet`` (64x64) or ``imagenet`` (224x224); see the module docstring.
         norm_groups: GroupNorm groups; must divide ``width``.
-        width: Channels of the first stage (64 in the paper); stages use width x 1, 2, 4, 8.
+        width: Channels of the first stage (64 in He et al. 2016); stages use width x 1, 2, 4, 8.
         zero_init_residual: Start each block's last GroupNorm at zero so blocks begin as identities.
     """
 

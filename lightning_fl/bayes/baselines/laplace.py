@@ -14,7 +14,7 @@ the exact-Hessian Laplace, deterministic given the seed, with the prior precisio
 ``prior_precision``:
 
 - ``"marglik"`` (default): the ``delta`` that maximises the Laplace evidence at the fixed mode ``W*``
-  (MacKay's evidence framework applied post hoc, as in Immer et al. 2021, "Laplace Redux")::
+  (MacKay's evidence framework applied post hoc, as in Daxberger et al. 2021, "Laplace Redux")::
 
       log Z(delta) = log p(D | W*) - delta/2 ||W*||^2 + P/2 log delta - 1/2 sum_k log(lambda_k + delta)
 
