@@ -11,6 +11,7 @@ from lightning_fl.data import FederatedDataModule
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError, UserError
 from lightning_fl.federated import FederatedTrainer
 from lightning_fl.methods import Classifier, LanguageModel, LatentClassifier, LatentLanguageModel
+from lightning_fl.threads import set_threads
 from lightning_fl.trainer_api import TrainerLike
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "mapping",
     "methods",
     "models",
+    "set_threads",
 ]

@@ -32,7 +32,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
-from lightning_fl.errors import UserError
+from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.threads import set_threads
 from lightning_fl.trainer_api import TrainerLike, write_config
 
 SUBCOMMANDS = {
@@ -79,6 +80,13 @@ def _subcommand_parser(name: str) -> ArgumentParser:
     parser.add_argument("--model", type=L.LightningModule, required=True, help="The LightningModule to run.")
     parser.add_argument("--data", type=L.LightningDataModule, required=True, help="The LightningDataModule.")
     parser.add_argument("--ckpt_path", type=str | None, default=None, help="Checkpoint to resume (fit) or evaluate.")
+    parser.add_argument(
+        "--threads",
+        type=int | None,
+        default=None,
+        help="CPU threads per process for torch; null: one fewer than the cores (at least 1), shared among a "
+        "node's processes. More threads than free cores slow small models down when the machine is shared.",
+    )
     return parser
 
 
@@ -181,7 +189,7 @@ RENAMED = {
     "trainer.aggregation": "it became trainer.strategy: FedAvg with weighted false ('mean') or true ('weighted')",
 }
 FABRIC_STRATEGIES = {"auto", "ddp", "ddp_spawn", "dp", "fsdp", "deepspeed", "single_device", "xla"}
-TOP_KEYS = ["seed_everything", "trainer", "model", "data", "ckpt_path", "config"]
+TOP_KEYS = ["seed_everything", "trainer", "model", "data", "ckpt_path", "threads", "config"]
 
 # jsonargparse reports a failure as an indented tree: 'Parser key "k":' and "Problem with given class_path 'X':"
 # open a level; a Union lists each member's failure as "- ..." items under "Errors:", then the value given.
@@ -620,6 +628,10 @@ def build(argv: list[str]) -> Run:
         raise ConfigParseError(format_parse_error(str(err), subcommand)) from None
     subcommand = cfg.subcommand
     sub_cfg = cfg[subcommand]
+    try:
+        set_threads(sub_cfg.threads)  # before anything is built: data loading and pretraining use them too
+    except ConfigError as err:
+        raise ConfigParseError(f"{subcommand}: {err}") from None
     seed = _resolve_seed(sub_cfg.seed_everything)
     if seed is not None:
         sub_cfg.seed_everything = seed

@@ -393,3 +393,27 @@ def test_two_cpu_processes_write_one_run_folder(tmp_path):
     runs = sorted((tmp_path / "runs" / "pretrain_digits").iterdir())
     assert [r.name for r in runs] == ["version_0"]
     assert (runs[0] / "config.yaml").is_file() and (runs[0] / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_threads_default_leaves_a_core_free_and_an_explicit_number_is_kept(monkeypatch, capsys):
+    from lightning_fl import threads
+    from lightning_fl.cli import build
+
+    before = torch.get_num_threads()
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # restored after the test
+        monkeypatch.setenv(name, threads.os.environ.get(name, "1"))
+    try:
+        monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+        build(["fit", "--config", DIGITS])
+        assert torch.get_num_threads() == 7 and threads.os.environ["OMP_NUM_THREADS"] == "7"
+        assert threads.share_among(2) == 3  # two processes on the node share the 7
+        build(["fit", "--config", DIGITS, "--threads", "2"])
+        assert torch.get_num_threads() == 2 and threads.share_among(2) == 2  # explicit: per process
+        monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+        run = build(["fit", "--config", DIGITS])
+        assert torch.get_num_threads() == 1 and "threads: null" in run.config_yaml
+        assert threads.share_among(4) == 1
+        assert run_cli("fit", "--config", DIGITS, "--threads", "0") == 2
+        assert "fit: threads must be a whole number >= 1 or null (the default), got 0" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)

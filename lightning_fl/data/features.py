@@ -224,6 +224,7 @@ class PixelFeatures(FeatureData):
     ) -> None:
         super().__init__()
         self.source = source
+        self.source.config_key = "data.features.source"  # where FMP configs put it: messages name this key
         self.standardize = standardize
         self.classes = check_classes(classes, self.source.num_classes)
 
@@ -329,6 +330,7 @@ class ExtractedFeatures(FeatureData):
     ) -> None:
         super().__init__()
         k = KEY
+        source.config_key = f"{k}.source"  # messages about the data name the key that works in this config
         problems = []
         if not isinstance(backbone, nn.Module) or not hasattr(backbone, "out_features"):
             problems.append(f"{k}.backbone must be a Backbone (an nn.Module with out_features)")

@@ -89,6 +89,9 @@ class DataSource:
 
     #: Human-readable name used in messages.
     display_name: str = "data set"
+    #: Where the source sits in the config, for messages (``data.source``; FMP's feature pipelines set
+    #: ``data.features.source``), so a suggested fix names the key that works for the config in use.
+    config_key: str = "data.source"
     num_classes: int
     #: ``(channels, height, width)`` of one image.
     input_shape: tuple[int, int, int]
@@ -233,8 +236,8 @@ class FileDataSource(DataSource):
         lines.append(f"Download: {download_note}.")
         lines.append("Fix it with one of:")
         lines += [f"  - {hint}" for hint in self.install_hints]
-        lines.append("  - put the files in a folder and pass it with --data.source.root DIR")
-        lines.append(f"  - go online and keep --data.source.download true (files go to {target})")
+        lines.append(f"  - put the files in a folder and pass it with --{self.config_key}.root DIR")
+        lines.append(f"  - go online and keep --{self.config_key}.download true (files go to {target})")
         return "\n".join(lines)
 
     def prepare(self) -> None:

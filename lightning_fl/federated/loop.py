@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
+from lightning_fl.federated.summary import run_summary
 from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, write_config
@@ -222,10 +224,9 @@ class FederatedTrainer(TrainerLike):
         if ckpt is not None:
             start = self._restore(ckpt, model, seed, fingerprint, datamodule.num_clients)
         self._write_config()
-        bar = tqdm(
-            total=self.rounds, initial=start, desc="round", dynamic_ncols=True,
-            disable=not (self.enable_progress_bar and fabric.is_global_zero),
-        )  # fmt: skip
+        show = self.enable_progress_bar and fabric.is_global_zero
+        terminal = sys.stderr.isatty()  # elsewhere (CI logs, files) a plain line every tenth of the run instead
+        bar = tqdm(total=self.rounds, initial=start, desc="round", dynamic_ncols=True, disable=not (show and terminal))
         if start == 0:  # round 0: the starting model (for FLITE, exactly the pretrained base)
             base_metrics = self._evaluate(model, datamodule, "val")
             self._log(base_metrics, step=0)
@@ -249,12 +250,17 @@ class FederatedTrainer(TrainerLike):
             self._save_checkpoint(r + 1, seed, fingerprint, datamodule.num_clients)
             self.transport.finished_round(r, metrics)
             bar.update(1)
-            if "val/acc" in metrics:
-                bar.set_postfix(acc=f"{metrics['val/acc']:.4f}", mb=f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}")
+            # the metric, and the cumulative bytes per client (both directions) in MiB
+            shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl") if k in metrics}
+            shown["MiB/client"] = f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}"
+            bar.set_postfix(shown)
+            if show and not terminal and ((r + 1) % max(1, self.rounds // 10) == 0 or r + 1 == self.rounds):
+                print(f"round {r + 1}/{self.rounds}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
         bar.close()
         if start < self.rounds:
             self._log_text(hooks, step=self.rounds)
         self._finish()
+        fabric.print(run_summary(self.history, self.log_dir, self.use_logger))
 
     def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
         return self._evaluate_only(model, datamodule, ckpt_path, "val")

@@ -9,6 +9,7 @@ order, so the strategy computes the same aggregate everywhere.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -184,7 +185,7 @@ class RoundRunner:
         msg_up = torch.full((slots,), -1, dtype=torch.int64)
         msg_down = torch.full((slots,), -1, dtype=torch.int64)
         logged: dict[int, dict[str, tuple[float, float]]] = {}
-        show = self.progress and fabric.is_global_zero
+        show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
         replies = self.transport.replies(
             model, datamodule, state, share, r, seed, codec=self.codec, local=self.local, fabric=fabric
         )

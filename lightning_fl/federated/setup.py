@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 from lightning.fabric.loggers import TensorBoardLogger
 
-from lightning_fl import runs
+from lightning_fl import runs, threads
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.runs import RunLock
@@ -43,6 +43,8 @@ def launch(
     loggers: list = []  # filled once the folder is claimed: Fabric keeps this list
     fabric = L.Fabric(**fabric_args, loggers=loggers)
     fabric.launch()
+    if fabric.device.type == "cpu":  # the processes of a node share its cores
+        threads.share_among(fabric.world_size // max(1, int(fabric_args.get("num_nodes", 1))))
     lock, ckpt, error = None, None, None
     if fabric.is_global_zero:
         try:

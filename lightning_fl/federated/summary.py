@@ -1,0 +1,42 @@
+"""The few lines a federated run prints when it ends: what it reached, what it cost, and where it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Evaluation metrics where lower is better (every other ``val/*`` metric: higher is better).
+LOWER_IS_BETTER = ("loss", "ppl", "ece")
+
+
+def best_round(history: list[dict[str, float]], key: str) -> tuple[int, float] | None:
+    """The round (1..R) with the best ``key`` and its value, in the metric's direction; ``None`` if never logged."""
+    rows = [(int(h["round"]), float(h[key])) for h in history if h.get("round", 0) >= 1 and key in h]
+    if not rows:
+        return None
+    lower = key.rsplit("/", 1)[-1] in LOWER_IS_BETTER
+    return min(rows, key=lambda rv: rv[1] if lower else -rv[1])
+
+
+def run_summary(history: list[dict[str, float]], log_dir: Path, logger: bool) -> str:
+    """One line per evaluation metric (start, final, best round), the bytes, and where the run's files are."""
+    if not history:
+        return f"No round ran. Run folder: {log_dir}"
+    last = history[-1]
+    start = next((h for h in history if h.get("round") == 0), None)
+    lines = [f"Finished round {int(last['round'])} in {last.get('time/elapsed_s', 0.0):.1f} s of rounds."]
+    for key in sorted(k for k in last if k.startswith("val/")):
+        best = best_round(history, key)
+        begin = f"{start[key]:.4f} at round 0, " if start is not None and key in start else ""
+        at_best = f", best {best[1]:.4f} (round {best[0]})" if best is not None else ""
+        lines.append(f"  {key}: {begin}{last[key]:.4f} at the end{at_best}")
+    if "comm/cum_client_bytes" in last:
+        per_client = last["comm/cum_client_bytes"]
+        mib = per_client / 2**20
+        text = f"  bytes per client (uploads and downloads, mean over clients): {per_client:,.0f} ({mib:.3f} MiB)"
+        if last.get("comm/cum_rejected_bytes"):
+            text += f"; refused uploads: {last['comm/cum_rejected_bytes']:,.0f} bytes in all"
+        lines.append(text)
+    lines.append(f"  run folder: {log_dir} (config.yaml, checkpoints/last.ckpt)")
+    if logger:
+        lines.append(f"  TensorBoard: tensorboard --logdir {log_dir.parent}")
+    return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""What a federated run prints: plain progress lines when output is not a terminal, and a summary at the end."""
+
+from pathlib import Path
+
+from conftest import make_dm, make_model, make_trainer
+from lightning_fl.federated.summary import best_round, run_summary
+
+
+def test_best_round_follows_the_metric_direction():
+    history = [
+        {"round": 0, "val/acc": 0.99, "val/loss": 0.01},  # round 0 (the base) is not a federated round
+        {"round": 1, "val/acc": 0.5, "val/loss": 0.9},
+        {"round": 2, "val/acc": 0.7, "val/loss": 0.4},
+        {"round": 3, "val/acc": 0.6, "val/loss": 0.6},
+    ]
+    assert best_round(history, "val/acc") == (2, 0.7)
+    assert best_round(history, "val/loss") == (2, 0.4)
+    assert best_round(history, "val/ppl") is None
+
+
+def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, rounds=4, enable_progress_bar=True)
+    trainer.fit(make_model(), datamodule=make_dm())
+    out = capsys.readouterr().out
+    progress = [line for line in out.splitlines() if line.startswith("round ")]
+    h = trainer.history
+    expected = [
+        f"round {r}/4: val/acc {h[r]['val/acc']:.4f}, MiB/client {h[r]['comm/cum_client_bytes'] / 2**20:.3f}"
+        for r in range(1, 5)
+    ]
+    assert progress == expected
+    summary = out[out.index("Finished round 4") :]
+    acc = [h["val/acc"] for h in trainer.history]
+    best = max(range(1, 5), key=lambda r: acc[r])
+    assert f"val/acc: {acc[0]:.4f} at round 0, {acc[4]:.4f} at the end, best {acc[best]:.4f} (round {best})" in summary
+    sent = trainer.history[-1]["comm/cum_client_bytes"]
+    assert f"bytes per client (uploads and downloads, mean over clients): {sent:,.0f}" in summary
+    assert f"run folder: {trainer.log_dir} (config.yaml, checkpoints/last.ckpt)" in summary
+    assert f"TensorBoard: tensorboard --logdir {trainer.log_dir.parent}" in summary
+    assert "\r" not in out  # no carriage-return bars when output is not a terminal
+
+
+def test_the_summary_of_a_run_without_rounds_says_so():
+    assert run_summary([], Path("runs/x/version_0"), logger=False) == "No round ran. Run folder: runs/x/version_0"
