@@ -61,6 +61,30 @@ class SaveConfigCallback(Callback):
         self.saved_to = write_config(log_dir, self.config_yaml, experiments)
 
 
+class RunSummaryCallback(Callback):
+    """Prints what a ``lightning.Trainer`` fit reached and where its files are, when it ends (rank 0)."""
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            print(lightning_summary(trainer), flush=True)
+
+
+def lightning_summary(trainer: L.Trainer) -> str:
+    """The final ``val/*`` metrics, the epochs and steps, the checkpoints and the run folder of a finished fit."""
+    lines = [f"Finished after {trainer.current_epoch} epoch(s) ({trainer.global_step} optimiser steps)."]
+    metrics = trainer.callback_metrics
+    for key in sorted(k for k in metrics if k.startswith("val/")):
+        lines.append(f"  {key}: {float(metrics[key]):.4f} at the end")
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
+        lines.append(f"  checkpoint: {checkpoint.last_model_path}")
+    if trainer.log_dir is not None:
+        lines.append(f"  run folder: {trainer.log_dir} (config.yaml)")
+        if trainer.loggers:
+            lines.append(f"  TensorBoard: tensorboard --logdir {Path(trainer.log_dir).parent}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------- parser
 def _subcommand_parser(name: str) -> ArgumentParser:
     parser = ArgumentParser(exit_on_error=False, description=SUBCOMMANDS[name])
@@ -417,7 +441,7 @@ def _resolve_seed(value: bool | int) -> int | None:
 
 def _attach_config(trainer: Any, config_yaml: str) -> None:
     if isinstance(trainer, L.Trainer):
-        trainer.callbacks.append(SaveConfigCallback(config_yaml))
+        trainer.callbacks.extend([SaveConfigCallback(config_yaml), RunSummaryCallback()])
     elif callable(getattr(trainer, "log_config", None)):
         trainer.log_config(config_yaml)
     else:

@@ -42,3 +42,16 @@ def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, cap
 
 def test_the_summary_of_a_run_without_rounds_says_so():
     assert run_summary([], Path("runs/x/version_0"), logger=False) == "No round ran. Run folder: runs/x/version_0"
+
+
+def test_a_lightning_trainer_fit_ends_with_a_summary(in_tmp, capsys):
+    from conftest import CONFIGS, run_cli
+
+    quiet = ["--trainer.enable_model_summary", "false", "--trainer.enable_progress_bar", "false"]
+    assert run_cli("fit", "--config", str(CONFIGS / "pretrain_digits.yaml"), "--trainer.max_epochs", "1", *quiet) == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("Finished after 1 epoch(s)") :]
+    run = Path("runs") / "pretrain_digits" / "version_0"
+    assert "  val/acc: " in summary and "  val/loss: " in summary
+    assert f"  checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in summary
+    assert f"  run folder: {run} (config.yaml)" in summary
