@@ -422,7 +422,8 @@ def main() -> None:
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (round 1 is warm-up)")
     command = shlex.join(["python", "benchmarks/flower_overhead.py", *sys.argv[1:]])
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="flower_overhead-"))
+    # Absolute: the SuperLink, SuperNodes and flwr CLI run in folders under it, with FLWR_HOMEs under it.
+    work = (args.workdir or Path(tempfile.mkdtemp(prefix="flower_overhead-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started, date = time.perf_counter(), datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     deployment.enable_subreaper()  # adopt what the SuperNodes start, so the harness can reap it

@@ -11,7 +11,8 @@ Prints, for one model on one batch:
     python benchmarks/latent_overhead.py                      # ResNet-18, CIFAR shape, batch 128
     python benchmarks/latent_overhead.py --batch 32 --steps 2 # quicker
 
-Goals (issue #3): latent/full <= 1.05 with stored factors; streamed <= 16 MB extra peak.
+Goals (ours, not the paper's): latent/full <= 1.05 with stored factors; streamed <= 16 MB extra peak.
+Results: docs/results.md, "Overheads".
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import ResNet18
 
 MIB = 2**20
+MODES = ("stored", "regenerate", "streamed")
+
+
+def resnet18(width: int) -> ResNet18:
+    """ResNet-18 with ``width`` base channels (64: the paper's), GroupNorm groups as many as fit (32 at 64)."""
+    return ResNet18(width=width, norm_groups=min(32, width // 2))
 
 
 def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float | None) -> float:
@@ -52,7 +59,7 @@ def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: i
     return min(times)
 
 
-def peak_rss_child(mode: str) -> int:
+def peak_rss_child(mode: str, width: int = 64) -> int:
     """Peak RSS (bytes) of a fresh process that builds the mapping in ``mode`` and runs forward+backward once."""
     code = f"""
 import torch
@@ -62,7 +69,7 @@ from lightning_fl.models import ResNet18
 # baseline and each mode differ only by the memory their data needs.
 for rows in (16, CHUNK_ROWS + 1):
     OrthonormalFactor(rows, 2, 0, 0, 1).full()
-net = ResNet18()
+net = ResNet18(width={width}, norm_groups={min(32, width // 2)})
 base = {{n: p.detach() for n, p in net.named_parameters()}}
 names = [n for n, p in net.named_parameters() if p.ndim == 4]
 z = torch.zeros(1280, requires_grad=True)
@@ -83,27 +90,33 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (the minimum is kept)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--width", type=int, default=64, help="ResNet-18 base channels (smaller: quicker)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="factor modes to measure")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 100, (args.batch,))
 
-    full = Classifier(ResNet18(), 100)  # every backbone weight trains (the head stays frozen)
-    results = {"batch": args.batch, "threads": args.threads, "full_s": step_time(full, x, y, args.steps, None)}
-    for mode in ("stored", "regenerate", "streamed"):
-        latent = LatentClassifier(ResNet18(), 100, base="scratch", latent_dim=64, rank=32, factors=mode)
+    full = Classifier(resnet18(args.width), 100)  # every backbone weight trains (the head stays frozen)
+    results = {"batch": args.batch, "threads": args.threads, "width": args.width}
+    results["full_s"] = step_time(full, x, y, args.steps, None)
+    for mode in args.modes:
+        latent = LatentClassifier(resnet18(args.width), 100, base="scratch", latent_dim=64, rank=32, factors=mode)
         latent.load_state_dict({**full.state_dict(), "mapping.latent": torch.zeros(1280)})
         results[f"{mode}_s"] = step_time(latent, x, y, args.steps, 1.0)
         del latent
 
-    report = memory_report(ResNet18(), 64, 32)
-    baseline = peak_rss_child("none")
-    measured = {mode: peak_rss_child(mode) - baseline for mode in ("stored", "regenerate", "streamed")}
+    report = memory_report(resnet18(args.width), 64, 32)
+    baseline = peak_rss_child("none", args.width)
+    measured = {mode: peak_rss_child(mode, args.width) - baseline for mode in args.modes}
 
-    print(f"ResNet-18 (CIFAR stem), batch {args.batch}, {args.threads} threads, min of {args.steps} steps")
+    print(
+        f"ResNet-18 (CIFAR stem, width {args.width}), batch {args.batch}, {args.threads} threads, "
+        f"min of {args.steps} steps"
+    )
     print(f"{'step':<28}{'seconds':>10}{'/ full':>10}")
     print(f"{'full fine-tune (Adam)':<28}{results['full_s']:>10.3f}{1.0:>10.3f}")
-    for mode in ("stored", "regenerate", "streamed"):
+    for mode in args.modes:
         s = results[f"{mode}_s"]
         print(f"{'latent, ' + mode:<28}{s:>10.3f}{s / results['full_s']:>10.3f}")
     print()

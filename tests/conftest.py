@@ -137,3 +137,94 @@ PLAYS = {
     "gamma": {"FESTE": 18, "GONERIL": 16},
     "delta": {"HELENA": 22, "IAGO": 14},
 }
+
+
+# ------------------------------------------------------------------------------ toy FMP tasks
+# D feature dimensions, C classes: Gaussian blobs small enough for exact checks (test_fmp, the Bayesian baselines).
+D, C = 6, 4
+
+
+def pool(n: int = 800, seed: int = 0):
+    """``n`` points ``(h, y)``: class ``y = i % C`` shifted by 2 along axis ``y`` of ``D`` standard normals."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % C
+    h = torch.randn(n, D, generator=g) + 2.0 * torch.nn.functional.one_hot(y, D).float()
+    return h, y
+
+
+def generator():
+    """A small frozen (untrained) predictive generator configured for ``D`` and ``C``."""
+    import torch
+
+    from lightning_fl.bayes import PredictiveGenerator
+
+    torch.manual_seed(0)
+    gen = PredictiveGenerator(hidden=16, num_heads=2)
+    gen.configure(D, C)
+    return gen.eval().requires_grad_(False)
+
+
+def context(summariser=None, codec=None):
+    """An FMP ``Context`` around :func:`generator` (3 samples of 16 generated points, l2 0.05)."""
+    import torch
+
+    from lightning_fl.bayes import Context, Identity
+
+    gen = generator()
+    noise = gen.noise(3, 16, generator=torch.Generator().manual_seed(2))
+    kwargs = {"codec": codec} if codec is not None else {}
+    return Context(gen, summariser or Identity(), l2=0.05, noise=noise, **kwargs)
+
+
+# CLI overrides that shrink an FMP config (configs/fmp_*.yaml) to seconds.
+FMP_SHRINK = [
+    "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.generator_training.steps", "3",
+    "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
+    "--model.num_generated", "20", "--model.test_samples", "2", "--data.meta_tasks", "40",
+]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ fake image files on disk
+def write_idx(path: Path, array, gz: bool) -> None:
+    """Write ``array`` (uint8) as an IDX file (MNIST's format), gzipped as ``path.gz`` when ``gz``."""
+    import gzip
+    import struct
+
+    import numpy as np
+
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        data = gzip.compress(data)
+    path.write_bytes(data)
+
+
+def fake_mnist_folder(folder: Path, n_train=40, n_test=20, gz=True):
+    """Random 28x28 images in MNIST's four IDX files under ``folder``; returns the training images and labels."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 256, (n_train, 28, 28))
+    labels = np.arange(n_train) % 10
+    write_idx(folder / "train-images-idx3-ubyte", train, gz)
+    write_idx(folder / "train-labels-idx1-ubyte", labels, gz)
+    write_idx(folder / "t10k-images-idx3-ubyte", rng.integers(0, 256, (n_test, 28, 28)), gz)
+    write_idx(folder / "t10k-labels-idx1-ubyte", np.arange(n_test) % 10, gz)
+    return train, labels
+
+
+def fake_cifar(folder: Path, names: list[str], label_key: bytes, n=20, classes=10) -> None:
+    """CIFAR python batches ``names`` in ``folder``: ``n`` random 32x32 images each, labels ``i % classes``."""
+    import pickle
+
+    import numpy as np
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in names:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), label_key: list(np.arange(n) % classes)}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))

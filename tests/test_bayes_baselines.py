@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_fmp import C, D, context, pool
 
+from conftest import FMP_SHRINK, C, D, context, pool
 from lightning_fl.bayes import FMP, TaskSampler
 from lightning_fl.bayes.baselines.cbnn import CBNN, consensus
 from lightning_fl.bayes.baselines.cfmp import CFMP
@@ -144,8 +144,6 @@ def test_bayesian_baselines_run_with_the_paper_byte_counts():
 
 
 def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
-    from test_fmp import SHRINK
-
     from conftest import CONFIGS, capture_test_results, run_cli
 
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
@@ -154,10 +152,10 @@ def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
                '{"class_path": "lightning_fl.bayes.baselines.laplace.BNN", '
                '"init_args": {"prior_precision": 2.5}}]')  # fmt: skip
     config = str(CONFIGS / "fmp_digits.yaml")
-    assert run_cli("fit", "--config", config, *SHRINK, "--model.methods", methods) == 0
+    assert run_cli("fit", "--config", config, *FMP_SHRINK, "--model.methods", methods) == 0
     captured = capture_test_results(monkeypatch)
     ckpt = in_tmp / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
-    assert run_cli("test", "--config", config, *SHRINK, "--model.methods", methods, "--ckpt_path", str(ckpt)) == 0
+    assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.methods", methods, "--ckpt_path", str(ckpt)) == 0
     metrics = captured["out"][0]
     for name in ("cbnn", "cfmp", "bnn"):
         assert f"test/{name}/acc" in metrics and f"test/{name}/ece" in metrics

@@ -1,12 +1,11 @@
-import gzip
 import pickle
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import fake_cifar, fake_mnist_folder
 from lightning_fl.data import (
     CIFAR10,
     CIFAR100,
@@ -21,27 +20,6 @@ from lightning_fl.data import (
     read_idx,
 )
 from lightning_fl.errors import ConfigError, DatasetNotFoundError
-
-
-def write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
-    data = header + array.astype(np.uint8).tobytes()
-    if gz:
-        path = path.with_name(path.name + ".gz")
-        data = gzip.compress(data)
-    path.write_bytes(data)
-
-
-def fake_mnist_folder(folder: Path, n_train=40, n_test=20, gz=True) -> tuple[np.ndarray, np.ndarray]:
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    train = rng.integers(0, 256, (n_train, 28, 28))
-    labels = np.arange(n_train) % 10
-    write_idx(folder / "train-images-idx3-ubyte", train, gz)
-    write_idx(folder / "train-labels-idx1-ubyte", labels, gz)
-    write_idx(folder / "t10k-images-idx3-ubyte", rng.integers(0, 256, (n_test, 28, 28)), gz)
-    write_idx(folder / "t10k-labels-idx1-ubyte", np.arange(n_test) % 10, gz)
-    return train, labels
 
 
 @pytest.mark.parametrize("gz", [True, False])
@@ -91,14 +69,6 @@ def test_failed_download_is_reported(in_tmp, monkeypatch):
     monkeypatch.setattr(CIFAR10, "fetch", offline)
     with pytest.raises(DatasetNotFoundError, match=r"download into .* failed: OSError: Name or service not known"):
         CIFAR10(root=str(in_tmp / "c10")).prepare()
-
-
-def fake_cifar(folder: Path, names: list[str], label_key: bytes, n=20, classes=10) -> None:
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name in names:
-        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), label_key: list(np.arange(n) % classes)}
-        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
 
 
 def test_cifar10_and_cifar100_read_python_batches(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fmp import C, D, pool
 
+from conftest import C, D, pool
 from lightning_fl.bayes import Context, Identity, PredictiveGenerator, RandomSelection, TaskSampler
 from lightning_fl.bayes.baselines.bpc import BPC, softmax_hessian
 from lightning_fl.bayes.baselines.fedlpa import FedLPA, gaussian_samples, kfac_aggregate, kfac_factors

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import FMP_SHRINK, C, D, context, generator, pool
 from lightning_fl.bayes import (
     ANN,
     CANN,
@@ -12,7 +13,6 @@ from lightning_fl.bayes import (
     LANN,
     LMP,
     MP,
-    Context,
     FederatedTasks,
     FMPMetaLearner,
     GeneratorTraining,
@@ -27,22 +27,6 @@ from lightning_fl.bayes.predictive import refit
 from lightning_fl.bayes.tasks import make_points, split_points
 from lightning_fl.compress import Quantize
 from lightning_fl.data import PixelFeatures
-
-D, C = 6, 4
-
-
-def pool(n: int = 800, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % C
-    h = torch.randn(n, D, generator=g) + 2.0 * torch.nn.functional.one_hot(y, D).float()
-    return h, y
-
-
-def generator() -> PredictiveGenerator:
-    torch.manual_seed(0)
-    gen = PredictiveGenerator(hidden=16, num_heads=2)
-    gen.configure(D, C)
-    return gen.eval().requires_grad_(False)
 
 
 # ------------------------------------------------------------------------- tasks
@@ -133,13 +117,6 @@ def test_mean_pooling_keeps_the_client_mean():
 
 
 # ------------------------------------------------------------------------- protocol
-def context(summariser=None, codec=None) -> Context:
-    gen = generator()
-    noise = gen.noise(3, 16, generator=torch.Generator().manual_seed(2))
-    kwargs = {"codec": codec} if codec is not None else {}
-    return Context(gen, summariser or Identity(), l2=0.05, noise=noise, **kwargs)
-
-
 def test_fmp_with_identity_summariser_is_exactly_mp():
     task = TaskSampler(*pool(), C, 3, 30).sample(0)
     ctx = context(Identity())
@@ -266,26 +243,19 @@ def test_mixed_precision_meta_training_step_runs_on_cpu(tmp_path, precision):
 
 
 # ------------------------------------------------------------------------- CLI end to end
-SHRINK = [
-    "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.generator_training.steps", "3",
-    "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
-    "--model.num_generated", "20", "--model.test_samples", "2", "--data.meta_tasks", "40",
-]  # fmt: skip
-
-
 def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypatch):
     from conftest import CONFIGS, capture_test_results, run_cli
 
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     config = str(CONFIGS / "fmp_digits.yaml")
-    assert run_cli("fit", "--config", config, *SHRINK) == 0
+    assert run_cli("fit", "--config", config, *FMP_SHRINK) == 0
     ckpt = in_tmp / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
     assert ckpt.is_file()
     captured = capture_test_results(monkeypatch)
     # The generator comes from the checkpoint: clearing the cache must not trigger training.
     monkeypatch.setattr(FMPMetaLearner, "_train_generator", lambda *a: pytest.fail("generator retrained"))
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "empty_cache"))
-    assert run_cli("test", "--config", config, *SHRINK, "--ckpt_path", str(ckpt)) == 0
+    assert run_cli("test", "--config", config, *FMP_SHRINK, "--ckpt_path", str(ckpt)) == 0
     metrics = captured["out"][0]
     for key in [
         "test/acc",
@@ -305,12 +275,30 @@ def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypat
     assert 0.3 < metrics["test/acc"] <= 1.0
 
 
-def test_config_mistakes_are_named(in_tmp):
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        (["--model.l2", "0"], r"model \(FMPMetaLearner\): l2 must be > 0, got 0"),
+        (
+            ["--data.points_per_client", "5000", *FMP_SHRINK],
+            r"data: the meta-training pool \(\d+ points\) cannot hold these tasks: .*points_per_client.*"
+            r": lower points_per_client or num_clients, or raise min_classes",
+        ),
+    ],
+    ids=["l2", "points_per_client"],
+)
+def test_config_mistakes_are_named(in_tmp, monkeypatch, capsys, override, named):
+    """Exit code 2 and one ``error:`` line that names the key and says what to change."""
+    import re
+
     from conftest import CONFIGS, run_cli
 
-    config = str(CONFIGS / "fmp_digits.yaml")
-    assert run_cli("fit", "--config", config, "--model.l2", "0") == 2
-    assert run_cli("fit", "--config", config, "--data.points_per_client", "5000", *SHRINK) == 2
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    capsys.readouterr()
+    assert run_cli("fit", "--config", str(CONFIGS / "fmp_digits.yaml"), *override) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, errors
+    assert re.search(named, errors[0]), errors[0]
 
 
 def test_a_malformed_summary_upload_is_refused_with_the_client_named():

@@ -8,13 +8,11 @@ selection, feature cache, generator, meta-training and the one-shot test are the
 from __future__ import annotations
 
 import pytest
-from test_data import fake_cifar, fake_mnist_folder
-from test_fmp import SHRINK
 
-from conftest import CONFIGS, capture_test_results, run_cli
+from conftest import CONFIGS, FMP_SHRINK, capture_test_results, fake_cifar, fake_mnist_folder, run_cli
 
 SMALL = [
-    *SHRINK, "--data.num_clients", "2", "--data.points_per_client", "10", "--model.summariser.num_points", "5",
+    *FMP_SHRINK, "--data.num_clients", "2", "--data.points_per_client", "10", "--model.summariser.num_points", "5",
     "--data.features.init_args.epochs", "1", "--data.heldout_points", "40",
 ]  # fmt: skip
 NARROW_RESNET = [

@@ -164,9 +164,28 @@ def test_layer_selection_and_latent_dims():
 
 
 def test_scratch_base_keeps_the_random_initialisation():
+    def weights(module):
+        return {k: v for k, v in module.state_dict().items() if k.startswith(("backbone.", "head."))}
+
+    def fresh_init(seed):  # the same draws from the global RNG, in the same order, without the latent
+        torch.manual_seed(seed)
+        return Classifier(SmallCNN(image_size=8), 10)
+
     torch.manual_seed(1)
     model = LatentClassifier(SmallCNN(image_size=8), 10, base="scratch")
     assert isinstance(model.backbone.features[0], nn.Conv2d)
     assert model._base_ready
+    plain = fresh_init(1)
+    base, same_seed, other_seed = weights(model), weights(plain), weights(fresh_init(2))
+    assert list(base) == list(same_seed) and any(k.startswith("head.") for k in base)
+    for name, w in base.items():
+        assert torch.equal(w, same_seed[name]), f"{name} is not the seed's initialisation"
+    mapped = [k for k, v in base.items() if k.startswith("backbone.") and v.ndim > 1]  # conv and linear weights
+    assert len(mapped) >= 3
+    for name in mapped:  # random: neither constant (e.g. zeroed) nor what another seed draws
+        assert base[name].std() > 0 and not torch.equal(base[name], other_seed[name]), name
+    assert not model.mapping.latent.any()  # the latent starts at zero, so the model computes the base's outputs
+    x = torch.randn(3, 1, 8, 8)
+    torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match="drop one of them"):
         LatentClassifier(SmallCNN(image_size=8), 10, base="scratch", base_checkpoint="x.ckpt")

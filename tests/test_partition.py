@@ -45,25 +45,46 @@ def test_iid_sizes_differ_by_at_most_one(targets, num_clients, seed):
     assert max(sizes) - min(sizes) <= 1
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    num_clients=st.integers(2, 10),
-    min_size=st.integers(1, 30),
-    seed=st.integers(0, 2**31),
-    alpha=st.sampled_from([0.3, 1.0, 10.0]),
-)
-def test_dirichlet_honours_min_partition_size_or_raises_a_clear_error(num_clients, min_size, seed, alpha):
-    targets = np.repeat(np.arange(5), 60)
-    partitioner = Dirichlet(alpha=alpha, min_partition_size=min_size, max_retries=20)
-    try:
-        parts = partitioner(targets, num_clients, seed)
-    except ConfigError as err:
-        message = str(err)
-        parts = None
-    if parts is None:
-        assert "min_partition_size" in message and "alpha" in message
-    else:
+TARGETS_5X60 = np.repeat(np.arange(5), 60)  # 300 samples, 5 classes
+
+
+@pytest.mark.parametrize("setting", ["feasible", "unreachable", "too_large"])
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), balance=st.booleans(), data=st.data())
+def test_dirichlet_honours_min_partition_size_or_raises_a_clear_error(setting, seed, balance, data):
+    """Each setting has one right outcome, and each is run.
+
+    - feasible: alpha >= 10 gives each of <= 10 clients about 300 / num_clients >= 30 samples (over 1,000
+      seeds, with and without balance, the smallest of 10 clients never held fewer than 17 in one draw), so
+      with min size <= 10 it must succeed and honour it;
+    - unreachable: alpha = 0.001 hands each of the 5 classes to about one client, yet every one of >= 6
+      clients must hold a full equal share (no single draw of 15,000 tried, with or without balance, did):
+      it must refuse after its draws, saying what to change;
+    - too_large: min size x clients exceeds the samples: refused up front, naming both keys.
+    """
+    num_clients = data.draw(st.integers(2 if setting == "feasible" else 6, 10), label="num_clients")
+    if setting == "feasible":
+        alpha = data.draw(st.sampled_from([10.0, 100.0]), label="alpha")
+        min_size = data.draw(st.integers(1, 10), label="min_size")
+        partitioner = Dirichlet(alpha=alpha, min_partition_size=min_size, balance=balance, max_retries=20)
+        parts = partitioner(TARGETS_5X60, num_clients, seed)
+        assert len(parts) == num_clients
         assert min(len(p) for p in parts) >= min_size
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(len(TARGETS_5X60)))
+    elif setting == "unreachable":
+        min_size = len(TARGETS_5X60) // num_clients  # the total fits, so the up-front check passes
+        partitioner = Dirichlet(alpha=0.001, min_partition_size=min_size, balance=balance, max_retries=5)
+        with pytest.raises(ConfigError) as err:
+            partitioner(TARGETS_5X60, num_clients, seed)
+        assert f"{num_clients} clients at least {min_size} samples in 5 draws" in str(err.value)
+        fix = "Raise data.partition.alpha, lower data.num_clients, or lower data.partition.min_partition_size."
+        assert fix in str(err.value)
+    else:
+        min_size = len(TARGETS_5X60) // num_clients + 1
+        partitioner = Dirichlet(alpha=100.0, min_partition_size=min_size, balance=balance)
+        key = rf"data.partition.min_partition_size={min_size} x data.num_clients={num_clients} exceeds"
+        with pytest.raises(ConfigError, match=key + r" the 300 client samples; lower one of them"):
+            partitioner(TARGETS_5X60, num_clients, seed)
 
 
 def test_dirichlet_impossible_minimum_names_the_keys():

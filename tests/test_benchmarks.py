@@ -1,0 +1,157 @@
+"""Every script in benchmarks/ runs end to end at a tiny size, so the benchmarks cannot rot.
+
+Each run is a subprocess (as a user runs it: ``python benchmarks/<script> ...``) in an empty folder, with
+``OMP_NUM_THREADS=1``, the package's caches under that folder and a timeout; the numbers it prints are not
+checked, only that it finishes and prints its report. A new script must get a case in ``CASES``.
+Flower's deployment benchmark and the threads benchmark start several full runs however small their
+settings, so they are ``slow`` (``pytest -m slow``); by default only their options are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from conftest import REPO
+
+BENCHMARKS = REPO / "benchmarks"
+
+
+@dataclass
+class Case:
+    args: list[str]  # the smallest sizes and steps the script offers
+    expect: str  # a line of its report that it prints last, or near the end
+    slow: bool = False
+    timeout: float = 180.0
+    outputs: list[str] = field(default_factory=list)  # files it must write (relative to the run's folder)
+    needs: str | None = None  # a module of an optional extra it needs
+
+
+CASES = {
+    "erm.py": Case(
+        ["--n", "20", "--extra", "5", "--d", "4", "--classes", "3", "--samples", "2", "--repeats", "1",
+         "--threads", "1"],
+        '"rows": [',
+    ),
+    "generator.py": Case(
+        ["--data", "digits", "--steps", "1", "--hidden", "8", "--num-generated", "5", "--eval-tasks", "1",
+         "--samples", "2", "--threads", "1"],
+        "| generator, trained |",
+    ),
+    "gpt_step.py": Case(
+        ["--batch", "1", "--context", "8", "--vocab", "11", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+         "--steps", "1", "--warmup", "1", "--threads", "1", "--latent", "4", "--rank", "2"],
+        "step (fwd+bwd+Adam) over 1:",
+    ),
+    "latent_overhead.py": Case(
+        ["--batch", "2", "--steps", "1", "--threads", "1", "--width", "8", "--modes", "streamed"],
+        '"streamed_extra_peak_bytes":',
+    ),
+    "round_overhead.py": Case(["--samples", "64", "--batch", "16", "--clients", "2"], '"ratio":'),
+    "flower_overhead.py": Case(
+        ["--workloads", "quickstart", "--clients", "2", "--rounds", "2", "--repeats", "1", "--round-timeout", "120",
+         "--run-timeout", "300", "--workdir", "work", "--out", "flower_overhead"],  # a relative workdir on purpose
+        "wrote ",
+        slow=True,
+        timeout=900.0,
+        outputs=["flower_overhead.csv", "flower_overhead.md"],
+        needs="flwr",  # the "flower" extra
+    ),
+    "threads.py": Case(
+        ["--rounds", "1", "--repeats", "1", "--root", "runs", "--out", "threads.json"],
+        "wrote threads.json",
+        slow=True,
+        timeout=900.0,
+        outputs=["threads.json"],
+    ),
+}  # fmt: skip
+
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+
+
+def run_script(script: str, args: list[str], folder, timeout: float) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script> args`` in ``folder``; its process group is killed if it outlives ``timeout``."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TQDM_DISABLE="1",
+        PYTHONUNBUFFERED="1",
+        LIGHTNING_FL_CACHE=str(folder / "cache"),
+        LIGHTNING_FL_DATA=str(folder / "data"),
+        PYTHONPATH=os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p),
+    )
+    cmd = [sys.executable, str(BENCHMARKS / script), *args]
+    proc = subprocess.Popen(
+        cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script's own group: it and whatever it started
+        out, err = proc.communicate()
+        pytest.fail(f"{script} ran past {timeout:.0f} s\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_every_benchmark_has_a_tiny_case():
+    assert SCRIPTS, f"no scripts found in {BENCHMARKS}"
+    missing = [s for s in SCRIPTS if s not in CASES]
+    assert not missing, f"add a tiny run of {missing} to CASES in {__file__}"
+
+
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=[pytest.mark.slow] if s in CASES and CASES[s].slow else []) for s in SCRIPTS]
+)
+def test_benchmark_runs_at_a_tiny_size(script, tmp_path):
+    if script not in CASES:
+        pytest.fail(f"{script} has no tiny case in CASES")
+    case = CASES[script]
+    if case.needs:
+        pytest.importorskip(case.needs)
+    proc = run_script(script, case.args, tmp_path, case.timeout)
+    report = (
+        f"{script} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    )
+    assert proc.returncode == 0, report
+    assert case.expect in proc.stdout, report
+    for name in case.outputs:
+        assert (tmp_path / name).is_file(), f"{script} did not write {name}\n{report}"
+    last = proc.stdout.strip().splitlines()[-1]
+    if last.startswith("{"):  # scripts that end with their results as JSON: every number in it is finite
+        numbers = list(_numbers(json.loads(last)))
+        assert numbers and all(math.isfinite(x) for x in numbers), last
+
+
+def _numbers(value):
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield float(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _numbers(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _numbers(v)
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s in CASES and CASES[s].slow])
+def test_slow_benchmarks_still_take_their_tiny_options(script, tmp_path):
+    """The slow cases run only under ``-m slow``; their imports and the options they use are checked always."""
+    proc = run_script(script, ["--help"], tmp_path, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    options = [a for a in CASES[script].args if a.startswith("--")]
+    assert options
+    usage = proc.stdout.split("\n\n")[0]  # "usage: ... [--option VALUE] ...", before the description
+    assert usage.startswith("usage:"), proc.stdout[:500]
+    for option in options:
+        assert re.search(rf"(?<![\w-]){option}(?![\w-])", usage), f"{script} no longer takes {option}:\n{usage}"
