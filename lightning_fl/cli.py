@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
 from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.quiet import quiet_lightning
 from lightning_fl.threads import set_threads
 from lightning_fl.trainer_api import TrainerLike, write_config
 
@@ -642,6 +643,7 @@ def build(argv: list[str]) -> Run:
     Raises :class:`ConfigParseError` or :class:`~lightning_fl.errors.UserError` with one line naming the key.
     Used by :func:`main` and by the Flower apps, which build the same run from the same arguments.
     """
+    quiet_lightning()
     parser, subparsers = _build()
     subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
     try:

@@ -55,3 +55,21 @@ def test_a_lightning_trainer_fit_ends_with_a_summary(in_tmp, capsys):
     assert "  val/acc: " in summary and "  val/loss: " in summary
     assert f"  checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in summary
     assert f"  run folder: {run} (config.yaml)" in summary
+
+
+def test_a_run_prints_none_of_lightnings_noise(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import CONFIGS
+
+    env = {**os.environ, "LIGHTNING_FL_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "lightning_fl", "fit", "--config", str(CONFIGS / "pretrain_digits.yaml")]
+    cmd += ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout + done.stderr
+    assert "Finished after 1 epoch(s)" in out  # what a user needs is still there
+    for noise in ("Tip:", "GPU available: False", "TPU available: False", "LeafSpec", "in eval mode at the start"):
+        assert noise not in out, noise

@@ -258,11 +258,18 @@ class RoundRunner:
         return {c: values for part in everyone for c, values in part.items()}
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every process's ``t`` (same shape everywhere), concatenated in rank order along the first dimension.
+
+        ``torch.distributed.all_gather`` directly: no autograd is needed here, and Fabric's ``all_gather`` goes
+        through a deprecated differentiable version that warns on every run.
+        """
         fabric = self.fabric
         if fabric.world_size == 1:
             return t
-        gathered = fabric.all_gather(fabric.to_device(t))
-        return gathered.reshape(-1, *t.shape[1:]).cpu()
+        mine = fabric.to_device(t).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(fabric.world_size)]
+        dist.all_gather(parts, mine)
+        return torch.cat(parts).cpu()
 
 
 def update_norms(uploads: torch.Tensor, current: torch.Tensor) -> torch.Tensor:

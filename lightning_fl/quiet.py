@@ -1,0 +1,48 @@
+"""Lightning's and torch's messages that say nothing to a user of this package, filtered out by the CLI.
+
+Each pattern is a line a run prints without reason here: advertising tips, the availability of accelerators the
+machine does not have, a deprecation inside Lightning's own code, a warning that frozen (eval-mode) modules exist
+(FLITE's frozen base is meant to be), and checkpoint-folder chatter when ``test`` reads another run's checkpoint.
+Warnings and errors a user can act on are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+#: Lightning log lines (INFO) that are dropped.
+LOG_NOISE = (
+    r"💡 Tip: ",  # litlogger / litmodels advertisements
+    r"GPU available: False",  # no GPU: nothing to report
+    r"TPU available: False",
+    r"HPU available: False",
+)
+#: Python warnings (message starts) that are ignored.
+WARNING_NOISE = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # raised inside Lightning's own pytree helper
+    r"Found \d+ module\(s\) in eval mode at the start of training",  # frozen bases are in eval mode on purpose
+    r"The dirpath has changed from",  # `test --ckpt_path` of another run's checkpoint
+)
+LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+class _DropNoise(logging.Filter):
+    pattern = re.compile("|".join(LOG_NOISE))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+_FILTER = _DropNoise()
+
+
+def quiet_lightning() -> None:
+    """Install the filters (idempotent): drop :data:`LOG_NOISE` log lines and ignore :data:`WARNING_NOISE`."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    for message in WARNING_NOISE:
+        warnings.filterwarnings("ignore", message=message)
