@@ -66,12 +66,13 @@ class RunSummaryCallback(Callback):
     """Prints what a ``lightning.Trainer`` fit reached and where its files are, when it ends (rank 0)."""
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        log_dir = trainer.log_dir  # collective: every rank must ask
         if trainer.is_global_zero:
-            print(lightning_summary(trainer), flush=True)
+            print(lightning_summary(trainer, log_dir), flush=True)
 
 
-def lightning_summary(trainer: L.Trainer) -> str:
-    """The final ``val/*`` metrics, the epochs and steps, the checkpoints and the run folder of a finished fit."""
+def lightning_summary(trainer: L.Trainer, log_dir: str | None) -> str:
+    """The final ``val/*`` metrics, the epochs and steps, the checkpoint and the run folder (``log_dir``) of a fit."""
     lines = [f"Finished after {trainer.current_epoch} epoch(s) ({trainer.global_step} optimiser steps)."]
     metrics = trainer.callback_metrics
     for key in sorted(k for k in metrics if k.startswith("val/")):
@@ -79,10 +80,10 @@ def lightning_summary(trainer: L.Trainer) -> str:
     checkpoint = trainer.checkpoint_callback
     if checkpoint is not None and getattr(checkpoint, "last_model_path", ""):
         lines.append(f"  checkpoint: {checkpoint.last_model_path}")
-    if trainer.log_dir is not None:
-        lines.append(f"  run folder: {trainer.log_dir} (config.yaml)")
+    if log_dir is not None:
+        lines.append(f"  run folder: {log_dir} (config.yaml)")
         if trainer.loggers:
-            lines.append(f"  TensorBoard: tensorboard --logdir {Path(trainer.log_dir).parent}")
+            lines.append(f"  TensorBoard: tensorboard --logdir {Path(log_dir).parent}")
     return "\n".join(lines)
 
 
