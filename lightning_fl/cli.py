@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
 from lightning_fl.errors import ConfigError, UserError
-from lightning_fl.quiet import quiet_lightning
+from lightning_fl.quiet import quiet_lightning, show_progress
 from lightning_fl.threads import set_threads
 from lightning_fl.trainer_api import TrainerLike, write_config
 
@@ -645,6 +645,7 @@ def build(argv: list[str]) -> Run:
     Used by :func:`main` and by the Flower apps, which build the same run from the same arguments.
     """
     quiet_lightning()
+    show_progress()
     parser, subparsers = _build()
     subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
     try:

@@ -3,13 +3,15 @@
 Each pattern is a line a run prints without reason here: advertising tips, the availability of accelerators the
 machine does not have, a deprecation inside Lightning's own code, a warning that frozen (eval-mode) modules exist
 (FLITE's frozen base is meant to be), and checkpoint-folder chatter when ``test`` reads another run's checkpoint.
-Warnings and errors a user can act on are kept.
+Warnings and errors a user can act on are kept. :func:`show_progress` prints the package's own progress lines
+(long phases: pretraining a base, training FMP's generator) that would otherwise stay silent.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
 
 #: Lightning log lines (INFO) that are dropped.
@@ -46,3 +48,28 @@ def quiet_lightning() -> None:
             logger.addFilter(_FILTER)
     for message in WARNING_NOISE:
         warnings.filterwarnings("ignore", message=message)
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to whatever ``sys.stderr`` is when a record comes (not the stream of its creation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # the base class assigns it once; we always look it up
+        pass
+
+
+def show_progress() -> None:
+    """Print the package's own progress lines (INFO and above of the ``lightning_fl`` loggers) on stderr."""
+    logger = logging.getLogger("lightning_fl")
+    if not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

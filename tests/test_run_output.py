@@ -73,3 +73,16 @@ def test_a_run_prints_none_of_lightnings_noise(tmp_path):
     assert "Finished after 1 epoch(s)" in out  # what a user needs is still there
     for noise in ("Tip:", "GPU available: False", "TPU available: False", "LeafSpec", "in eval mode at the start"):
         assert noise not in out, noise
+
+
+def test_pretraining_a_base_shows_progress(in_tmp, capsys, monkeypatch):
+    from conftest import CONFIGS, run_cli
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    args = ["--trainer.rounds", "1", "--model.pretraining.epochs", "2", "--trainer.enable_progress_bar", "false"]
+    assert run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *args) == 0
+    err = capsys.readouterr().err
+    assert "Pretraining the base for 2 epochs" in err
+    lines = [line for line in err.splitlines() if line.startswith("pretraining epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["pretraining epoch 1/2", "pretraining epoch 2/2"]
+    assert all("val/acc " in line for line in lines)

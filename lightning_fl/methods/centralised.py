@@ -10,6 +10,7 @@ torchmetrics synchronisation switched off, and writes TensorBoard scalars per ep
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +20,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lightning_fl.context import StepContext, attached
 from lightning_fl.methods.schedules import warmup_cosine_factor
+
+log = logging.getLogger(__name__)
+PROGRESS = ("train/loss", "val/acc", "val/loss")  # what the progress lines show
 
 
 def resolve_device(accelerator: str) -> torch.device:
@@ -90,6 +94,9 @@ def train_classifier(
                     step += 1
             metrics = sink.reduce()
             metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, precision))
+            if (epoch + 1) % max(1, epochs // 10) == 0 or epoch + 1 == epochs:  # a line every tenth of the run
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k in PROGRESS)
+                log.info("pretraining epoch %d/%d: %s", epoch + 1, epochs, shown)
             if writer is not None:
                 for key, value in metrics.items():
                     writer.add_scalar(key, value, epoch + 1)
