@@ -50,19 +50,14 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-class _CurrentStderr(logging.StreamHandler):
+class _CurrentStderr(logging.Handler):
     """A handler that writes to whatever ``sys.stderr`` is when a record comes (not the stream of its creation)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:  # the base class assigns it once; we always look it up
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
 
 
 def show_progress() -> None:

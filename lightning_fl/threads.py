@@ -44,17 +44,17 @@ def set_threads(threads: int | None = None, processes: int = 1) -> int:
     if threads is not None and (isinstance(threads, bool) or int(threads) != threads or threads < 1):
         raise ConfigError(f"threads must be a whole number >= 1 or null (the default), got {threads!r}")
     _explicit = threads is not None
-    n = int(threads) if threads is not None else default_threads(processes)
-    torch.set_num_threads(n)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
-    return n
+    return _apply(int(threads) if threads is not None else default_threads(processes))
 
 
 def share_among(processes: int) -> int:
     """In one of ``processes`` processes sharing this machine's cores: its default share, unless explicit."""
     if processes <= 1 or _explicit:
         return torch.get_num_threads()
-    n = default_threads(processes)
+    return _apply(default_threads(processes))
+
+
+def _apply(n: int) -> int:
     torch.set_num_threads(n)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
     return n

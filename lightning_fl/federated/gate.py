@@ -42,10 +42,16 @@ def check_upload(decoded: State, reference: State, payload: Payload) -> list[str
         elif not torch.isfinite(got).all():
             bad = int((~torch.isfinite(got)).sum())
             problems.append(f"{name}: {bad} non-finite values")
+    problems += size_problems(payload, reference)
+    return problems
+
+
+def size_problems(payload: Payload, reference: State) -> list[str]:
+    """The size cap: no larger than sending ``reference`` in float32, plus 64 bytes per tensor."""
     cap = sum(t.numel() * 4 + 64 for t in reference.values())
     if payload.nbytes > cap:
-        problems.append(f"payload is {payload.nbytes} bytes, more than the {cap} of sending the state in float32")
-    return problems
+        return [f"payload is {payload.nbytes} bytes, more than the {cap} of sending the state in float32"]
+    return []
 
 
 def check_layout(payload: Payload, reference: State) -> list[str]:
@@ -82,9 +88,7 @@ def screen_upload(
     problems = check_layout(payload, reference)
     if problems:
         return None, problems
-    cap = sum(t.numel() * 4 + 64 for t in reference.values())
-    if payload.nbytes > cap:
-        problems.append(f"payload is {payload.nbytes} bytes, more than the {cap} of sending the state in float32")
+    problems += size_problems(payload, reference)
     try:
         problems += codec.check_payload(payload, reference)
     except Exception as err:  # a codec's own check must not take the server down either
