@@ -1,4 +1,4 @@
-"""Batched ERM for S posterior samples (lightning_fl.bayes.fit_softmax) against S scikit-learn fits.
+"""Batched ERM for S posterior samples (lightning_fl.oneshot.fit_softmax) against S scikit-learn fits.
 
 FMP refits a bias-free linear softmax classifier (C x D) once per martingale-posterior sample. This
 times one batched ``fit_softmax`` call for S samples against S sequential
@@ -31,7 +31,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from threadpoolctl import threadpool_limits
 
-from lightning_fl.bayes import fit_softmax
+from lightning_fl.oneshot import fit_softmax
 
 
 def make_data(n: int, extra: int, d: int, classes: int, samples: int, sep: float, seed: int):

@@ -1,7 +1,7 @@
 """Does the trained predictive generator beat naive resampling? Held-out scores on target tasks.
 
 Trains FMP's predictive generator (``Z' = MAB(E, MAB(g(Z), E))``) on meta-training tasks with the
-objective of :func:`lightning_fl.bayes.predictive.generator_loss`, then scores points held out from
+objective of :func:`lightning_fl.oneshot.predictive.generator_loss`, then scores points held out from
 target-pool tasks (data the generator never saw) under three posterior predictives, each the mean
 softmax of S models refit by the same ERM: on ``Z`` alone (``erm``), on ``Z`` plus a bootstrap
 resample of ``Z`` (``bootstrap``, naive predictive resampling) and on ``Z`` plus generated points
@@ -20,10 +20,16 @@ import time
 
 import torch
 
-from lightning_fl.bayes import FederatedTasks, GeneratorTraining, PredictiveGenerator
-from lightning_fl.bayes.generator_training import evaluate_generator, train_generator
-from lightning_fl.data import Digits, ExtractedFeatures, FashionMNIST, PixelFeatures
+from lightning_fl.data import Digits, FashionMNIST
 from lightning_fl.models import SmallCNN
+from lightning_fl.oneshot import (
+    ExtractedFeatures,
+    FederatedTasks,
+    GeneratorTraining,
+    PixelFeatures,
+    PredictiveGenerator,
+)
+from lightning_fl.oneshot.generator_training import evaluate_generator, train_generator
 
 
 def tasks(name: str, seed: int) -> FederatedTasks:

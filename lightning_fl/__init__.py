@@ -1,12 +1,12 @@
 """lightning_fl: communication-efficient (FLITE) and Bayesian (FMP) federated learning on Lightning.
 
 Importing the package imports every plug-in so the CLI can resolve short class names
-(``--model Classifier``, ``--data.source FashionMNIST``).
+(``--model Classifier``, ``--model FMPMetaLearner``, ``--data.source FashionMNIST``).
 """
 
 __version__ = "0.1.0"
 
-from lightning_fl import compress, data, mapping, methods, models
+from lightning_fl import compress, data, mapping, methods, models, oneshot
 from lightning_fl.data import FederatedDataModule
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError, UserError
 from lightning_fl.federated import FederatedTrainer
@@ -32,5 +32,6 @@ __all__ = [
     "mapping",
     "methods",
     "models",
+    "oneshot",
     "set_threads",
 ]

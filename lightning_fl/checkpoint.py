@@ -1,9 +1,10 @@
-"""Checkpoint files: crash-safe writes, safe reads, content digests for caches, and the package's cache folder."""
+"""Checkpoint files: crash-safe writes, safe reads, content digests and the package's content-addressed caches."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import tempfile
@@ -19,6 +20,25 @@ def default_cache_dir() -> Path:
     """``$LIGHTNING_FL_CACHE`` or ``~/.cache/lightning_fl`` (pretrained bases and other derived files)."""
     env = os.environ.get("LIGHTNING_FL_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_fl"
+
+
+def cache_key_text(key: dict[str, Any]) -> str:
+    """The canonical text of a cache key (sorted JSON; objects by ``str``): what a cache file records and is
+    hashed to name it."""
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def cache_file(kind: str, key: dict[str, Any], filename: str, cache_dir: str | Path | None = None) -> Path:
+    """Where the derived file described by ``key`` lives: ``<cache_dir>/<kind>/<digest>/<filename>``.
+
+    ``digest`` is the first 16 hex digits of the SHA-256 of :func:`cache_key_text`; ``cache_dir`` defaults to
+    :func:`default_cache_dir`. Everything that determines the file's contents belongs in ``key``, so a changed
+    setting is a new folder, never a stale hit. The package's three caches use it: pretrained bases
+    (``bases/``), extracted features (``features/``) and FMP's predictive generators (``generators/``).
+    """
+    digest = hashlib.sha256(cache_key_text(key).encode()).hexdigest()[:16]
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    return root / kind / digest / filename
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:

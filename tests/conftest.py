@@ -158,7 +158,7 @@ def generator():
     """A small frozen (untrained) predictive generator configured for ``D`` and ``C``."""
     import torch
 
-    from lightning_fl.bayes import PredictiveGenerator
+    from lightning_fl.oneshot import PredictiveGenerator
 
     torch.manual_seed(0)
     gen = PredictiveGenerator(hidden=16, num_heads=2)
@@ -170,7 +170,7 @@ def context(summariser=None, codec=None):
     """An FMP ``Context`` around :func:`generator` (3 samples of 16 generated points, l2 0.05)."""
     import torch
 
-    from lightning_fl.bayes import Context, Identity
+    from lightning_fl.oneshot import Context, Identity
 
     gen = generator()
     noise = gen.noise(3, 16, generator=torch.Generator().manual_seed(2))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import FMP_SHRINK, C, D, context, pool
-from lightning_fl.bayes import FMP, TaskSampler
-from lightning_fl.bayes.baselines.cbnn import CBNN, consensus
-from lightning_fl.bayes.baselines.cfmp import CFMP
-from lightning_fl.bayes.baselines.laplace import (
+from lightning_fl.oneshot import FMP, TaskSampler
+from lightning_fl.oneshot.baselines.cbnn import CBNN, consensus
+from lightning_fl.oneshot.baselines.cfmp import CFMP
+from lightning_fl.oneshot.baselines.laplace import (
     BNN,
     LBNN,
     gaussian_samples,
@@ -20,7 +20,7 @@ from lightning_fl.bayes.baselines.laplace import (
     marglik_prior_precision,
     softmax_hessian,
 )
-from lightning_fl.bayes.erm import erm_objective, fit_softmax
+from lightning_fl.oneshot.erm import erm_objective, fit_softmax
 
 
 def test_laplace_precision_is_the_hessian_of_n_times_the_objective():
@@ -147,9 +147,9 @@ def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
     from conftest import CONFIGS, capture_test_results, run_cli
 
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
-    methods = ('[{"class_path": "lightning_fl.bayes.baselines.cbnn.CBNN"}, '
-               '{"class_path": "lightning_fl.bayes.baselines.cfmp.CFMP"}, '
-               '{"class_path": "lightning_fl.bayes.baselines.laplace.BNN", '
+    methods = ('[{"class_path": "lightning_fl.oneshot.baselines.cbnn.CBNN"}, '
+               '{"class_path": "lightning_fl.oneshot.baselines.cfmp.CFMP"}, '
+               '{"class_path": "lightning_fl.oneshot.baselines.laplace.BNN", '
                '"init_args": {"prior_precision": 2.5}}]')  # fmt: skip
     config = str(CONFIGS / "fmp_digits.yaml")
     assert run_cli("fit", "--config", config, *FMP_SHRINK, "--model.methods", methods) == 0

@@ -18,13 +18,20 @@ import pytest
 import torch
 
 from conftest import CONFIGS, run_cli
-from lightning_fl.bayes import FederatedTasks, FMPMetaLearner, GeneratorTraining, PMASummariser, PredictiveGenerator
 from lightning_fl.checkpoint import read_checkpoint
-from lightning_fl.data import Digits, PixelFeatures
-from lightning_fl.data.features import ExtractedFeatures
+from lightning_fl.data import Digits
 from lightning_fl.errors import CheckpointError
 from lightning_fl.methods import Classifier
 from lightning_fl.models import SmallCNN
+from lightning_fl.oneshot import (
+    FederatedTasks,
+    FMPMetaLearner,
+    GeneratorTraining,
+    PixelFeatures,
+    PMASummariser,
+    PredictiveGenerator,
+)
+from lightning_fl.oneshot.features import ExtractedFeatures
 
 
 class Evil:
@@ -207,7 +214,7 @@ def fmp_fit(model: FMPMetaLearner, root: Path) -> None:
 
 def test_a_bad_fmp_generator_cache_is_a_warned_cache_miss(tmp_path, marker, caplog):
     fmp_fit(fmp_learner(tmp_path / "cache"), tmp_path)
-    (cached,) = (tmp_path / "cache" / "generators").glob("*.pt")
+    (cached,) = (tmp_path / "cache" / "generators").glob("*/generator.pt")
     good = read_checkpoint(cached)["generator"]
     for spoil in (
         lambda: evil_file(cached, marker, wrap=lambda e: {"generator": {"w": e}}),
@@ -216,7 +223,7 @@ def test_a_bad_fmp_generator_cache_is_a_warned_cache_miss(tmp_path, marker, capl
     ):
         spoil()
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="lightning_fl.bayes.fmp"):
+        with caplog.at_level(logging.WARNING, logger="lightning_fl.oneshot.meta_learner"):
             fmp_fit(model := fmp_learner(tmp_path / "cache"), tmp_path)
         assert f"FMP generator cache {cached}" in caplog.text and "treated as a cache miss" in caplog.text
         assert torch.equal(model.generator.state_dict()["out.weight"].cpu(), good["out.weight"])
@@ -269,7 +276,7 @@ def test_features_checkpoint_is_refused_and_a_bad_cache_is_recomputed(tmp_path, 
     ):
         spoil()
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="lightning_fl.data.features"):
+        with caplog.at_level(logging.WARNING, logger="lightning_fl.oneshot.features"):
             again = build()
             again.prepare()
         assert f"features cache {cached}" in caplog.text and "treated as a cache miss" in caplog.text

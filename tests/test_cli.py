@@ -8,7 +8,8 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS, REPO, run_cli
-from lightning_fl.cli import _build_error, main
+from lightning_fl.cli import main
+from lightning_fl.cli_errors import build_error
 from lightning_fl.compress import FP32
 from lightning_fl.data import Digits
 from lightning_fl.errors import ConfigError
@@ -60,6 +61,16 @@ def test_print_config_shows_every_default(capsys):
     assert printed["model"]["init_args"]["lr"] == 0.1
     assert printed["model"]["init_args"]["label_smoothing"] == 0.0
     assert printed["data"]["init_args"]["partition"]["class_path"] == "lightning_fl.data.IID"
+
+def test_one_shot_classes_have_short_names_without_a_config(capsys):
+    """Importing the package imports the one-shot package, so its classes resolve like ``Classifier`` does."""
+    args = ["--model", "FMPMetaLearner", "--model.summariser", "MeanPooling", "--data", "FederatedTasks"]
+    assert run_cli("fit", *args, "--data.features", "PixelFeatures", "--print_config") == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"] == "lightning_fl.oneshot.FMPMetaLearner"
+    assert printed["model"]["init_args"]["summariser"]["class_path"] == "lightning_fl.oneshot.MeanPooling"
+    assert printed["data"]["init_args"]["features"]["class_path"] == "lightning_fl.oneshot.PixelFeatures"
+
 
 
 def test_short_class_names_and_a_plugin_trainer(in_tmp):
@@ -305,14 +316,14 @@ def test_a_union_report_without_the_built_class_keeps_the_given_members_failure(
     # jsonargparse's report alone, as when it takes no instantiator for the call
     report = (
         "Does not validate against any of the Union subtypes\n"
-        "Subtypes: [<class 'lightning_fl.bayes.summarize.Summariser'>, <class 'NoneType'>]\n"
+        "Subtypes: [<class 'lightning_fl.oneshot.summarize.Summariser'>, <class 'NoneType'>]\n"
         "Errors:\n"
         "  - model.summariser.num_points must be >= 1, got 0\n"
         "  - Expected a <class 'NoneType'>\n"
         "Given value type: <class 'jsonargparse._namespace.Namespace'>\n"
-        "Given value: Namespace(class_path='lightning_fl.bayes.PMASummariser', init_args=Namespace(num_points=0))\n"
+        "Given value: Namespace(class_path='lightning_fl.oneshot.PMASummariser', init_args=Namespace(num_points=0))\n"
     )
-    assert _build_error(ValueError(report)) == "model.summariser.num_points must be >= 1, got 0"
+    assert build_error(ValueError(report)) == "model.summariser.num_points must be >= 1, got 0"
 
 
 def test_real_process_prints_no_traceback(tmp_path):

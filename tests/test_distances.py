@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_fl.bayes.distances import energy_distance, wasserstein1
+from lightning_fl.oneshot.distances import energy_distance, wasserstein1
 
 values_1d = st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=1, max_size=15)
 

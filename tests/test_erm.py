@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.linear_model import LogisticRegression
 
-from lightning_fl.bayes.erm import ERMNotConverged, erm_objective, fit_softmax, predict_proba
+from lightning_fl.oneshot.erm import ERMNotConverged, erm_objective, fit_softmax, predict_proba
 
 
 @pytest.fixture(autouse=True, scope="module")

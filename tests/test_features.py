@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from lightning_fl.data import Digits, FashionMNIST
-from lightning_fl.data.features import ExtractedFeatures, FeatureSet, PixelFeatures, check_classes
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError
 from lightning_fl.methods import Classifier
 from lightning_fl.models import SmallCNN
+from lightning_fl.oneshot.features import ExtractedFeatures, FeatureSet, PixelFeatures, check_classes
 
 TINY = {"epochs": 2, "batch_size": 64, "warmup_epochs": 0.5, "accelerator": "cpu"}
 
@@ -105,6 +105,23 @@ def test_extracted_features_train_once_then_load_from_cache(trained, monkeypatch
     # the extractor's trained weights come back with the features
     pairs = zip(again.extractor.parameters(), features.extractor.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_training_the_extractor_shows_progress(tmp_path, monkeypatch, caplog):
+    """Epoch lines name the extractor, and a long epoch prints batch lines (every batch with a zero interval)."""
+    import logging
+
+    from lightning_fl.methods import centralised
+
+    monkeypatch.setattr(centralised, "HEARTBEAT_SECONDS", 0.0)
+    features = ExtractedFeatures(Digits(), digits_cnn(), cache_dir=str(tmp_path), max_train_samples=128, **TINY)
+    with caplog.at_level(logging.INFO, logger="lightning_fl.methods.centralised"):
+        features.prepare()
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_fl.methods.centralised"]
+    batches = [line for line in lines if ": batch " in line]
+    epochs = [line.split(":")[0] for line in lines if "val/acc " in line]
+    assert batches[:2] == ["feature extractor epoch 1/2: batch 1/2", "feature extractor epoch 1/2: batch 2/2"]
+    assert epochs == ["feature extractor epoch 1/2", "feature extractor epoch 2/2"]
 
 
 def test_cache_key_follows_seed_classes_and_initial_weights(tmp_path):

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import C, D, pool
-from lightning_fl.bayes import Context, Identity, PredictiveGenerator, RandomSelection, TaskSampler
-from lightning_fl.bayes.baselines.bpc import BPC, softmax_hessian
-from lightning_fl.bayes.baselines.fedlpa import FedLPA, gaussian_samples, kfac_aggregate, kfac_factors
-from lightning_fl.bayes.erm import erm_objective, fit_softmax
-from lightning_fl.bayes.tasks import Task, split_points
+from lightning_fl.oneshot import Context, Identity, PredictiveGenerator, RandomSelection, TaskSampler
+from lightning_fl.oneshot.baselines.bpc import BPC, softmax_hessian
+from lightning_fl.oneshot.baselines.fedlpa import FedLPA, gaussian_samples, kfac_aggregate, kfac_factors
+from lightning_fl.oneshot.erm import erm_objective, fit_softmax
+from lightning_fl.oneshot.tasks import Task, split_points
 
 
 def context(summariser=None, samples: int = 3) -> Context:

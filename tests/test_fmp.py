@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import FMP_SHRINK, C, D, context, generator, pool
-from lightning_fl.bayes import (
+from lightning_fl.compress import Quantize
+from lightning_fl.federated.gate import UploadRejectedError
+from lightning_fl.oneshot import (
     ANN,
     CANN,
     FMP,
@@ -18,15 +20,14 @@ from lightning_fl.bayes import (
     GeneratorTraining,
     Identity,
     MeanPooling,
+    PixelFeatures,
     PMASummariser,
     PredictiveGenerator,
     RandomSelection,
     TaskSampler,
 )
-from lightning_fl.bayes.predictive import refit
-from lightning_fl.bayes.tasks import make_points, split_points
-from lightning_fl.compress import Quantize
-from lightning_fl.data import PixelFeatures
+from lightning_fl.oneshot.predictive import refit
+from lightning_fl.oneshot.tasks import make_points, split_points
 
 
 # ------------------------------------------------------------------------- tasks
@@ -147,7 +148,7 @@ def test_refit_matches_sequential_solves():
     generated = gen(z, gen.noise(2, 2, 8))
     W = refit(z, generated, C, l2=0.1)
     x, t = split_points(torch.cat([z[1], generated[1, 0]]), C)
-    from lightning_fl.bayes import fit_softmax
+    from lightning_fl.oneshot import fit_softmax
 
     assert torch.allclose(W[1, 0], fit_softmax(x, t, 0.1), atol=1e-4)
 
@@ -310,7 +311,7 @@ def test_a_malformed_summary_upload_is_refused_with_the_client_named():
             out[1, 0, 0] = float("nan")
             return out
 
-    with pytest.raises(ValueError, match="client 1 uploaded a malformed summary"):
+    with pytest.raises(UploadRejectedError, match=r"upload of client 1 refused: summary\S*: 1 non-finite"):
         FMP().run(task, context(Broken(5)))
 
 

@@ -2,7 +2,6 @@
 
 from lightning_fl.data.builtin import Digits, Synthetic
 from lightning_fl.data.datamodule import FederatedDataModule, TransformedSubset
-from lightning_fl.data.features import ExtractedFeatures, FeatureData, FeatureExtractor, FeatureSet, PixelFeatures
 from lightning_fl.data.partition import IID, Dirichlet, Partitioner, Shards, label_histograms
 from lightning_fl.data.sources import (
     DataSource,
@@ -35,11 +34,7 @@ __all__ = [
     "DataSource",
     "Digits",
     "Dirichlet",
-    "ExtractedFeatures",
     "FashionMNIST",
-    "FeatureData",
-    "FeatureExtractor",
-    "FeatureSet",
     "FederatedDataModule",
     "FederatedTextDataModule",
     "FileDataSource",
@@ -47,7 +42,6 @@ __all__ = [
     "ImageTransform",
     "LabeledImages",
     "Partitioner",
-    "PixelFeatures",
     "Role",
     "Shakespeare",
     "Shards",

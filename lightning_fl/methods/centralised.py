@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 import lightning as L
@@ -23,6 +24,7 @@ from lightning_fl.methods.schedules import warmup_cosine_factor
 
 log = logging.getLogger(__name__)
 PROGRESS = ("train/loss", "val/acc", "val/loss")  # what the progress lines show
+HEARTBEAT_SECONDS = 60.0  # the longest silence inside an epoch
 
 
 def resolve_device(accelerator: str) -> torch.device:
@@ -47,8 +49,12 @@ def train_classifier(
     accelerator: str = "auto",
     precision: str | None = None,
     log_dir: str | Path | None = None,
+    label: str = "pretraining",
 ) -> dict[str, float]:
     """Train ``model`` on ``datamodule.train_dataloader()`` for ``epochs``; return the final validation metrics.
+
+    Progress goes to the log as ``<label> epoch e/E: <metrics>`` every tenth of the run, and as
+    ``<label> epoch e/E: batch b/B`` at most once a minute inside a long epoch.
 
     ``model`` is a :class:`~lightning_fl.methods.Classifier` (or has its ``make_optimizer`` and ``hparams``
     ``warmup_epochs``, ``schedule`` and ``grad_clip``); this module does not import it, the classifier imports
@@ -74,6 +80,7 @@ def train_classifier(
     clip = model.hparams.grad_clip
     step = 0
     metrics: dict[str, float] = {}
+    last_line = time.monotonic()
     try:
         for epoch in range(epochs):
             model.train()
@@ -92,11 +99,15 @@ def train_classifier(
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     step += 1
+                    if time.monotonic() - last_line >= HEARTBEAT_SECONDS:
+                        last_line = time.monotonic()
+                        log.info("%s epoch %d/%d: batch %d/%d", label, epoch + 1, epochs, batch_idx + 1, len(loader))
             metrics = sink.reduce()
             metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, precision))
             if (epoch + 1) % max(1, epochs // 10) == 0 or epoch + 1 == epochs:  # a line every tenth of the run
                 shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k in PROGRESS)
-                log.info("pretraining epoch %d/%d: %s", epoch + 1, epochs, shown)
+                log.info("%s epoch %d/%d: %s", label, epoch + 1, epochs, shown)
+                last_line = time.monotonic()
             if writer is not None:
                 for key, value in metrics.items():
                     writer.add_scalar(key, value, epoch + 1)

@@ -16,7 +16,6 @@ its pretrained base (``base_cache_key``) and how to build the module that pretra
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import asdict
@@ -32,8 +31,8 @@ from lightning_fl.checkpoint import (
     DEFAULT_FIX,
     atomic_save,
     atomic_write_text,
+    cache_file,
     checkpoint_name,
-    default_cache_dir,
     read_checkpoint,
     tensor_state,
 )
@@ -159,10 +158,7 @@ class TrainingRecipe(L.LightningModule):
         raise NotImplementedError(f"{type(self).__name__} must define pretraining_module to pretrain a base")
 
     def base_cache_path(self, datamodule: object) -> Path:
-        key = json.dumps(self.base_cache_key(datamodule), sort_keys=True, default=str)
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        root = Path(self.pretraining.cache_dir).expanduser() if self.pretraining.cache_dir else default_cache_dir()
-        return root / "bases" / digest / "base.pt"
+        return cache_file("bases", self.base_cache_key(datamodule), "base.pt", self.pretraining.cache_dir)
 
     def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
         """Load the base from the cache, pretraining and caching it first if needed (and allowed).

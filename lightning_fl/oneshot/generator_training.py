@@ -1,7 +1,7 @@
 """Training the predictive generator on the meta-training corpus, and checking it against naive resampling.
 
 The generator is trained once per (features, architecture, recipe) and cached; FMP's meta-training
-then keeps it frozen. The objective is :func:`lightning_fl.bayes.predictive.generator_loss`.
+then keeps it frozen. The objective is :func:`lightning_fl.oneshot.predictive.generator_loss`.
 :func:`evaluate_generator` scores held-out points of fresh tasks under three posterior predictives,
 all refit by the same ERM: the data alone (``erm``), ``Z`` plus a bootstrap resample of ``Z``
 (``bootstrap``, naive predictive resampling) and ``Z`` plus generated points (``generator``).
@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_fl.bayes.predictive import PredictiveGenerator, bootstrap, generator_loss, log_predictive, refit
-from lightning_fl.bayes.tasks import TaskSampler
+from lightning_fl.oneshot.predictive import PredictiveGenerator, bootstrap, generator_loss, log_predictive, refit
+from lightning_fl.oneshot.tasks import TaskSampler
 
 log = logging.getLogger(__name__)
 

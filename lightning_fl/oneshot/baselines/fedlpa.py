@@ -43,10 +43,10 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_fl.bayes.baselines.laplace import gaussian_samples
-from lightning_fl.bayes.erm import fit_softmax
-from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome, upload
-from lightning_fl.bayes.tasks import Task, split_points
+from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome, upload
+from lightning_fl.oneshot.baselines.laplace import gaussian_samples
+from lightning_fl.oneshot.erm import fit_softmax
+from lightning_fl.oneshot.tasks import Task, split_points
 
 __all__ = ["FedLPA", "gaussian_samples", "kfac_aggregate", "kfac_factors"]
 

@@ -42,10 +42,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_fl.bayes.distances import energy_distance
-from lightning_fl.bayes.erm import fit_softmax
-from lightning_fl.bayes.tasks import split_points
 from lightning_fl.models.set_transformer import MAB
+from lightning_fl.oneshot.distances import energy_distance
+from lightning_fl.oneshot.erm import fit_softmax
+from lightning_fl.oneshot.tasks import split_points
 
 
 class PredictiveGenerator(nn.Module):

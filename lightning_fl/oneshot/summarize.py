@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_fl.bayes.tasks import split_points
 from lightning_fl.models.set_transformer import PMA
+from lightning_fl.oneshot.tasks import split_points
 
 
 class Summariser(nn.Module):

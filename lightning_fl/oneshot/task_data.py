@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fl.bayes.tasks import Task, TaskSampler
-from lightning_fl.data.features import FeatureData, FeatureSet, PixelFeatures
 from lightning_fl.errors import ConfigError
+from lightning_fl.oneshot.features import FeatureData, FeatureSet, PixelFeatures
+from lightning_fl.oneshot.tasks import Task, TaskSampler
 
 
 class _Tasks(Dataset):

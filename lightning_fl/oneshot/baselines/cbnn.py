@@ -2,7 +2,7 @@
 the consensus Monte Carlo algorithm"), the FMP paper's one-shot Bayesian baseline.
 
 Every client draws ``S`` samples from its local posterior (the Laplace posterior of
-:mod:`lightning_fl.bayes.baselines.laplace`) under the fractionated prior consensus Monte Carlo asks for,
+:mod:`lightning_fl.oneshot.baselines.laplace`) under the fractionated prior consensus Monte Carlo asks for,
 the global prior raised to ``1/M``. Consensus Monte Carlo needs one prior shared by every client, so the
 default ``prior_precision="erm"`` takes the ERM's prior for the pooled data, ``N * l2``, and each client
 uses ``n * l2`` (``M`` clients of ``n`` points); a number ``delta`` gives ``delta / M``. ``"marglik"`` lets
@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fl.bayes.baselines.laplace import check_prior_precision, laplace_posterior
-from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome, upload
-from lightning_fl.bayes.tasks import Task
+from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome, upload
+from lightning_fl.oneshot.baselines.laplace import check_prior_precision, laplace_posterior
+from lightning_fl.oneshot.tasks import Task
 
 
 def consensus(samples: Tensor, covariance: str = "diagonal", shrinkage: float = 0.1, eps: float = 1e-8) -> Tensor:

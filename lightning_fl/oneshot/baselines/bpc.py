@@ -9,7 +9,7 @@ Client. Labels are fixed and class-balanced (Manousakas et al. 2022's default): 
 the ``j``-th class, cycling over the classes the client holds (under label skew a client cannot summarise
 a class it never saw); its features start at a random real point of that class. The features ``u`` are
 learned by the bilevel problem of Manousakas et al. (2022), with our exact, implicitly differentiated ERM
-(:func:`lightning_fl.bayes.erm.fit_softmax`) as the inner solve:
+(:func:`lightning_fl.oneshot.erm.fit_softmax`) as the inner solve:
 
     min_u  D(W(u), W_m),   W(u) = argmin_W mean_j CE(W u_j, y_j) + (l2/2)||W||^2,
 
@@ -37,11 +37,11 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_fl.bayes.baselines.laplace import gaussian_samples, softmax_hessian
-from lightning_fl.bayes.erm import fit_softmax
-from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome, upload
-from lightning_fl.bayes.summarize import Identity
-from lightning_fl.bayes.tasks import Task, project_labels, split_points
+from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome, upload
+from lightning_fl.oneshot.baselines.laplace import gaussian_samples, softmax_hessian
+from lightning_fl.oneshot.erm import fit_softmax
+from lightning_fl.oneshot.summarize import Identity
+from lightning_fl.oneshot.tasks import Task, project_labels, split_points
 
 __all__ = ["BPC", "softmax_hessian"]
 

@@ -35,9 +35,9 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_fl.bayes.erm import fit_softmax
-from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome
-from lightning_fl.bayes.tasks import Task, split_points
+from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome
+from lightning_fl.oneshot.erm import fit_softmax
+from lightning_fl.oneshot.tasks import Task, split_points
 
 
 def softmax_hessian(W: Tensor, x: Tensor, weights: Tensor) -> Tensor:

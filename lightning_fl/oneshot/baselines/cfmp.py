@@ -3,7 +3,7 @@
 Every client draws ``S`` samples from its *local* martingale posterior (the shared predictive
 generator on its own data, refit by ERM, with the task's shared base sets) and uploads them; the
 server combines them by equation (3), the consensus Monte Carlo weighting of
-:func:`lightning_fl.bayes.baselines.cbnn.consensus`, with ``Sigma_m`` estimated from the client's
+:func:`lightning_fl.oneshot.baselines.cbnn.consensus`, with ``Sigma_m`` estimated from the client's
 ``S`` draws ("obtained using past samples"; diagonal by default, see there).
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_fl.bayes.baselines.cbnn import consensus
-from lightning_fl.bayes.protocol import Context, OneShotMethod, Outcome, martingale_samples, upload
-from lightning_fl.bayes.tasks import Task
+from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome, martingale_samples, upload
+from lightning_fl.oneshot.baselines.cbnn import consensus
+from lightning_fl.oneshot.tasks import Task
 
 
 class CFMP(OneShotMethod):

@@ -1,4 +1,4 @@
-"""Federated Martingale Posterior sampling: meta-training the summariser and one-shot evaluation.
+"""FMP's meta-learner: meta-training the summariser, and the one-shot evaluation of every method.
 
 FMP ("Federated Martingale Posterior Sampling", section IV): clients upload ``s`` summary points ``Z~_m = h_phi(Z_m)``;
 the server generates ``Z~' = ISAB(Z~, E)`` with a frozen predictive generator and refits the
@@ -17,7 +17,6 @@ Proposition 1's diagnostics ``delta_s = W1(P_Z, P_Z~)`` and ``D = W1(P_Z, P_Z')`
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -26,16 +25,10 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from lightning_fl.bayes.distances import wasserstein1
-from lightning_fl.bayes.generator_training import GeneratorTraining, evaluate_generator, train_generator
-from lightning_fl.bayes.predictive import PredictiveGenerator, refit
-from lightning_fl.bayes.protocol import ANN, CANN, FMP, MP, Context, OneShotMethod, predictive_probs
-from lightning_fl.bayes.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
-from lightning_fl.bayes.tasks import Task
 from lightning_fl.checkpoint import (
     atomic_save,
+    cache_file,
     checkpoint_name,
-    default_cache_dir,
     digest_tensors,
     read_checkpoint,
     state_mismatch,
@@ -44,6 +37,14 @@ from lightning_fl.checkpoint import (
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.metrics import classification_metrics
+from lightning_fl.oneshot.base import Context, OneShotMethod
+from lightning_fl.oneshot.distances import wasserstein1
+from lightning_fl.oneshot.erm import predict_proba
+from lightning_fl.oneshot.generator_training import GeneratorTraining, evaluate_generator, train_generator
+from lightning_fl.oneshot.methods import ANN, CANN, FMP, MP
+from lightning_fl.oneshot.predictive import PredictiveGenerator, refit
+from lightning_fl.oneshot.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
+from lightning_fl.oneshot.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class FMPMetaLearner(L.LightningModule):
             torch.manual_seed(self.generator_training.seed)
             init.configure(dm.feature_dim, dm.num_classes)
         return {
-            "format": "lightning_fl.bayes.generator/2",
+            "format": "lightning_fl.oneshot.generator/2",
             "generator": repr(self.generator),
             "init": digest_tensors(init.state_dict()),
             "features": digest_tensors({"h": dm.meta_pool.h, "y": dm.meta_pool.y.float()}),
@@ -171,13 +172,11 @@ class FMPMetaLearner(L.LightningModule):
         if self.generator_checkpoint is not None:
             # A path the user gave: any problem is an error, never replaced by training.
             path = Path(self.generator_checkpoint).expanduser()
-            fix = "pass a generator file written by this package (a cached generators/<digest>.pt) or remove the key"
+            fix = "pass a generator file written by this package (generators/<digest>/generator.pt) or remove the key"
             self.generator_report = self._load_generator(path, "model.generator_checkpoint", fix)
         else:
             key = self.generator_cache_key()
-            digest = digest_tensors({"key": torch.tensor(list(json.dumps(key, sort_keys=True).encode()))})[:16]
-            path = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
-            path = path / "generators" / f"{digest}.pt"
+            path = cache_file("generators", key, "generator.pt", self.cache_dir)
             if path.is_dir():
                 raise CheckpointError(f"FMP generator cache {path} is a folder, not a file; delete it")
             loaded = False
@@ -339,7 +338,7 @@ class FMPMetaLearner(L.LightningModule):
         """Accuracy, ECE and NLL of the posterior predictive, averaged over the G models of ``W [G, S, C, D]``."""
         totals: dict[str, Tensor] = {}
         for Wg in W:
-            probs = predictive_probs(Wg, h)
+            probs = predict_proba(Wg, h)
             metrics = classification_metrics(probs.shape[-1], "").to(h.device)
             scores = dict(metrics(probs, y))
             scores["nll"] = -probs.clamp_min(1e-12).log().gather(1, y.unsqueeze(1)).mean()
