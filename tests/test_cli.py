@@ -65,8 +65,11 @@ def test_print_config_shows_every_default(capsys):
 def test_one_shot_classes_have_short_names_without_a_config(capsys):
     """Importing the package imports the one-shot package, so its classes resolve like ``Classifier`` does."""
     args = ["--model", "FMPMetaLearner", "--model.summariser", "MeanPooling", "--data", "FederatedTasks"]
-    assert run_cli("fit", *args, "--data.features", "PixelFeatures", "--print_config") == 0
+    args += ["--data.features", "PixelFeatures", "--model.methods", '[{"class_path": "CBNN"}, {"class_path": "MP"}]']
+    assert run_cli("fit", *args, "--print_config") == 0
     printed = yaml.safe_load(capsys.readouterr().out)
+    methods = [m["class_path"] for m in printed["model"]["init_args"]["methods"]]
+    assert methods == ["lightning_fl.oneshot.baselines.CBNN", "lightning_fl.oneshot.MP"]
     assert printed["model"]["class_path"] == "lightning_fl.oneshot.FMPMetaLearner"
     assert printed["model"]["init_args"]["summariser"]["class_path"] == "lightning_fl.oneshot.MeanPooling"
     assert printed["data"]["init_args"]["features"]["class_path"] == "lightning_fl.oneshot.PixelFeatures"

@@ -13,6 +13,7 @@ Bayesian (one-shot FedAvg, local and centralised ERM):
   (:mod:`~lightning_fl.oneshot.predictive`), summarisers, task samplers and distances.
 """
 
+from lightning_fl.oneshot import baselines
 from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome, upload
 from lightning_fl.oneshot.distances import energy_distance, wasserstein1
 from lightning_fl.oneshot.erm import ERMNotConverged, fit_softmax, predict_proba
@@ -52,6 +53,7 @@ __all__ = [
     "Summariser",
     "Task",
     "TaskSampler",
+    "baselines",
     "energy_distance",
     "evaluate_generator",
     "fit_softmax",
