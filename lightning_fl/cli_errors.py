@@ -45,6 +45,7 @@ def _public_subclasses(base: type) -> list[str]:
         if (
             cls.__name__.startswith(("_", "LazyInstance_"))  # jsonargparse's wrapper of a lazy default
             or cls.__dict__.get("_plugin_base", False)
+            or cls.__dict__.get("_is_protocol", False)  # a typing.Protocol (TrainerLike) is a contract, not a class
             or inspect.isabstract(cls)
         ):
             continue
@@ -101,6 +102,8 @@ RENAMED = {
     "trainer.aggregation": "it became trainer.strategy: FedAvg with weighted false ('mean') or true ('weighted')",
 }
 FABRIC_STRATEGIES = {"auto", "ddp", "ddp_spawn", "dp", "fsdp", "deepspeed", "single_device", "xla"}
+# What jsonargparse names as the class of a key whose class was not chosen yet.
+BASE_CLASS_PATHS = {"lightning.LightningModule", "lightning.LightningDataModule"}
 TOP_KEYS = ["seed_everything", "trainer", "model", "data", "ckpt_path", "threads", "config"]
 
 # jsonargparse reports a failure as an indented tree: 'Parser key "k":' and "Problem with given class_path 'X':"
@@ -217,6 +220,19 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         if causes[0].given is not None and "Got value:" not in message:
             message += f"\nGiven value: {_given_value(causes[0].given)}"
     prefix = f"{subcommand}: " if subcommand else ""
+
+    # ``--model.help NAME`` (help for one class) reports its key as the option itself.
+    if match := re.match(r"--([\w.]+)\.help: Expected a dot import path string: (\S+)", message):
+        chain, message = match.group(1).split("."), f"Expected a dot import path string: {match.group(2)}"
+
+    # A key given before its class is chosen: ``--model.lr 1`` with no ``--model`` or config sets ``model``.
+    unchosen = re.search(r"^unrecognized arguments: --([\w.]+)", message, flags=re.M) or re.search(
+        r"Option '([^']+)' is not accepted", message
+    )
+    if unchosen and class_paths and class_paths[-1] in BASE_CLASS_PATHS and chain:
+        head = ".".join(chain)
+        key = f"{head}.{unchosen.group(1)}"
+        return f"{prefix}{key}: choose the {head} class first, with --{head} CLASS or a --config that sets {head}."
 
     if match := re.search(r"Option '([^']+)' is not accepted", message):
         option = match.group(1)

@@ -290,6 +290,33 @@ def test_the_real_cause_comes_first_in_one_line_naming_the_key(case, in_tmp, cap
         assert noise not in err
 
 
+# Without a config: help for a class, and keys given before their class is chosen.
+NO_CONFIG = {
+    "help for an unknown model": (
+        ["--model.help", "Foo"],
+        "error: fit: model: unknown class 'Foo'. Accepted short names: Classifier, FMPMetaLearner, FedProx, Language",
+    ),
+    "a model key before the model": (
+        ["--model.lr", "3"],
+        "error: fit: model.lr: choose the model class first, with --model CLASS or a --config that sets model.\n",
+    ),
+    "help inside a model not chosen": (
+        ["--model.summariser.help", "Foo"],
+        "error: fit: model.summariser.help: choose the model class first, with --model CLASS or a --config",
+    ),
+    "a data key before the data": (["--data.batch_size", "3"], "error: fit: data.batch_size: choose the data class"),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_CONFIG), ids=list(NO_CONFIG))
+def test_without_a_config_the_message_names_the_key(case, capsys):
+    args, expected = NO_CONFIG[case]
+    assert run_cli("fit", *args) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.splitlines()) == 2
+    assert "TrainingRecipe" not in err and "Accepted: ." not in err
+
+
 def test_a_yaml_syntax_error_names_the_file_and_the_line(in_tmp, capsys):
     bad = write(in_tmp / "bad.yaml", "trainer:\n  init_args:\n    rounds: 1\n   devices: 1\n")
     assert run_cli("fit", "--config", QUICKSTART, "--config", bad) == 2

@@ -99,6 +99,8 @@ class TrainingRecipe(L.LightningModule):
     ``pretraining_module``.
     """
 
+    _plugin_base = True  # not offered as a choice in CLI messages
+
     #: State-dict entries (by prefix) that make up the weights a base or ``init_from`` checkpoint provides.
     weight_prefixes: tuple[str, ...] = ()
     #: Config keys to name when a checkpoint does not fit the model.
