@@ -96,13 +96,15 @@ def train_generator(
         sched.step()
         history.append({"step": step, "loss": float(loss.detach()), **terms})
         if step % 50 == 0 or step == recipe.steps - 1:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in terms.items())
+            elapsed = time.perf_counter() - start
             log.info(
-                "generator step %d/%d loss %.4f %s (%.0f s)",
-                step,
+                "generator step %d/%d: loss %.4f (%s), %.0f s",
+                step + 1,
                 recipe.steps,
                 float(loss.detach()),
-                terms,
-                time.perf_counter() - start,
+                shown,
+                elapsed,
             )
     generator.eval()
     return history
