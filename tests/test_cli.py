@@ -62,6 +62,7 @@ def test_print_config_shows_every_default(capsys):
     assert printed["model"]["init_args"]["label_smoothing"] == 0.0
     assert printed["data"]["init_args"]["partition"]["class_path"] == "lightning_fl.data.IID"
 
+
 def test_one_shot_classes_have_short_names_without_a_config(capsys):
     """Importing the package imports the one-shot package, so its classes resolve like ``Classifier`` does."""
     args = ["--model", "FMPMetaLearner", "--model.summariser", "MeanPooling", "--data", "FederatedTasks"]
@@ -73,7 +74,6 @@ def test_one_shot_classes_have_short_names_without_a_config(capsys):
     assert printed["model"]["class_path"] == "lightning_fl.oneshot.FMPMetaLearner"
     assert printed["model"]["init_args"]["summariser"]["class_path"] == "lightning_fl.oneshot.MeanPooling"
     assert printed["data"]["init_args"]["features"]["class_path"] == "lightning_fl.oneshot.PixelFeatures"
-
 
 
 def test_short_class_names_and_a_plugin_trainer(in_tmp):

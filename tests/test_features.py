@@ -108,20 +108,22 @@ def test_extracted_features_train_once_then_load_from_cache(trained, monkeypatch
 
 
 def test_training_the_extractor_shows_progress(tmp_path, monkeypatch, caplog):
-    """Epoch lines name the extractor, and a long epoch prints batch lines (every batch with a zero interval)."""
+    """Epoch lines name the extractor; long epochs and extractions print lines (every batch with a zero interval)."""
     import logging
 
     from lightning_fl.methods import centralised
 
     monkeypatch.setattr(centralised, "HEARTBEAT_SECONDS", 0.0)
     features = ExtractedFeatures(Digits(), digits_cnn(), cache_dir=str(tmp_path), max_train_samples=128, **TINY)
-    with caplog.at_level(logging.INFO, logger="lightning_fl.methods.centralised"):
+    with caplog.at_level(logging.INFO, logger="lightning_fl"):
         features.prepare()
-    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_fl.methods.centralised"]
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     batches = [line for line in lines if ": batch " in line]
     epochs = [line.split(":")[0] for line in lines if "val/acc " in line]
     assert batches[:2] == ["feature extractor epoch 1/2: batch 1/2", "feature extractor epoch 1/2: batch 2/2"]
     assert epochs == ["feature extractor epoch 1/2", "feature extractor epoch 2/2"]
+    extracting = [line for line in lines if line.startswith("extracting ")]
+    assert extracting == ["extracting train features: 128/128 images", "extracting test features: 360/360 images"]
 
 
 def test_cache_key_follows_seed_classes_and_initial_weights(tmp_path):

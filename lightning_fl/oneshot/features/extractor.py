@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_fl.checkpoint import cache_file, cache_key_text, digest_tensors, read_checkpoint, tensor_state
 from lightning_fl.data.sources import DataSource
 from lightning_fl.errors import CheckpointError, ConfigError
+from lightning_fl.methods import centralised
 from lightning_fl.methods.centralised import resolve_device, train_classifier
 from lightning_fl.methods.classifier import Classifier, OptimizerName
 from lightning_fl.models.backbone import Backbone
@@ -308,12 +309,16 @@ class ExtractedFeatures(FeatureData):
         model = self.model.to(device).eval()
         parts, correct = [], 0
         offset = 0
+        last_line = time.monotonic()
         for x in eval_batches(images, idx, self.source.transform(train=False)):
             h = model.backbone(x.to(device, non_blocking=True)).float()  # (B, D)
             if has_head:
                 correct += int((model.head(h).argmax(-1).cpu() == y[offset : offset + len(h)]).sum())
             parts.append(h.cpu())
             offset += len(h)
+            if time.monotonic() - last_line >= centralised.HEARTBEAT_SECONDS:  # a line at most once a minute
+                last_line = time.monotonic()
+                log.info("extracting %s features: %d/%d images", split, offset, len(y))
         model.cpu().train()
         h = torch.cat(parts) if parts else torch.zeros(0, self.feature_dim)
         info[f"extractor_{split}_acc"] = round(correct / max(len(y), 1), 4) if has_head else None
