@@ -31,7 +31,15 @@ def derive_seed(*parts: int) -> int:
 
 
 def seed_everything_quietly(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's global generators (no log line, unlike Lightning's helper)."""
+    """Seed Python's, NumPy's and torch's global generators (no log line, unlike Lightning's helper).
+
+    The same seeds as ``torch.manual_seed``, without its cost on CUDA builds: there, every call made before
+    CUDA is initialised queues a lazy seeding together with a formatted stack trace (milliseconds inside a
+    deep stack, once per client). CUDA's generators are seeded here only once CUDA is initialised, which it
+    is whenever a model or batch is on a GPU; CPU runs draw exactly what ``torch.manual_seed`` would give.
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
