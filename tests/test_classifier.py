@@ -25,7 +25,7 @@ def test_warmup_then_cosine_to_zero():
 
 
 def test_only_trainable_parameters_reach_the_optimiser_and_the_frozen_head_stays_put():
-    model = make_model()
+    model = make_model(warmup_epochs=0, schedule="constant")  # without a trainer: a federated client's optimiser
     optimizer = model.configure_optimizers()
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert id(model.head.weight) not in params
@@ -40,7 +40,7 @@ def test_only_trainable_parameters_reach_the_optimiser_and_the_frozen_head_stays
 
 
 def test_trainable_head_is_optimised():
-    model = make_model(head="trainable", optimizer="adamw", lr=1e-3)
+    model = make_model(head="trainable", optimizer="adamw", lr=1e-3, warmup_epochs=0, schedule="constant")
     optimizer = model.configure_optimizers()
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert id(model.head.weight) in params and isinstance(optimizer, torch.optim.AdamW)

@@ -202,6 +202,56 @@ def test_loaders_serve_the_right_splits():
     assert len(make_dm(val_fraction=0.1).val_dataloader().dataset) == 60
 
 
+class AugmentedSynthetic(Synthetic):
+    crop_padding = 2
+    hflip = True
+
+
+@pytest.mark.parametrize("augment", [False, True])
+@pytest.mark.parametrize("batch_size", [24, 32, 7])  # 120 samples: a batch size that divides it, two not
+def test_in_memory_client_batches_equal_the_data_loader(augment, batch_size):
+    """Same batches, same draws from the loader's generator and from the global one (augmentation), over two
+    epochs with global draws between batches (as dropout makes)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_fl.data.datamodule import InMemoryBatches, TransformedSubset
+
+    source = AugmentedSynthetic(train_size=600, test_size=100)
+    dm = make_dm(source=source, batch_size=batch_size, augment=augment)
+    fast = dm.client_dataloader(3, seed=11)
+    assert dm.client_num_samples(3) == 120
+    assert isinstance(fast, InMemoryBatches) and len(fast) == -(-120 // batch_size)
+    subset = TransformedSubset(dm._train, dm.client_indices(3), source.transform(train=True, augment=augment))
+    generator = torch.Generator().manual_seed(11)
+    slow = DataLoader(subset, batch_size=batch_size, shuffle=True, generator=generator)
+
+    def epochs(loader):
+        torch.manual_seed(5)
+        out = []
+        for _ in range(2):
+            for x, y in loader:
+                out.append((x, y))
+                torch.rand(3)  # the model's own draws between batches
+        return out, torch.rand(2)
+
+    (want, want_next), (got, got_next) = epochs(slow), epochs(fast)
+    assert len(got) == len(want) == 2 * len(fast)
+    for (x1, y1), (x2, y2) in zip(got, want, strict=True):
+        assert x1.dtype == x2.dtype and y1.dtype == y2.dtype and torch.equal(y1, y2) and torch.equal(x1, x2)
+    assert torch.equal(got_next, want_next)  # the global generator ends where the loader leaves it
+    assert torch.equal(fast.generator.get_state(), generator.get_state())
+    if augment:  # the augmentation really draws: another seed gives other images for the same labels
+        torch.manual_seed(6)
+        assert not torch.equal(next(iter(dm.client_dataloader(3, seed=11)))[0], want[0][0])
+
+
+def test_loaders_with_workers_or_without_a_seed_stay_data_loaders():
+    from torch.utils.data import DataLoader
+
+    assert isinstance(make_dm(num_workers=1).client_dataloader(0, seed=1), DataLoader)
+    assert isinstance(make_dm().client_dataloader(0), DataLoader)
+
+
 def test_max_samples_shrink_the_run():
     dm = make_dm(max_train_samples=100, max_eval_samples=30)
     assert len(dm.split_indices("clients")) == 100 and len(dm.test_dataloader().dataset) == 30

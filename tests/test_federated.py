@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import CONFIGS, REPO, make_dm, make_model, make_trainer, run_cli
 from lightning_fl.checkpoint import atomic_save
 from lightning_fl.compress import FP32, Quantize
-from lightning_fl.errors import CheckpointError
+from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import FactorMismatchError, FedAvg, FederatedTrainer, UploadRejectedError
 from lightning_fl.methods import LatentClassifier, Pretraining, TrainingDivergedError
 from lightning_fl.models import SmallCNN
@@ -317,10 +317,51 @@ def test_full_weight_fedavg_of_a_classifier_runs_through_the_same_trainer(tmp_pa
     from lightning_fl.methods import Classifier
 
     torch.manual_seed(0)
-    model = Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, lr=0.05)
+    backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
+    model = Classifier(backbone, 10, lr=0.05, warmup_epochs=0, schedule="constant")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainer = make_trainer(tmp_path, rounds=1, logger=False)
     trainer.fit(model, datamodule=make_dm())
     last = trainer.history[-1]
     assert last["comm/client_up_bytes"] == last["comm/client_down_bytes"] == 4 * trainable
     assert "fed/identity_error" not in last and last["val/acc"] > 0.1
+
+
+def test_a_centralised_schedule_is_refused_before_anything_trains(tmp_path):
+    """Warm-up and cosine decay have no clock in a client's round: refused when the run starts, with the fix."""
+    from lightning_fl.methods import Classifier
+
+    model = Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, warmup_epochs=3)
+    with pytest.raises(ConfigError, match=r"model.warmup_epochs=3 and model.schedule='cosine' .* set "
+                       r"model.warmup_epochs 0 and model.schedule constant"):  # fmt: skip
+        make_trainer(tmp_path, rounds=1, logger=False).fit(model, datamodule=make_dm())
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def _with_scheduler(interval: str):
+    from lightning_fl.methods import Classifier
+
+    class Scheduled(Classifier):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+            self.seen_optimizers.append(optimizer)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
+
+    torch.manual_seed(0)
+    backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
+    model = Scheduled(backbone, 10, warmup_epochs=0, schedule="constant")
+    model.seen_optimizers = []
+    return model
+
+
+def test_a_step_scheduler_runs_over_each_clients_local_steps(tmp_path):
+    model = _with_scheduler("step")
+    make_trainer(tmp_path, rounds=1, logger=False).fit(model, datamodule=make_dm())
+    trained = model.seen_optimizers[1:]  # the first one is the check when the run starts
+    assert trained and all(o.param_groups[0]["lr"] < 0.1 for o in trained)  # halved at every local step
+
+
+def test_an_epoch_scheduler_is_refused_not_ignored(tmp_path):
+    with pytest.raises(ConfigError, match="stepped per epoch, which federated clients cannot follow"):
+        make_trainer(tmp_path, rounds=1, logger=False).fit(_with_scheduler("epoch"), datamodule=make_dm())

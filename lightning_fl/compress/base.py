@@ -126,6 +126,7 @@ def check_layout_of(payload: Payload, expected: dict[str, Layout]) -> list[str]:
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     if missing or extra:
         problems.append(f"tensors differ (missing {_few(missing)}, unexpected {_few(extra)})")
+    checked: dict[str, torch.Tensor] = {}  # float parts of the right dtype and shape, checked for finiteness at once
     for name in sorted(set(expected) & set(got)):
         want, enc, at = expected[name], got[name], _label(name)
         if tuple(enc.shape) != tuple(want.shape):
@@ -145,10 +146,27 @@ def check_layout_of(payload: Payload, expected: dict[str, Layout]) -> list[str]:
                 problems.append(f"{where}: expected dtype {dtype}, got {t.dtype}")
             elif tuple(t.shape) != tuple(shape):
                 problems.append(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                # caught here, not only after decoding: cast to an integer state tensor a NaN would pass as a number
-                problems.append(f"{where}: {int((~torch.isfinite(t)).sum())} non-finite values")
+            else:
+                checked[where] = t
+    # caught here, not only after decoding: cast to an integer state tensor a NaN would pass as a number
+    problems += [f"{where}: {count} non-finite values" for where, count in non_finite(checked).items()]
     return problems
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """How many NaN or infinite values each floating-point tensor of ``tensors`` holds (only those with any).
+
+    One check over all of them at once (small tensors cost far more per call than per value), then, only if
+    something is not finite, one per tensor to name it.
+    """
+    floats = {n: t for n, t in tensors.items() if t.is_floating_point() and t.numel()}
+    if not floats:
+        return {}
+    flat = [t.detach().reshape(-1) for t in floats.values()]
+    if bool(torch.isfinite(torch.cat(flat) if len(flat) > 1 else flat[0]).all()):
+        return {}
+    counts = {n: int((~torch.isfinite(t.detach())).sum()) for n, t in floats.items()}
+    return {n: c for n, c in counts.items() if c}
 
 
 def _is_count(value: object) -> bool:

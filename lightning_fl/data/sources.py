@@ -74,6 +74,29 @@ class ImageTransform:
             x = x.flip(-1)
         return (x - self.mean) / self.std
 
+    def batch(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``(B, C, H, W)`` -> what calling the transform on each image in turn gives, stacked.
+
+        The same values and, with augmentation, the same draws from the global generator in the same order
+        (per image: the crop offsets, then the flip), with the arithmetic done once for the whole batch.
+        """
+        x = images.to(torch.float32).div_(255.0)  # (B, C, H, W)
+        if self.crop_padding > 0 or self.hflip:
+            p = self.crop_padding
+            h, w = x.shape[-2:]
+            padded = torch.nn.functional.pad(x, (p, p, p, p)) if p > 0 else x
+            out = torch.empty_like(x)
+            for k in range(len(x)):
+                image = x[k]
+                if p > 0:
+                    i, j = torch.randint(0, 2 * p + 1, (2,)).tolist()
+                    image = padded[k, :, i : i + h, j : j + w]
+                if self.hflip and torch.rand(()) < 0.5:
+                    image = image.flip(-1)
+                out[k] = image
+            x = out
+        return (x - self.mean) / self.std
+
     def __repr__(self) -> str:
         return f"ImageTransform(crop_padding={self.crop_padding}, hflip={self.hflip})"
 

@@ -10,14 +10,13 @@ checkpoint. What it returns is what would go on the wire (the codec's encoded pa
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
 import torch
 
-from lightning_fl.compress.base import Codec, Payload
+from lightning_fl.compress.base import Codec, Payload, non_finite
 from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.state import State
@@ -67,16 +66,24 @@ def _cpu_fabric() -> L.Fabric:
 
 
 def configure_optimizer(module: L.LightningModule) -> tuple[torch.optim.Optimizer, Any]:
-    """The module's one optimiser and its per-step scheduler (``None`` if it has none)."""
+    """The module's one optimiser and its per-step scheduler (``None`` if it has none).
+
+    ``configure_optimizers`` is called afresh for every client in every round, so a step-interval scheduler
+    runs its clock over that client's local steps in that round. An epoch-interval scheduler has no clock
+    here and is refused, never ignored.
+    """
     conf = module.configure_optimizers()
     scheduler = None
     if isinstance(conf, dict):
         sched = conf.get("lr_scheduler")
-        if isinstance(sched, dict):
-            if sched.get("interval", "epoch") == "step":
-                scheduler = sched["scheduler"]
-        elif sched is not None:
-            warnings.warn("epoch-interval schedulers are not stepped by federated clients", stacklevel=2)
+        if sched is not None and not (isinstance(sched, dict) and sched.get("interval", "epoch") == "step"):
+            raise ConfigError(
+                f"{type(module).__name__}.configure_optimizers returns a learning-rate scheduler stepped per "
+                "epoch, which federated clients cannot follow (each trains one round of local steps); return "
+                "{'scheduler': ..., 'interval': 'step'} to step it per local step, or no scheduler"
+            )
+        if sched is not None:
+            scheduler = sched["scheduler"]
         conf = conf["optimizer"]
     if isinstance(conf, (list, tuple)):
         if len(conf) != 1:
@@ -149,9 +156,8 @@ def run_client(
     if result.failure is not None:
         return result
     state = module.federated_state()
-    non_finite = [n for n, t in state.items() if not torch.isfinite(t).all()]
-    if non_finite:
-        result.failure = "; ".join(f"{n}: non-finite values" for n in non_finite)
+    if bad := non_finite(state):
+        result.failure = "; ".join(f"{n}: non-finite values" for n in bad)
         return result
     result.payload = codec.encode(state, global_state, client)
     return result
@@ -162,7 +168,8 @@ def _train(module, optimizer, scheduler, loader, fabric, context: StepContext, l
     for epoch in range(local.epochs if local.steps is None else 10**9):
         context.current_epoch = epoch
         for batch_idx, batch in enumerate(loader):
-            batch = fabric.to_device(batch)
+            if fabric.device.type != "cpu":  # batches are made on the CPU
+                batch = fabric.to_device(batch)
             context.weight = batch_size(batch)
             with fabric.autocast():
                 out = module.training_step(batch, batch_idx)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from lightning_fl.compress.base import Codec, Encoded, Payload, PayloadDecodeError, check_containers
+from lightning_fl.compress.base import Codec, Encoded, Payload, PayloadDecodeError, check_containers, non_finite
 from lightning_fl.errors import UserError
 from lightning_fl.federated.state import State
 
@@ -30,18 +30,18 @@ def check_upload(decoded: State, reference: State, payload: Payload) -> list[str
     missing, extra = sorted(set(reference) - set(decoded)), sorted(set(decoded) - set(reference))
     if missing or extra:
         problems.append(f"keys differ (missing {missing}, unexpected {extra})")
+    fitting = {}
     for name in sorted(set(reference) & set(decoded)):
         got, want = decoded[name], reference[name]
         if not isinstance(got, torch.Tensor):
             problems.append(f"{name}: expected a tensor, got {type(got).__name__}")
-            continue
-        if tuple(got.shape) != tuple(want.shape):
+        elif tuple(got.shape) != tuple(want.shape):
             problems.append(f"{name}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}")
         elif got.dtype != want.dtype:
             problems.append(f"{name}: expected dtype {want.dtype}, got {got.dtype}")
-        elif not torch.isfinite(got).all():
-            bad = int((~torch.isfinite(got)).sum())
-            problems.append(f"{name}: {bad} non-finite values")
+        else:
+            fitting[name] = got
+    problems += [f"{name}: {count} non-finite values" for name, count in non_finite(fitting).items()]
     problems += size_problems(payload, reference)
     return problems
 

@@ -12,6 +12,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 
 from lightning_fl import runs, threads
 from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated.client import configure_optimizer
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.runs import RunLock
 
@@ -72,6 +73,8 @@ def prepare(
 ) -> tuple[L.LightningModule, ModuleHooks]:
     """Check the module and data, prepare them (rank 0 first), and move the module to its device and precision."""
     hooks = ModuleHooks.of(model)
+    if stage == "fit":
+        configure_optimizer(model)  # settings its clients cannot follow are refused now, not after pretraining
     missing = [a for a in FEDERATED_DATA if not hasattr(datamodule, a)]
     if missing:
         raise ConfigError(

@@ -17,7 +17,6 @@ from pathlib import Path
 import lightning as L
 import torch
 import torchmetrics
-from torch.utils.tensorboard import SummaryWriter
 
 from lightning_fl.context import StepContext, attached
 from lightning_fl.methods.schedules import warmup_cosine_factor
@@ -76,7 +75,11 @@ def train_classifier(
     )
     use_scaler = precision == "16-mixed" and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
-    writer = SummaryWriter(str(log_dir)) if log_dir is not None else None
+    writer = None
+    if log_dir is not None:
+        from torch.utils.tensorboard import SummaryWriter  # here, not at import: most processes never write one
+
+        writer = SummaryWriter(str(log_dir))
     clip = model.hparams.grad_clip
     step = 0
     metrics: dict[str, float] = {}

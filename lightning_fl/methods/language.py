@@ -48,8 +48,10 @@ class LanguageModel(TrainingRecipe):
         momentum: SGD momentum (ignored by Adam/AdamW).
         weight_decay: Weight decay on every trainable parameter.
         nesterov: Nesterov momentum for SGD.
-        warmup_epochs: Linear warm-up length in epochs (fractions allowed; ``lightning.Trainer`` only).
-        schedule: ``cosine`` or ``constant`` after the warm-up (``lightning.Trainer`` only).
+        warmup_epochs: Linear warm-up length in epochs (fractions allowed; ``lightning.Trainer`` only: federated
+            runs refuse a non-zero value).
+        schedule: ``cosine`` or ``constant`` after the warm-up (``lightning.Trainer`` only: federated runs need
+            ``constant``).
         grad_clip: Gradient-norm clipping (``null``: none), by ``lightning.Trainer`` and federated clients alike.
         init_from: Checkpoint whose ``network.*`` weights and vocabulary to start from (e.g. the ``last.ckpt``
             of ``configs/pretrain_shakespeare.yaml``).
@@ -271,8 +273,8 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         lr: Learning rate (paper: 1e-2).
         momentum: SGD momentum, if ``optimizer`` is ``sgd``.
         weight_decay: Weight decay on the latent (paper: 1e-4).
-        warmup_epochs: Linear warm-up epochs (under ``lightning.Trainer``).
-        schedule: Learning-rate schedule after warm-up (under ``lightning.Trainer``).
+        warmup_epochs: Linear warm-up epochs (under ``lightning.Trainer``; federated runs refuse a non-zero value).
+        schedule: Learning-rate schedule after warm-up (under ``lightning.Trainer``; federated runs need ``constant``).
         grad_clip: Gradient-norm clipping (paper: 1.0).
         sample_prompt: See :class:`LanguageModel`.
         sample_tokens: See :class:`LanguageModel`.

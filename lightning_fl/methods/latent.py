@@ -126,8 +126,8 @@ class LatentClassifier(LatentSteering, Classifier):
         lr: Learning rate (paper: 1e-2).
         momentum: SGD momentum, if ``optimizer`` is ``sgd``.
         weight_decay: Weight decay on the latent (paper: 1e-4).
-        warmup_epochs: Linear warm-up epochs (under ``lightning.Trainer``).
-        schedule: Learning-rate schedule after warm-up (under ``lightning.Trainer``).
+        warmup_epochs: Linear warm-up epochs (under ``lightning.Trainer``; federated runs refuse a non-zero value).
+        schedule: Learning-rate schedule after warm-up (under ``lightning.Trainer``; federated runs need ``constant``).
         label_smoothing: Cross-entropy label smoothing.
         grad_clip: Gradient-norm clipping (paper: 1.0).
     """

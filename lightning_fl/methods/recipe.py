@@ -267,16 +267,32 @@ class TrainingRecipe(L.LightningModule):
         self._eval_epoch_end("test")
 
     # ----------------------------------------------------------------------------------- federated
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Every trainable parameter by name, listed once: the federated state and the optimiser use it per client.
+
+        Walking the module tree costs more than a small client's step, so the list is kept. It is listed again
+        when one of its parameters stops training; a subclass that makes a frozen parameter train after the
+        list was first used calls :meth:`forget_trainable_parameters`.
+        """
+        listed = self.__dict__.get("_trainable")
+        if listed is None or not all(p.requires_grad for p in listed.values()):
+            listed = {name: p for name, p in self.named_parameters() if p.requires_grad}
+            self.__dict__["_trainable"] = listed  # not an nn.Module attribute: no registration, no state dict
+        return listed
+
+    def forget_trainable_parameters(self) -> None:
+        """List the trainable parameters again at the next use (see :meth:`trainable_parameters`)."""
+        self.__dict__.pop("_trainable", None)
+
     def federated_state(self) -> dict[str, torch.Tensor]:
         """What a client uploads and the server averages: every trainable parameter, detached."""
-        return {name: p.detach().clone() for name, p in self.named_parameters() if p.requires_grad}
+        return {name: p.detach().clone() for name, p in self.trainable_parameters().items()}
 
     def load_federated_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set the trainable parameters from a (global) federated state."""
-        params = dict(self.named_parameters())
-        expected = {n for n, p in params.items() if p.requires_grad}
-        if set(state) != expected:
-            raise ValueError(f"Expected federated state keys {sorted(expected)}, got {sorted(state)}")
+        params = self.trainable_parameters()
+        if state.keys() != params.keys():
+            raise ValueError(f"Expected federated state keys {sorted(params)}, got {sorted(state)}")
         with torch.no_grad():
             for name, value in state.items():
                 params[name].copy_(value)
@@ -301,11 +317,19 @@ class TrainingRecipe(L.LightningModule):
             )
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = list(self.trainable_parameters().values())
         if not params:
             raise ConfigError("the model has no trainable parameters; check which of its parts are frozen")
         optimizer = self.make_optimizer(params)
-        if self._trainer is None:  # driven by a loop without epochs: plain optimiser
+        if self._trainer is None:  # a federated client: one round of local steps from the server's state
+            if self.hparams.warmup_epochs > 0 or self.hparams.schedule != "constant":
+                # Never ignored in silence: a client has no epochs to warm up over or decay across.
+                raise ConfigError(
+                    f"model.warmup_epochs={self.hparams.warmup_epochs} and model.schedule="
+                    f"{self.hparams.schedule!r} set a centralised schedule, which federated clients do not "
+                    "follow (each trains a round of local steps at model.lr); set model.warmup_epochs 0 and "
+                    "model.schedule constant (the base's pretraining has its own, under model.pretraining)"
+                )
             return optimizer
         total = int(self.trainer.estimated_stepping_batches)
         max_epochs = self.trainer.max_epochs
