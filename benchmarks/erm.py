@@ -12,10 +12,17 @@ standardised features. Every sample has the same ``n`` base points plus ``extra`
 drawn afresh from the mixture (as an exact predictive would draw them), so the samples differ the way
 martingale-posterior samples do. Both sides get the same number of CPU threads.
 
+After one warm-up call of ours per dtype, the three sides (sklearn, ours in float32, ours in float64) take
+turns ``--repeats`` times. It prints, per side, the min and median of the wall time and of the CPU time
+(user + system, all threads), per dtype the min and median of the per-repeat ratio ours / sklearn (wall and
+CPU), the torch thread count and the load average before and after, and last its results as one JSON line
+(``--json PATH`` also writes them with the machine's state to a file).
+
     python benchmarks/erm.py                      # n=5000 (+500 per sample), d=128, C=10, S=10, l2=1e-3
     python benchmarks/erm.py --threads 1 --l2 1e-4
+    python benchmarks/erm.py --threads 1 --repeats 5 --json erm.json
 
-Goal: ours / sklearn <= 0.3 in wall-clock time.
+Goal: ours / sklearn <= 0.3 in wall-clock time (the median of the per-repeat ratios).
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+from pathlib import Path
 
 import numpy as np
 import torch
+from _harness import add_arguments, alternate, fmt, machine, ratios, report, summarise
 from sklearn.linear_model import LogisticRegression
 from threadpoolctl import threadpool_limits
 
@@ -52,26 +59,12 @@ def make_data(n: int, extra: int, d: int, classes: int, samples: int, sep: float
     return (x - mu) / sd, y
 
 
-def time_ours(x: torch.Tensor, t: torch.Tensor, l2: float, tol: float, repeats: int) -> tuple[float, torch.Tensor]:
-    fit_softmax(x, t, l2, tol=tol)  # warm-up (allocator, kernels)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        W = fit_softmax(x, t, l2, tol=tol)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), W
-
-
-def time_sklearn(x: np.ndarray, y: np.ndarray, l2: float, tol: float, repeats: int) -> tuple[float, np.ndarray, float]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fits = [
-            LogisticRegression(fit_intercept=False, C=1 / (l2 * len(ys)), tol=tol, max_iter=10_000).fit(xs, ys)
-            for xs, ys in zip(x, y, strict=True)
-        ]
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), np.stack([m.coef_ for m in fits]), float(np.mean([m.n_iter_[0] for m in fits]))
+def fit_sklearn(x: np.ndarray, y: np.ndarray, l2: float, tol: float) -> list[LogisticRegression]:
+    """One sklearn fit per sample, one after another."""
+    return [
+        LogisticRegression(fit_intercept=False, C=1 / (l2 * len(ys)), tol=tol, max_iter=10_000).fit(xs, ys)
+        for xs, ys in zip(x, y, strict=True)
+    ]
 
 
 def main() -> None:
@@ -85,29 +78,53 @@ def main() -> None:
     parser.add_argument("--tol", type=float, default=1e-5, help="max |gradient| at which both solvers stop")
     parser.add_argument("--sep", type=float, default=1.0, help="class separation (1: ~90%% train accuracy)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads for torch and sklearn's BLAS")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    add_arguments(parser, repeats=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    before = machine()
 
     x, y = make_data(args.n, args.extra, args.d, args.classes, args.samples, args.sep, args.seed)
     xt = torch.from_numpy(x)
     onehot = torch.nn.functional.one_hot(torch.from_numpy(y), args.classes).double()
     W_ref = fit_softmax(xt, onehot, args.l2, tol=1e-10)
 
-    with threadpool_limits(args.threads):
-        sk_s, W_sk, sk_iter = time_sklearn(x, y, args.l2, args.tol, args.repeats)
-    W_sk = torch.from_numpy(W_sk)
+    dtypes = {"float32": torch.float32, "float64": torch.float64}
+    inputs = {name: (xt.to(dtype), onehot.to(dtype)) for name, dtype in dtypes.items()}
+    last: dict[str, object] = {}
+
+    def sklearn() -> None:
+        last["sklearn"] = fit_sklearn(x, y, args.l2, args.tol)
+
+    def ours(name: str):
+        def run() -> None:
+            last[name] = fit_softmax(*inputs[name], args.l2, tol=args.tol)
+
+        return run
+
+    sides = {"sklearn": sklearn, **{f"ours {name}": ours(name) for name in dtypes}}
+    with threadpool_limits(args.threads):  # sklearn's BLAS (and OpenMP, as torch's) get args.threads threads
+        for name in dtypes:
+            ours(name)()  # warm-up (allocator, kernels)
+        samples = alternate(sides, args.repeats)
+    summary = summarise(samples)
+
+    fits = last["sklearn"]
+    W_sk = torch.from_numpy(np.stack([m.coef_ for m in fits]))
+    sk_iter = float(np.mean([m.n_iter_[0] for m in fits]))
     rows = []
-    for dtype in (torch.float32, torch.float64):
-        ours_s, W = time_ours(xt.to(dtype), onehot.to(dtype), args.l2, args.tol, args.repeats)
-        W = W.double()
+    for name in dtypes:
+        W = last[name].double()
+        per_repeat = ratios(samples, f"ours {name}", "sklearn")
         rows.append(
             {
-                "dtype": str(dtype).removeprefix("torch."),
-                "ours_s": ours_s,
-                "sklearn_s": sk_s,
-                "ratio": ours_s / sk_s,
+                "dtype": name,
+                "ours_s": summary[f"ours {name}"]["wall"]["median"],
+                "sklearn_s": summary["sklearn"]["wall"]["median"],
+                "ratio": per_repeat["wall"]["median"],
+                "ours": summary[f"ours {name}"],
+                "sklearn": summary["sklearn"],
+                "ratio_per_repeat": per_repeat,
                 "max_abs_W_ours_minus_sklearn": float((W - W_sk).abs().max()),
                 "max_abs_W_ours_minus_ref": float((W - W_ref).abs().max()),
                 "max_abs_W_sklearn_minus_ref": float((W_sk - W_ref).abs().max()),
@@ -117,14 +134,24 @@ def main() -> None:
     N = args.n + args.extra
     print(
         f"S={args.samples} samples x N={N} points ({args.n} shared), D={args.d}, C={args.classes}, l2={args.l2:g}, "
-        f"tol={args.tol:g} on max |grad|, {args.threads} thread(s); sklearn lbfgs: {sk_iter:.0f} iterations per fit"
+        f"tol={args.tol:g} on max |grad|, {args.threads} thread(s); sklearn lbfgs: {sk_iter:.0f} iterations per fit; "
+        f"{args.repeats} repeats, alternated"
     )
-    print("ours in    ours s  sklearn s  ratio  |W-W_sk|  |W-W_ref|  |W_sk-W_ref|")
+    for side in sides:
+        print(f"{side:<14} wall {fmt(summary[side]['wall'])}; CPU {fmt(summary[side]['cpu'])}")
+    print("ours in   ratio wall (min, median)  ratio CPU (min, median)  |W-W_sk|  |W-W_ref|  |W_sk-W_ref|")
     for r in rows:
         keys = ("max_abs_W_ours_minus_sklearn", "max_abs_W_ours_minus_ref", "max_abs_W_sklearn_minus_ref")
         errors = "  ".join(f"{r[k]:9.2e}" for k in keys)
-        print(f"{r['dtype']:8s} {r['ours_s']:8.3f} {r['sklearn_s']:10.3f} {r['ratio']:6.2f}  {errors}")
-    print(json.dumps({**vars(args), "sklearn_iterations": sk_iter, "rows": rows}))
+        wall, cpu = r["ratio_per_repeat"]["wall"], r["ratio_per_repeat"]["cpu"]
+        print(
+            f"{r['dtype']:8s} {wall['min']:9.3f} {wall['median']:9.3f}        {cpu['min']:9.3f} {cpu['median']:9.3f}"
+            f"       {errors}"
+        )
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    results = {**settings, "sklearn_iterations": sk_iter, "rows": rows}
+    report("erm", before, {**results, "raw": samples}, args.json)
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

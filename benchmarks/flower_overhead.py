@@ -27,7 +27,9 @@ Both sides get ``--data.num_clients K --trainer.rounds R --trainer.logger false
     python benchmarks/flower_overhead.py --workloads quickstart --rounds 3 --repeats 1   # quicker
 
 It prints markdown tables and writes docs/results/flower_overhead.csv (one row per workload and side) and
-docs/results/flower_overhead.md (the tables, the command, the date and the machine). What to look at:
+docs/results/flower_overhead.md (the tables, the command, the date and the machine); with ``--json PATH`` also
+the rows and every run's wall and CPU time, with the torch thread count and the load average before and after
+(printed too). What to look at:
 
 - round time: min and median over rounds 2..R of every repeat (round 1 is warm-up, shown apart), and the
   ratio flower / in-process (min over min, median over median). On Flower a round includes the SuperNode's
@@ -35,6 +37,12 @@ docs/results/flower_overhead.md (the tables, the command, the date and the machi
   process per message that imports torch and rebuilds the run from the config, and the ServerApp's poll for
   replies (every 3 s), so Flower's round times come in steps of about 3 s. With K=2 on 2 cores the two
   clients train in parallel on Flower but one after the other in process;
+- run time, wall and CPU: min and median over the repeats of each whole run (start to finished), and the
+  per-repeat ratio flower / in-process (min and median). CPU is user + system: in process, that of the
+  ``lightning_fl fit`` process (waited for); on Flower, that of every process of the deployment (SuperLink,
+  SuperNodes, SuperExecs, each ClientApp and ServerApp, read from ``/proc``; the idle polling included) and
+  of ``flwr run``, less the ``flwr ls`` calls this script makes to see that the run finished. Per-round
+  times are wall time only (the runs' own clocks);
 - bytes per client and round: the codec's payload (the ledger's ``comm/client_up_bytes``/``down``, the
   paper's numbers, equal on both sides) against the Flower messages that carry it (``comm/msg_client_*``);
 - where Flower's time goes: per train message, the SuperNode's time from "Receiving" to "Sending" (its log
@@ -60,6 +68,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _harness import (
+    Sample,
+    add_arguments,
+    children_cpu_seconds,
+    descendants_cpu_seconds,
+    machine,
+    ratios,
+    report,
+    spread,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -101,6 +120,7 @@ class Result:
     warmup: list[float] = field(default_factory=list)  # round 1 of each run
     rounds: list[float] = field(default_factory=list)  # rounds 2..R of every run
     walls: list[float] = field(default_factory=list)  # each run's wall time (start to finished)
+    runs: list[Sample] = field(default_factory=list)  # each run's wall and CPU time (start to finished)
     bytes: dict[str, list[float]] = field(default_factory=dict)  # ledger key -> per-round values
 
 
@@ -200,33 +220,40 @@ def common(w: Workload, args: argparse.Namespace, root: Path, name: str) -> list
     ]  # fmt: skip
 
 
-def run_in_process(w: Workload, args, work: Path, root: Path, name: str) -> float:
+def run_in_process(w: Workload, args, work: Path, root: Path, name: str) -> Sample:
+    """One in-process run: its wall time and the CPU time of its process (waited for, with what it waited for)."""
     argv = ["-m", "lightning_fl", "fit", "--config", str(REPO / w.config), *common(w, args, root, name)]
-    return run_python(argv, work, work / f"{name}.log", timeout=args.run_timeout)
+    cpu = children_cpu_seconds()
+    wall = run_python(argv, work, work / f"{name}.log", timeout=args.run_timeout)
+    return Sample(wall, children_cpu_seconds() - cpu)
 
 
-def run_flower(w: Workload, args, d: TimedDeployment, root: Path, name: str) -> float:
+def run_flower(w: Workload, args, d: TimedDeployment, root: Path, name: str) -> Sample:
+    """One Flower run: its wall time and the CPU time of the deployment's processes and of ``flwr run``."""
     overrides = shlex.join(common(w, args, root, name))
     run_config = f'config="{REPO / w.config}" overrides="{overrides}" round-timeout={args.round_timeout}'
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), descendants_cpu_seconds()
     run_id = d.run_app(REPO, run_config)
     try:
         wait_rounds(root, name, args.rounds, timeout=args.run_timeout)
+        polls = children_cpu_seconds()
         status = d.wait_run(run_id, timeout=120)
+        polls = children_cpu_seconds() - polls  # the `flwr ls` calls that see the run finished: ours, not Flower's
     except TimeoutError:
         print(d.run_logs(run_id)[-3000:], file=sys.stderr)
         raise
-    wall = time.perf_counter() - t0
+    sample = Sample(time.perf_counter() - t0, descendants_cpu_seconds() - cpu - polls)
     if status["status"] != "finished:completed":
         raise RuntimeError(f"flwr run {run_id} ended {status['status']}:\n{d.run_logs(run_id)[-3000:]}")
-    return wall
+    return sample
 
 
-def record(result: Result, rounds: list[dict[str, float]], wall: float) -> None:
+def record(result: Result, rounds: list[dict[str, float]], run: Sample) -> None:
     times = [h["time/clients_and_server_s"] for h in rounds]
     result.warmup.append(times[0])
     result.rounds.extend(times[1:])
-    result.walls.append(wall)
+    result.walls.append(run.wall)
+    result.runs.append(run)
     for key in BYTES:
         result.bytes.setdefault(key, []).extend(h[key] for h in rounds if key in h)
 
@@ -325,8 +352,11 @@ def summarise(results: dict[str, dict[str, Result]], extra: dict[str, dict[str, 
     rows = []
     for wname, sides in results.items():
         base = sides["in-process"]
+        runs = {side: sides[side].runs for side in SIDES}
         for side in SIDES:
             r = sides[side]
+            wall, cpu = spread(s.wall for s in r.runs), spread(s.cpu for s in r.runs)
+            per_repeat = ratios(runs, side, "in-process")  # flower / in-process, repeat by repeat
             row: dict[str, object] = {
                 "workload": wname, "side": side, "clients": args.clients, "rounds": args.rounds,
                 "repeats": args.repeats, "rounds_timed": len(r.rounds),
@@ -335,6 +365,9 @@ def summarise(results: dict[str, dict[str, Result]], extra: dict[str, dict[str, 
                 "ratio_min": min(r.rounds) / min(base.rounds),
                 "ratio_median": statistics.median(r.rounds) / statistics.median(base.rounds),
                 "run_wall_median_s": statistics.median(r.walls),
+                "run_wall_min_s": wall["min"], "run_cpu_min_s": cpu["min"], "run_cpu_median_s": cpu["median"],
+                "run_ratio_wall_min": per_repeat["wall"]["min"], "run_ratio_wall_median": per_repeat["wall"]["median"],
+                "run_ratio_cpu_min": per_repeat["cpu"]["min"], "run_ratio_cpu_median": per_repeat["cpu"]["median"],
             }  # fmt: skip
             for key, col in (
                 ("comm/client_up_bytes", "payload_up_bytes"),
@@ -360,14 +393,30 @@ def tables(rows: list[dict], args) -> str:
         "shown apart); ratio = flower / in-process.",
         "",
         "| workload | side | rounds timed | round 1 (median) | min | median | ratio (min) | ratio (median) "
-        "| run wall (median) |",
+        "| run wall (min / median) |",
         "|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         out.append(
             f"| {r['workload']} | {r['side']} | {r['rounds_timed']} | {fmt(r['round1_median_s'])} | "
             f"{fmt(r['round_min_s'])} | {fmt(r['round_median_s'])} | {fmt(r['ratio_min'])} | "
-            f"{fmt(r['ratio_median'])} | {fmt(r['run_wall_median_s'], 1)} |"
+            f"{fmt(r['ratio_median'])} | {fmt(r['run_wall_min_s'], 1)} / {fmt(r['run_wall_median_s'], 1)} |"
+        )
+    out += [
+        "",
+        f"Whole runs (start to finished), seconds: min and median over the {args.repeats} run(s) per side, wall and "
+        "CPU (user + system: in process, the `lightning_fl fit` process; on Flower, every process of the deployment, "
+        "idle polling included, and `flwr run`); ratio = flower / in-process, repeat by repeat (min and median).",
+        "",
+        "| workload | side | wall (min) | wall (median) | CPU (min) | CPU (median) | ratio wall (min / median) "
+        "| ratio CPU (min / median) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['workload']} | {r['side']} | {fmt(r['run_wall_min_s'], 1)} | {fmt(r['run_wall_median_s'], 1)} | "
+            f"{fmt(r['run_cpu_min_s'], 1)} | {fmt(r['run_cpu_median_s'], 1)} | {fmt(r['run_ratio_wall_min'])} / "
+            f"{fmt(r['run_ratio_wall_median'])} | {fmt(r['run_ratio_cpu_min'])} / {fmt(r['run_ratio_cpu_median'])} |"
         )
     out += [
         "",
@@ -411,7 +460,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--clients", type=int, default=2, help="clients = SuperNodes (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default 5; round 1 is warm-up)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side and workload, alternated (default 3)")
+    add_arguments(parser, repeats=3)  # --repeats: runs per side and workload, alternated; --json
     parser.add_argument("--round-timeout", type=float, default=300.0, help="Flower run config round-timeout (s)")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="longest wait for one run (s)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "flower_overhead",
@@ -421,6 +470,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (round 1 is warm-up)")
+    before = machine()
     command = shlex.join(["python", "benchmarks/flower_overhead.py", *sys.argv[1:]])
     # Absolute: the SuperLink, SuperNodes and flwr CLI run in folders under it, with FLWR_HOMEs under it.
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="flower_overhead-"))).resolve()
@@ -443,14 +493,14 @@ def main() -> None:
                         name = f"{wname}-{'inproc' if side == 'in-process' else 'flower'}-{i}"
                         t = time.perf_counter()
                         if side == "in-process":
-                            wall = run_in_process(w, args, work, root, name)
+                            run = run_in_process(w, args, work, root, name)
                         else:
-                            wall = run_flower(w, args, d, root, name)
+                            run = run_flower(w, args, d, root, name)
                         hist = history(root, name)
-                        record(results[wname][side], hist, wall)
+                        record(results[wname][side], hist, run)
                         times = ", ".join(f"{h['time/clients_and_server_s']:.2f}" for h in hist)
                         print(f"[{time.perf_counter() - started:6.0f} s] {name}: rounds {times} s "
-                              f"(run {time.perf_counter() - t:.1f} s)", flush=True)  # fmt: skip
+                              f"(run {time.perf_counter() - t:.1f} s, CPU {run.cpu:.1f} s)", flush=True)  # fmt: skip
                 logs = [d.logs[n] for n in d.logs if n.startswith("supernode")]
             spans = node_timings(logs)
             extra[wname] = {k: statistics.median(v) if v else None for k, v in spans.items()}
@@ -490,6 +540,9 @@ def main() -> None:
         "",
     ]
     args.out.with_suffix(".md").write_text("\n".join(header) + text + "\n", encoding="utf-8")
+    raw = {w: {side: {"runs": r.runs, "rounds": r.rounds, "round1": r.warmup} for side, r in sides.items()}
+           for w, sides in results.items()}  # fmt: skip
+    report("flower_overhead", before, {"command": command, "rows": rows, "raw": raw}, args.json)
     print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.md')}")
 
 

@@ -7,8 +7,14 @@ softmax of S models refit by the same ERM: on ``Z`` alone (``erm``), on ``Z`` pl
 resample of ``Z`` (``bootstrap``, naive predictive resampling) and on ``Z`` plus generated points
 (``generator``). Lower NLL is better.
 
+The training is timed: it runs ``--repeats`` times, each from the same untrained generator and random state
+(so each repeat trains the same generator; the last one is scored), and the min and median of its wall time
+and of its CPU time (user + system, all threads) are printed, with the torch thread count and the load
+average before and after (``--json PATH`` also writes the timings and scores with the machine's state).
+
     python benchmarks/generator.py --data digits
     python benchmarks/generator.py --data fashion_mnist --gamma 0   # without the pseudo-data term
+    python benchmarks/generator.py --data digits --repeats 1 --json generator.json
 
 Fashion-MNIST features come from the extractor of configs/fmp_fashion_mnist.yaml (cached).
 """
@@ -16,9 +22,10 @@ Fashion-MNIST features come from the extractor of configs/fmp_fashion_mnist.yaml
 from __future__ import annotations
 
 import argparse
-import time
+import copy
 
 import torch
+from _harness import Sample, add_arguments, fmt, machine, measure, report, spread
 
 from lightning_fl.data import Digits, FashionMNIST
 from lightning_fl.models import SmallCNN
@@ -56,9 +63,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
+    add_arguments(parser, repeats=3)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    machine_before = machine()
     dm = tasks(args.data, args.seed)
     dm.prepare_data()
     dm.setup("fit")
@@ -70,14 +79,33 @@ def main() -> None:
     target = dm.target_sampler(heldout=True)
     before = evaluate_generator(generator, target, args.eval_tasks, args.l2, n_new, args.samples)
     recipe = GeneratorTraining(steps=args.steps, beta=args.beta, gamma=args.gamma, seed=args.seed)
-    t0 = time.perf_counter()
-    train_generator(generator, dm.meta_samplers(heldout=True), recipe, args.l2, n_new, task_seed_offset=10**7)
-    seconds = time.perf_counter() - t0
+    untrained, rng = copy.deepcopy(generator), torch.get_rng_state()
+    samples: list[Sample] = []
+    trained: list[PredictiveGenerator] = []
+    for _ in range(args.repeats):  # each from the same start: the same training, timed again
+        generator = copy.deepcopy(untrained)
+        torch.set_rng_state(rng)
+        samplers = dm.meta_samplers(heldout=True)
+        _, sample = measure(
+            lambda g=generator, s=samplers: train_generator(g, s, recipe, args.l2, n_new, task_seed_offset=10**7)
+        )
+        samples.append(sample)
+        trained.append(generator)
+    same = all(
+        torch.equal(a, b)
+        for g in trained[1:]
+        for a, b in zip(trained[0].state_dict().values(), g.state_dict().values(), strict=True)
+    )
+    del trained[:-1]
     after = evaluate_generator(generator, target, args.eval_tasks, args.l2, n_new, args.samples)
+    timing = {"wall": spread(s.wall for s in samples), "cpu": spread(s.cpu for s in samples)}
     print(
-        f"{args.data}: {args.steps} steps in {seconds:.0f} s (labels {args.labels}, beta {args.beta}, "
-        f"gamma {args.gamma}, l2 {args.l2}, "
+        f"{args.data}: {args.steps} steps (labels {args.labels}, beta {args.beta}, gamma {args.gamma}, l2 {args.l2}, "
         f"n' {n_new}, S {args.samples}, {args.eval_tasks} target tasks x {dm.heldout_points} held-out points)"
+    )
+    print(
+        f"training over {args.repeats} repeat(s): wall {fmt(timing['wall'], digits=1)}; CPU "
+        f"{fmt(timing['cpu'], digits=1)}" + ("" if same else " (the repeats trained different generators)")
     )
     print("| predictive | held-out NLL | held-out acc |\n| --- | --- | --- |")
     for name in ("erm", "bootstrap"):
@@ -88,6 +116,10 @@ def main() -> None:
         f"generated label entropy: {after['generated_label_entropy']:.3f} nats (uniform: "
         f"{torch.log(torch.tensor(float(dm.num_classes))):.3f})"
     )
+    settings = {k: str(v) if k == "json" and v is not None else v for k, v in vars(args).items()}
+    results = {**settings, "hidden": hidden, "num_generated": n_new, "training": timing, "repeats_identical": same}
+    results.update(untrained={k: float(v) for k, v in before.items()}, trained={k: float(v) for k, v in after.items()})
+    report("generator", machine_before, {**results, "raw": samples}, args.json)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ Builds the paper-size TinyGPT (6 layers, 384 wide, 6 heads) with all weights tra
 ``--latent d`` FLITE's latent on its projections (``LatentLanguageModel``, ``layers: linear``, rank
 ``--rank``, factors ``--factors``): only the latent trains, and the step includes mapping it to the
 weights. It runs ``--warmup`` steps (the first allocates gradients and Adam's moments), then times
-``--steps`` steps on one fixed random batch of ``--batch x --context`` tokens and prints the min and
-median step time.
+``--steps`` steps (``--repeats`` is the same option) on one fixed random batch of ``--batch x --context``
+tokens and prints the min and median of the step's wall time and of its CPU time (user + system, all
+threads), with the torch thread count and the load average before and after (``--json PATH`` also writes
+them, with the memory, to a file).
 
 Memory is the process's resident set (Linux ``/proc/self/status``; tracemalloc does not see torch's
 allocator): the peak (``VmHWM``, reset through ``/proc/self/clear_refs`` once the model is built) over
@@ -16,16 +18,16 @@ allocator keeps cached. Where the reset is refused it falls back to the ``ru_max
     python benchmarks/gpt_step.py                                   # batch 8 x 128, vocab 65
     python benchmarks/gpt_step.py --latent 1024 --factors streamed  # the paper's latent, d = 1024
     python benchmarks/gpt_step.py --batch 16 --context 256 --threads 1
+    python benchmarks/gpt_step.py --steps 10 --json gpt_step.json
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
-import statistics
-import time
 
 import torch
+from _harness import Sample, add_arguments, fmt, machine, measure, report, spread
 from torch.nn import functional as F
 
 from lightning_fl.methods import LatentLanguageModel
@@ -58,15 +60,17 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-embd", type=int, default=384)
     parser.add_argument("--n-head", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--steps", "--repeats", dest="steps", type=int, default=5, help="timed steps (samples)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--latent", type=int, default=0, help="d per projection; 0: train every weight")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--factors", default="stored", choices=["stored", "regenerate", "streamed"])
+    add_arguments(parser, repeats=None)  # --json; --steps is the number of samples
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    before = machine()
     torch.manual_seed(args.seed)
 
     network = TinyGPT(args.vocab, args.n_layer, args.n_embd, args.n_head, context=args.context)
@@ -83,13 +87,14 @@ def main() -> None:
     weights = sum(p.numel() for p in network.parameters())
     params = sum(p.numel() for p in trained)
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def one() -> None:
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+
+    def step() -> Sample:
+        return measure(one)[1]
 
     rss_built = status_bytes("VmRSS")
     maxrss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -111,16 +116,22 @@ def main() -> None:
             f"the {4 * weights:,} of full weights)"
         )
     print(f"batch {args.batch} x context {args.context} ({tokens} tokens), threads {torch.get_num_threads()}")
-    print(f"warm-up steps: {', '.join(f'{t * 1e3:.0f}' for t in first)} ms")
+    print(f"warm-up steps: {', '.join(f'{t.wall * 1e3:.0f}' for t in first)} ms")
+    wall, cpu = spread(t.wall for t in times), spread(t.cpu for t in times)
     print(
-        f"step (fwd+bwd+Adam) over {args.steps}: min {min(times) * 1e3:.1f} ms, "
-        f"median {statistics.median(times) * 1e3:.1f} ms ({tokens / statistics.median(times):,.0f} tokens/s)"
+        f"step (fwd+bwd+Adam) over {args.steps}: {fmt(wall, ' ms', 1e3, 1)} ({tokens / wall['median']:,.0f} "
+        f"tokens/s); CPU {fmt(cpu, ' ms', 1e3, 1)}"
     )
     print(
         f"memory: built model {rss_built / MIB:.0f} MiB RSS (libraries included); peak during training "
         f"+{extra / MIB:.0f} MiB ({'VmHWM' if reset else 'ru_maxrss'}), of which grads + Adam moments of the "
         f"trained values {3 * 4 * params / MIB:.0f} MiB (analytic)"
     )
+    settings = {k: str(v) if k == "json" and v is not None else v for k, v in vars(args).items()}
+    results = {**settings, "weights": weights, "trained_values": params, "tokens": tokens, "wall": wall, "cpu": cpu}
+    results.update(warmup_steps=first, raw=times, rss_built_bytes=rss_built, peak_extra_bytes=extra)
+    results["peak_source"] = "VmHWM" if reset else "ru_maxrss"
+    report("gpt_step", before, results, args.json)
 
 
 if __name__ == "__main__":

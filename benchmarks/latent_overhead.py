@@ -1,15 +1,22 @@
 """FLITE's cost per step and the memory of each factor mode, measured side by side.
 
 Prints, for one model on one batch:
-- the time of a latent training step (stored / regenerate / streamed factors) divided by the time of a
-  full fine-tuning step (every backbone weight trained with Adam);
+- the time of a latent training step (stored / regenerate / streamed factors) and of a full fine-tuning
+  step (every backbone weight trained with Adam): after one warm-up step each, the sides (full, then each
+  mode) take turns ``--repeats`` times, ``--steps`` steps per turn (their mean is one sample); for each side
+  the min and median of the wall time and of the CPU time (user + system, all threads) per step, and the
+  min and median of the per-repeat ratio latent / full (wall and CPU);
 - the extra peak memory of each factor mode (analytic, and measured as the peak resident set (VmHWM,
   Linux) of a fresh process that builds the mapping and runs one forward/backward of the weights,
   minus the same for a process that builds the weights without a mapping; both first run the factor
   code on tiny inputs so shared-library pages are not counted as factor memory).
 
-    python benchmarks/latent_overhead.py                      # ResNet-18, CIFAR shape, batch 128
-    python benchmarks/latent_overhead.py --batch 32 --steps 2 # quicker
+It also prints the torch thread count and the load average before and after, and last its results as one
+JSON line (``--json PATH`` also writes them with the machine's state to a file).
+
+    python benchmarks/latent_overhead.py                          # ResNet-18, CIFAR shape, batch 128, 5 repeats
+    python benchmarks/latent_overhead.py --batch 32 --repeats 3   # quicker
+    python benchmarks/latent_overhead.py --modes stored --json latent_overhead.json
 
 Goals (ours, not the paper's): latent/full <= 1.05 with stored factors; streamed <= 16 MB extra peak.
 Results: docs/results.md, "Overheads".
@@ -21,9 +28,10 @@ import argparse
 import json
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 
 import torch
+from _harness import add_arguments, alternate, fmt, machine, ratios, report, summarise
 
 from lightning_fl.mapping import memory_report
 from lightning_fl.methods import Classifier, LatentClassifier
@@ -38,7 +46,8 @@ def resnet18(width: int) -> ResNet18:
     return ResNet18(width=width, norm_groups=min(32, width // 2))
 
 
-def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float | None) -> float:
+def stepper(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float | None) -> Callable:
+    """``steps`` training steps of ``model`` with Adam; one is run here (warm-up, lazy factor construction)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=1e-3)
 
@@ -50,13 +59,12 @@ def step_time(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: i
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    one()  # warm-up (and lazy factor construction)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        one()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    def run() -> None:
+        for _ in range(steps):
+            one()
+
+    one()
+    return run
 
 
 def peak_rss_child(mode: str, width: int = 64) -> int:
@@ -88,50 +96,62 @@ print(int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].spl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (the minimum is kept)")
+    parser.add_argument("--steps", type=int, default=1, help="steps per side and repeat (their mean is a sample)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--width", type=int, default=64, help="ResNet-18 base channels (smaller: quicker)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="factor modes to measure")
+    add_arguments(parser, repeats=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    before = machine()
     torch.manual_seed(0)
     x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 100, (args.batch,))
 
     full = Classifier(resnet18(args.width), 100)  # every backbone weight trains (the head stays frozen)
-    results = {"batch": args.batch, "threads": args.threads, "width": args.width}
-    results["full_s"] = step_time(full, x, y, args.steps, None)
+    sides = {"full": stepper(full, x, y, args.steps, None)}
     for mode in args.modes:
         latent = LatentClassifier(resnet18(args.width), 100, base="scratch", latent_dim=64, rank=32, factors=mode)
         latent.load_state_dict({**full.state_dict(), "mapping.latent": torch.zeros(1280)})
-        results[f"{mode}_s"] = step_time(latent, x, y, args.steps, 1.0)
-        del latent
+        sides[mode] = stepper(latent, x, y, args.steps, 1.0)
+    samples = alternate(sides, args.repeats)  # full, stored, regenerate, streamed, full, ...
+    del sides
+    summary = summarise(samples, per=args.steps)
+    per_repeat = {mode: ratios(samples, mode, "full") for mode in args.modes}
+    results = {"batch": args.batch, "threads": args.threads, "width": args.width, "steps": args.steps}
+    results["repeats"] = args.repeats
+    results.update({f"{side}_s": summary[side]["wall"]["min"] for side in summary})  # min wall per step
+    results["step_s"] = summary
+    results["ratio_to_full"] = per_repeat
 
-    report = memory_report(resnet18(args.width), 64, 32)
+    report_ = memory_report(resnet18(args.width), 64, 32)
     baseline = peak_rss_child("none", args.width)
     measured = {mode: peak_rss_child(mode, args.width) - baseline for mode in args.modes}
 
     print(
-        f"ResNet-18 (CIFAR stem, width {args.width}), batch {args.batch}, {args.threads} threads, "
-        f"min of {args.steps} steps"
+        f"ResNet-18 (CIFAR stem, width {args.width}), batch {args.batch}, {args.threads} threads; per step, over "
+        f"{args.repeats} repeats of {args.steps} step(s) per side, alternated"
     )
-    print(f"{'step':<28}{'seconds':>10}{'/ full':>10}")
-    print(f"{'full fine-tune (Adam)':<28}{results['full_s']:>10.3f}{1.0:>10.3f}")
+    for side in summary:
+        name = "full fine-tune (Adam)" if side == "full" else f"latent, {side}"
+        wall, cpu = summary[side]["wall"], summary[side]["cpu"]
+        print(f"{name:<24} wall {fmt(wall)}; CPU {fmt(cpu)}")
     for mode in args.modes:
-        s = results[f"{mode}_s"]
-        print(f"{'latent, ' + mode:<28}{s:>10.3f}{s / results['full_s']:>10.3f}")
+        r = per_repeat[mode]
+        print(f"{'latent, ' + mode + ' / full':<24} wall {fmt(r['wall'], '')}; CPU {fmt(r['cpu'], '')} (per repeat)")
     print()
     print(f"{'factor memory (r=32, d=64)':<28}{'analytic MiB':>14}{'measured MiB':>14}")
-    print(f"{'dense (not allocated)':<28}{report.dense_bytes / MIB:>14.1f}{'-':>14}")
+    print(f"{'dense (not allocated)':<28}{report_.dense_bytes / MIB:>14.1f}{'-':>14}")
     analytic = {
-        "stored": report.stored_bytes,
-        "regenerate": report.regenerate_peak_bytes,
-        "streamed": report.streamed_peak_bytes,
+        "stored": report_.stored_bytes,
+        "regenerate": report_.regenerate_peak_bytes,
+        "streamed": report_.streamed_peak_bytes,
     }
     for mode, extra in measured.items():
         print(f"{mode:<28}{analytic[mode] / MIB:>14.1f}{extra / MIB:>14.1f}")
     results.update({f"{m}_extra_peak_bytes": v for m, v in measured.items()})
     results.update({f"{m}_analytic_bytes": v for m, v in analytic.items()})
     print()
+    report("latent_overhead", before, {**results, "raw_per_repeat_of_steps": samples}, args.json)
     print(json.dumps(results))
 
 

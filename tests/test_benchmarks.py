@@ -36,6 +36,13 @@ class Case:
 
 
 CASES = {
+    "client_overhead.py": Case(
+        ["--clients", "4", "--population", "8", "--per-client", "8", "--rounds", "2", "--repeats", "1", "--kinds",
+         "latent", "--json", "co.json"],
+        "[client_overhead] wrote co.json",
+        outputs=["co.json"],
+    ),
+    "startup.py": Case(["--repeats", "1", "--sides", "torch"], "[startup] torch threads"),
     "erm.py": Case(
         ["--n", "20", "--extra", "5", "--d", "4", "--classes", "3", "--samples", "2", "--repeats", "1",
          "--threads", "1"],
@@ -74,7 +81,7 @@ CASES = {
     ),
 }  # fmt: skip
 
-SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))  # _harness.py is shared code
 
 
 def run_script(script: str, args: list[str], folder, timeout: float) -> subprocess.CompletedProcess:
@@ -155,3 +162,18 @@ def test_slow_benchmarks_still_take_their_tiny_options(script, tmp_path):
     assert usage.startswith("usage:"), proc.stdout[:500]
     for option in options:
         assert re.search(rf"(?<![\w-]){option}(?![\w-])", usage), f"{script} no longer takes {option}:\n{usage}"
+
+
+def test_the_harness_alternates_the_sides_and_reports_min_and_median():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import _harness
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    calls = []
+    samples = _harness.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
+    assert calls == ["a", "b"] * 3 and [len(v) for v in samples.values()] == [3, 3]
+    fake = {"a": [_harness.Sample(2.0, 1.0), _harness.Sample(6.0, 3.0)], "b": [_harness.Sample(1.0, 1.0)] * 2}
+    ratio = _harness.ratios(fake, "a", "b")
+    assert ratio["wall"]["min"] == 2.0 and ratio["wall"]["median"] == 4.0 and ratio["cpu"]["max"] == 3.0
+    assert _harness.summarise(fake, per=2)["a"]["wall"] == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 2}

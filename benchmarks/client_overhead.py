@@ -1,0 +1,143 @@
+"""What a client costs under FederatedTrainer beyond its own training steps: trainer CPU per client vs the floor.
+
+The model is the quickstart's (a 2-layer GroupNorm CNN on 8x8 images; FLITE's latent over conv+linear
+layers at d=64, or full weights), the data Synthetic 8x8 images split IID over ``--population`` clients
+with ``--per-client`` samples each, ``--clients`` clients per round, one local epoch, batch ``--batch``.
+
+- **trainer**: ``FederatedTrainer.fit`` with ``--rounds`` rounds, no evaluation, no logger, no progress bar:
+  everything a round does (sampling, broadcast, the client runner, encoding, the gate, aggregation, the
+  ledger, the round checkpoint). Per client: the difference between a run of ``--rounds`` rounds and a run of
+  one round, divided by the clients of the extra rounds, so set-up (building the model, the base, the
+  factors) is not counted.
+- **floor**: as many clients' steps with nothing around them: for each client, copy the global state into
+  the module, build its optimiser, and run its batches (transformed before any timing) through
+  ``training_step``, backward and the optimiser step; then read its state.
+
+Both sides alternate ``--repeats`` times in one process; the report gives CPU and wall milliseconds per
+client (min and median) and the per-repeat ratio trainer / floor. Goal (issue): trainer CPU per client
+<= 1.2x the floor at 100 clients per round.
+
+    python benchmarks/client_overhead.py                      # latent and full weights, 100 clients per round
+    python benchmarks/client_overhead.py --json docs/results/client_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import tempfile
+import warnings
+
+import torch
+from _harness import Sample, add_arguments, alternate, fmt, machine, ratios, report, summarise
+
+from lightning_fl.data import FederatedDataModule, Synthetic
+from lightning_fl.federated import FederatedTrainer
+from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.models import SmallCNN
+
+
+def make_module(kind: str) -> Classifier:
+    torch.manual_seed(0)
+    backbone = SmallCNN(in_channels=1, image_size=8, channels=[32, 64], feature_dim=128, norm_groups=8)
+    if kind == "latent":
+        return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
+    return Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
+
+
+def make_data(args: argparse.Namespace) -> FederatedDataModule:
+    n = args.population * args.per_client
+    source = Synthetic(image_size=8, channels=1, train_size=n, test_size=64)
+    dm = FederatedDataModule(source, num_clients=args.population, batch_size=args.batch, seed=0)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def trainer_run(module: Classifier, dm: FederatedDataModule, rounds: int, clients: int, root: str) -> None:
+    trainer = FederatedTrainer(
+        rounds=rounds, clients_per_round=clients, accelerator="cpu", logger=False, enable_progress_bar=False,
+        limit_val_batches=0, check_identity=False, default_root_dir=root, name="bench", seed=0,
+    )  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):  # the run's end-of-run summary
+        trainer.fit(module, datamodule=dm)
+
+
+def client_batches(dm: FederatedDataModule, clients: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each client's batches, transformed once before any timing (the floor does no data work at all)."""
+    train = dm.source.load("train")
+    transform = dm.source.transform(train=True, augment=False)
+    out = []
+    for client in range(clients):
+        idx = dm.client_indices(client % dm.num_clients)
+        x = torch.stack([transform(train.images[int(i)]) for i in idx])
+        y = torch.as_tensor(train.targets[idx])
+        out.append([(x[s : s + dm.batch_size], y[s : s + dm.batch_size]) for s in range(0, len(idx), dm.batch_size)])
+    return out
+
+
+def floor_run(module: Classifier, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Each client: load the state, a new optimiser, its batches through training_step, read its state."""
+    start = module.federated_state()
+    module.train()
+    for client_batches_ in batches:
+        module.load_federated_state(start)
+        optimizer = module.configure_optimizers()
+        for batch_idx, batch in enumerate(client_batches_):
+            loss = module.training_step(batch, batch_idx)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        module.federated_state()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", nargs="+", default=["latent", "full"], choices=["latent", "full"])
+    parser.add_argument("--clients", type=int, default=100, help="clients per round (default 100)")
+    parser.add_argument("--population", type=int, default=200, help="clients in all (default 200)")
+    parser.add_argument("--per-client", type=int, default=64, help="samples per client (default 64)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the long run (default 3; the short: 1)")
+    parser.add_argument("--threads", type=int, default=1)
+    add_arguments(parser, repeats=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning_fl").setLevel(logging.ERROR)
+    before = machine()
+    dm = make_data(args)
+    results = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
+    for kind in args.kinds:
+        module = make_module(kind)
+        with tempfile.TemporaryDirectory() as root:
+            extra_clients = (args.rounds - 1) * args.clients
+            batches = client_batches(dm, extra_clients)
+            sides = {
+                "trainer_long": lambda m=module, r=root: trainer_run(m, dm, args.rounds, args.clients, r),
+                "trainer_short": lambda m=module, r=root: trainer_run(m, dm, 1, args.clients, r),
+                "floor": lambda m=module, b=batches: floor_run(m, b),
+            }
+            trainer_run(module, dm, 1, args.clients, root)  # warm-up: imports, caches, first-call costs
+            samples = alternate(sides, args.repeats)
+        # Trainer per client: the long run minus the short one, per extra client (repeat by repeat).
+        per_client = [
+            Sample(long.wall - short.wall, long.cpu - short.cpu)
+            for long, short in zip(samples["trainer_long"], samples["trainer_short"], strict=True)
+        ]
+        paired = {"trainer": per_client, "floor": samples["floor"]}
+        summary = summarise(paired, per=extra_clients)
+        ratio = ratios(paired, "trainer", "floor")
+        results[kind] = {"per_client_seconds": summary, "trainer_over_floor": ratio}
+        print(
+            f"{kind}: trainer CPU per client {fmt(summary['trainer']['cpu'], ' ms', 1e3, 2)}; floor "
+            f"{fmt(summary['floor']['cpu'], ' ms', 1e3, 2)}; ratio CPU {fmt(ratio['cpu'], 'x', 1, 2)}, wall "
+            f"{fmt(ratio['wall'], 'x', 1, 2)}"
+        )
+    report("client_overhead", before, results, args.json)
+
+
+if __name__ == "__main__":
+    main()
