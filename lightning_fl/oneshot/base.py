@@ -65,7 +65,8 @@ class OneShotMethod:
             self.name = name
 
     def run(self, task: Task, ctx: Context) -> Outcome:
-        raise NotImplementedError
+        """Parameter samples for ``task`` (what a subclass computes; see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} must define run(task, ctx) -> Outcome")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -106,15 +106,15 @@ class FeatureData:
 
     @property
     def num_classes(self) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define num_classes")
 
     @property
     def feature_dim(self) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define feature_dim")
 
     def compute(self) -> tuple[FeatureSet, FeatureSet]:
         """The (train, test) features before standardisation."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define compute() -> (train, test) FeatureSets")
 
     def prepare(self) -> None:
         """Compute (or load) both splits once and keep them in memory."""
