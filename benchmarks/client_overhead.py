@@ -14,7 +14,7 @@ with ``--per-client`` samples each, ``--clients`` clients per round, one local e
   ``training_step``, backward and the optimiser step; then read its state.
 
 Both sides alternate ``--repeats`` times in one process; the report gives CPU and wall milliseconds per
-client (min and median) and the per-repeat ratio trainer / floor. Goal (issue): trainer CPU per client
+client (min and median) and the per-repeat ratio trainer / floor. Goal (ours): trainer CPU per client
 <= 1.2x the floor at 100 clients per round.
 
     python benchmarks/client_overhead.py                      # latent and full weights, 100 clients per round
