@@ -11,7 +11,8 @@ with ``--per-client`` samples each, ``--clients`` clients per round, one local e
   factors) is not counted.
 - **floor**: as many clients' steps with nothing around them: for each client, copy the global state into
   the module, build its optimiser, and run its batches (transformed before any timing) through
-  ``training_step``, backward and the optimiser step; then read its state.
+  ``training_step``, backward, gradient clipping where the module asks for it, and the optimiser step; then
+  read its state.
 
 Both sides alternate ``--repeats`` times in one process; the report gives CPU and wall milliseconds per
 client (min and median) and the per-repeat ratio trainer / floor. Goal (ours): trainer CPU per client
@@ -81,13 +82,17 @@ def client_batches(dm: FederatedDataModule, clients: int) -> list[list[tuple[tor
 def floor_run(module: Classifier, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
     """Each client: load the state, a new optimiser, its batches through training_step, read its state."""
     start = module.federated_state()
+    clip = module.hparams.grad_clip  # the module asks for it, so the trainer clips too (FLITE: 1.0)
     module.train()
     for client_batches_ in batches:
         module.load_federated_state(start)
         optimizer = module.configure_optimizers()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         for batch_idx, batch in enumerate(client_batches_):
             loss = module.training_step(batch, batch_idx)
             loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         module.federated_state()
