@@ -1,0 +1,61 @@
+"""The package's layers (README's code map): each part imports only the parts above it and the shared modules."""
+
+from __future__ import annotations
+
+import ast
+
+from conftest import REPO
+
+PACKAGE = REPO / "lightning_fl"
+SHARED = {"errors", "checkpoint", "seeding", "runs", "context", "metrics", "threads", "quiet", "trainer_api"}
+# Top to bottom as in README's code map; a part may import the parts before it.
+LAYERS = [
+    {"data"},
+    {"models", "mapping", "compress"},
+    {"methods"},
+    {"federated"},
+    {"oneshot"},
+    {"cli", "cli_errors", "__main__"},
+    {"flower"},
+]
+
+
+def part_of(path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def imported_parts(path) -> set[str]:
+    """The top-level parts of ``lightning_fl`` that ``path`` imports (anywhere in the file, lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = node.module.split(".")
+            if names[0] == "lightning_fl":
+                found.add(names[1] if len(names) > 1 else "")
+                if len(names) == 1:  # from lightning_fl import data, methods, ...
+                    found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                names = alias.name.split(".")
+                if names[0] == "lightning_fl":
+                    found.add(names[1] if len(names) > 1 else "")
+    return found
+
+
+def test_every_part_imports_only_the_parts_above_it():
+    rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    parts = {part_of(p) for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert parts - SHARED - set(rank) == set(), "a new part of the package: place it in LAYERS and README's code map"
+    back_edges = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        mine = part_of(path)
+        if mine == "__init__":
+            continue
+        for other in imported_parts(path) - {mine, ""}:
+            if mine in SHARED and other not in SHARED:
+                back_edges.append(f"{path.relative_to(REPO)} (shared) imports {other}")
+            elif mine in rank and other in rank and rank[other] > rank[mine]:
+                back_edges.append(f"{path.relative_to(REPO)} ({mine}) imports {other}, a part below it")
+    # The CLI imports the whole package (every plug-in) on purpose: ``import lightning_fl`` is the one exception.
+    assert not back_edges, "\n".join(back_edges)
