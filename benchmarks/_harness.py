@@ -6,7 +6,7 @@ a comparison look ten times slower. So every benchmark
 - runs the sides it compares in turn (A, B, A, B, ...) several times (:func:`alternate`), so load falls on
   both alike, and reports each side's min and median, and the per-repeat ratios' min and median;
 - reports CPU time (user + system of this process and of the children it waited for, :func:`cpu_seconds`;
-  or of its whole process tree, live descendants included, :func:`tree_cpu_seconds`) beside wall time: a
+  or, for processes not waited for yet, :func:`descendants_cpu_seconds`) beside wall time: a
   neighbour steals wall time, much less CPU time;
 - prints the torch thread count and the load average before and after (:func:`machine`), and writes all of
   it as JSON (``--json PATH``) for docs/results.md to quote.
@@ -89,11 +89,6 @@ def descendants_cpu_seconds() -> float:
             stack.append(pid)
             ticks += sum(int(x) for x in stats[pid][11:15])  # fields 14-17: utime stime cutime cstime
     return total + ticks / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_seconds() -> float:
-    """:func:`cpu_seconds` plus the CPU time of every live descendant (see :func:`descendants_cpu_seconds`)."""
-    return time.process_time() + descendants_cpu_seconds()
 
 
 def measure(fn: Callable[[], Any], cpu: Callable[[], float] = cpu_seconds) -> tuple[Any, Sample]:

@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
-import time
 
-from _harness import Sample, add_arguments, fmt, machine, report, spread
+from _harness import Sample, add_arguments, fmt, machine, measure, report, spread
 
 HEAVY = ["ot", "matplotlib", "flwr", "sklearn", "torch.utils.tensorboard"]
 PROBE = "import sys, json; print(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
@@ -36,15 +33,10 @@ PROBE = "import sys, json; print(json.dumps([m for m in {heavy!r} if m in sys.mo
 def run(args: list[str]) -> tuple[Sample, str]:
     """Run ``python args`` to the end; its wall and CPU seconds and its stdout (a side prints its own peak RSS:
     ``RUSAGE_CHILDREN``'s is the largest child's so far, not this one's)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=os.environ.copy())
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc, sample = measure(lambda: subprocess.run([sys.executable, *args], capture_output=True, text=True))
     if proc.returncode != 0:
         raise SystemExit(f"python {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Sample(wall, cpu), proc.stdout
+    return sample, proc.stdout
 
 
 def side_args(name: str) -> list[str]:

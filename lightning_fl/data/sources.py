@@ -63,22 +63,13 @@ class ImageTransform:
         self.hflip = hflip
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        x = image.to(torch.float32).div_(255.0)  # (C, H, W)
-        if self.crop_padding > 0:
-            p = self.crop_padding
-            _, h, w = x.shape
-            padded = torch.nn.functional.pad(x, (p, p, p, p))
-            i, j = torch.randint(0, 2 * p + 1, (2,)).tolist()
-            x = padded[:, i : i + h, j : j + w]
-        if self.hflip and torch.rand(()) < 0.5:
-            x = x.flip(-1)
-        return (x - self.mean) / self.std
+        return self.batch(image.unsqueeze(0))[0]  # (C, H, W)
 
     def batch(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``(B, C, H, W)`` -> what calling the transform on each image in turn gives, stacked.
 
-        The same values and, with augmentation, the same draws from the global generator in the same order
-        (per image: the crop offsets, then the flip), with the arithmetic done once for the whole batch.
+        Per image, in order, augmentation draws from the global generator: the crop offsets, then the flip; the
+        arithmetic is done once for the whole batch. Calling the transform on one image is this with ``B = 1``.
         """
         x = images.to(torch.float32).div_(255.0)  # (B, C, H, W)
         if self.crop_padding > 0 or self.hflip:

@@ -54,7 +54,7 @@ def eval_batches(images: LabeledImages, indices: np.ndarray, transform: ImageTra
     plain = isinstance(transform, ImageTransform) and transform.crop_padding == 0 and not transform.hflip
     if isinstance(images, TensorImages) and plain:
         for start in range(0, len(indices), EVAL_BATCH):
-            yield transform(images.images[torch.from_numpy(indices[start : start + EVAL_BATCH])])
+            yield transform.batch(images.images[torch.from_numpy(indices[start : start + EVAL_BATCH])])
     else:
         dummy = torch.zeros(len(indices), dtype=torch.long)
         loader = DataLoader(RelabelledImages(images, indices, dummy, transform), batch_size=EVAL_BATCH)
