@@ -18,6 +18,10 @@ Both sides alternate ``--repeats`` times in one process; the report gives CPU an
 client (min and median) and the per-repeat ratio trainer / floor. Goal (ours): trainer CPU per client
 <= 1.2x the floor at 100 clients per round.
 
+It also prices the one thing a client rebuilds that an optimiser could keep: **optimiser build** (the
+module's ``configure_optimizers`` and Fabric's wrapper, as each client does) against **optimiser reset**
+(emptying a kept optimiser's state and restoring its groups' settings), 1,000 of each, alternated.
+
     python benchmarks/client_overhead.py                      # latent and full weights, 100 clients per round
     python benchmarks/client_overhead.py --json docs/results/client_overhead.json
 """
@@ -36,6 +40,7 @@ from _harness import Sample, add_arguments, alternate, fmt, machine, ratios, rep
 
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated import FederatedTrainer
+from lightning_fl.federated.client import _cpu_fabric, configure_optimizer
 from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import SmallCNN
 
@@ -98,6 +103,26 @@ def floor_run(module: Classifier, batches: list[list[tuple[torch.Tensor, torch.T
         module.federated_state()
 
 
+def optimizer_sides(module: Classifier, times: int) -> dict:
+    """Building a client's optimiser as the client runner does, against resetting one kept optimiser."""
+    fabric = _cpu_fabric()
+    kept, _ = configure_optimizer(module)
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in kept.param_groups]
+
+    def build() -> None:
+        for _ in range(times):
+            optimizer, _ = configure_optimizer(module)
+            fabric.setup_optimizers(optimizer)
+
+    def reset() -> None:
+        for _ in range(times):
+            kept.state.clear()
+            for group, saved in zip(kept.param_groups, settings, strict=True):
+                group.update(saved)
+
+    return {"optimizer_build": build, "optimizer_reset": reset}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", nargs="+", default=["latent", "full"], choices=["latent", "full"])
@@ -135,11 +160,14 @@ def main() -> None:
         paired = {"trainer": per_client, "floor": samples["floor"]}
         summary = summarise(paired, per=extra_clients)
         ratio = ratios(paired, "trainer", "floor")
-        results[kind] = {"per_client_seconds": summary, "trainer_over_floor": ratio}
+        optimizer = summarise(alternate(optimizer_sides(module, 1000), args.repeats), per=1000)
+        results[kind] = {"per_client_seconds": summary, "trainer_over_floor": ratio, "optimizer_seconds": optimizer}
         print(
             f"{kind}: trainer CPU per client {fmt(summary['trainer']['cpu'], ' ms', 1e3, 2)}; floor "
             f"{fmt(summary['floor']['cpu'], ' ms', 1e3, 2)}; ratio CPU {fmt(ratio['cpu'], 'x', 1, 2)}, wall "
-            f"{fmt(ratio['wall'], 'x', 1, 2)}"
+            f"{fmt(ratio['wall'], 'x', 1, 2)}; optimiser build "
+            f"{fmt(optimizer['optimizer_build']['cpu'], ' ms', 1e3, 3)}, reset "
+            f"{fmt(optimizer['optimizer_reset']['cpu'], ' ms', 1e3, 4)} per client"
         )
     report("client_overhead", before, results, args.json)
 

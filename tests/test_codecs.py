@@ -57,3 +57,17 @@ def test_constant_tensor_and_bad_input():
         codec.encode_tensor(torch.tensor([1.0, float("nan")]))
     with pytest.raises(ConfigError, match=r"codec.bits must be one of \(2, 4, 8, 16\)"):
         Quantize(3)
+
+
+def test_non_finite_names_every_bad_tensor_and_never_flags_finite_values():
+    from lightning_fl.compress.base import non_finite
+
+    big = torch.full((4,), 3e38)  # finite, but their sum overflows to inf: the exact count must clear them
+    assert non_finite({"a": big, "b": -big[:1]}) == {}
+    assert non_finite({"h": torch.full((3,), 60000.0, dtype=torch.float16)}) == {}
+    plus, minus = torch.tensor([1.0, math.inf]), torch.tensor([-math.inf, 2.0, 3.0])  # inf - inf: a NaN sum
+    assert non_finite({"p": plus, "m": minus, "ok": torch.ones(5)}) == {"m": 1, "p": 1}
+    nan = torch.zeros(2, 3, dtype=torch.float64)
+    nan[1, 2] = math.nan
+    assert non_finite({"n": nan, "i": torch.tensor([1, 2]), "e": torch.zeros(0)}) == {"n": 1}
+    assert non_finite({"a": torch.ones(3), "b": torch.tensor([0.0, -math.inf])}) == {"b": 1}

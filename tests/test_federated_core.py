@@ -323,3 +323,18 @@ def test_the_moved_keys_say_where_they_went(in_tmp, capsys):
     assert run_cli("fit", *base, "--trainer.strategy", "ddp") == 2
     err = capsys.readouterr().err
     assert "unknown class 'ddp'. Fabric's strategy is trainer.fabric_strategy; server strategies: FedAdagrad" in err
+
+
+def test_update_norms_in_chunks_equal_the_float64_norms_of_every_row():
+    from lightning_fl.federated.round import rows, update_norms
+
+    g = torch.Generator().manual_seed(0)
+    for n, width in ((0, 7), (1, 7), (5, 3), (37, 2**15 + 3)):  # the last spans several chunks of rows
+        uploads, current = torch.randn(n, width, generator=g), torch.randn(width, generator=g)
+        want = (uploads.double() - current.double().unsqueeze(0)).norm(dim=1)  # all rows at once
+        got = update_norms(uploads, current)
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+    t = torch.arange(12.0).reshape(4, 3)
+    assert rows(t, [0, 1]).data_ptr() == t.data_ptr() and torch.equal(rows(t, [0, 1]), t[:2])
+    assert torch.equal(rows(t, [1, 3]), t[[1, 3]]) and torch.equal(rows(t, [1, 0]), t[[1, 0]])
+    assert rows(t, []).shape == (0, 3)

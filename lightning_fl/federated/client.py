@@ -144,7 +144,8 @@ def run_client(
         clip = getattr(getattr(module, "hparams", None), "grad_clip", None)
     result = ClientResult(client=client, num_samples=int(datamodule.client_num_samples(client)), payload=None)
     context = StepContext(fabric, client=client, round=round)
-    module.train()
+    if not all(m.training for m in module.modules()):  # train() sets a flag on every submodule: skip a no-op
+        module.train()
     try:
         with attached(module, context):
             _train(module, optimizer, scheduler, loader, fabric, context, local, clip, client)

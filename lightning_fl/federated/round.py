@@ -97,7 +97,7 @@ class RoundRunner:
             "fed/unavailable_clients": len(away),
             "fed/lost_clients": len(lost),
         }
-        clients, uploads, num_samples = [int(ids[i]) for i in keep], flats[keep], weights[keep]
+        clients, uploads, num_samples = [int(ids[i]) for i in keep], rows(flats, keep), weights[keep]
         current = flatten(state, names)
         if self.attack is not None:
             uploads, attacked = self.attack.apply(r, current, uploads, clients, seed)
@@ -106,10 +106,11 @@ class RoundRunner:
             for i in bad:
                 self.reject(r, clients[i], ["non-finite values"])
             good = [i for i in range(len(clients)) if i not in bad]
-            clients, uploads, num_samples = [clients[i] for i in good], uploads[good], num_samples[good]
+            clients, uploads, num_samples = [clients[i] for i in good], rows(uploads, good), num_samples[good]
         norms = update_norms(uploads, current)
         good = self._norm_gate(r, clients, norms)
-        clients, uploads, num_samples, norms = [clients[i] for i in good], uploads[good], num_samples[good], norms[good]
+        clients, num_samples, norms = [clients[i] for i in good], num_samples[good], norms[good]
+        uploads = rows(uploads, good)
         aggregated_ids = set(clients)
         self.dropped = [int(ids[i]) for i in answered if int(ids[i]) not in aggregated_ids]
         metrics["fed/dropped_clients"] = len(self.dropped)
@@ -208,7 +209,7 @@ class RoundRunner:
                     self.reject(r, cid, problems)
                     continue
                 status[slot] = ACCEPTED
-                flats[slot] = flatten(decoded, names)
+                flatten(decoded, names, out=flats[slot])
         gathered = (self._gather(t) for t in (ids, status, weights, flats, up, msg_up, msg_down))
         return (*gathered, self._gather_logged(logged))
 
@@ -272,9 +273,21 @@ class RoundRunner:
         return torch.cat(parts).cpu()
 
 
+def rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``t[index]``, without copying when ``index`` is the first ``len(index)`` rows in order (the usual round)."""
+    return t[: len(index)] if index == list(range(len(index))) else t[index]
+
+
 def update_norms(uploads: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of each upload's change to the global state (one upload per row), in float64."""
-    return (uploads.double() - current.double().unsqueeze(0)).norm(dim=1)
+    """The L2 norm of each upload's change to the global state (one upload per row), in float64.
+
+    A few rows at a time (about 2**19 values), so the float64 copies stay in cache instead of doubling the
+    round's uploads in memory.
+    """
+    here = current.double().unsqueeze(0)
+    rows = max(1, 2**19 // max(1, uploads.shape[1]))
+    parts = [(uploads[i : i + rows].double() - here).norm(dim=1) for i in range(0, len(uploads), rows)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def mean_over_clients(logged: list[dict[str, tuple[float, float]]]) -> dict[str, float]:

@@ -9,9 +9,13 @@ import torch
 State = dict[str, torch.Tensor]
 
 
-def flatten(state: State, names: Sequence[str]) -> torch.Tensor:
-    """Concatenate the tensors of ``state`` in ``names`` order into one flat float32 vector (on the CPU)."""
-    return torch.cat([state[n].detach().reshape(-1).to("cpu", torch.float32) for n in names])
+def flatten(state: State, names: Sequence[str], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate the tensors of ``state`` in ``names`` order into one flat float32 vector (on the CPU).
+
+    ``out``: a float32 CPU vector of the right length to write into (and return) instead of a new one.
+    """
+    parts = [state[n].detach().reshape(-1).to("cpu", torch.float32) for n in names]
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
 def unflatten(flat: torch.Tensor, like: State, names: Sequence[str]) -> State:
