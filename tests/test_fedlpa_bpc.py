@@ -7,8 +7,16 @@ import torch
 
 from conftest import C, D, pool
 from lightning_fl.oneshot import Context, Identity, PredictiveGenerator, RandomSelection, TaskSampler
+from lightning_fl.oneshot.base import upload
 from lightning_fl.oneshot.baselines.bpc import BPC, softmax_hessian
-from lightning_fl.oneshot.baselines.fedlpa import FedLPA, gaussian_samples, kfac_aggregate, kfac_factors
+from lightning_fl.oneshot.baselines.fedlpa import (
+    FedLPA,
+    from_upper,
+    gaussian_samples,
+    kfac_aggregate,
+    kfac_factors,
+    upper,
+)
 from lightning_fl.oneshot.erm import erm_objective, fit_softmax
 from lightning_fl.oneshot.tasks import Task, split_points
 
@@ -67,9 +75,25 @@ def test_fedlpa_with_identical_clients_returns_the_client_solution_and_counts_by
     x, t = split_points(task.clients[0], C)
     assert torch.allclose(out.extras["mean"], fit_softmax(x, t, ctx.l2, tol=ctx.tol), atol=1e-5)
     assert out.W.shape == (1, 3, C, D) and torch.isfinite(out.W).all()
-    assert out.bytes_per_client == (C * D + D * D + C * C) * 4
+    assert out.bytes_per_client == (C * D + D * (D + 1) // 2 + C * (C + 1) // 2) * 4  # triangles of A and G
     assert torch.equal(FedLPA(seed=3).run(twins, ctx).W, FedLPA(seed=3).run(twins, ctx).W)
     assert FedLPA(sample=False).run(twins, ctx).W.shape == (1, 1, C, D)
+
+
+def test_fedlpa_uploads_upper_triangles_the_papers_38364_bytes_and_the_server_rebuilds_the_factors():
+    g = torch.Generator().manual_seed(4)
+    x, W = torch.randn(50, 128, generator=g), torch.randn(10, 128, generator=g)
+    A, G = kfac_factors(x, W)
+    A, G = (A + A.T) / 2, (G + G.T) / 2  # exactly symmetric, so the round trip is exact
+    decoded, nbytes = upload(context(), {"W": W, "A": upper(A), "G": upper(G)}, client=0)
+    assert nbytes == (1280 + 8256 + 55) * 4 == 38_364  # the paper's 38.36 KB for C = 10, D = 128
+    assert torch.equal(from_upper(decoded["A"], 128), A) and torch.equal(from_upper(decoded["G"], 10), G)
+    assert torch.equal(decoded["W"], W)
+    # row by row, diagonal included; a batch of triangles rebuilds a batch of matrices
+    assert upper(torch.tensor([[1.0, 2.0], [2.0, 3.0]])).tolist() == [1.0, 2.0, 3.0]
+    assert torch.equal(from_upper(torch.stack([upper(G), upper(2 * G)]), 10), torch.stack([G, 2 * G]))
+    with pytest.raises(ValueError, match="has 55 values, got 54"):
+        from_upper(upper(G)[:-1], 10)
 
 
 def test_gaussian_samples_have_the_right_mean_and_covariance():
