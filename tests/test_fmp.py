@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import FMP_SHRINK, C, D, context, generator, pool
-from lightning_fl.compress import Quantize
+from lightning_fl.compress import FP32, Quantize
 from lightning_fl.federated.gate import UploadRejectedError
 from lightning_fl.oneshot import (
     ANN,
@@ -22,12 +22,13 @@ from lightning_fl.oneshot import (
     MeanPooling,
     PixelFeatures,
     PMASummariser,
+    PolyaUrn,
     PredictiveGenerator,
     RandomSelection,
     TaskSampler,
 )
 from lightning_fl.oneshot.predictive import refit
-from lightning_fl.oneshot.tasks import make_points, split_points
+from lightning_fl.oneshot.tasks import Task, make_points, split_points
 
 
 # ------------------------------------------------------------------------- tasks
@@ -142,6 +143,37 @@ def test_baseline_shapes_bytes_and_cann_is_the_mean_of_local_solutions():
     assert int8.bytes_per_client < fmp.bytes_per_client / 3
 
 
+def test_polya_urn_draws_by_hand():
+    """N = 2 observed points, u = (0.6, 0.1, 0.9): draw 1 picks floor(0.6 x 2) = 1 (z1), draw 2 floor(0.1 x 3) = 0
+    (z0), draw 3 floor(0.9 x 4) = 3, the urn's fourth point: draw 2's copy of z0."""
+    z = torch.tensor([[[1.0, 2.0, 1.0, 0.0], [3.0, 4.0, 0.0, 1.0]]], dtype=torch.float64)  # D = 2, C = 2
+    u = torch.tensor([0.6, 0.1, 0.9], dtype=torch.float64)
+    eps = torch.tensor([[0.5, -1.0], [2.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    noise = torch.cat([torch.special.ndtri(u)[:, None], eps], -1)[None, None]  # (1, 1, 3, 1 + D)
+    urn = PolyaUrn()
+    urn.configure(2, 2)
+    assert urn.noise(1, 3).shape == (1, 3, 1)
+    assert urn(z, noise[..., :1])[0, 0].tolist() == [z[0, 1].tolist(), z[0, 0].tolist(), z[0, 0].tolist()]
+    smooth = PolyaUrn(bandwidth=0.1)
+    smooth.configure(2, 2)
+    assert smooth.noise(1, 3).shape == (1, 3, 3)
+    want = [[3.05, 3.9, 0, 1], [1.2, 2.0, 1, 0], [1.3, 2.1, 1, 0]]  # draw 3 moves draw 2's point again
+    assert torch.allclose(smooth(z, noise)[0, 0], torch.tensor(want, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bandwidth must be >= 0"):
+        PolyaUrn(bandwidth=-1.0)
+
+
+def test_polya_urn_weights_the_observed_points_like_the_bayesian_bootstrap():
+    """With many draws the share of copies of z0 among N = 2 points is Beta(1, 1): mean 1/2, variance 1/12."""
+    z = torch.tensor([[[0.0, 1.0, 0.0], [1.0, 0.0, 1.0]]])
+    urn = PolyaUrn()
+    urn.configure(1, 2)
+    drawn = urn(z, urn.noise(1, 4000, 300, generator=torch.Generator().manual_seed(0)))  # (1, S, n', P)
+    share = (drawn[0, :, :, 0] == 0).double().mean(1)  # (S,)
+    assert abs(float(share.mean()) - 0.5) < 0.02
+    assert abs(float(share.var()) - 1 / 12) < 0.01  # the plain bootstrap's would be 1 / (4 x 300)
+
+
 def test_refit_matches_sequential_solves():
     gen = generator()
     z = make_points(*pool(40), C).reshape(2, 20, D + C)
@@ -224,14 +256,33 @@ def test_meta_training_beats_untrained_random_and_mean_pooling(tmp_path):
     )
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_mixed_precision_meta_training_step_runs_on_cpu(tmp_path, precision):
+@pytest.mark.parametrize(
+    ("precision", "accelerator", "dtype"),
+    [
+        ("bf16-mixed", "cpu", torch.bfloat16),
+        # Lightning runs fp16 AMP on a CPU as bf16: this case only checks that substitution, nothing more.
+        ("16-mixed", "cpu", torch.bfloat16),
+        pytest.param(
+            "16-mixed", "cuda", torch.float16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU")
+        ),
+    ],
+    ids=["bf16-cpu", "16-on-cpu-is-bf16", "16-gpu"],
+)
+def test_mixed_precision_meta_training_runs_the_summariser_under_autocast(tmp_path, precision, accelerator, dtype):
+    """The meta-training step runs the summariser under autocast in ``dtype`` and its loss stays finite."""
     import lightning as L
 
     model = learner(cache_dir=str(tmp_path))
+    device = "cuda" if accelerator == "cuda" else "cpu"
+    seen = []
+    model.summariser.register_forward_hook(
+        lambda *_: seen.append((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+    )
     trainer = L.Trainer(
         max_steps=2,
         limit_val_batches=0,
+        accelerator=accelerator,
+        devices=1,
         precision=precision,
         logger=False,
         enable_checkpointing=False,
@@ -241,6 +292,7 @@ def test_mixed_precision_meta_training_step_runs_on_cpu(tmp_path, precision):
     )
     trainer.fit(model, datamodule=small_tasks())
     assert torch.isfinite(trainer.callback_metrics["train/theta_dist"])
+    assert seen and all(state == (True, dtype) for state in seen), seen
 
 
 # ------------------------------------------------------------------------- CLI end to end
@@ -274,6 +326,20 @@ def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypat
         assert key in metrics, key
     assert metrics["comm/kb_per_client"] == pytest.approx(10 * (64 + 10) * 4 / 1000)
     assert 0.3 < metrics["test/acc"] <= 1.0
+
+
+def test_the_polya_urn_is_selected_by_class_path_and_needs_no_training(in_tmp, monkeypatch):
+    from conftest import CONFIGS, capture_test_results, run_cli
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    monkeypatch.setattr(FMPMetaLearner, "_train_generator", lambda *a: pytest.fail("the urn has nothing to train"))
+    captured = capture_test_results(monkeypatch)
+    config = str(CONFIGS / "fmp_digits.yaml")
+    assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn") == 0
+    assert 0.3 < captured["out"][0]["test/mp/acc"] <= 1.0
+    assert not (in_tmp / "cache" / "generators").exists()
+    assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn",
+                   "--model.generator_checkpoint", "x.pt") == 2  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -313,6 +379,35 @@ def test_a_malformed_summary_upload_is_refused_with_the_client_named():
 
     with pytest.raises(UploadRejectedError, match=r"upload of client 1 refused: summary\S*: 1 non-finite"):
         FMP().run(task, context(Broken(5)))
+
+
+def test_hard_label_uploads_send_one_label_per_point_and_refit_on_it_one_hot():
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+    ctx = context(RandomSelection(5))
+    hard = FMP(labels="hard").run(task, ctx)
+    assert hard.bytes_per_client == 5 * (D + 1) * 4  # the paper's s (D + 1) floats: 30 x 129 x 4 at D = 128
+    soft_points = RandomSelection(5)(task.clients, generator=torch.Generator().manual_seed(0))
+    h, p = split_points(soft_points.reshape(-1, D + C), C)
+    assert torch.equal(hard.extras["summary"], make_points(h, p.argmax(-1), C))
+    assert torch.equal(hard.W, MP().run(Task(hard.extras["summary"].reshape(3, 5, D + C), task.labels, C), ctx).W)
+    # a lossy codec moves the label values; the server rounds them back to the same classes
+    int4 = FMP(labels="hard").run(task, context(RandomSelection(5), Quantize(bits=4)))
+    assert torch.equal(split_points(int4.extras["summary"], C)[1], split_points(hard.extras["summary"], C)[1])
+    with pytest.raises(ValueError, match="labels must be 'soft' or 'hard'"):
+        FMP(labels="one")
+
+
+def test_a_hard_label_outside_the_classes_is_refused_with_the_client_named():
+    task = TaskSampler(*pool(), C, 3, 30).sample(0)
+
+    class Shift(FP32):  # a client whose labels arrive as class C (one past the last)
+        def encode(self, state, reference, client):
+            if client == 2:
+                state = {**state, "labels": state["labels"] * 0 + C}
+            return super().encode(state, reference, client)
+
+    with pytest.raises(UploadRejectedError, match=r"upload of client 2 refused: labels: 5 value\(s\) outside"):
+        FMP(labels="hard").run(task, context(RandomSelection(5), Shift()))
 
 
 def test_bf16_autocast_theta_distance_is_close_to_fp32():

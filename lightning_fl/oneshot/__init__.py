@@ -21,7 +21,7 @@ from lightning_fl.oneshot.features import ExtractedFeatures, FeatureData, Featur
 from lightning_fl.oneshot.generator_training import GeneratorTraining, evaluate_generator, train_generator
 from lightning_fl.oneshot.meta_learner import FMPMetaLearner
 from lightning_fl.oneshot.methods import ANN, CANN, FMP, LANN, LMP, MP
-from lightning_fl.oneshot.predictive import PredictiveGenerator
+from lightning_fl.oneshot.predictive import PolyaUrn, Predictive, PredictiveGenerator
 from lightning_fl.oneshot.summarize import Identity, MeanPooling, PMASummariser, RandomSelection, Summariser
 from lightning_fl.oneshot.task_data import FederatedTasks
 from lightning_fl.oneshot.tasks import Task, TaskSampler
@@ -48,6 +48,8 @@ __all__ = [
     "Outcome",
     "PMASummariser",
     "PixelFeatures",
+    "PolyaUrn",
+    "Predictive",
     "PredictiveGenerator",
     "RandomSelection",
     "Summariser",

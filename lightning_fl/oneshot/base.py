@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.federated.gate import UploadRejectedError, screen_upload
-from lightning_fl.oneshot.predictive import PredictiveGenerator, refit
+from lightning_fl.oneshot.predictive import Predictive, refit
 from lightning_fl.oneshot.summarize import Summariser
 from lightning_fl.oneshot.tasks import Task
 
@@ -31,7 +31,7 @@ from lightning_fl.oneshot.tasks import Task
 class Context:
     """What a method may use besides the clients' data."""
 
-    generator: PredictiveGenerator
+    generator: Predictive
     summariser: Summariser
     l2: float
     noise: Tensor  # (S, n', e): the base set E shared by every sampling method on this task

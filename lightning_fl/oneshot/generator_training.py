@@ -15,7 +15,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_fl.oneshot.predictive import PredictiveGenerator, bootstrap, generator_loss, log_predictive, refit
+from lightning_fl.oneshot.predictive import (
+    Predictive,
+    PredictiveGenerator,
+    bootstrap,
+    generator_loss,
+    log_predictive,
+    refit,
+)
 from lightning_fl.oneshot.tasks import TaskSampler
 
 log = logging.getLogger(__name__)
@@ -112,7 +119,7 @@ def train_generator(
 
 @torch.no_grad()
 def evaluate_generator(
-    generator: PredictiveGenerator,
+    generator: Predictive,
     sampler: TaskSampler,
     num_tasks: int,
     l2: float,

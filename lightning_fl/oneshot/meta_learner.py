@@ -42,7 +42,7 @@ from lightning_fl.oneshot.distances import wasserstein1
 from lightning_fl.oneshot.erm import predict_proba
 from lightning_fl.oneshot.generator_training import GeneratorTraining, evaluate_generator, train_generator
 from lightning_fl.oneshot.methods import ANN, CANN, FMP, MP
-from lightning_fl.oneshot.predictive import PredictiveGenerator, refit
+from lightning_fl.oneshot.predictive import Predictive, PredictiveGenerator, refit
 from lightning_fl.oneshot.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
 from lightning_fl.oneshot.tasks import Task
 
@@ -72,7 +72,7 @@ class FMPMetaLearner(L.LightningModule):
     def __init__(
         self,
         summariser: Summariser | None = None,
-        generator: PredictiveGenerator | None = None,
+        generator: Predictive | None = None,
         generator_training: GeneratorTraining | None = None,
         generator_checkpoint: str | None = None,
         l2: float = 1e-2,
@@ -169,7 +169,14 @@ class FMPMetaLearner(L.LightningModule):
         """Load, restore from cache, or train the generator; it stays frozen afterwards."""
         if bool(self.generator_ready):
             return
-        if self.generator_checkpoint is not None:
+        if not self.generator.trainable:  # e.g. the Polya urn: nothing to train, only its held-out scores to log
+            if self.generator_checkpoint is not None:
+                raise ConfigError(
+                    f"model.generator_checkpoint is set but model.generator ({type(self.generator).__name__}) has "
+                    "nothing to load; remove the key or choose PredictiveGenerator"
+                )
+            self.generator_report = {"heldout": self._score_generator()}
+        elif self.generator_checkpoint is not None:
             # A path the user gave: any problem is an error, never replaced by training.
             path = Path(self.generator_checkpoint).expanduser()
             fix = "pass a generator file written by this package (generators/<digest>/generator.pt) or remove the key"
@@ -221,18 +228,22 @@ class FMPMetaLearner(L.LightningModule):
             samplers = dm.meta_samplers(heldout=True)
             history = train_generator(self.generator, samplers, recipe, self.l2, self.num_generated, 10**7)
             self.generator.requires_grad_(False)
-            # Scored on target-pool tasks: data the generator never saw.
-            heldout = evaluate_generator(
-                self.generator,
-                dm.target_sampler(heldout=True),
-                recipe.eval_tasks,
-                self.l2,
-                self.num_generated,
-                num_samples=self.test_samples,
-            )
+            heldout = self._score_generator()
         self.generator_report = {"heldout": heldout, "final_loss": history[-1] if history else None}
         log.warning("Predictive generator trained: held-out scores %s", {k: round(v, 4) for k, v in heldout.items()})
         atomic_save({"generator": self.generator.state_dict(), "key": key, "report": self.generator_report}, path)
+
+    def _score_generator(self) -> dict[str, float]:
+        """Held-out scores of the predictive on target-pool tasks (data it never saw in training)."""
+        dm = self.trainer.datamodule
+        return evaluate_generator(
+            self.generator,
+            dm.target_sampler(heldout=True),
+            self.generator_training.eval_tasks,
+            self.l2,
+            self.num_generated,
+            num_samples=self.test_samples,
+        )
 
     def _log_once(self, name: str, value: float) -> None:
         for logger in self.loggers:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from lightning_fl.federated.gate import UploadRejectedError
 from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome, martingale_samples, upload
 from lightning_fl.oneshot.predictive import refit
 from lightning_fl.oneshot.summarize import Summariser
-from lightning_fl.oneshot.tasks import Task, project_labels
+from lightning_fl.oneshot.tasks import Task, make_points, project_labels, split_points
 
 
 class MP(OneShotMethod):
@@ -33,13 +34,21 @@ class FMP(OneShotMethod):
             ablation: ``RandomSelection(s)`` or ``MeanPooling(s)`` with the same sampler and classifier).
         name: Metric name (default ``fmp``; e.g. ``fmp_random``).
         seed: Seed of a random summariser's choices.
+        labels: What a summary point carries as its label. ``soft`` (default): the label distribution over the
+            C classes (``s (D + C)`` floats per client). ``hard``: one label value per point, the most likely
+            class of that distribution (``s (D + 1)`` floats, the paper's count: 30 x 129 x 4 = 15,480 bytes at
+            D = 128); the server refits on it one-hot. The summariser is meta-trained with soft labels either way.
     """
 
     name = "fmp"
 
-    def __init__(self, summariser: Summariser | None = None, name: str | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, summariser: Summariser | None = None, name: str | None = None, seed: int = 0, labels: str = "soft"
+    ) -> None:
         super().__init__(name)
-        self.summariser, self.seed = summariser, seed
+        if labels not in ("soft", "hard"):
+            raise ValueError(f"FMP: labels must be 'soft' or 'hard', got {labels!r}")
+        self.summariser, self.seed, self.labels = summariser, seed, labels
 
     def run(self, task: Task, ctx: Context) -> Outcome:
         summaries, sizes = [], []
@@ -49,14 +58,36 @@ class FMP(OneShotMethod):
         with torch.no_grad():
             local = summariser(task.clients, generator=torch.Generator().manual_seed(self.seed))  # (M, s, P)
         for m in range(task.clients.shape[0]):
-            decoded, nbytes = upload(ctx, {"summary": local[m]}, m)
-            summary = decoded["summary"].to(task.clients)
-            # A lossy codec may move label parts off the simplex: the server projects them back.
-            summaries.append(project_labels(summary, task.num_classes))
+            if self.labels == "hard":
+                summary, nbytes = upload_hard_labels(ctx, local[m], task.num_classes, m)
+            else:
+                decoded, nbytes = upload(ctx, {"summary": local[m]}, m)
+                # A lossy codec may move label parts off the simplex: the server projects them back.
+                summary = project_labels(decoded["summary"].to(task.clients), task.num_classes)
+            summaries.append(summary.to(task.clients))
             sizes.append(nbytes)
         pooled = torch.cat(summaries)  # (M * s, P)
         W, generated = martingale_samples(pooled, ctx)
         return Outcome(W.unsqueeze(0), sum(sizes) / len(sizes), {"summary": pooled, "generated": generated})
+
+
+def upload_hard_labels(ctx: Context, summary: torch.Tensor, num_classes: int, client: int) -> tuple[torch.Tensor, int]:
+    """One client's summary ``[s, D + C]`` sent as its features and one label value per point (the most likely
+    class, as a float32 like the features): the points the server rebuilds, one-hot, and the payload's bytes.
+
+    The server rounds each received label to the nearest class (a lossy codec moves it a little) and refuses
+    the upload, naming the client, if any label is not within half a class of ``0 .. C - 1``.
+    """
+    h, p = split_points(summary, num_classes)
+    decoded, nbytes = upload(ctx, {"features": h, "labels": p.argmax(-1).to(torch.float32)}, client)
+    labels = decoded["labels"].double()
+    outside = int(((labels < -0.5) | (labels >= num_classes - 0.5)).sum())
+    if outside:
+        raise UploadRejectedError(
+            f"one-shot upload of client {client} refused: labels: {outside} value(s) outside the classes "
+            f"0..{num_classes - 1}"
+        )
+    return make_points(decoded["features"], labels.round().long(), num_classes), nbytes
 
 
 class ANN(OneShotMethod):

@@ -48,7 +48,84 @@ from lightning_fl.oneshot.erm import fit_softmax
 from lightning_fl.oneshot.tasks import split_points
 
 
-class PredictiveGenerator(nn.Module):
+class Predictive(nn.Module):
+    """Base of the predictives martingale-posterior sampling draws unseen data from (select one with
+    ``model.generator.class_path``): ``forward(z [B, N, D + C], noise [B, S, n', e]) -> [B, S, n', D + C]``.
+
+    ``noise`` is the base set ``E`` (:meth:`noise`), shared by every sampling method on a task so that MP and FMP
+    see the same draws. A predictive with parameters (``trainable``) is trained before it is frozen and cached;
+    one without is ready as built.
+    """
+
+    _plugin_base = True  # not offered as a choice in CLI messages
+    trainable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feature_dim = self.num_classes = 0
+        self.noise_dim = 1
+
+    def configure(self, feature_dim: int, num_classes: int) -> None:
+        """Called once the point layout is known (before any forward or checkpoint load)."""
+        self.feature_dim, self.num_classes = feature_dim, num_classes
+
+    def noise(self, *shape: int, generator: torch.Generator | None = None, device=None) -> Tensor:
+        """A base set ``E``: ``shape + (noise_dim,)`` standard normal draws."""
+        return torch.randn(*shape, self.noise_dim, generator=generator, device=device)
+
+    def forward(self, z: Tensor, noise: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define forward(z, noise)")
+
+
+class PolyaUrn(Predictive):
+    """The Polya urn: the classic martingale posterior's predictive (Fong, Holmes and Walker 2023), as a control.
+
+    The ``i``-th unseen point (0-based) is a copy of one of the ``N + i`` points seen so far, observed or
+    already drawn, chosen uniformly: ``k_i = floor(u_i (N + i))`` with ``u_i = Phi(e_i0)`` taken from the base set,
+    so a shared ``E`` gives every method the same draws. As ``n'`` grows, refitting on ``Z u Z'`` weights the
+    observed points by Dirichlet(1, ..., 1) draws: Rubin's Bayesian bootstrap, the martingale posterior with
+    the empirical predictive. With ``bandwidth > 0`` each drawn point's features move by ``bandwidth`` times a
+    standard normal vector (also from ``E``; labels are copied): a kernel-smoothed urn, whose draws leave the
+    observed points.
+
+    Args:
+        bandwidth: Standard deviation of the Gaussian kernel on the features (0: the plain urn).
+    """
+
+    trainable = False
+
+    def __init__(self, bandwidth: float = 0.0) -> None:
+        super().__init__()
+        if not (math.isfinite(bandwidth) and bandwidth >= 0):
+            raise ValueError(f"model.generator.bandwidth must be >= 0 (finite), got {bandwidth!r}")
+        self.bandwidth = bandwidth
+
+    def configure(self, feature_dim: int, num_classes: int) -> None:
+        super().configure(feature_dim, num_classes)
+        self.noise_dim = 1 + (feature_dim if self.bandwidth > 0 else 0)
+
+    def forward(self, z: Tensor, noise: Tensor) -> Tensor:
+        if not self.num_classes:
+            raise RuntimeError("PolyaUrn.configure(feature_dim, num_classes) must be called first")
+        B, S, n_new, _ = noise.shape
+        N, P, D = z.shape[1], z.shape[2], self.feature_dim
+        u = torch.special.ndtr(noise[..., 0].double())  # (B, S, n'): uniform in (0, 1)
+        urn = torch.cat([z.unsqueeze(1).expand(B, S, N, P), z.new_zeros(B, S, n_new, P)], dim=2)
+        for i in range(n_new):
+            k = (u[..., i] * (N + i)).long().clamp(max=N + i - 1)  # (B, S): uniform over the N + i points so far
+            point = urn.gather(2, k[..., None, None].expand(B, S, 1, P)).squeeze(2)  # (B, S, P)
+            if self.bandwidth > 0:
+                point = torch.cat(
+                    [point[..., :D] + self.bandwidth * noise[..., i, 1 : 1 + D].to(z), point[..., D:]], -1
+                )
+            urn[:, :, N + i] = point
+        return urn[:, :, N:]
+
+    def extra_repr(self) -> str:
+        return f"bandwidth={self.bandwidth}"
+
+
+class PredictiveGenerator(Predictive):
     """``Z' = MAB(E, MAB(g(Z), E))`` with ``E ~ N(0, I)``; layers are built by :meth:`configure`.
 
     Args:
@@ -78,20 +155,15 @@ class PredictiveGenerator(nn.Module):
         self.hidden, self.num_heads = hidden, num_heads
         self.noise_dim = noise_dim or hidden
         self.layer_norm = layer_norm
-        self.feature_dim = self.num_classes = 0
 
     def configure(self, feature_dim: int, num_classes: int) -> None:
         """Build the layers for points of ``feature_dim + num_classes`` values."""
-        self.feature_dim, self.num_classes = feature_dim, num_classes
+        super().configure(feature_dim, num_classes)
         point_dim, h = feature_dim + num_classes, self.hidden
         self.g = nn.Sequential(nn.Linear(point_dim, h), nn.ReLU(), nn.Linear(h, h))
         self.inducing = MAB(h, self.noise_dim, h, self.num_heads, layer_norm=self.layer_norm)  # MAB(R, E)
         self.generate = MAB(self.noise_dim, h, h, self.num_heads, layer_norm=self.layer_norm)  # MAB(E, H)
         self.out = nn.Linear(h, point_dim)
-
-    def noise(self, *shape: int, generator: torch.Generator | None = None, device=None) -> Tensor:
-        """A base set ``E``: ``shape + (noise_dim,)`` standard normal draws."""
-        return torch.randn(*shape, self.noise_dim, generator=generator, device=device)
 
     def forward(self, z: Tensor, noise: Tensor) -> Tensor:
         """``z``: ``[B, N, D + C]`` observed points; ``noise``: ``[B, S, n', e]`` base sets -> ``[B, S, n', D + C]``."""
