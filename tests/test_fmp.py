@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -80,6 +82,37 @@ def test_task_sampler_rejects_tasks_the_pool_cannot_hold():
         TaskSampler(h, y, C, 5, 30)
     with pytest.raises(ValueError, match="min_classes"):
         TaskSampler(h, y, C, 2, 20, vary_labels=True, min_classes=1)
+
+
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_target_tasks_can_keep_a_fixed_class_subset_with_its_labels(alpha):
+    h, y = pool(2000)
+    sampler = TaskSampler(h, y, C, 2, 50, alpha=alpha, classes=[0, 2], heldout_points=10)
+    task = sampler.sample(3)
+    assert task.labels.tolist() == [0, -1, 2, -1]
+    assert set(split_points(torch.cat([task.pooled, task.heldout]), C)[1].argmax(-1).tolist()) == {0, 2}
+    for bad in ([], [0, C], [-1]):
+        with pytest.raises(ValueError, match="fixed class subset"):
+            TaskSampler(h, y, C, 2, 50, classes=bad)
+    with pytest.raises(ValueError, match="lower points_per_client"):
+        TaskSampler(h, y, C, 10, 100, classes=[1])  # one class cannot hold 1,000 points
+
+
+def test_posterior_quality_by_hand():
+    from lightning_fl.oneshot.quality import ood_scores, predictive_entropy, theta_spread
+
+    W = torch.zeros(2, 3, 1, 2)
+    W[0, :, 0, 0] = torch.tensor([1.0, 2.0, 3.0])  # model 0: samples 1, 2, 3 in one coordinate: mean distance 2/3
+    assert float(theta_spread(W)) == pytest.approx((2 / 3 + 0) / 2)
+    assert float(theta_spread(W[:, :1])) == 0.0
+    uniform, sure = torch.full((1, 4), 0.25), torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    assert torch.allclose(predictive_entropy(torch.cat([uniform, sure])), torch.tensor([math.log(4), 0.0]))
+    half = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    scores = ood_scores(torch.cat([sure, half]), torch.cat([uniform, half]))
+    # OOD uniform beats both in-distribution points, OOD half ties with one and beats one: (2 + 1.5) / 4
+    assert float(scores["ood_auroc"]) == pytest.approx(3.5 / 4)
+    assert float(scores["entropy"]) == pytest.approx(math.log(2) / 2)
+    assert float(scores["ood_entropy"]) == pytest.approx((math.log(4) + math.log(2)) / 2)
 
 
 # ------------------------------------------------------------------------- generator and summarisers
@@ -340,6 +373,25 @@ def test_the_polya_urn_is_selected_by_class_path_and_needs_no_training(in_tmp, m
     assert not (in_tmp / "cache" / "generators").exists()
     assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn",
                    "--model.generator_checkpoint", "x.pt") == 2  # fmt: skip
+
+
+def test_target_classes_score_each_method_on_the_classes_the_tasks_leave_out(in_tmp, monkeypatch):
+    from conftest import CONFIGS, capture_test_results, run_cli
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    captured = capture_test_results(monkeypatch)
+    config = str(CONFIGS / "fmp_digits.yaml")
+    args = [*FMP_SHRINK, "--model.generator", "PolyaUrn", "--data.points_per_client", "30"]
+    assert run_cli("test", "--config", config, *args, "--data.target_classes", "6") == 0
+    metrics = captured["out"][0]
+    for method in ("mp", "ann", "cann", "fmp"):
+        assert 0 < metrics[f"test/{method}/entropy"] < math.log(10)
+        assert metrics[f"test/{method}/ood_entropy"] > metrics[f"test/{method}/entropy"]  # unseen classes: less sure
+        assert 0.5 < metrics[f"test/{method}/ood_auroc"] <= 1
+    assert metrics["test/mp/theta_spread"] > 0 == metrics["test/ann/theta_spread"]  # a posterior vs a point estimate
+    assert run_cli("test", "--config", config, *args) == 0  # every class: no OOD points, entropy only
+    assert "test/mp/ood_auroc" not in captured["out"][0] and "test/mp/entropy" in captured["out"][0]
+    assert run_cli("test", "--config", config, *args, "--data.target_classes", "10") == 2
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from lightning_fl.oneshot.erm import predict_proba
 from lightning_fl.oneshot.generator_training import GeneratorTraining, evaluate_generator, train_generator
 from lightning_fl.oneshot.methods import ANN, CANN, FMP, MP
 from lightning_fl.oneshot.predictive import Predictive, PredictiveGenerator, refit
+from lightning_fl.oneshot.quality import ood_scores, predictive_entropy, theta_spread
 from lightning_fl.oneshot.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
 from lightning_fl.oneshot.tasks import Task
 
@@ -319,6 +320,9 @@ class FMPMetaLearner(L.LightningModule):
         ctx = Context(self.generator, self.summariser, self.l2, noise.to(self.device), self.codec, self.erm_tol)
         task = Task(task.clients.to(self.device), task.labels, task.num_classes)
         test_h, test_y = dm.test_features.h.to(self.device).clone(), dm.test_features.y.to(self.device).clone()
+        # Test points of the classes the target tasks hold; those of the other classes are out of distribution.
+        known = torch.isin(test_y, torch.tensor(dm.in_distribution, device=test_y.device))
+        ood_h, test_h, test_y = test_h[~known], test_h[known], test_y[known]
         outcomes: dict[str, object] = {}
         with torch.no_grad():
             for method in [FMP(), *self.methods]:
@@ -326,7 +330,7 @@ class FMPMetaLearner(L.LightningModule):
                 outcomes[method.name] = out
                 # Every method logs test/<name>/<metric>; FMP's are also the headline test/<metric>.
                 prefixes = [f"test/{method.name}/"] + (["test/"] if method.name == "fmp" else [])
-                for key, value in self._score(out.W, test_h, test_y).items():
+                for key, value in self._score(out.W, test_h, test_y, ood_h).items():
                     for prefix in prefixes:
                         self.log(prefix + key, value, batch_size=1)
                 for key, value in out.extras.items():  # scalar diagnostics, e.g. a Laplace prior precision
@@ -345,14 +349,20 @@ class FMPMetaLearner(L.LightningModule):
                 self.log("test/delta_s", wasserstein1(pooled, fmp.extras["summary"].float().cpu()), batch_size=1)
                 self.log("test/D", wasserstein1(pooled, mp.extras["generated"][0].float().cpu()), batch_size=1)
 
-    def _score(self, W: Tensor, h: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """Accuracy, ECE and NLL of the posterior predictive, averaged over the G models of ``W [G, S, C, D]``."""
-        totals: dict[str, Tensor] = {}
+    def _score(self, W: Tensor, h: Tensor, y: Tensor, ood_h: Tensor) -> dict[str, Tensor]:
+        """Accuracy, ECE, NLL and mean entropy of the posterior predictive on ``h``, its mean entropy on the
+        out-of-distribution points ``ood_h`` and the AUROC of telling them apart (if there are any), averaged over
+        the G models of ``W [G, S, C, D]``; and the spread of the parameter samples (:mod:`.quality`)."""
+        totals: dict[str, Tensor] = {"theta_spread": theta_spread(W.float())}
         for Wg in W:
             probs = predict_proba(Wg, h)
             metrics = classification_metrics(probs.shape[-1], "").to(h.device)
             scores = dict(metrics(probs, y))
             scores["nll"] = -probs.clamp_min(1e-12).log().gather(1, y.unsqueeze(1)).mean()
+            if len(ood_h):
+                scores.update(ood_scores(probs, predict_proba(Wg, ood_h)))
+            else:
+                scores["entropy"] = predictive_entropy(probs).mean()
             for k, v in scores.items():
-                totals[k] = totals.get(k, 0.0) + v / W.shape[0]
+                totals[k] = totals.get(k, 0.0) + v.float() / W.shape[0]
         return totals

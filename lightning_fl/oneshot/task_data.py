@@ -52,6 +52,9 @@ class FederatedTasks(L.LightningDataModule):
         alpha: Label skew of validation and test tasks: ``null`` for IID, else the Dirichlet concentration.
         meta_alphas: Partitions mixed in meta-training (``null`` = IID), one per task in turn.
         min_classes: Smallest label subset of a meta-training task (default: all classes, permuted).
+        target_classes: Target (validation and test) tasks hold only the classes ``0 .. target_classes - 1``; test
+            points of the other classes are then out of distribution for them, and ``test`` scores how uncertain
+            each method's predictive is there (``test/<method>/ood_entropy``, ``ood_auroc``). Default: all classes.
         target_fraction: Share of each class's training points reserved for target (val/test) tasks.
         meta_tasks: Size of the meta-training corpus (tasks per epoch).
         tasks_per_step: Tasks per meta-training step.
@@ -69,6 +72,7 @@ class FederatedTasks(L.LightningDataModule):
         alpha: float | None = None,
         meta_alphas: list[float | None] | None = None,
         min_classes: int | None = None,
+        target_classes: int | None = None,
         target_fraction: float = 0.2,
         meta_tasks: int = 2000,
         tasks_per_step: int = 4,
@@ -79,6 +83,8 @@ class FederatedTasks(L.LightningDataModule):
     ) -> None:
         super().__init__()
         problems = []
+        if target_classes is not None and target_classes < 2:
+            problems.append(f"target_classes must be >= 2 or null (all classes), got {target_classes}")
         if not 0 < target_fraction < 1:
             problems.append(f"target_fraction must be in (0, 1), got {target_fraction}")
         for key, value in [
@@ -101,6 +107,7 @@ class FederatedTasks(L.LightningDataModule):
         self.alpha = alpha
         self.meta_alphas = list(meta_alphas) if meta_alphas is not None else [None, 1.0, 0.1]
         self.min_classes, self.target_fraction = min_classes, target_fraction
+        self.target_classes = target_classes
         self.meta_tasks, self.tasks_per_step = meta_tasks, tasks_per_step
         self.val_tasks, self.test_tasks, self.heldout_points = val_tasks, test_tasks, heldout_points
         self.seed = seed
@@ -117,9 +124,19 @@ class FederatedTasks(L.LightningDataModule):
     def prepare_data(self) -> None:
         self.features.prepare()
 
+    @property
+    def in_distribution(self) -> list[int]:
+        """The classes the target tasks hold (all, unless ``target_classes`` leaves some out)."""
+        return list(range(self.target_classes if self.target_classes is not None else self.num_classes))
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_features is not None:
             return
+        if self.target_classes is not None and self.target_classes >= self.num_classes:
+            raise ConfigError(
+                f"data.target_classes ({self.target_classes}) must leave a class out of the {self.num_classes}: lower "
+                "it, or set it to null to use every class"
+            )
         train, self.test_features = self.features.load("train"), self.features.load("test")
         g = torch.Generator().manual_seed(self.seed)
         meta_idx, target_idx = [], []
@@ -145,6 +162,7 @@ class FederatedTasks(L.LightningDataModule):
                 vary_labels=meta,
                 min_classes=self.min_classes if meta else None,
                 heldout_points=heldout,
+                classes=None if meta else self.in_distribution,
             )
         except ValueError as err:
             which = "meta-training" if meta else "target"
@@ -177,4 +195,5 @@ class FederatedTasks(L.LightningDataModule):
             f"{self.features!r}: {len(self.meta_pool)} meta-training / {len(self.target_pool)} target points, "
             f"M={self.num_clients} clients x n={self.points_per_client}, alpha={self.alpha}, "
             f"meta alphas {self.meta_alphas}"
+            + (f", target classes 0..{self.target_classes - 1}" if self.target_classes is not None else "")
         )

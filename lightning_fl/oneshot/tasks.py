@@ -78,6 +78,7 @@ class TaskSampler:
         vary_labels: Meta-training tasks: a random class subset and a random labelling.
         min_classes: Smallest class subset when ``vary_labels`` (default: C, i.e. permutations only).
         heldout_points: Points of the same task kept aside from the clients (for training the generator).
+        classes: Without ``vary_labels``, the classes every task draws from, keeping their labels (default: all).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class TaskSampler:
         vary_labels: bool = False,
         min_classes: int | None = None,
         heldout_points: int = 0,
+        classes: list[int] | None = None,
     ) -> None:
         if h.ndim != 2 or y.shape != h.shape[:1]:
             raise ValueError(f"Expected features [N, D] and labels [N], got {tuple(h.shape)} and {tuple(y.shape)}")
@@ -108,10 +110,17 @@ class TaskSampler:
         self.num_clients, self.points_per_client = num_clients, points_per_client
         self.alpha, self.vary_labels, self.min_classes = alpha, vary_labels, min_classes
         self.heldout_points = heldout_points
+        self.classes = torch.arange(num_classes) if classes is None else torch.tensor(sorted(set(classes)))
+        if classes is not None and (vary_labels or not classes or min(classes) < 0 or max(classes) >= num_classes):
+            raise ValueError(
+                f"Expected a fixed class subset of 0..{num_classes - 1} (without vary_labels), got {classes}"
+            )
         self.by_class = [torch.nonzero(y == c).flatten() for c in range(num_classes)]
         need = num_clients * points_per_client + heldout_points
-        smallest = sorted(len(idx) for idx in self.by_class)
-        fewest = sum(smallest[: self.min_classes if vary_labels else num_classes])  # worst case class subset
+        if vary_labels:  # worst case class subset
+            fewest = sum(sorted(len(idx) for idx in self.by_class)[: self.min_classes])
+        else:
+            fewest = sum(len(self.by_class[int(c)]) for c in self.classes)
         if need > fewest:
             raise ValueError(
                 f"A task needs {need} points (clients x points_per_client + heldout) but the smallest class subset a "
@@ -122,7 +131,7 @@ class TaskSampler:
         """(original classes in the task, their task labels)."""
         C = self.num_classes
         if not self.vary_labels:
-            return torch.arange(C), torch.arange(C)
+            return self.classes, self.classes
         k = int(torch.randint(self.min_classes, C + 1, (1,), generator=g))
         classes = torch.randperm(C, generator=g)[:k].sort().values
         return classes, torch.randperm(C, generator=g)[:k]
