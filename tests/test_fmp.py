@@ -289,6 +289,20 @@ def test_meta_training_beats_untrained_random_and_mean_pooling(tmp_path):
     )
 
 
+def test_the_generator_cache_key_names_the_target_classes_its_report_was_scored_on(monkeypatch):
+    from types import SimpleNamespace
+
+    keys = []
+    for target_classes in (None, 7, 8):
+        dm = small_tasks(target_classes=target_classes)
+        dm.setup()
+        model = learner()
+        monkeypatch.setattr(FMPMetaLearner, "trainer", property(lambda self, dm=dm: SimpleNamespace(datamodule=dm)))
+        keys.append(model.generator_cache_key()["tasks"])
+    assert keys[0] == [3, 30, [None, 1.0, 0.1], 6, 30, 0]  # as before target_classes existed: old caches still hit
+    assert keys[1] == [*keys[0], 7] and keys[2] == [*keys[0], 8]
+
+
 @pytest.mark.parametrize(
     ("precision", "accelerator", "dtype"),
     [

@@ -160,7 +160,9 @@ class FMPMetaLearner(L.LightningModule):
             "generator": repr(self.generator),
             "init": digest_tensors(init.state_dict()),
             "features": digest_tensors({"h": dm.meta_pool.h, "y": dm.meta_pool.y.float()}),
-            "tasks": [dm.num_clients, dm.points_per_client, dm.meta_alphas, dm.min_classes, dm.heldout_points, dm.seed],
+            # the held-out report is scored on target tasks: their classes are part of what the file holds
+            "tasks": [dm.num_clients, dm.points_per_client, dm.meta_alphas, dm.min_classes, dm.heldout_points, dm.seed]
+            + ([dm.target_classes] if dm.target_classes is not None else []),
             "recipe": self.generator_training.key(),
             "l2": self.l2,
             "num_generated": self.num_generated,
