@@ -98,6 +98,28 @@ def test_target_tasks_can_keep_a_fixed_class_subset_with_its_labels(alpha):
         TaskSampler(h, y, C, 10, 100, classes=[1])  # one class cannot hold 1,000 points
 
 
+def test_proposition1_terms_by_hand_and_the_lipschitz_estimate_is_the_largest_gradient():
+    from lightning_fl.oneshot.bound import lipschitz_z, proposition1
+
+    # M = 2, n = 10, s = 5, n' = 10: b_s = 10/20, Delta_s = 20/30 - 1/2 = 1/6
+    out = proposition1(2, 10, 5, 10, mu=0.5, L_z=2.0, C=3.0, delta_s=0.1, D=0.6)
+    assert out["b_s"] == pytest.approx(0.5) and out["Delta_s"] == pytest.approx(1 / 6)
+    assert out["bound"] == pytest.approx(2 * math.sqrt(4 * ((0.5 + 0.5 * 3) * 0.1 + 0.6 / 6)))
+    assert proposition1(2, 10, 10, 10, 0.5, 2.0, 3.0, 0.0, 0.6)["bound"] == 0.0  # s = n, Z~ = Z: both terms vanish
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(3, C, D, generator=g, dtype=torch.float64)
+    points = make_points(torch.randn(5, D, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 0]), C)
+    points[0, D:] = torch.tensor([0.2, 0.3, 0.5, 0.0], dtype=torch.float64)  # a soft label too
+    norms = []
+    for Wk in W:
+        for z in points:
+            z = z.clone().requires_grad_(True)
+            x, t = split_points(z, C)
+            loss = -(t * (Wk @ x).log_softmax(-1)).sum()
+            norms.append(float(torch.autograd.grad(loss, z)[0].norm()))
+    assert lipschitz_z(W, points, C) == pytest.approx(max(norms), rel=1e-12)
+
+
 def test_posterior_quality_by_hand():
     from lightning_fl.oneshot.quality import ood_scores, predictive_entropy, theta_spread
 
@@ -365,6 +387,9 @@ def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypat
         "test/theta_dist",
         "test/delta_s",
         "test/D",
+        "test/prop1_bound",
+        "test/prop1/L_z",
+        "test/prop1/C",
         "test/mp/acc",
         "test/ann/acc",
         "test/cann/acc",

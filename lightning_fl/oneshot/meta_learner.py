@@ -37,7 +37,8 @@ from lightning_fl.checkpoint import (
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.metrics import classification_metrics
-from lightning_fl.oneshot.base import Context, OneShotMethod
+from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome
+from lightning_fl.oneshot.bound import lipschitz_z, proposition1
 from lightning_fl.oneshot.distances import wasserstein1
 from lightning_fl.oneshot.erm import predict_proba
 from lightning_fl.oneshot.generator_training import GeneratorTraining, evaluate_generator, train_generator
@@ -325,7 +326,7 @@ class FMPMetaLearner(L.LightningModule):
         # Test points of the classes the target tasks hold; those of the other classes are out of distribution.
         known = torch.isin(test_y, torch.tensor(dm.in_distribution, device=test_y.device))
         ood_h, test_h, test_y = test_h[~known], test_h[known], test_y[known]
-        outcomes: dict[str, object] = {}
+        outcomes: dict[str, Outcome] = {}
         with torch.no_grad():
             for method in [FMP(), *self.methods]:
                 out = method.run(task, ctx)
@@ -346,10 +347,23 @@ class FMPMetaLearner(L.LightningModule):
             if "mp" in outcomes:
                 mp, fmp = outcomes["mp"], outcomes["fmp"]
                 self.log("test/theta_dist", (mp.W - fmp.W).flatten(2).norm(dim=-1).mean(), batch_size=1)
-                # Proposition 1's diagnostics on this task (first posterior sample's Z').
-                pooled = task.pooled.float().cpu()
-                self.log("test/delta_s", wasserstein1(pooled, fmp.extras["summary"].float().cpu()), batch_size=1)
-                self.log("test/D", wasserstein1(pooled, mp.extras["generated"][0].float().cpu()), batch_size=1)
+                self._log_proposition1(task, mp, fmp)
+
+    def _log_proposition1(self, task: Task, mp: Outcome, fmp: Outcome) -> None:
+        """Proposition 1 on this task, term by term (:mod:`.bound`; the first posterior sample's ``Z'``)."""
+        pooled, summary = task.pooled.float().cpu(), fmp.extras["summary"].float().cpu()
+        generated, generated_fmp = mp.extras["generated"][0].float().cpu(), fmp.extras["generated"][0].float().cpu()
+        delta_s, D = wasserstein1(pooled, summary), wasserstein1(pooled, generated)
+        C = wasserstein1(generated, generated_fmp) / delta_s if delta_s > 0 else 0.0
+        points = torch.cat([pooled, summary, generated, generated_fmp])
+        L_z = lipschitz_z(torch.cat([mp.W[0], fmp.W[0]]).cpu(), points, task.num_classes)
+        M, n, _ = task.clients.shape
+        terms = proposition1(M, n, len(summary) // M, len(generated), self.l2, L_z, C, delta_s, D)
+        self.log("test/delta_s", delta_s, batch_size=1)
+        self.log("test/D", D, batch_size=1)
+        self.log("test/prop1_bound", terms["bound"], batch_size=1)
+        for key in ("b_s", "Delta_s", "L_z", "C"):
+            self.log(f"test/prop1/{key}", terms[key], batch_size=1)
 
     def _score(self, W: Tensor, h: Tensor, y: Tensor, ood_h: Tensor) -> dict[str, Tensor]:
         """Accuracy, ECE, NLL and mean entropy of the posterior predictive on ``h``, its mean entropy on the
