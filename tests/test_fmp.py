@@ -216,6 +216,10 @@ def test_polya_urn_draws_by_hand():
     assert torch.allclose(smooth(z, noise)[0, 0], torch.tensor(want, dtype=torch.float64))
     with pytest.raises(ValueError, match="bandwidth must be >= 0"):
         PolyaUrn(bandwidth=-1.0)
+    # Gradients reach the observed points (FMP meta-trains through the urn): each is used as often as it is copied.
+    leaf = z.clone().requires_grad_(True)
+    smooth(leaf, noise).sum().backward()
+    assert leaf.grad.tolist() == [[[2.0] * 4, [1.0] * 4]]
 
 
 def test_polya_urn_weights_the_observed_points_like_the_bayesian_bootstrap():

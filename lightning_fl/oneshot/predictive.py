@@ -110,16 +110,23 @@ class PolyaUrn(Predictive):
         B, S, n_new, _ = noise.shape
         N, P, D = z.shape[1], z.shape[2], self.feature_dim
         u = torch.special.ndtr(noise[..., 0].double())  # (B, S, n'): uniform in (0, 1)
-        urn = torch.cat([z.unsqueeze(1).expand(B, S, N, P), z.new_zeros(B, S, n_new, P)], dim=2)
+        # Which observed point each draw copies in the end (a copy of a draw copies what that draw copied), and
+        # the kernel moves it gathered on the way. Only indices and noise are written in place: the points come
+        # from one gather of z, so gradients reach z (FMP meta-trains its summariser through this).
+        roots = torch.zeros(B, S, n_new, dtype=torch.long, device=z.device)
+        moves = noise.new_zeros(B, S, n_new, D) if self.bandwidth > 0 else None
         for i in range(n_new):
             k = (u[..., i] * (N + i)).long().clamp(max=N + i - 1)  # (B, S): uniform over the N + i points so far
-            point = urn.gather(2, k[..., None, None].expand(B, S, 1, P)).squeeze(2)  # (B, S, P)
-            if self.bandwidth > 0:
-                point = torch.cat(
-                    [point[..., :D] + self.bandwidth * noise[..., i, 1 : 1 + D].to(z), point[..., D:]], -1
-                )
-            urn[:, :, N + i] = point
-        return urn[:, :, N:]
+            drawn, j = k >= N, (k - N).clamp(min=0)  # a copy of draw j, or of observed point k
+            roots[..., i] = torch.where(drawn, roots.gather(2, j.unsqueeze(-1)).squeeze(-1), k)
+            if moves is not None:
+                before = moves.gather(2, j[..., None, None].expand(B, S, 1, D)).squeeze(2)
+                moves[..., i, :] = torch.where(drawn.unsqueeze(-1), before, 0.0) + noise[..., i, 1 : 1 + D]
+        out = z.unsqueeze(1).expand(B, S, N, P).gather(2, roots.unsqueeze(-1).expand(B, S, n_new, P))
+        if moves is None:
+            return out
+        h, p = split_points(out, self.num_classes)
+        return torch.cat([h + self.bandwidth * moves.to(h), p], dim=-1)
 
     def extra_repr(self) -> str:
         return f"bandwidth={self.bandwidth}"
