@@ -411,6 +411,7 @@ def test_the_polya_urn_is_selected_by_class_path_and_needs_no_training(in_tmp, m
     monkeypatch.setattr(FMPMetaLearner, "_train_generator", lambda *a: pytest.fail("the urn has nothing to train"))
     captured = capture_test_results(monkeypatch)
     config = str(CONFIGS / "fmp_digits.yaml")
+    assert run_cli("fit", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn") == 0  # through the urn
     assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn") == 0
     assert 0.3 < captured["out"][0]["test/mp/acc"] <= 1.0
     assert not (in_tmp / "cache" / "generators").exists()
