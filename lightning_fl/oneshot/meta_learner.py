@@ -45,7 +45,14 @@ from lightning_fl.oneshot.generator_training import GeneratorTraining, evaluate_
 from lightning_fl.oneshot.methods import ANN, CANN, FMP, MP
 from lightning_fl.oneshot.predictive import Predictive, PredictiveGenerator, refit
 from lightning_fl.oneshot.quality import ood_scores, predictive_entropy, theta_spread
-from lightning_fl.oneshot.summarize import MeanPooling, PMASummariser, RandomSelection, Summariser
+from lightning_fl.oneshot.summarize import (
+    MeanPooling,
+    PMASummariser,
+    RandomSelection,
+    Summariser,
+    chamfer,
+    kmeans_centres,
+)
 from lightning_fl.oneshot.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,9 @@ class FMPMetaLearner(L.LightningModule):
         codec: How a client encodes its upload (``FP32`` or ``Quantize``).
         methods: Methods evaluated by ``test`` besides FMP (centralised MP and ANN, one-shot CANN by default).
         cache_dir: Where trained generators are cached (default ``$LIGHTNING_FL_CACHE``).
+        warmup_steps: Meta-training steps that first pull each client's summary towards the k-means centres of
+            its points (Chamfer distance, :func:`~lightning_fl.oneshot.summarize.kmeans_centres`) before the
+            theta distance takes over: a start for a read-out that begins as noise (``readout: linear``).
     """
 
     def __init__(
@@ -87,9 +97,13 @@ class FMPMetaLearner(L.LightningModule):
         codec: Codec | None = None,
         methods: list[OneShotMethod] | None = None,
         cache_dir: str | None = None,
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__()
-        problems = [f"{k} must be > 0, got {v}" for k, v in [("l2", l2), ("lr", lr), ("erm_tol", erm_tol)] if not v > 0]
+        problems = [f"warmup_steps must be >= 0, got {warmup_steps}"] if warmup_steps < 0 else []
+        problems += [
+            f"{k} must be > 0, got {v}" for k, v in [("l2", l2), ("lr", lr), ("erm_tol", erm_tol)] if not v > 0
+        ]
         problems += [
             f"{k} must be >= 1, got {v}"
             for k, v in [
@@ -112,6 +126,7 @@ class FMPMetaLearner(L.LightningModule):
         self.codec = codec if codec is not None else FP32()
         self.methods = list(methods) if methods is not None else [MP(), ANN(), CANN()]
         self.cache_dir = cache_dir
+        self.warmup_steps = warmup_steps
         self.register_buffer("generator_ready", torch.zeros((), dtype=torch.bool))
         self.generator_report: dict = {}
         self._configured = False
@@ -286,6 +301,13 @@ class FMPMetaLearner(L.LightningModule):
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         B = batch.shape[0]
+        if self.global_step < self.warmup_steps:
+            B, M, n, P = batch.shape
+            clients = batch.reshape(B * M, n, P)
+            g = torch.Generator().manual_seed(int(self.global_step))
+            loss = chamfer(self.summariser(clients), kmeans_centres(clients, self.summariser.num_points, generator=g))
+            self.log("train/warmup_chamfer", loss, prog_bar=True, batch_size=B)
+            return loss
         noise = self.generator.noise(B, self.train_samples, self.num_generated, device=batch.device)
         dist = self.theta_distance(batch, self.summariser, noise)
         loss = dist.mean()

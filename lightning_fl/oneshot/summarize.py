@@ -20,6 +20,32 @@ from lightning_fl.models.set_transformer import PMA
 from lightning_fl.oneshot.tasks import split_points
 
 
+def kmeans_centres(z: Tensor, k: int, iterations: int = 10, generator: torch.Generator | None = None) -> Tensor:
+    """``k`` centres of each set in ``z`` ``[B, n, P]`` by Lloyd's algorithm (started from ``k`` distinct points
+    chosen at random; a cluster that empties keeps its centre) -> ``[B, k, P]``. Label parts are averaged like
+    the features, so a centre carries its cluster's label distribution."""
+    B, n, P = z.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"k-means needs 1 <= k <= n points per set, got k = {k}, n = {n}")
+    z = z.detach()
+    start = torch.stack([torch.randperm(n, generator=generator)[:k] for _ in range(B)]).to(z.device)
+    centres = torch.gather(z, 1, start.unsqueeze(-1).expand(-1, -1, P))
+    for _ in range(iterations):
+        assign = torch.cdist(z.float(), centres.float()).argmin(-1)  # (B, n)
+        one_hot = torch.nn.functional.one_hot(assign, k).to(z.dtype)  # (B, n, k)
+        counts = one_hot.sum(1).unsqueeze(-1)  # (B, k, 1)
+        means = one_hot.transpose(1, 2).matmul(z) / counts.clamp_min(1)
+        centres = torch.where(counts > 0, means, centres)
+    return centres
+
+
+def chamfer(a: Tensor, b: Tensor) -> Tensor:
+    """Symmetric Chamfer distance between the sets ``a`` ``[B, s, P]`` and ``b`` ``[B, k, P]``: the mean squared
+    distance from each point to the nearest point of the other set, both ways, averaged over ``B`` -> scalar."""
+    d = torch.cdist(a.float(), b.float()).pow(2)  # (B, s, k)
+    return d.min(-1).values.mean() + d.min(-2).values.mean()
+
+
 class Summariser(nn.Module):
     """Base: ``forward(z [B, n, D + C]) -> [B, s, D + C]``, one row per client.
 
