@@ -160,6 +160,21 @@ def test_summarisers_upload_s_points_of_the_data_layout(summariser):
     assert torch.allclose(split_points(out, C)[1].sum(-1), torch.ones(2, 5), atol=1e-5)
 
 
+def test_kmeans_finds_separated_clusters_and_chamfer_by_hand():
+    from lightning_fl.oneshot.summarize import chamfer, kmeans_centres
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(20, 3, generator=g) * 0.1, torch.randn(30, 3, generator=g) * 0.1 + 10
+    z = torch.cat([a, b])[torch.randperm(50, generator=g)].unsqueeze(0)
+    centres = kmeans_centres(z, 2, generator=torch.Generator().manual_seed(1))[0]
+    centres = centres[centres[:, 0].argsort()]
+    assert torch.allclose(centres, torch.stack([a.mean(0), b.mean(0)]), atol=1e-5)
+    x, y = torch.tensor([[[0.0, 0.0], [2.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]])
+    assert float(chamfer(x, y)) == pytest.approx((1 + 5) / 2 + 1)  # x -> y: 1 and 5; y -> x: 1
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        kmeans_centres(z, 51)
+
+
 def test_pma_summary_is_permutation_invariant():
     pma = PMASummariser(4, hidden=16, num_heads=2)
     pma.configure(D, C)
@@ -327,6 +342,28 @@ def test_the_generator_cache_key_names_the_target_classes_its_report_was_scored_
         keys.append(model.generator_cache_key()["tasks"])
     assert keys[0] == [3, 30, [None, 1.0, 0.1], 6, 30, 0]  # as before target_classes existed: old caches still hit
     assert keys[1] == [*keys[0], 7] and keys[2] == [*keys[0], 8]
+
+
+def test_warmup_steps_match_k_means_centres_before_the_theta_distance(tmp_path):
+    import lightning as L
+
+    def fit(steps):
+        model = learner(cache_dir=str(tmp_path), warmup_steps=3)
+        trainer = L.Trainer(
+            max_steps=steps,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(model, datamodule=small_tasks())
+        return trainer.callback_metrics
+
+    warm = fit(3)
+    assert "train/warmup_chamfer" in warm and "train/theta_dist" not in warm
+    assert "train/theta_dist" in fit(4)
 
 
 @pytest.mark.parametrize(
