@@ -91,24 +91,33 @@ class PMASummariser(Summariser):
         hidden: Width of ``f_phi`` and the attention block.
         num_heads: Attention heads.
         readout: ``data`` (attention-weighted real points + correction) or ``linear``.
+        layer_norm: The PMA's post-residual LayerNorms (the set-transformer paper's equations; with them a
+            linear read-out starts from vectors of one fixed norm whatever the client's data).
     """
 
     trainable = True
 
-    def __init__(self, num_points: int = 30, hidden: int = 128, num_heads: int = 4, readout: str = "data") -> None:
+    def __init__(
+        self,
+        num_points: int = 30,
+        hidden: int = 128,
+        num_heads: int = 4,
+        readout: str = "data",
+        layer_norm: bool = True,
+    ) -> None:
         super().__init__(num_points)
         if hidden % num_heads:
             raise ValueError(f"model.summariser: hidden ({hidden}) must be divisible by num_heads ({num_heads})")
         if readout not in ("data", "linear"):
             raise ValueError(f"model.summariser.readout must be 'data' or 'linear', got {readout!r}")
-        self.hidden, self.num_heads, self.readout = hidden, num_heads, readout
+        self.hidden, self.num_heads, self.readout, self.layer_norm = hidden, num_heads, readout, layer_norm
 
     def configure(self, feature_dim: int, num_classes: int) -> None:
         super().configure(feature_dim, num_classes)
         point_dim = feature_dim + num_classes
         self.embed = nn.Linear(point_dim, self.hidden)
         # PMA applies the row-wise f_phi itself (input_ff) before the seeds attend to the set.
-        self.pool = PMA(self.hidden, self.num_points, self.num_heads)
+        self.pool = PMA(self.hidden, self.num_points, self.num_heads, layer_norm=self.layer_norm)
         self.out = nn.Linear(self.hidden, point_dim)
         if self.readout == "data":
             self.query = nn.Linear(self.hidden, self.hidden)
