@@ -21,6 +21,7 @@ from lightning_fl.oneshot import (
     FMPMetaLearner,
     GeneratorTraining,
     Identity,
+    KMeans,
     MeanPooling,
     PixelFeatures,
     PMASummariser,
@@ -151,7 +152,16 @@ def test_generator_is_conditionally_exchangeable():
     assert torch.allclose(gen(z, noise[:, :, perm]), out[:, :, perm], atol=1e-5)
 
 
-@pytest.mark.parametrize("summariser", [PMASummariser(5, hidden=16, num_heads=2), RandomSelection(5), MeanPooling(5)])
+@pytest.mark.parametrize(
+    "summariser",
+    [
+        PMASummariser(5, hidden=16, num_heads=2),
+        PMASummariser(5, hidden=16, num_heads=2, readout="linear", layer_norm=False),
+        RandomSelection(5),
+        MeanPooling(5),
+        KMeans(5),
+    ],
+)
 def test_summarisers_upload_s_points_of_the_data_layout(summariser):
     summariser.configure(D, C)
     z = make_points(*pool(40), C).reshape(2, 20, D + C)
@@ -173,6 +183,11 @@ def test_kmeans_finds_separated_clusters_and_chamfer_by_hand():
     assert float(chamfer(x, y)) == pytest.approx((1 + 5) / 2 + 1)  # x -> y: 1 and 5; y -> x: 1
     with pytest.raises(ValueError, match="1 <= k <= n"):
         kmeans_centres(z, 51)
+    summariser = KMeans(2)
+    summariser.configure(2, 1)
+    assert torch.equal(
+        summariser(z, torch.Generator().manual_seed(1)), kmeans_centres(z, 2, 10, torch.Generator().manual_seed(1))
+    )
 
 
 def test_pma_summary_is_permutation_invariant():
@@ -449,8 +464,17 @@ def test_the_polya_urn_is_selected_by_class_path_and_needs_no_training(in_tmp, m
     captured = capture_test_results(monkeypatch)
     config = str(CONFIGS / "fmp_digits.yaml")
     assert run_cli("fit", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn") == 0  # through the urn
-    assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn") == 0
-    assert 0.3 < captured["out"][0]["test/mp/acc"] <= 1.0
+    kmeans = '{"class_path": "KMeans", "init_args": {"num_points": 10}}'
+    methods = (
+        f'[{{"class_path": "MP"}}, {{"class_path": "FMP", "init_args": {{"name": "fmp_km", "summariser": {kmeans}}}}}]'
+    )
+    assert (
+        run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn", "--model.methods", methods)
+        == 0
+    )
+    metrics = captured["out"][0]
+    assert 0.3 < metrics["test/mp/acc"] <= 1.0
+    assert metrics["test/fmp_km/theta_dist"] > 0 and "test/mp/theta_dist" not in metrics
     assert not (in_tmp / "cache" / "generators").exists()
     assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn",
                    "--model.generator_checkpoint", "x.pt") == 2  # fmt: skip

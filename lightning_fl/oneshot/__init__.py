@@ -22,7 +22,7 @@ from lightning_fl.oneshot.generator_training import GeneratorTraining, evaluate_
 from lightning_fl.oneshot.meta_learner import FMPMetaLearner
 from lightning_fl.oneshot.methods import ANN, CANN, FMP, LANN, LMP, MP
 from lightning_fl.oneshot.predictive import PolyaUrn, Predictive, PredictiveGenerator
-from lightning_fl.oneshot.summarize import Identity, MeanPooling, PMASummariser, RandomSelection, Summariser
+from lightning_fl.oneshot.summarize import Identity, KMeans, MeanPooling, PMASummariser, RandomSelection, Summariser
 from lightning_fl.oneshot.task_data import FederatedTasks
 from lightning_fl.oneshot.tasks import Task, TaskSampler
 
@@ -43,6 +43,7 @@ __all__ = [
     "FederatedTasks",
     "GeneratorTraining",
     "Identity",
+    "KMeans",
     "MeanPooling",
     "OneShotMethod",
     "Outcome",

@@ -369,6 +369,12 @@ class FMPMetaLearner(L.LightningModule):
             if "mp" in outcomes:
                 mp, fmp = outcomes["mp"], outcomes["fmp"]
                 self.log("test/theta_dist", (mp.W - fmp.W).flatten(2).norm(dim=-1).mean(), batch_size=1)
+                for method in self.methods:  # FMP variants (other summaries, hard labels): same base set as MP
+                    if isinstance(method, FMP) and method.name != "fmp":
+                        W = outcomes[method.name].W
+                        self.log(
+                            f"test/{method.name}/theta_dist", (mp.W - W).flatten(2).norm(dim=-1).mean(), batch_size=1
+                        )
                 self._log_proposition1(task, mp, fmp)
 
     def _log_proposition1(self, task: Task, mp: Outcome, fmp: Outcome) -> None:

@@ -5,7 +5,8 @@
   followed by a linear read-out to ``[h~, p~]`` (features and a softmax label distribution), since
   a summary point must be a data point the server can refit on.
 * :class:`RandomSelection` and :class:`MeanPooling` are the paper's non-learned compressions at the
-  same budget (section V-4); :class:`Identity` sends everything (``s = n``: FMP is then exactly MP).
+  same budget (section V-4), :class:`KMeans` a third; :class:`Identity` sends everything (``s = n``: FMP is
+  then exactly MP).
 
 Add a summariser by subclassing :class:`Summariser` (``configure`` to build layers once the point
 dimension is known, ``forward`` to compress) and selecting it with ``model.summariser.class_path``.
@@ -164,6 +165,22 @@ class MeanPooling(Summariser):
             perm = torch.randperm(n, generator=generator).to(z.device)
             out[b].index_add_(0, group.to(z.device), z[b, perm])
         return out / torch.bincount(group, minlength=self.num_points).to(z).unsqueeze(-1)
+
+
+class KMeans(Summariser):
+    """Upload the ``s`` centres of k-means on the client's points (features and label distributions averaged
+    over each cluster): a non-learned compression beside random selection and mean pooling."""
+
+    def __init__(self, num_points: int = 30, iterations: int = 10) -> None:
+        super().__init__(num_points)
+        if iterations < 1:
+            raise ValueError(f"model.summariser.iterations must be >= 1, got {iterations}")
+        self.iterations = iterations
+
+    def forward(self, z: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        if self.num_points > z.shape[1]:
+            raise ValueError(f"KMeans: num_points ({self.num_points}) exceeds the client's {z.shape[1]} points")
+        return kmeans_centres(z, self.num_points, self.iterations, generator)
 
 
 class Identity(Summariser):
