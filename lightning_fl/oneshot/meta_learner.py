@@ -77,8 +77,9 @@ class FMPMetaLearner(L.LightningModule):
         methods: Methods evaluated by ``test`` besides FMP (centralised MP and ANN, one-shot CANN by default).
         cache_dir: Where trained generators are cached (default ``$LIGHTNING_FL_CACHE``).
         warmup_steps: Meta-training steps that first pull each client's summary towards the k-means centres of
-            its points (Chamfer distance, :func:`~lightning_fl.oneshot.summarize.kmeans_centres`) before the
-            theta distance takes over: a start for a read-out that begins as noise (``readout: linear``).
+            its points (Chamfer distance, label parts weighted by ``sqrt(D)``;
+            :func:`~lightning_fl.oneshot.summarize.kmeans_centres`) before the theta distance takes over: a start
+            for a read-out that begins as noise (``readout: linear``).
     """
 
     def __init__(
@@ -305,7 +306,12 @@ class FMPMetaLearner(L.LightningModule):
             B, M, n, P = batch.shape
             clients = batch.reshape(B * M, n, P)
             g = torch.Generator().manual_seed(int(self.global_step))
-            loss = chamfer(self.summariser(clients), kmeans_centres(clients, self.summariser.num_points, generator=g))
+            centres = kmeans_centres(clients, self.summariser.num_points, generator=g)
+            # label parts weighted by sqrt(D): a label (a unit vector at most) then counts as much as the D
+            # standardised features; unweighted, a read-out that keeps its labels uniform loses almost nothing
+            weight = torch.ones(P, device=batch.device)
+            weight[-self.generator.num_classes :] = self.generator.feature_dim**0.5
+            loss = chamfer(self.summariser(clients) * weight, centres * weight)
             self.log("train/warmup_chamfer", loss, prog_bar=True, batch_size=B)
             return loss
         noise = self.generator.noise(B, self.train_samples, self.num_generated, device=batch.device)
