@@ -1,9 +1,11 @@
 """tools/sweep.py runs, skips and resumes runs and writes one CSV; tools/report.py turns it into tables and figures."""
 
 import csv
+import math
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import CONFIGS, REPO
@@ -232,3 +234,19 @@ def test_pivot_table_puts_tags_on_rows_and_columns():
         rows, {"pivot": {"rows": "strategy", "columns": ["sweep"]}, "where": {"attack": "flip"}}
     )
     assert "| strategy | this | other |" in by_sweep and "| avg | 0.505 (0.007) | 0.000 (0.000) |" in by_sweep
+
+
+def test_fmp_label_probe_scores_summaries_of_a_checkpoint(tmp_path):
+    """Uniform labels on the k-means centres cost FMP most of what the centres give (the read-out study)."""
+    args = ["fit", "--config", str(CONFIGS / "fmp_digits.yaml"), "--model.generator", "PolyaUrn",
+            "--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--data.val_tasks", "2",
+            "--data.meta_tasks", "8", "--model.num_generated", "20", "--model.test_samples", "2",
+            "--model.summariser.readout", "linear"]  # fmt: skip
+    fit = tool("-m", "lightning_fl", *args, cwd=tmp_path)
+    assert fit.returncode == 0, fit.stdout + fit.stderr
+    ckpt = tmp_path / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
+    out = tool(REPO / "tools" / "fmp_label_probe.py", *args, "--ckpt_path", ckpt, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    scores = {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines() if line.strip()}
+    assert scores["kmeans"] < scores["kmeans_uniform_labels"]
+    assert 0 < scores["summariser_label_entropy"] <= scores["uniform_label_entropy"] == pytest.approx(math.log(10), abs=1e-4)
