@@ -36,14 +36,15 @@ figures:
     python tools/report.py REPORT.yaml              # prints the tables, writes the figures
     python tools/report.py REPORT.yaml --markdown FILE   # also writes the tables to FILE
 
-Kinds: ``pareto`` plots val/acc against cumulative bytes per client (both directions, MB, log scale)
-round by round, one curve per label (mean over seeds); ``sweep`` plots the final ``metric`` against a
-numeric tag, one line per value of ``series`` (a tag, optional) or, with ``methods`` and a ``metric``
-template such as ``test/{method}/acc``, one line per method; ``bars`` shows the final ``metric`` per
-label; ``budget`` shows, per label, the best val/acc reached while cumulative bytes per client stay within
-``budget_mb``; ``rounds`` plots ``metric`` against the round, one curve per label. Error bars and bands are
-one standard deviation over seeds. A ``pivot`` table shows ``mean (std)`` of one metric with a row per value
-of the ``rows`` tag and a column per combination of the ``columns`` tags (in CSV order).
+Kinds: ``pareto`` plots val/acc against cumulative bytes per client (both directions, MB, log scale) round by
+round, one curve per label (mean over seeds); ``sweep`` plots the final ``metric`` against a numeric tag, one
+line per value of ``series`` (a tag, optional) or, with ``methods`` and a ``metric`` template such as
+``test/{method}/acc``, one line per method (optional ``ylabel``, and ``yscale`` such as ``log``); ``bars``
+shows the final ``metric`` per label; ``budget`` shows, per label, the best val/acc reached while cumulative
+bytes per client stay within ``budget_mb``; ``rounds`` plots ``metric`` against the round, one curve per
+label. Error bars and bands are one standard deviation over seeds. A ``pivot`` table shows ``mean (std)`` of
+one metric with a row per value of the ``rows`` tag and a column per combination of the ``columns`` tags (in
+CSV order).
 """
 
 from __future__ import annotations
@@ -263,7 +264,8 @@ def figure(rows: list[dict], spec: dict):
             ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(key) if key != "" else None)
         ax.set_xscale(spec.get("xscale", "log"), **({"base": 2} if spec.get("xscale", "log") == "log" else {}))
         ax.set_xlabel(spec["x"])
-        ax.set_ylabel(metric.replace("{method}/", ""))
+        ax.set_ylabel(spec.get("ylabel", metric.replace("{method}/", "")))
+        ax.set_yscale(spec.get("yscale", "linear"))
     elif kind == "rounds":
         for label in spec.get("labels") or labels_in_order(rows):
             by_round = defaultdict(list)
