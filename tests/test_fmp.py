@@ -359,20 +359,18 @@ def test_the_generator_cache_key_names_the_target_classes_its_report_was_scored_
     assert keys[1] == [*keys[0], 7] and keys[2] == [*keys[0], 8]
 
 
-def test_warmup_steps_match_k_means_centres_before_the_theta_distance(tmp_path):
+def quiet_trainer(tmp_path, **kwargs):
+    """A ``lightning.Trainer`` without validation, logger, checkpoints, progress bar or summary."""
     import lightning as L
 
+    quiet = {"limit_val_batches": 0, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    return L.Trainer(**quiet, enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
+
+
+def test_warmup_steps_match_k_means_centres_before_the_theta_distance(tmp_path):
     def fit(steps):
         model = learner(cache_dir=str(tmp_path), warmup_steps=3)
-        trainer = L.Trainer(
-            max_steps=steps,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
+        trainer = quiet_trainer(tmp_path, max_steps=steps)
         trainer.fit(model, datamodule=small_tasks())
         return trainer.callback_metrics
 
@@ -395,26 +393,13 @@ def test_warmup_steps_match_k_means_centres_before_the_theta_distance(tmp_path):
 )
 def test_mixed_precision_meta_training_runs_the_summariser_under_autocast(tmp_path, precision, accelerator, dtype):
     """The meta-training step runs the summariser under autocast in ``dtype`` and its loss stays finite."""
-    import lightning as L
-
     model = learner(cache_dir=str(tmp_path))
     device = "cuda" if accelerator == "cuda" else "cpu"
     seen = []
     model.summariser.register_forward_hook(
         lambda *_: seen.append((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
     )
-    trainer = L.Trainer(
-        max_steps=2,
-        limit_val_batches=0,
-        accelerator=accelerator,
-        devices=1,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, max_steps=2, accelerator=accelerator, devices=1, precision=precision)
     trainer.fit(model, datamodule=small_tasks())
     assert torch.isfinite(trainer.callback_metrics["train/theta_dist"])
     assert seen and all(state == (True, dtype) for state in seen), seen
