@@ -220,7 +220,7 @@ REAL_CAUSES = {
     "unknown optional class": (
         FMP,
         ["--model.summariser", "Foo"],
-        ["error: fit: model.summariser: unknown class 'Foo'. Accepted short names: Identity, KMeans, MeanPooling, PMASum"],
+        ["error: fit: model.summariser: unknown class 'Foo'. Accepted short names: Identity, KMeans, MeanPooling, PMA"],
     ),
     "unknown logger": (
         DIGITS,

@@ -355,8 +355,22 @@ def test_the_generator_cache_key_names_the_target_classes_its_report_was_scored_
         model = learner()
         monkeypatch.setattr(FMPMetaLearner, "trainer", property(lambda self, dm=dm: SimpleNamespace(datamodule=dm)))
         keys.append(model.generator_cache_key()["tasks"])
-    assert keys[0] == [3, 30, [None, 1.0, 0.1], 6, 30, 0]  # as before target_classes existed: old caches still hit
+    assert keys[0] == [3, 30, [None, 1.0, 0.1], 6, 30, 0]  # as before target_classes existed
     assert keys[1] == [*keys[0], 7] and keys[2] == [*keys[0], 8]
+
+
+@pytest.mark.parametrize("setting", [{"labels": "sampled"}, {"label_l2": 0.1}, {"hidden": 16}, {"layer_norm": False}])
+def test_every_generator_setting_is_in_its_cache_key(monkeypatch, setting):
+    """A generator trained with other settings is never served from the cache (``labels`` once was not in the key)."""
+    from types import SimpleNamespace
+
+    dm = small_tasks()
+    dm.setup()
+    monkeypatch.setattr(FMPMetaLearner, "trainer", property(lambda self: SimpleNamespace(datamodule=dm)))
+    base = {"hidden": 32, "num_heads": 2}
+    default = learner(generator=PredictiveGenerator(**base)).generator_cache_key()
+    other = learner(generator=PredictiveGenerator(**{**base, **setting})).generator_cache_key()
+    assert other["generator"] != default["generator"]
 
 
 def quiet_trainer(tmp_path, **kwargs):

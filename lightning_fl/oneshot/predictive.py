@@ -172,6 +172,13 @@ class PredictiveGenerator(Predictive):
         self.generate = MAB(self.noise_dim, h, h, self.num_heads, layer_norm=self.layer_norm)  # MAB(E, H)
         self.out = nn.Linear(h, point_dim)
 
+    def extra_repr(self) -> str:
+        # every setting, so the generator cache (keyed on this text) never serves weights trained with other ones
+        return (
+            f"hidden={self.hidden}, num_heads={self.num_heads}, noise_dim={self.noise_dim}, "
+            f"layer_norm={self.layer_norm}, labels={self.labels!r}, label_l2={self.label_l2}"
+        )
+
     def forward(self, z: Tensor, noise: Tensor) -> Tensor:
         """``z``: ``[B, N, D + C]`` observed points; ``noise``: ``[B, S, n', e]`` base sets -> ``[B, S, n', D + C]``."""
         if not self.feature_dim:
