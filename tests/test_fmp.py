@@ -274,6 +274,46 @@ def test_refit_matches_sequential_solves():
     assert torch.allclose(W[1, 0], fit_softmax(x, t, 0.1), atol=1e-4)
 
 
+def test_the_spread_term_compares_the_refits_with_the_polya_urns_by_hand():
+    """``delta * mean_b (log spread(W_b) - log spread(W^urn_b))^2``: the urn's draws come right after the generator's
+    from the global generator, so the term can be rebuilt from the same seed."""
+    from lightning_fl.oneshot.predictive import generator_loss
+    from lightning_fl.oneshot.quality import sample_spread
+
+    gen = generator().requires_grad_(True)
+    z = make_points(*pool(60), C).reshape(3, 20, D + C)
+    ctx, heldout = z[:2], z[2:].expand(2, 20, D + C)
+    torch.manual_seed(5)
+    base, base_terms = generator_loss(gen, ctx, heldout, 12, 3, l2=0.1, beta=0.1)
+    torch.manual_seed(5)
+    loss, terms = generator_loss(gen, ctx, heldout, 12, 3, l2=0.1, beta=0.1, delta=2.0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        W = refit(ctx, gen(ctx, gen.noise(2, 3, 12)), C, 0.1)
+        urn = PolyaUrn()
+        urn.configure(D, C)
+        W_urn = refit(ctx, urn(ctx, urn.noise(2, 3, 12)), C, 0.1)
+    ratio = sample_spread(W) / sample_spread(W_urn)
+    assert terms["spread_mismatch"] == pytest.approx(float(ratio.log().pow(2).mean()), rel=1e-4)
+    assert terms["spread_ratio"] == pytest.approx(float(ratio.mean()), rel=1e-4)
+    assert terms["nll"] == base_terms["nll"] and "spread_ratio" not in base_terms
+    assert float(loss.detach()) == pytest.approx(float(base.detach()) + 2.0 * terms["spread_mismatch"], rel=1e-5)
+    # the term trains the generator: its gradient is not the one of the loss without it
+    grad = torch.autograd.grad(loss - base, list(gen.parameters()), allow_unused=True)
+    assert any(g is not None and g.abs().sum() > 0 for g in grad)
+    with pytest.raises(ValueError, match="num_samples >= 2"):
+        generator_loss(gen, ctx, heldout, 12, 1, l2=0.1, delta=1.0)
+
+
+def test_spread_recipe_is_checked_and_named_in_the_cache_key_only_when_used():
+    assert "delta" not in GeneratorTraining().key()  # generators cached before the term existed stay valid
+    assert GeneratorTraining(delta=0.5).key()["delta"] == 0.5
+    with pytest.raises(ValueError, match="num_samples >= 2"):
+        GeneratorTraining(delta=0.5, num_samples=1)
+    with pytest.raises(ValueError, match="delta must be >= 0"):
+        GeneratorTraining(delta=-1.0)
+
+
 # ------------------------------------------------------------------------- meta-training
 def small_tasks(**kw) -> FederatedTasks:
     args = {
@@ -507,8 +547,13 @@ def test_target_classes_score_each_method_on_the_classes_the_tasks_leave_out(in_
             r"data: the meta-training pool \(\d+ points\) cannot hold these tasks: .*points_per_client.*"
             r": lower points_per_client or num_clients, or raise min_classes",
         ),
+        (["--model.generator_training.delta", "-1"], r"model\.generator_training\.delta must be >= 0"),
+        (
+            ["--model.generator_training.delta", "1", "--model.generator_training.num_samples", "1"],
+            r"set model\.generator_training\.num_samples >= 2 \(got 1\)",
+        ),
     ],
-    ids=["l2", "points_per_client"],
+    ids=["l2", "points_per_client", "delta", "delta_samples"],
 )
 def test_config_mistakes_are_named(in_tmp, monkeypatch, capsys, override, named):
     """Exit code 2 and one ``error:`` line that names the key and says what to change."""

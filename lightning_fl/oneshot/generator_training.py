@@ -10,6 +10,7 @@ all refit by the same ERM: the data alone (``erm``), ``Z`` plus a bootstrap resa
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -39,6 +40,9 @@ class GeneratorTraining:
         num_samples: Posterior samples S per task in the objective.
         beta: Weight of the energy-distance term.
         gamma: Weight of the pseudo-data term (held-out NLL of the model refit on generated points alone).
+        delta: Weight of the spread-matching term: the squared log ratio of the refits' spread to the spread
+            of refits on the Polya urn's draws (the Bayesian bootstrap); 0 leaves it out. Needs
+            ``num_samples >= 2``.
         min_context: Smallest context size; each step draws a size in ``[min_context, M * n]`` so the
             generator sees both pooled data and pooled summaries.
         eval_tasks: Held-out tasks used to compare against naive resampling after training.
@@ -51,12 +55,25 @@ class GeneratorTraining:
     num_samples: int = 4
     beta: float = 0.1
     gamma: float = 0.0
+    delta: float = 0.0
     min_context: int = 50
     eval_tasks: int = 8
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not (self.delta >= 0 and math.isfinite(self.delta)):
+            raise ValueError(f"model.generator_training.delta must be >= 0 (finite), got {self.delta!r}")
+        if self.delta > 0 and self.num_samples < 2:
+            raise ValueError(
+                "model.generator_training.delta > 0 compares the spread of several refits: "
+                f"set model.generator_training.num_samples >= 2 (got {self.num_samples})"
+            )
+
     def key(self) -> dict:
-        return asdict(self)
+        key = asdict(self)
+        if not self.delta:  # added later: generators trained without the term keep their cache entries
+            del key["delta"]
+        return key
 
 
 def _context(task_clients: torch.Tensor, size: int, g: torch.Generator) -> torch.Tensor:
@@ -90,7 +107,7 @@ def train_generator(
         context = torch.stack([_context(t.clients, size, g) for t in tasks])  # (B, size, P)
         heldout = torch.stack([t.heldout for t in tasks])  # (B, T, P)
         loss, terms = generator_loss(
-            generator, context, heldout, num_generated, recipe.num_samples, l2, recipe.beta, recipe.gamma
+            generator, context, heldout, num_generated, recipe.num_samples, l2, recipe.beta, recipe.gamma, recipe.delta
         )
         if not torch.isfinite(loss):
             raise FloatingPointError(

@@ -32,7 +32,12 @@ context ``Z`` and held-out points ``T`` of the same task:
   sample-based distribution score that keeps ``Z'`` looking like data of the task;
 * ``gamma * -log p(y_t | x_t, W'_s)`` with ``W'_s`` refit on ``Z'_s`` alone (MPNP's pseudo-context
   term): without it the generator may learn uninformative, near-uniform labels that only act as a
-  regulariser of the refit, which lowers held-out NLL a little but makes MP under-confident.
+  regulariser of the refit, which lowers held-out NLL a little but makes MP under-confident;
+* ``delta * (log spread(W_s) - log spread(W^urn_s))^2`` per task: the refits on ``Z u Z'_s`` must spread as
+  much as the refits on ``Z`` plus the Polya urn's draws of the same size (the Bayesian bootstrap: the classic
+  martingale posterior), a posterior's spread the held-out NLL alone does not ask for. ``spread`` is the mean
+  distance of the S refits from their mean (:func:`~lightning_fl.oneshot.quality.sample_spread`); the urn's side
+  is a fixed target (no gradient).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from torch import Tensor, nn
 from lightning_fl.models.set_transformer import MAB
 from lightning_fl.oneshot.distances import energy_distance
 from lightning_fl.oneshot.erm import fit_softmax
+from lightning_fl.oneshot.quality import sample_spread
 from lightning_fl.oneshot.tasks import split_points
 
 
@@ -233,11 +239,15 @@ def generator_loss(
     l2: float,
     beta: float = 1.0,
     gamma: float = 0.0,
+    delta: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """The generator's training objective on a batch of tasks (see the module docstring).
 
-    ``context`` ``[B, N, P]``, ``heldout`` ``[B, T, P]``. Returns the loss and its two terms.
+    ``context`` ``[B, N, P]``, ``heldout`` ``[B, T, P]``. Returns the loss and its terms (with ``delta > 0`` also
+    ``spread_ratio``: the generator's refit spread over the urn's, averaged over the tasks).
     """
+    if delta > 0 and num_samples < 2:
+        raise ValueError(f"matching the refits' spread needs num_samples >= 2, got {num_samples}")
     B = context.shape[0]
     noise = generator.noise(B, num_samples, num_generated, device=context.device)
     generated = generator(context, noise)  # (B, S, n', P)
@@ -256,6 +266,17 @@ def generator_loss(
         pseudo = -log_predictive(W_pseudo, heldout, generator.num_classes).mean()
         loss = loss + gamma * pseudo
         terms["pseudo_nll"] = float(pseudo.detach())
+    if delta > 0:
+        with torch.no_grad():  # the target: the Bayesian bootstrap's spread at the same n'
+            urn = PolyaUrn()
+            urn.configure(generator.feature_dim, generator.num_classes)
+            drawn = urn(context, urn.noise(B, S, num_generated, device=context.device))
+            target = sample_spread(refit(context, drawn, generator.num_classes, l2).float())  # (B,)
+        spread = sample_spread(W.float())  # (B,)
+        mismatch = (spread.clamp_min(1e-12).log() - target.clamp_min(1e-12).log()).pow(2).mean()
+        loss = loss + delta * mismatch
+        terms["spread_mismatch"] = float(mismatch.detach())
+        terms["spread_ratio"] = float((spread / target.clamp_min(1e-12)).mean().detach())
     return loss, terms
 
 

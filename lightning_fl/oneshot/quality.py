@@ -1,7 +1,8 @@
 """How good a posterior is, measured directly: the spread of its parameter samples and what its predictive says
 about points it should and should not know.
 
-* :func:`theta_spread`: the mean distance of the S parameter samples from their mean (0 for a point estimate);
+* :func:`theta_spread`: the mean distance of the S parameter samples from their mean (0 for a point estimate;
+  :func:`sample_spread` per model);
 * :func:`predictive_entropy`: the entropy (nats) of each point's posterior predictive distribution;
 * :func:`ood_scores`: the mean entropy on in-distribution and on out-of-distribution points, and the AUROC of
   telling them apart by that entropy (0.5: the predictive cannot tell; 1: every OOD point is less certain than
@@ -18,11 +19,15 @@ import torch
 from torch import Tensor
 
 
+def sample_spread(W: Tensor) -> Tensor:
+    """Mean Frobenius distance of each posterior sample from the samples' mean, per model: ``W`` ``[G, S, C, D]``
+    -> ``[G]`` (0 when S = 1). Differentiable (the norm's gradient at 0 is 0), so a generator can be trained on it."""
+    return (W - W.mean(dim=1, keepdim=True)).flatten(2).norm(dim=-1).mean(1)
+
+
 def theta_spread(W: Tensor) -> Tensor:
-    """Mean Frobenius distance of each posterior sample from the samples' mean, averaged over the G models of
-    ``W`` ``[G, S, C, D]`` (0 when S = 1)."""
-    mean = W.mean(dim=1, keepdim=True)
-    return (W - mean).flatten(2).norm(dim=-1).mean()
+    """:func:`sample_spread` averaged over the G models of ``W`` ``[G, S, C, D]``."""
+    return sample_spread(W).mean()
 
 
 def predictive_entropy(probs: Tensor) -> Tensor:
