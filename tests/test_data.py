@@ -180,6 +180,16 @@ def test_datamodule_splits_are_disjoint_and_cover_the_training_set():
     )  # header, separator, 5 clients
 
 
+def test_a_large_population_logs_a_summary_of_its_partition_not_a_row_per_client():
+    dm = make_dm(num_clients=150)
+    table = dm.partition_table()
+    assert table.startswith("IID() over 150 clients") and table.count("\n| ") == 7  # 2 tables: 4 + 3 lines
+    assert "| samples | 4 | 4 | 4 | 4 | 4 |" in table  # 600 samples dealt to 150 clients: 4 each
+    assert "| samples | " + " | ".join(["60"] * 10) + " |" in table  # Synthetic is balanced: 60 per class
+    assert make_dm(num_clients=150).partition_table(max_rows=150).count("\n| ") == 152  # header, separator, rows
+    assert dm.client_sizes().tolist() == [4] * 150
+
+
 def test_datamodule_is_deterministic_and_the_public_split_ignores_the_partition():
     a = make_dm(public_fraction=0.25, partition=IID())
     b = make_dm(public_fraction=0.25, partition=Dirichlet(alpha=0.1))
@@ -266,3 +276,12 @@ def test_datamodule_rejects_bad_settings_with_the_key_names():
         make_dm(num_clients=500, max_train_samples=100)
     with pytest.raises(IndexError, match=r"client id in \[0, 5\)"):
         make_dm().client_indices(5)
+
+
+def test_synthetic_images_are_the_same_whatever_the_generation_chunk():
+    """Population-scale runs generate millions of images a chunk at a time; the draws must not depend on it."""
+    whole, chunked = Synthetic(train_size=50, test_size=9, seed=3), Synthetic(train_size=50, test_size=9, seed=3)
+    chunked.chunk = 7
+    for split in ("train", "test"):
+        assert torch.equal(whole.load(split).images, chunked.load(split).images)
+        assert np.array_equal(whole.load(split).targets, chunked.load(split).targets)

@@ -3,7 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_fl.data import IID, Dirichlet, Shards, label_histograms
+from lightning_fl.data import IID, Dirichlet, Partitioner, Shards, label_histograms
+from lightning_fl.data.partition import ClientPartition
 from lightning_fl.errors import ConfigError
 
 labels = st.integers(2, 10).flatmap(lambda c: st.lists(st.integers(0, c - 1), min_size=60, max_size=400).map(np.array))
@@ -131,3 +132,98 @@ def test_bad_arguments_are_rejected():
         IID()(np.zeros(5, dtype=int), 6, 0)
     with pytest.raises(ConfigError, match="shards"):
         Shards(3)(np.zeros(5, dtype=int), 2, 0)
+
+
+# ---------------------------------------------------------------- the flat partition against the list-based textbook
+def reference_split(partitioner, targets, num_clients, seed):
+    """The textbook list-of-chunks algorithms (np.array_split / np.split), which the vectorised ``assign`` of every
+    built-in must reproduce sample for sample (it draws the same random numbers in the same order)."""
+    rng = np.random.default_rng(seed)
+    if isinstance(partitioner, IID):
+        parts = np.array_split(rng.permutation(len(targets)), num_clients)
+    elif isinstance(partitioner, Shards):
+        num_shards = num_clients * partitioner.shards_per_client
+        perm = rng.permutation(len(targets))
+        shards = np.array_split(perm[np.argsort(targets[perm], kind="stable")], num_shards)
+        dealt, spc = rng.permutation(num_shards), partitioner.shards_per_client
+        parts = [np.concatenate([shards[s] for s in dealt[k * spc : (k + 1) * spc]]) for k in range(num_clients)]
+    else:
+        n = len(targets)
+        for _ in range(partitioner.max_retries):
+            parts, sizes = [[] for _ in range(num_clients)], np.zeros(num_clients, dtype=np.int64)
+            for c in np.unique(targets):
+                idx = rng.permutation(np.flatnonzero(targets == c))
+                p = rng.dirichlet(np.full(num_clients, partitioner.alpha))
+                if partitioner.balance:
+                    p = p * (sizes < n / num_clients)
+                    p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
+                for k, chunk in enumerate(np.split(idx, (np.cumsum(p) * len(idx)).astype(np.int64)[:-1])):
+                    parts[k].append(chunk)
+                    sizes[k] += len(chunk)
+            if sizes.min() >= partitioner.min_partition_size:
+                break
+        else:
+            return None
+        parts = [np.concatenate(p) for p in parts]
+    return [np.sort(p) for p in parts]
+
+
+@settings(max_examples=150, deadline=None)
+@given(targets=labels, partitioner=partitioners, num_clients=st.integers(1, 12), seed=st.integers(0, 2**31))
+def test_the_flat_partitions_equal_the_list_based_textbook_splits(targets, partitioner, num_clients, seed):
+    try:
+        reference = reference_split(partitioner, targets, num_clients, seed)
+    except ValueError:  # e.g. more shards than samples: the partitioner refuses it by name (tested above)
+        return
+    if reference is None or any(len(p) == 0 for p in reference):
+        with pytest.raises(ConfigError):
+            partitioner(targets, num_clients, seed)
+        return
+    parts = partitioner(targets, num_clients, seed)
+    assert isinstance(parts, ClientPartition) and len(parts) == num_clients
+    assert all(np.array_equal(a, b) for a, b in zip(parts, reference, strict=True))
+    assert label_histograms(parts, targets, 10).tolist() == label_histograms(reference, targets, 10).tolist()
+
+
+def test_client_partition_is_two_read_only_arrays_indexed_like_a_list():
+    parts = ClientPartition.from_owner(np.array([2, 0, 2, 1, 0, 2]), 4)
+    assert parts.indices.tolist() == [1, 4, 3, 0, 2, 5] and parts.offsets.tolist() == [0, 2, 3, 6, 6]
+    assert [p.tolist() for p in parts] == [[1, 4], [3], [0, 2, 5], []] and parts[-2].tolist() == [0, 2, 5]
+    assert [p.tolist() for p in parts[1:3]] == [[3], [0, 2, 5]] and parts.sizes().tolist() == [2, 1, 3, 0]
+    assert parts.owners().tolist() == [0, 0, 1, 2, 2, 2]
+    assert parts.take(np.array([10, 11, 12, 13, 14, 15]))[0].tolist() == [11, 14]
+    with pytest.raises(ValueError, match="read-only"):
+        parts[0][0] = 7  # a view: writing to it would move a sample between clients
+    with pytest.raises(IndexError, match="client 4"):
+        parts[4]
+    with pytest.raises(ValueError, match="offsets"):
+        ClientPartition(np.arange(3), np.array([0, 2]))
+
+
+class _ByParity(Partitioner):
+    """A user's plug-in written the old way: one index array per client."""
+
+    def __init__(self, broken: str = "") -> None:
+        self.broken = broken
+
+    def split(self, targets, num_clients, rng):
+        parts = [np.arange(k, len(targets), num_clients) for k in range(num_clients)]
+        if self.broken == "overlap":
+            parts[1] = np.concatenate([parts[1], parts[0][:1]])
+        elif self.broken == "missing":
+            parts[0] = parts[0][1:]
+        return parts
+
+
+def test_a_user_partitioner_with_split_only_works_and_a_wrong_one_is_named():
+    targets = np.zeros(10, dtype=int)
+    assert [p.tolist() for p in _ByParity()(targets, 2, 0)] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert [p.tolist() for p in IID().split(targets, 2, np.random.default_rng(0))] == [
+        p.tolist() for p in IID()(targets, 2, 0)
+    ]
+    with pytest.raises(ConfigError, match="gave a sample to two clients"):
+        _ByParity("overlap")(targets, 2, 0)
+    with pytest.raises(ConfigError, match=r"did not give each of the 10 samples one client .*\(1 without one\)"):
+        _ByParity("missing")(targets, 2, 0)
+    with pytest.raises(NotImplementedError, match="must define assign\\(\\) or split\\(\\)"):
+        Partitioner()(targets, 2, 0)

@@ -69,6 +69,7 @@ class Synthetic(DataSource):
     """
 
     display_name = "synthetic"
+    chunk = 1 << 16  # images generated at a time
     crop_padding = 0
     hflip = False
 
@@ -108,8 +109,13 @@ class Synthetic(DataSource):
             for name, n in (("train", self.train_size), ("test", self.test_size)):
                 labels = np.arange(n) % self.num_classes  # balanced
                 rng.shuffle(labels)
-                x = prototypes[labels] + rng.normal(0.0, 0.29 * self.noise, size=(n, *self.input_shape))
-                images = np.clip(np.rint(x * 255.0), 0, 255).astype(np.uint8)
+                images = np.empty((n, *self.input_shape), dtype=np.uint8)
+                # a chunk at a time (the normal draws come in the same order as in one call): millions of images
+                # for population-scale runs never hold their float64 noise all at once
+                for start in range(0, n, self.chunk):
+                    rows = labels[start : start + self.chunk]
+                    x = prototypes[rows] + rng.normal(0.0, 0.29 * self.noise, size=(len(rows), *self.input_shape))
+                    images[start : start + len(rows)] = np.clip(np.rint(x * 255.0), 0, 255)
                 self._splits[name] = TensorImages(torch.from_numpy(images), labels)
         return self._splits[split]
 

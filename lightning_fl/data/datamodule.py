@@ -11,7 +11,7 @@ import torch
 from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fl.data.partition import IID, Partitioner, label_histograms
+from lightning_fl.data.partition import IID, ClientPartition, Partitioner, label_histograms
 from lightning_fl.data.sources import DataSource, ImageTransform, LabeledImages, TensorImages
 from lightning_fl.errors import ConfigError
 
@@ -51,7 +51,7 @@ class InMemoryBatches:
         generator: torch.Generator,
     ) -> None:
         self.images = images.images
-        self.positions = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        self.positions = torch.tensor(np.asarray(indices, dtype=np.int64))  # a copy: partitions are read-only
         self.targets = torch.from_numpy(np.asarray(images.targets, dtype=np.int64))
         self.transform, self.batch_size, self.generator = transform, batch_size, generator
 
@@ -67,6 +67,19 @@ class InMemoryBatches:
                 torch.randperm(n, generator=self.generator)  # the sampler's next (unused) permutation
             picked = self.positions[order[start : start + self.batch_size]]
             yield self.transform.batch(self.images[picked]), self.targets[picked]
+
+
+def partition_summary(hist: np.ndarray) -> str:
+    """Markdown summary of a partition's ``(num_clients, num_classes)`` label histogram: quantiles over clients
+    of their sizes and of the classes they hold, and every class's total."""
+    q = (0.0, 0.1, 0.5, 0.9, 1.0)
+    rows = ["| per client | min | 10% | median | 90% | max |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, values in (("samples", hist.sum(1)), ("classes held", (hist > 0).sum(1))):
+        rows.append(f"| {name} | " + " | ".join(f"{v:g}" for v in np.quantile(values, q)) + " |")
+    totals = hist.sum(0)
+    rows += ["", "| class | " + " | ".join(map(str, range(len(totals)))) + " |", "|" + " --- |" * (len(totals) + 1)]
+    rows.append("| samples | " + " | ".join(map(str, totals)) + " |")
+    return "\n".join(rows)
 
 
 class FederatedDataModule(L.LightningDataModule):
@@ -155,7 +168,7 @@ class FederatedDataModule(L.LightningDataModule):
         self._train: LabeledImages | None = None
         self._test: LabeledImages | None = None
         self._splits: dict[str, np.ndarray] = {}
-        self._clients: list[np.ndarray] = []
+        self._clients: ClientPartition | None = None
         self._client_transform: ImageTransform | None = None
 
     # ------------------------------------------------------------------------------ properties
@@ -206,7 +219,7 @@ class FederatedDataModule(L.LightningDataModule):
             test_idx = np.sort(np.random.default_rng(self.seed + 1).permutation(len(test))[: self.max_eval_samples])
             val = val[: self.max_eval_samples]
         parts = self.partition(train.targets[pool], self.num_clients, self.seed)
-        self._clients = [pool[p] for p in parts]
+        self._clients = parts.take(pool)  # flat: two arrays, however many clients
         self._splits = {"val": np.sort(val), "public": np.sort(public), "clients": np.sort(pool), "test": test_idx}
         self._train, self._test = train, test
         self._log_partition()
@@ -241,21 +254,31 @@ class FederatedDataModule(L.LightningDataModule):
     def client_num_samples(self, cid: int) -> int:
         return len(self.client_indices(cid))
 
+    def client_sizes(self) -> np.ndarray:
+        """Samples per client, ``(num_clients,)``."""
+        self._require_setup()
+        return self._clients.sizes()
+
     def label_histograms(self) -> np.ndarray:
         """Samples per client and class, shape ``(num_clients, num_classes)``, for logging partitions."""
         self._require_setup()
         return label_histograms(self._clients, self._train.targets, self.num_classes)
 
-    def partition_table(self) -> str:
-        """Markdown table: sizes of the val/public splits and each client's label histogram."""
+    def partition_table(self, max_rows: int = 100) -> str:
+        """Markdown: sizes of the val/public splits and each client's label histogram, one row per client up to
+        ``max_rows`` clients; beyond that a summary (quantiles of client sizes and of classes held per client,
+        and the label counts summed over clients), so a population of a million clients logs a few lines."""
         hist = self.label_histograms()
-        header = "| client | samples | " + " | ".join(str(c) for c in range(self.num_classes)) + " |"
-        rows = [header, "|" + " --- |" * (self.num_classes + 2)]
-        rows += [f"| {k} | {row.sum()} | " + " | ".join(map(str, row)) + " |" for k, row in enumerate(hist)]
         sizes = (
             f"val: {len(self._splits['val'])}, public: {len(self._splits['public'])}, test: {len(self._splits['test'])}"
         )
-        return f"{self.partition!r} over {self.num_clients} clients; {sizes}\n\n" + "\n".join(rows)
+        head = f"{self.partition!r} over {self.num_clients} clients; {sizes}\n\n"
+        if self.num_clients > max_rows:
+            return head + partition_summary(hist)
+        header = "| client | samples | " + " | ".join(str(c) for c in range(self.num_classes)) + " |"
+        rows = [header, "|" + " --- |" * (self.num_classes + 2)]
+        rows += [f"| {k} | {row.sum()} | " + " | ".join(map(str, row)) + " |" for k, row in enumerate(hist)]
+        return head + "\n".join(rows)
 
     # ------------------------------------------------------------------------------ loaders
     def _loader(
