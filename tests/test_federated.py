@@ -255,9 +255,18 @@ EXTRAS = [
 ]
 
 
+# per-client codec memory: a client sampled again must find its residual, on whichever process trains it
+ERROR_FEEDBACK = ["--trainer.rounds", "4", "--trainer.codec", "TopK", "--trainer.codec.density", "0.1"]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "extra", [pytest.param([], id="fedavg"), pytest.param(EXTRAS, id="fedadam_dropout_attack", marks=pytest.mark.slow)]
+    "extra",
+    [
+        pytest.param([], id="fedavg"),
+        pytest.param(ERROR_FEEDBACK, id="topk_error_feedback"),
+        pytest.param(EXTRAS, id="fedadam_dropout_attack", marks=pytest.mark.slow),
+    ],
 )
 def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
     """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit."""
@@ -304,6 +313,9 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
     assert one["strategy"].keys() == two["strategy"].keys()
     for key, value in one["strategy"].items():  # server optimiser moments agree too
         assert torch.equal(value, two["strategy"][key])
+    residuals = [ckpt["codec"].get("residuals", {}) for ckpt in states]  # every client's, saved from all processes
+    assert sorted(residuals[0]) == sorted(residuals[1])
+    assert all(torch.equal(residuals[0][c][n], residuals[1][c][n]) for c in residuals[0] for n in residuals[0][c])
 
 
 def test_checkpoint_files_load_with_weights_only(tmp_path):
