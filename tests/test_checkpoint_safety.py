@@ -319,7 +319,7 @@ def test_flower_codec_memory_is_read_with_the_same_reader(tmp_path, marker):
     from lightning_fl.flower.client import _CODEC_STATE, _load_codec_state, _save_codec_state
 
     codec, context = TopK(density=0.5), SimpleNamespace(state={})
-    codec.residuals = {3: {"w": torch.arange(4.0)}}
+    codec.residuals[3] = {"w": torch.arange(4.0)}
     _save_codec_state(codec, context)
     restored = TopK(density=0.5)
     _load_codec_state(restored, context)  # the node's own memory still loads

@@ -237,6 +237,13 @@ class Codec:
         """Per-client memory to checkpoint (none for stateless codecs)."""
         return {}
 
+    def client_stores(self) -> dict[str, Any]:
+        """The codec's per-client state, as :class:`~lightning_fl.compress.client_state.ClientStateStore` objects
+        saved under the same keys of :meth:`state_dict` (none for stateless codecs). The trainer gives them a
+        memory budget and a folder, gathers them from every process for a checkpoint, and keeps on each process
+        the clients it trains."""
+        return {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but got state keys {sorted(state)}")

@@ -9,6 +9,9 @@ adds the decompressed update back to the reference. Residuals are per client and
 Subclasses implement :meth:`UpdateCompressor.compress` (update -> payload and the approximation the
 server will reconstruct) and :meth:`UpdateCompressor.decompress`, and state their payload's structure with
 :meth:`~lightning_fl.compress.base.Codec.layout` so the server refuses a malformed upload before decompressing it.
+
+Residuals live in a :class:`~lightning_fl.compress.client_state.ClientStateStore`: only clients that have
+uploaded hold one, and with ``trainer.client_state_memory_mb`` those not used lately wait in files.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_fl.compress.base import Codec, Payload
+from lightning_fl.compress.client_state import ClientStateStore
 
 State = dict[str, torch.Tensor]
 
@@ -33,7 +37,7 @@ class UpdateCompressor(Codec):
 
     def __init__(self, error_feedback: bool = True) -> None:
         self.error_feedback = error_feedback
-        self.residuals: dict[int, State] = {}
+        self.residuals = ClientStateStore()
 
     def compress(self, update: State, client: int) -> tuple[Payload, State]:
         """Encode ``update``; return the payload and the update the server will reconstruct from it."""
@@ -47,7 +51,8 @@ class UpdateCompressor(Codec):
         update = {n: state[n].detach().to("cpu", torch.float32) - reference[n].detach().to("cpu", torch.float32)
                   for n in sorted(state)}  # fmt: skip
         if self.error_feedback and client in self.residuals:
-            update = {n: u + self.residuals[client][n] for n, u in update.items()}
+            residual = self.residuals[client]
+            update = {n: u + residual[n] for n, u in update.items()}
         payload, approx = self.compress(update, client)
         if self.error_feedback:
             self.residuals[client] = {n: update[n] - approx[n] for n in update}
@@ -57,8 +62,11 @@ class UpdateCompressor(Codec):
         delta = self.decompress(payload, reference, client)
         return {n: (reference[n].detach().to("cpu", torch.float32) + delta[n]).to(reference[n].dtype) for n in delta}
 
+    def client_stores(self) -> dict[str, ClientStateStore]:
+        return {"residuals": self.residuals}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {str(c): dict(r) for c, r in self.residuals.items()}}
+        return {"residuals": self.residuals.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = {int(c): dict(r) for c, r in state.get("residuals", {}).items()}
+        self.residuals.load_state_dict(state.get("residuals", {}))

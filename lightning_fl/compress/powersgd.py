@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_fl.compress.base import Encoded, Layout, Payload
+from lightning_fl.compress.client_state import ClientStateStore
 from lightning_fl.compress.error_feedback import State, UpdateCompressor
 from lightning_fl.errors import ConfigError
 from lightning_fl.seeding import derive_seed
@@ -38,7 +39,7 @@ class PowerSGD(UpdateCompressor):
         if rank < 1:
             raise ConfigError(f"codec.rank must be >= 1, got {rank}")
         self.rank, self.warm_start, self.seed = rank, warm_start, seed
-        self.queries: dict[int, State] = {}
+        self.queries = ClientStateStore()  # per client: its last Q of each tensor (warm start)
 
     def compressible(self, shape: tuple[int, ...]) -> int:
         """The rank used for a tensor of ``shape`` (0: send it uncompressed)."""
@@ -55,7 +56,8 @@ class PowerSGD(UpdateCompressor):
 
     def compress(self, update: State, client: int) -> tuple[Payload, State]:
         tensors, approx = {}, {}
-        queries = self.queries.setdefault(client, {})
+        previous = self.queries.get(client, {})
+        queries = {}
         for name in sorted(update):
             u = update[name]
             r = self.compressible(tuple(u.shape))
@@ -64,7 +66,7 @@ class PowerSGD(UpdateCompressor):
                 approx[name] = u
                 continue
             matrix = u.reshape(u.shape[0], -1)  # (n, m)
-            q = queries.get(name) if self.warm_start else None
+            q = previous.get(name) if self.warm_start else None
             if q is None:
                 q = self._initial_query(name, matrix.shape[1], r)
             p_hat = torch.linalg.qr(matrix @ q, mode="reduced").Q  # (n, r), orthonormal columns
@@ -72,6 +74,7 @@ class PowerSGD(UpdateCompressor):
             queries[name] = q
             tensors[name] = Encoded({"p": p_hat.contiguous(), "q": q.contiguous()}, tuple(u.shape))
             approx[name] = (p_hat @ q.T).view(u.shape)
+        self.queries[client] = queries  # stored whole: a store's entries are never changed in place
         return Payload(tensors), approx
 
     def decompress(self, payload: Payload, reference: State, client: int) -> State:
@@ -100,12 +103,15 @@ class PowerSGD(UpdateCompressor):
             layout[name] = Layout(shape, torch.float32, parts)
         return layout
 
+    def client_stores(self) -> dict[str, ClientStateStore]:
+        return {**super().client_stores(), "queries": self.queries}
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "queries": {str(c): dict(q) for c, q in self.queries.items()}}
+        return {**super().state_dict(), "queries": self.queries.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.queries = {int(c): dict(q) for c, q in state.get("queries", {}).items()}
+        self.queries.load_state_dict(state.get("queries", {}))
 
     def __repr__(self) -> str:
         return f"PowerSGD(rank={self.rank}, error_feedback={self.error_feedback}, warm_start={self.warm_start})"

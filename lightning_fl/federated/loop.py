@@ -30,11 +30,13 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from jsonargparse import lazy_instance
 from tqdm.auto import tqdm
 
 from lightning_fl.checkpoint import read_checkpoint, remove_stale_temps
 from lightning_fl.compress.base import FP32, Codec
+from lightning_fl.compress.client_state import import_files
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import setup
@@ -98,6 +100,11 @@ class FederatedTrainer(TrainerLike):
             strategies only).
         enable_progress_bar: Show progress over rounds and clients.
         save_every_n_rounds: Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept).
+        client_state_memory_mb: Memory (MiB) for the codec's per-client state (error-feedback residuals, PowerSGD
+            queries). Beyond it the state of the clients sampled least recently is written to
+            ``<run>/client_state/`` and read back when they are sampled again, and round checkpoints name those
+            files instead of holding the tensors (each writes only what changed). ``null``: all in memory and in
+            every checkpoint. One process only.
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class FederatedTrainer(TrainerLike):
         check_identity: bool = True,
         enable_progress_bar: bool = True,
         save_every_n_rounds: int = 0,
+        client_state_memory_mb: float | None = None,
     ) -> None:
         checks = [
             (rounds >= 1, f"trainer.rounds must be >= 1, got {rounds}"),
@@ -155,6 +163,8 @@ class FederatedTrainer(TrainerLike):
             (resume in (True, False, "auto"), f"trainer.resume must be true, false or 'auto', got {resume!r}"),
             (val_every_n_rounds >= 1, f"trainer.val_every_n_rounds must be >= 1, got {val_every_n_rounds}"),
             (save_every_n_rounds >= 0, f"trainer.save_every_n_rounds must be >= 0, got {save_every_n_rounds}"),
+            (client_state_memory_mb is None or (math.isfinite(client_state_memory_mb) and client_state_memory_mb >= 0),
+             f"trainer.client_state_memory_mb must be >= 0 or null, got {client_state_memory_mb}"),
             (isinstance(strategy, Strategy), f"trainer.strategy must be a Strategy, got {type(strategy).__name__}"),
         ]  # fmt: skip
         problems = [message for ok, message in checks if not ok]
@@ -176,6 +186,7 @@ class FederatedTrainer(TrainerLike):
         self.val_every_n_rounds, self.limit_val_batches = val_every_n_rounds, limit_val_batches
         self.check_identity, self.enable_progress_bar = check_identity, enable_progress_bar
         self.save_every_n_rounds = save_every_n_rounds
+        self.client_state_memory_mb = client_state_memory_mb
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
         self.log_dir: Path | None = None
@@ -221,6 +232,7 @@ class FederatedTrainer(TrainerLike):
         )  # fmt: skip
         self.transport.open(num_clients=datamodule.num_clients, fingerprint=fingerprint, seed=seed)
         count = self._clients_per_round(datamodule.num_clients)
+        self._attach_client_state()
         if ckpt is not None:
             start = self._restore(ckpt, model, seed, fingerprint, datamodule.num_clients)
         self._write_config()
@@ -359,7 +371,34 @@ class FederatedTrainer(TrainerLike):
         count = min(self._clients_per_round(num_clients), num_clients)
         setup.check_plan(self.strategy, self.attack, num_clients, count)
 
+    def _attach_client_state(self) -> None:
+        """Give the codec's per-client stores their memory budget and folder (``client_state_memory_mb``)."""
+        stores = self.codec.client_stores()
+        if self.client_state_memory_mb is None or not stores:
+            return
+        if self.fabric.world_size > 1:
+            raise ConfigError(
+                "trainer.client_state_memory_mb keeps per-client codec state in the run folder of one process; "
+                f"this run has {self.fabric.world_size}: set trainer.devices 1 (and num_nodes 1) or remove the key"
+            )
+        for name, store in stores.items():
+            store.attach(self.log_dir / "client_state" / name, int(self.client_state_memory_mb * 2**20))
+
+    def _codec_state(self) -> dict:
+        """The codec's state with every process's per-client entries (each process holds the clients it trains);
+        a collective: every process calls it."""
+        state = self.codec.state_dict()
+        stores = self.codec.client_stores()
+        if self.fabric.world_size > 1 and stores:
+            for name in stores:
+                everyone: list[dict] = [{} for _ in range(self.fabric.world_size)]
+                dist.all_gather_object(everyone, state[name])
+                state[name] = {c: entry for part in everyone for c, entry in part.items()}
+        return state
+
     def _save_checkpoint(self, completed: int, seed: int, fingerprint: str | None, num_clients: int) -> None:
+        codec_state = self._codec_state()
+        kept = bool(self.save_every_n_rounds) and completed % self.save_every_n_rounds == 0
         if self.fabric.is_global_zero:
             state = {
                 "seed": seed,
@@ -368,11 +407,13 @@ class FederatedTrainer(TrainerLike):
                 "global_state": round_ckpt.to_cpu(self.global_state),
                 "strategy_class": self.strategy.name,
                 "strategy": self.strategy.state_dict(),
-                "codec": self.codec.state_dict(),
+                "codec": codec_state,
                 "ledger": self.ledger.state_dict(),
                 "history": [{k: float(v) for k, v in h.items()} for h in self.history],
             }
             round_ckpt.save_round(state, self.log_dir / "checkpoints", completed, self.save_every_n_rounds)
+        for store in self.codec.client_stores().values():
+            store.committed(pin=kept)  # files the saved checkpoint superseded can go
         self.fabric.barrier()
 
     def _restore(self, path: Path, model, seed: int, fingerprint: str | None, num_clients: int) -> int:
@@ -395,7 +436,15 @@ class FederatedTrainer(TrainerLike):
         self.global_state = {n: t.to(device) for n, t in ckpt["global_state"].items()}
         model.load_federated_state(self.global_state)
         self.strategy.load_state_dict(ckpt["strategy"])
+        stores = self.codec.client_stores()
+        for name, store in stores.items():  # a checkpoint of another run folder: bring its client files here
+            if store.file_backed and setup.run_folder_of(path) is not None:
+                source = setup.run_folder_of(path) / "client_state" / name
+                import_files(ckpt["codec"].get(name, {}), source, store.folder)
         self.codec.load_state_dict(ckpt["codec"])
+        rank, world = self.fabric.global_rank, self.fabric.world_size
+        for store in stores.values():  # each process keeps the clients it trains (RoundRunner: client % world)
+            store.retain(lambda c: c % world == rank)
         self.ledger.load_state_dict(ckpt["ledger"])
         self.history = list(ckpt.get("history", []))
         if self.fabric.is_global_zero:

@@ -8,7 +8,6 @@ order, so the strategy computes the same aggregate everywhere.
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from collections.abc import Callable
@@ -176,8 +175,11 @@ class RoundRunner:
         """
         fabric = self.fabric
         spread = self.transport.spreads_over_processes
-        share = available[fabric.global_rank :: fabric.world_size] if spread else available
-        slots = max(1, math.ceil(len(available) / fabric.world_size) if spread else len(available))
+        # Each client trains on one process, always the same (client % processes): a codec's memory of a client
+        # (error-feedback residuals) stays where the client trains. Rows are aggregated in client order.
+        world = fabric.world_size if spread else 1
+        share = [c for c in available if c % world == fabric.global_rank] if spread else available
+        slots = max(1, max(sum(1 for c in available if c % world == k) for k in range(world)))
         ids = torch.full((slots,), -1, dtype=torch.int64)
         status = torch.full((slots,), REJECTED, dtype=torch.int64)
         weights = torch.zeros(slots, dtype=torch.float64)
