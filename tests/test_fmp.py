@@ -385,6 +385,24 @@ def test_meta_training_beats_untrained_random_and_mean_pooling(tmp_path):
     )
 
 
+def test_meta_training_does_not_depend_on_the_target_tasks_partition(tmp_path):
+    """What tools/sweep.py's fit_from relies on: runs differing only in data.alpha (the target and validation
+    tasks' partition) meta-train the same summariser bit for bit, validation included, so one fit serves them."""
+    import lightning as L
+
+    weights = []
+    for alpha in (None, 0.1):
+        torch.manual_seed(0)
+        model = learner(cache_dir=str(tmp_path))
+        trainer = L.Trainer(
+            max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(model, datamodule=small_tasks(alpha=alpha))
+        weights.append(model.summariser.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_the_generator_cache_key_names_the_target_classes_its_report_was_scored_on(monkeypatch):
     from types import SimpleNamespace
 

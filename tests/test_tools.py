@@ -125,20 +125,31 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
         "seeds": [0, 1],
         "seed_args": ["--data.seed", "{seed}"],
         "common": shrink,
-        "runs": [{"label": "digits", "config": str(CONFIGS / "fmp_digits.yaml"), "tags": {"data": "digits"}}],
-    }
+        "runs": [
+            {"label": "digits", "config": str(CONFIGS / "fmp_digits.yaml"), "tags": {"data": "digits"}},
+            {"label": "skewed", "config": str(CONFIGS / "fmp_digits.yaml"), "args": ["--data.alpha", "0.1"],
+             "fit_from": "digits", "tags": {"data": "digits"}},
+        ],
+    }  # fmt: skip
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(spec))
     first = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
     assert first.returncode == 0 and "failed" not in first.stdout, first.stdout + first.stderr
     with (tmp_path / "sweep" / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["seed"] for r in rows] == ["0", "1"]
+    assert [(r["label"], r["seed"]) for r in rows] == [("digits", "0"), ("digits", "1"), ("skewed", "0"), ("skewed", "1")]
     for column in ["test/acc", "test/ece", "test/mp/acc", "comm/kb_per_client", "val/theta_dist", "generator/erm_nll"]:
         assert all(r[column] for r in rows), column
     assert rows[0]["test/acc"] != rows[1]["test/acc"]  # the data seed reached the run
+    # fit_from: the skewed runs tested digits' fits (same seed) on their own target tasks, and fitted nothing
+    assert not (tmp_path / "sweep" / "skewed__seed0" / "version_0").exists()
+    assert rows[2]["val/theta_dist"] == rows[0]["val/theta_dist"] and rows[2]["test/acc"] != rows[0]["test/acc"]
     again = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
-    assert again.stdout.count("done, skipped") == 2, again.stdout
+    assert again.stdout.count("done, skipped") == 4, again.stdout
+    spec["runs"][1]["fit_from"] = "nothing"
+    path.write_text(yaml.safe_dump(spec))
+    wrong = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
+    assert wrong.returncode != 0 and "fit_from 'nothing' must name a run listed before it" in wrong.stderr
     # A methods table (rows are methods) and a per-method sweep figure from the same CSV.
     report = {
         "csv": str(tmp_path / "sweep" / "results.csv"),

@@ -31,7 +31,10 @@ command with the seed filled in, for configs whose data or caches have seeds of 
 ``kind: oneshot`` is for configs run by ``lightning.Trainer`` whose numbers come from ``test`` (FMP and
 its baselines): each run is ``fit`` (until ``trainer.max_steps``, resuming from ``last.ckpt``) then
 ``test --ckpt_path last.ckpt``; the CSV has one row per run with every scalar the test logged, plus the
-last value of every ``val/*`` and ``generator/*`` scalar of the fit.
+last value of every ``val/*`` and ``generator/*`` scalar of the fit. A run with ``fit_from: <label>`` only
+tests, from the checkpoint of that run with the same seed: for runs whose arguments change only what ``test``
+reads (FMP's meta-training does not depend on the target tasks' ``data.alpha``, tested), so the fit is not
+repeated; the label must name a run listed before it that fits itself.
 
 For federated runs the CSV (``<out>/results.csv``) has one row per run and round, with the
 run's label, seed and tags, ``final`` (1 on the last round), and the logged metrics: ``val/acc``,
@@ -92,17 +95,36 @@ def expand(spec: dict) -> list[dict]:
                     "config": sub(entry["config"]),
                     "args": [sub(a) for a in entry.get("args", [])],
                     "tags": {k: sub(v) for k, v in (entry.get("tags") or {}).items()},
+                    "fit_from": sub(entry["fit_from"]) if entry.get("fit_from") is not None else None,
                 }
             )
     labels = [r["label"] for r in runs]
     duplicates = sorted({x for x in labels if labels.count(x) > 1})
     if duplicates:
         raise SystemExit(f"error: duplicate run labels in the sweep: {duplicates}")
+    for i, run in enumerate(runs):
+        base = run["fit_from"]
+        if base is None:
+            continue
+        if spec.get("kind") != "oneshot":
+            raise SystemExit(f"error: run {run['label']}: fit_from is only for kind: oneshot sweeps")
+        earlier = {r["label"]: r for r in runs[:i]}
+        if base not in earlier or earlier[base]["fit_from"] is not None:
+            raise SystemExit(
+                f"error: run {run['label']}: fit_from {base!r} must name a run listed before it that fits itself"
+            )
     return [{**r, "seed": s, "id": f"{r['label']}__seed{s}"} for r in runs for s in spec.get("seeds", [0])]
 
 
 def run_dir(out: Path, run: dict) -> Path:
     return out / run["id"] / "version_0"
+
+
+def fit_dir(out: Path, run: dict) -> Path:
+    """Where the run's fit is: its own run folder, or that of its ``fit_from`` run (same seed)."""
+    if run.get("fit_from") is None:
+        return run_dir(out, run)
+    return out / f"{run['fit_from']}__seed{run['seed']}" / "version_0"
 
 
 def seed_args(spec: dict, run: dict) -> list[str]:
@@ -111,7 +133,7 @@ def seed_args(spec: dict, run: dict) -> list[str]:
 
 def command(spec: dict, out: Path, run: dict) -> list[str]:
     if spec.get("kind") == "oneshot":
-        return oneshot_command(spec, out, run, "fit")
+        return oneshot_command(spec, out, run, "test" if run.get("fit_from") else "fit")
     return [
         sys.executable, "-m", "lightning_fl", "fit", "--config", run["config"],
         *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
@@ -133,7 +155,7 @@ def oneshot_command(spec: dict, out: Path, run: dict, stage: str) -> list[str]:
         "--trainer.logger.init_args.version", "version_0" if stage == "fit" else "test",
         "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
-    ckpt = run_dir(out, run) / "checkpoints" / "last.ckpt"
+    ckpt = fit_dir(out, run) / "checkpoints" / "last.ckpt"
     if stage == "test" or ckpt.is_file():
         cmd += ["--ckpt_path", str(ckpt)]
     return cmd
@@ -154,6 +176,8 @@ def oneshot_status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     test = scalars(out / run["id"] / "test")
     if any(k.startswith("test/") for k in test):
         return "done", test
+    if run.get("fit_from") is not None:
+        return "missing", None
     ckpt = run_dir(out, run) / "checkpoints" / "last.ckpt"
     return ("partial" if ckpt.is_file() else "missing"), None
 
@@ -165,7 +189,7 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         state, test = oneshot_status(spec, out, run)
         if state != "done":
             continue
-        fit = {k: v for k, v in scalars(run_dir(out, run)).items() if k.startswith(("val/", "generator/"))}
+        fit = {k: v for k, v in scalars(fit_dir(out, run)).items() if k.startswith(("val/", "generator/"))}
         rows.append((run, {**fit, **test}))
     columns = sorted({k for _, metrics in rows for k in metrics})
     path = out / "results.csv"
@@ -182,7 +206,10 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
 
 
 def run_oneshot(spec: dict, out: Path, run: dict, log) -> int:
-    for stage in ("fit", "test"):
+    if run.get("fit_from") is not None and not (fit_dir(out, run) / "checkpoints" / "last.ckpt").is_file():
+        log.write(f"error: the fit of {run['fit_from']}__seed{run['seed']} is not there: run that run first\n")
+        return 2
+    for stage in ("test",) if run.get("fit_from") is not None else ("fit", "test"):
         proc = subprocess.run(oneshot_command(spec, out, run, stage), stdout=log, stderr=subprocess.STDOUT,
                               env=os.environ.copy())  # fmt: skip
         if proc.returncode != 0:
