@@ -395,8 +395,9 @@ def test_meta_training_does_not_depend_on_the_target_tasks_partition(tmp_path):
         torch.manual_seed(0)
         model = learner(cache_dir=str(tmp_path))
         trainer = L.Trainer(
-            max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+            max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path,
         )  # fmt: skip
         trainer.fit(model, datamodule=small_tasks(alpha=alpha))
         weights.append(model.summariser.state_dict())
