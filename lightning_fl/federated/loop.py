@@ -100,6 +100,13 @@ class FederatedTrainer(TrainerLike):
             strategies only).
         enable_progress_bar: Show progress over rounds and clients.
         save_every_n_rounds: Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept).
+        client_batching: ``sequential`` (clients train one after another) or ``vmap``: ``cohort_size`` clients
+            at a time as one vectorised computation (``torch.func``), for latent methods whose clients differ only
+            by their trainable parameters; results equal sequential training up to float32 rounding. A module
+            that cannot be vectorised (its own ``training_step``, dropout, a scheduler, another optimiser than
+            Adam or SGD, mixed precision, streamed or regenerated factors) trains sequentially, with a warning.
+            In process only (a Flower deployment trains each client on its node).
+        cohort_size: Clients per cohort with ``client_batching: vmap``.
         client_state_memory_mb: Memory (MiB) for the codec's per-client state (error-feedback residuals, PowerSGD
             queries). Beyond it the state of the clients sampled least recently is written to
             ``<run>/client_state/`` and read back when they are sampled again, and round checkpoints name those
@@ -138,6 +145,8 @@ class FederatedTrainer(TrainerLike):
         check_identity: bool = True,
         enable_progress_bar: bool = True,
         save_every_n_rounds: int = 0,
+        client_batching: Literal["sequential", "vmap"] = "sequential",
+        cohort_size: int = 32,
         client_state_memory_mb: float | None = None,
     ) -> None:
         checks = [
@@ -163,6 +172,9 @@ class FederatedTrainer(TrainerLike):
             (resume in (True, False, "auto"), f"trainer.resume must be true, false or 'auto', got {resume!r}"),
             (val_every_n_rounds >= 1, f"trainer.val_every_n_rounds must be >= 1, got {val_every_n_rounds}"),
             (save_every_n_rounds >= 0, f"trainer.save_every_n_rounds must be >= 0, got {save_every_n_rounds}"),
+            (client_batching in ("sequential", "vmap"),
+             f"trainer.client_batching must be 'sequential' or 'vmap', got {client_batching!r}"),
+            (cohort_size >= 1, f"trainer.cohort_size must be >= 1, got {cohort_size}"),
             (client_state_memory_mb is None or (math.isfinite(client_state_memory_mb) and client_state_memory_mb >= 0),
              f"trainer.client_state_memory_mb must be >= 0 or null, got {client_state_memory_mb}"),
             (isinstance(strategy, Strategy), f"trainer.strategy must be a Strategy, got {type(strategy).__name__}"),
@@ -197,7 +209,8 @@ class FederatedTrainer(TrainerLike):
         self.ledger: ByteLedger | None = None
         self.current_round = 0
         #: How rounds reach clients: in process (the simulation) unless a Flower ServerApp sets its own.
-        self.transport: Transport = InProcess()
+        self.client_batching, self.cohort_size = client_batching, cohort_size
+        self.transport: Transport = InProcess(cohort_size if client_batching == "vmap" else 0)
 
     # ============================================================================ public interface
     def log_config(self, config_yaml: str) -> None:

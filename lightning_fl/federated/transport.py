@@ -9,6 +9,7 @@ bytes they send back. The server decodes and gates every reply the same way, whi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ import lightning as L
 
 from lightning_fl.compress.base import Codec, Payload
 from lightning_fl.federated.client import LocalTraining, run_client
+from lightning_fl.federated.cohort import cohort_problem, run_cohort
 from lightning_fl.federated.state import State
 
 
@@ -74,9 +76,33 @@ class Transport:
 
 
 class InProcess(Transport):
-    """Clients train here, one after another, with the server's module and data module (the simulation)."""
+    """Clients train here with the server's module and data module (the simulation): one after another, or with
+    ``cohort_size > 0`` that many at a time as one vectorised computation (:mod:`lightning_fl.federated.cohort`)
+    when the module allows it; otherwise one after another, said once in a warning."""
+
+    def __init__(self, cohort_size: int = 0) -> None:
+        self.cohort_size = cohort_size
+        self._checked: dict[int, str | None] = {}  # id(module) -> why it cannot train as a cohort
 
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
+        if self.cohort_size > 0 and self._cohorts_possible(model, fabric):
+            for start in range(0, len(clients), self.cohort_size):
+                cohort = list(clients[start : start + self.cohort_size])
+                results = run_cohort(model, datamodule, state, cohort, round, seed, codec=codec, local=local,
+                                     fabric=fabric)  # fmt: skip
+                for result in results:
+                    yield Reply(result.client, result.num_samples, result.payload, result.logged, result.failure)
+            return
         for cid in clients:
             result = run_client(model, datamodule, state, cid, round, seed, codec=codec, local=local, fabric=fabric)
             yield Reply(cid, result.num_samples, result.payload, result.logged, result.failure)
+
+    def _cohorts_possible(self, model, fabric) -> bool:
+        if id(model) not in self._checked:
+            problem = self._checked[id(model)] = cohort_problem(model, fabric)
+            if problem is not None:
+                warnings.warn(
+                    f"trainer.client_batching is 'vmap' but {problem}: its clients train one at a time",
+                    stacklevel=2,
+                )
+        return self._checked[id(model)] is None

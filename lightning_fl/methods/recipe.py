@@ -230,10 +230,15 @@ class TrainingRecipe(L.LightningModule):
         loss = self.compute_loss(logits, y)
         self.check_loss(loss)
         # Plain tensors (not Metric objects) so the same step logs under lightning.Trainer and federated loops.
-        acc = (logits.detach().argmax(-1) == y).float().mean()
+        acc = self.train_accuracy(logits.detach(), y)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(y), sync_dist=True)
         self.log("train/acc", acc, on_step=False, on_epoch=True, batch_size=len(y), sync_dist=True)
         return loss
+
+    @staticmethod
+    def train_accuracy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The share of targets whose logit is the largest (what ``training_step`` logs as ``train/acc``)."""
+        return (logits.argmax(-1) == y).float().mean()
 
     def check_loss(self, loss: torch.Tensor) -> None:
         """Raise :class:`TrainingDivergedError` if the training loss is NaN or infinite."""

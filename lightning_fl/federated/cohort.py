@@ -1,0 +1,228 @@
+"""Vectorised cohorts: several clients of a latent method trained together, as one batched computation.
+
+With FLITE every client shares the frozen base and differs only by its latent, so C clients' forward and
+backward passes are one computation over a batch of C latents: ``torch.func.vmap`` of ``torch.func.grad`` of the
+module's own loss (``forward`` then ``compute_loss``, called through ``functional_call`` with each client's
+trainable parameters), then each client's gradient clipping and optimiser step on stacked tensors. A step of the
+mapped weights ``theta_pre + U V^T z`` becomes one matrix product for the whole cohort instead of C.
+
+:func:`run_cohort` returns, per client, what :func:`~lightning_fl.federated.client.run_client` returns: the same
+batches (each client's loader, seeded from ``(seed, round, client)`` as sequentially, materialised before the
+steps), the same number of local steps (epochs or ``local_steps``), the same logged ``train/loss`` and
+``train/acc``, the same divergence checks, and the codec's encoding of its final state. Clients whose batches at a
+step have different sizes (the last batch of an epoch of unequal clients) are vectorised in groups of equal size,
+so nothing is padded. Results equal sequential training up to float32 rounding (the batched matrix products sum in
+another order); ``tests/test_cohort.py`` bounds the difference.
+
+What can be vectorised (:func:`cohort_problem` says why not, and the trainer then trains one client at a time):
+a :class:`~lightning_fl.methods.recipe.TrainingRecipe` whose ``training_step`` is the recipe's own (the module
+defines ``forward`` and ``compute_loss``), trained in 32-bit precision, with Adam or SGD (no scheduler), no
+randomness in its forward pass (dropout), and, for FLITE, ``stored`` or ``dense`` factors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch.func import functional_call, grad, vmap
+
+from lightning_fl.compress.base import Codec, non_finite
+from lightning_fl.context import StepContext, attached
+from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated.client import (
+    STREAM_CLIENT,
+    STREAM_LOADER,
+    ClientResult,
+    LocalTraining,
+    batch_size,
+    configure_optimizer,
+)
+from lightning_fl.federated.state import State
+from lightning_fl.seeding import derive_seed, seed_everything_quietly
+
+
+def cohort_problem(module: L.LightningModule, fabric: L.Fabric) -> str | None:
+    """Why ``module``'s clients cannot train as a vectorised cohort under ``fabric`` (``None``: they can)."""
+    from lightning_fl.methods.recipe import TrainingRecipe
+
+    name = type(module).__name__
+    if not isinstance(module, TrainingRecipe) or type(module).training_step is not TrainingRecipe.training_step:
+        return f"{name} defines its own training_step (a cohort runs the recipe's: forward, then compute_loss)"
+    precision = getattr(getattr(fabric.strategy, "precision", None), "precision", "32-true")
+    if precision not in ("32-true", "32", 32):
+        return f"the run's precision is {precision} (a cohort trains in 32-bit)"
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()):
+        return f"{name} uses dropout (a cohort's forward pass draws no random numbers)"
+    mapping = getattr(module, "mapping", None)
+    if mapping is not None and getattr(mapping, "mode", "stored") not in ("stored", "dense"):
+        return f"its factors are {mapping.mode!r} (a cohort needs stored or dense factors)"
+    optimizer, scheduler = configure_optimizer(module)
+    if scheduler is not None:
+        return f"{name} steps a learning-rate scheduler"
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.SGD):
+        return f"its optimiser is {type(optimizer).__name__} (a cohort steps Adam or SGD)"
+    if len(optimizer.param_groups) != 1:
+        return f"its optimiser has {len(optimizer.param_groups)} parameter groups (a cohort supports one)"
+    group = optimizer.param_groups[0]
+    if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
+        return "its optimiser uses maximize, amsgrad or differentiable (not supported in a cohort)"
+    return None
+
+
+def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: LocalTraining):
+    """The batches ``client`` trains on this round, drawn exactly as :func:`run_client` draws them, and the epoch
+    of each (what ``self.current_epoch`` says in its step)."""
+    seed_everything_quietly(derive_seed(seed, round, client, STREAM_CLIENT))
+    loader = datamodule.client_dataloader(client, seed=derive_seed(seed, round, client, STREAM_LOADER) % 2**63)
+    batches: list = []
+    epochs: list[int] = []
+    for epoch in range(local.epochs if local.steps is None else 10**9):
+        before = len(batches)
+        for batch in loader:
+            batches.append(batch)
+            epochs.append(epoch)
+            if local.steps is not None and len(batches) >= local.steps:
+                return batches, epochs
+        if len(batches) == before:
+            break
+    if not batches:
+        raise ConfigError(f"client {client} has no training batches")
+    return batches, epochs
+
+
+class _Optimizer:
+    """Adam or SGD (the settings of the module's own optimiser) on stacked per-client tensors ``[C, ...]``,
+    written as ``torch.optim``'s single-tensor implementations write them. Every client of a cohort takes its
+    ``t``-th step at step ``t``, so the step count is one number."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> None:
+        self.kind = type(optimizer)
+        self.group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        if self.kind is torch.optim.Adam:
+            self.state = {
+                n: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)} for n, p in params.items()
+            }
+        else:
+            self.state = {n: {"momentum_buffer": torch.zeros_like(p)} for n, p in params.items()}
+
+    def step(self, t: int, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
+        """Step ``t`` (0-based): update ``params[name][rows]`` with ``grads[name]`` (one row per client in ``rows``)."""
+        g = self.group
+        for name, grad_ in grads.items():
+            p, state = params[name][rows], self.state[name]
+            if g["weight_decay"] != 0:
+                grad_ = grad_.add(p, alpha=g["weight_decay"])
+            if self.kind is torch.optim.Adam:
+                beta1, beta2 = g["betas"]
+                m = state["exp_avg"][rows].lerp(grad_, 1 - beta1)
+                v = state["exp_avg_sq"][rows].mul(beta2).addcmul(grad_, grad_.conj(), value=1 - beta2)
+                step_size = g["lr"] / (1 - beta1 ** (t + 1))
+                denom = (v.sqrt() / ((1 - beta2 ** (t + 1)) ** 0.5)).add(g["eps"])
+                p = p.addcdiv(m, denom, value=-step_size)
+                state["exp_avg"][rows], state["exp_avg_sq"][rows] = m, v
+            else:  # SGD
+                momentum, dampening = g["momentum"], g["dampening"]
+                if momentum != 0:
+                    buf = grad_.clone() if t == 0 else state["momentum_buffer"][rows].mul(momentum).add(
+                        grad_, alpha=1 - dampening)  # fmt: skip
+                    state["momentum_buffer"][rows] = buf
+                    grad_ = grad_.add(buf, alpha=momentum) if g["nesterov"] else buf
+                p = p.add(grad_, alpha=-g["lr"])
+            params[name][rows] = p
+
+
+def run_cohort(
+    module: L.LightningModule,
+    datamodule: Any,
+    global_state: State,
+    clients: list[int],
+    round: int,
+    seed: int,
+    *,
+    codec: Codec,
+    local: LocalTraining,
+    fabric: L.Fabric,
+) -> list[ClientResult]:
+    """Train ``clients`` together for one round from ``global_state``; one result per client, in order."""
+    trainable = module.trainable_parameters()
+    names = list(trainable)
+    if sorted(names) != sorted(global_state):
+        raise ConfigError(f"{type(module).__name__}'s federated state is not its trainable parameters; train "
+                          "clients one at a time (trainer.client_batching: sequential)")  # fmt: skip
+    module.load_federated_state(global_state)
+    optimizer, _ = configure_optimizer(module)
+    clip = local.gradient_clip_val
+    if clip is None:
+        clip = getattr(getattr(module, "hparams", None), "grad_clip", None)
+    if not all(m.training for m in module.modules()):
+        module.train()
+    device = fabric.device
+    C = len(clients)
+    drawn = [_client_batches(datamodule, c, round, seed, local) for c in clients]
+    batches, epoch_of = [b for b, _ in drawn], [e for _, e in drawn]
+    params = {n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim()))
+              for n in names}  # fmt: skip
+    opt = _Optimizer(optimizer, params)
+    results = [ClientResult(c, int(datamodule.client_num_samples(c)), None) for c in clients]
+    sums = [{"train/loss": [0.0, 0.0], "train/acc": [0.0, 0.0]} for _ in clients]
+    alive = [True] * C
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+        logits = functional_call(module, p, (x,), strict=False)
+        loss = module.compute_loss(logits, y)
+        return loss, (loss, logits)
+
+    step_fn = vmap(grad(loss_fn, has_aux=True))
+    for t in range(max(len(b) for b in batches)):
+        groups: dict[tuple, list[int]] = {}
+        for k in range(C):
+            if alive[k] and t < len(batches[k]):
+                x, y = batches[k][t]
+                groups.setdefault((tuple(x.shape), tuple(y.shape)), []).append(k)
+        for members in groups.values():
+            rows = torch.tensor(members, device=device)
+            x = torch.stack([batches[k][t][0] for k in members]).to(device)
+            y = torch.stack([batches[k][t][1] for k in members]).to(device)
+            grads, (losses, logits) = step_fn({n: params[n][rows] for n in names}, x, y)
+            keep = []
+            for i, k in enumerate(members):
+                context = StepContext(fabric, client=clients[k], round=round)
+                context.current_epoch, context.global_step = epoch_of[k][t], t
+                try:
+                    with attached(module, context):
+                        module.check_loss(losses[i])
+                except (UserError, FloatingPointError) as err:
+                    alive[k] = False
+                    results[k].failure = f"local training failed: {err}"
+                    continue
+                weight = batch_size(batches[k][t])
+                acc = module.train_accuracy(logits[i].detach(), y[i])
+                for key, value in (("train/loss", losses[i]), ("train/acc", acc)):
+                    sums[k][key][0] += float(value.detach().float()) * weight
+                    sums[k][key][1] += weight
+                keep.append(i)
+            if not keep:
+                continue
+            index = torch.tensor(keep, device=device)
+            grads = {n: g[index] for n, g in grads.items()}
+            if clip is not None:  # torch.nn.utils.clip_grad_norm_ per client, over all its trainable tensors
+                norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], dim=1).norm(dim=1)
+                if not bool(torch.isfinite(norms).all()):
+                    raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, "
+                                       "so it cannot be clipped (a client of the cohort)")  # fmt: skip
+                coef = (clip / (norms + 1e-6)).clamp(max=1.0)
+                grads = {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
+            opt.step(t, params, grads, rows[index])
+    for k, result in enumerate(results):
+        result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
+        if result.failure is not None:
+            continue
+        state = {n: params[n][k].detach().clone() for n in names}
+        if bad := non_finite(state):
+            result.failure = "; ".join(f"{n}: non-finite values" for n in bad)
+            continue
+        result.payload = codec.encode(state, global_state, clients[k])
+    module.load_federated_state(global_state)
+    return results
