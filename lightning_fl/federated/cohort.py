@@ -107,30 +107,43 @@ class _Optimizer:
         else:
             self.state = {n: {"momentum_buffer": torch.zeros_like(p)} for n, p in params.items()}
 
-    def step(self, t: int, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
-        """Step ``t`` (0-based): update ``params[name][rows]`` with ``grads[name]`` (one row per client in ``rows``)."""
+    def step(self, t: int, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], rows) -> None:
+        """Step ``t`` (0-based): update ``params[name][rows]`` with ``grads[name]`` (one row per client in ``rows``;
+        ``None``: every row)."""
         g = self.group
         for name, grad_ in grads.items():
-            p, state = params[name][rows], self.state[name]
+            p, state = _rows(params[name], rows), self.state[name]
             if g["weight_decay"] != 0:
                 grad_ = grad_.add(p, alpha=g["weight_decay"])
             if self.kind is torch.optim.Adam:
                 beta1, beta2 = g["betas"]
-                m = state["exp_avg"][rows].lerp(grad_, 1 - beta1)
-                v = state["exp_avg_sq"][rows].mul(beta2).addcmul(grad_, grad_.conj(), value=1 - beta2)
+                m = _rows(state["exp_avg"], rows).lerp(grad_, 1 - beta1)
+                v = _rows(state["exp_avg_sq"], rows).mul(beta2).addcmul(grad_, grad_.conj(), value=1 - beta2)
                 step_size = g["lr"] / (1 - beta1 ** (t + 1))
                 denom = (v.sqrt() / ((1 - beta2 ** (t + 1)) ** 0.5)).add(g["eps"])
                 p = p.addcdiv(m, denom, value=-step_size)
-                state["exp_avg"][rows], state["exp_avg_sq"][rows] = m, v
+                _set_rows(state, "exp_avg", rows, m)
+                _set_rows(state, "exp_avg_sq", rows, v)
             else:  # SGD
                 momentum, dampening = g["momentum"], g["dampening"]
                 if momentum != 0:
-                    buf = grad_.clone() if t == 0 else state["momentum_buffer"][rows].mul(momentum).add(
+                    buf = grad_.clone() if t == 0 else _rows(state["momentum_buffer"], rows).mul(momentum).add(
                         grad_, alpha=1 - dampening)  # fmt: skip
-                    state["momentum_buffer"][rows] = buf
+                    _set_rows(state, "momentum_buffer", rows, buf)
                     grad_ = grad_.add(buf, alpha=momentum) if g["nesterov"] else buf
                 p = p.add(grad_, alpha=-g["lr"])
-            params[name][rows] = p
+            _set_rows(params, name, rows, p)
+
+
+def _rows(t: torch.Tensor, rows) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
+def _set_rows(tensors: dict[str, torch.Tensor], name: str, rows, value: torch.Tensor) -> None:
+    if rows is None:
+        tensors[name] = value
+    else:
+        tensors[name][rows] = value
 
 
 def run_cohort(
@@ -174,7 +187,10 @@ def run_cohort(
         loss = module.compute_loss(logits, y)
         return loss, (loss, logits)
 
+    if (mapping := getattr(module, "mapping", None)) is not None and hasattr(mapping, "materialise"):
+        mapping.materialise()  # drawn here: no random numbers may be drawn inside vmap
     step_fn = vmap(grad(loss_fn, has_aux=True))
+    accuracy_fn = vmap(module.train_accuracy)
     for t in range(max(len(b) for b in batches)):
         groups: dict[tuple, list[int]] = {}
         for k in range(C):
@@ -182,31 +198,37 @@ def run_cohort(
                 x, y = batches[k][t]
                 groups.setdefault((tuple(x.shape), tuple(y.shape)), []).append(k)
         for members in groups.values():
-            rows = torch.tensor(members, device=device)
+            rows = None if members == list(range(C)) else torch.tensor(members, device=device)  # None: every row
             x = torch.stack([batches[k][t][0] for k in members]).to(device)
             y = torch.stack([batches[k][t][1] for k in members]).to(device)
-            grads, (losses, logits) = step_fn({n: params[n][rows] for n in names}, x, y)
+            grads, (losses, logits) = step_fn({n: _rows(params[n], rows) for n in names}, x, y)
+            finite = torch.isfinite(losses).tolist()
+            values = zip(
+                losses.detach().float().tolist(), accuracy_fn(logits.detach(), y).float().tolist(), strict=True
+            )
             keep = []
-            for i, k in enumerate(members):
-                context = StepContext(fabric, client=clients[k], round=round)
-                context.current_epoch, context.global_step = epoch_of[k][t], t
-                try:
-                    with attached(module, context):
-                        module.check_loss(losses[i])
-                except (UserError, FloatingPointError) as err:
-                    alive[k] = False
-                    results[k].failure = f"local training failed: {err}"
-                    continue
+            for i, (k, (loss, acc)) in enumerate(zip(members, values, strict=True)):
+                if not finite[i]:  # the message the module's own check gives, with this client's epoch and step
+                    context = StepContext(fabric, client=clients[k], round=round)
+                    context.current_epoch, context.global_step = epoch_of[k][t], t
+                    try:
+                        with attached(module, context):
+                            module.check_loss(losses[i])
+                    except (UserError, FloatingPointError) as err:
+                        alive[k] = False
+                        results[k].failure = f"local training failed: {err}"
+                        continue
                 weight = batch_size(batches[k][t])
-                acc = module.train_accuracy(logits[i].detach(), y[i])
-                for key, value in (("train/loss", losses[i]), ("train/acc", acc)):
-                    sums[k][key][0] += float(value.detach().float()) * weight
+                for key, value in (("train/loss", loss), ("train/acc", acc)):
+                    sums[k][key][0] += value * weight
                     sums[k][key][1] += weight
                 keep.append(i)
             if not keep:
                 continue
-            index = torch.tensor(keep, device=device)
-            grads = {n: g[index] for n, g in grads.items()}
+            if len(keep) < len(members):
+                index = torch.tensor(keep, device=device)
+                grads = {n: g[index] for n, g in grads.items()}
+                rows = torch.tensor([members[i] for i in keep], device=device)
             if clip is not None:  # torch.nn.utils.clip_grad_norm_ per client, over all its trainable tensors
                 norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], dim=1).norm(dim=1)
                 if not bool(torch.isfinite(norms).all()):
@@ -214,7 +236,7 @@ def run_cohort(
                                        "so it cannot be clipped (a client of the cohort)")  # fmt: skip
                 coef = (clip / (norms + 1e-6)).clamp(max=1.0)
                 grads = {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
-            opt.step(t, params, grads, rows[index])
+            opt.step(t, params, grads, rows)
     for k, result in enumerate(results):
         result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
         if result.failure is not None:

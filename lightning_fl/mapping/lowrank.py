@@ -207,6 +207,11 @@ class LatentMapping(nn.Module):
         }
         self._materialised = False
 
+    def materialise(self) -> None:
+        """Create the factors this mode keeps now rather than at the first forward pass (a vectorised cohort's
+        forward runs under ``vmap``, where drawing them is not allowed)."""
+        self._materialise()
+
     def _materialise(self) -> None:
         """Create the buffers this mode keeps (V always; U in stored mode, W in dense mode) on the latent's device."""
         if self._materialised:

@@ -1,0 +1,104 @@
+"""Clients per second: latent clients trained one at a time against vectorised cohorts of 8, 32 and 128.
+
+The models are FLITE's latent over conv+linear layers (d = 64, r = 32, stored factors) on the quickstart's
+network (``digits``: a 2-layer GroupNorm CNN on 8x8 images) and on the Fashion-MNIST SmallCNN (``fmnist``: the
+same layers on 28x28 images), from a random base (the base's values do not change the cost). Each client holds
+``--per-client`` Synthetic images and trains one local epoch with batches of ``--batch``, Adam and gradient
+clipping 1.0, as in the configs. Every side trains the same ``--clients`` clients from the same global state:
+``sequential`` calls the client runner once per client (what ``client_batching: sequential`` does);
+``cohortK`` calls the cohort runner on groups of K clients (``client_batching: vmap, cohort_size: K``). Sides
+alternate ``--repeats`` times in one process, one thread; the report gives clients per second (wall and CPU,
+min and median) and each cohort's speed-up over sequential per repeat.
+
+Goal (ours): >= 3x clients/s on 2 CPU cores for the digits model.
+
+    python benchmarks/cohort.py
+    python benchmarks/cohort.py --models digits --json docs/results/cohort.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+
+import torch
+from _harness import add_arguments, alternate, fmt, machine, ratios, report, summarise
+
+from lightning_fl.compress import FP32
+from lightning_fl.data import FederatedDataModule, Synthetic
+from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
+from lightning_fl.federated.cohort import run_cohort
+from lightning_fl.methods import LatentClassifier
+from lightning_fl.models import SmallCNN
+
+IMAGE_SIZE = {"digits": 8, "fmnist": 28}
+
+
+def make(model: str, clients: int, per_client: int, batch: int):
+    torch.manual_seed(0)
+    size = IMAGE_SIZE[model]
+    backbone = SmallCNN(in_channels=1, image_size=size, channels=[32, 64], feature_dim=128, norm_groups=8)
+    module = LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
+    source = Synthetic(image_size=size, channels=1, train_size=clients * per_client, test_size=16)
+    dm = FederatedDataModule(source, num_clients=clients, batch_size=batch, augment=False, seed=0)
+    dm.prepare_data()
+    dm.setup("fit")
+    return module, dm
+
+
+def sides(module, dm, clients: int, cohorts: list[int]) -> dict:
+    fabric, local, state = _cpu_fabric(), LocalTraining(epochs=1), module.federated_state()
+    ids = list(range(clients))
+
+    def sequential() -> None:
+        for c in ids:
+            run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local, fabric=fabric)
+
+    def cohort(size: int):
+        def run() -> None:
+            for start in range(0, clients, size):
+                run_cohort(module, dm, state, ids[start : start + size], 0, 0, codec=FP32(), local=local,
+                           fabric=fabric)  # fmt: skip
+
+        return run
+
+    return {"sequential": sequential, **{f"cohort{k}": cohort(k) for k in cohorts}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["digits", "fmnist"], choices=sorted(IMAGE_SIZE))
+    parser.add_argument("--clients", type=int, default=128, help="clients each side trains (default 128)")
+    parser.add_argument("--cohorts", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--per-client", type=int, default=32, help="samples per client (default 32)")
+    parser.add_argument("--batch", type=int, default=16, help="batch size (default 16: 2 steps per client)")
+    parser.add_argument("--threads", type=int, default=1)
+    add_arguments(parser, repeats=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning_fl").setLevel(logging.ERROR)
+    before = machine()
+    results = {}
+    for model in args.models:
+        module, dm = make(model, args.clients, args.per_client, args.batch)
+        runs = sides(module, dm, args.clients, [k for k in args.cohorts if k <= args.clients])
+        for run in runs.values():  # warm-up: first calls build caches (factors, vmap's batching rules)
+            run()
+        samples = alternate(runs, args.repeats)
+        per_client = summarise(samples, per=args.clients)
+        speedups = {name: ratios(samples, "sequential", name) for name in runs if name != "sequential"}
+        results[model] = {"seconds_per_client": per_client, "speedup_over_sequential": speedups}
+        for name, summary in per_client.items():
+            rate = {k: {"min": 1 / v["max"], "median": 1 / v["median"]} for k, v in summary.items()}
+            line = f"[{model}] {name}: clients/s wall {fmt(rate['wall'], '', 1, 1)}; CPU {fmt(rate['cpu'], '', 1, 1)}"
+            if name in speedups:
+                line += f"; speed-up per repeat: wall {fmt(speedups[name]['wall'], 'x', 1, 2)}"
+                line += f", CPU {fmt(speedups[name]['cpu'], 'x', 1, 2)}"
+            print(line, flush=True)
+    report("cohort", before, {"args": vars(args), "models": results}, args.json)
+
+
+if __name__ == "__main__":
+    main()
