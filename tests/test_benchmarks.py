@@ -63,6 +63,12 @@ CASES = {
         '"streamed_extra_peak_bytes":',
     ),
     "round_overhead.py": Case(["--samples", "64", "--batch", "16", "--clients", "2"], '"ratio":'),
+    "cohort.py": Case(
+        ["--models", "digits", "--clients", "4", "--cohorts", "2", "4", "--per-client", "8", "--batch", "8",
+         "--repeats", "1", "--json", "c.json"],
+        "[cohort] wrote c.json",
+        outputs=["c.json"],
+    ),
     "population.py": Case(
         ["--populations", "300", "--clients", "4", "--rounds", "1", "--codec", "topk", "--client-state-mb", "0.01",
          "--json", "pop.json"],
