@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +27,8 @@ def files(folder) -> set[str]:
 def test_in_memory_store_is_a_mapping_saved_in_the_old_format():
     store = ClientStateStore()
     store[7], store[2] = entry(7.0), entry(2.0)
-    assert list(store) == [2, 7] and len(store) == 2 and 7 in store and 3 not in store
+    assert list(store) == [2, 7] and len(store) == 2 and 7 in store and 3 not in store and "7" not in store
+    assert np.int64(7) in store and torch.tensor(7) in store  # any integer type names the client
     assert store.memory_bytes() == 32
     saved = store.state_dict()
     assert sorted(saved) == ["2", "7"] and torch.equal(saved["7"]["w"], entry(7.0)["w"])  # what checkpoints held

@@ -20,6 +20,7 @@ Values are treated as immutable once stored: to change a client's state, store a
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 from collections import OrderedDict
@@ -122,7 +123,11 @@ class ClientStateStore(MutableMapping):
             self._delete(client, serial)
 
     def __contains__(self, client: object) -> bool:
-        return isinstance(client, int) and (client in self._memory or client in self._files)
+        try:
+            client = operator.index(client)  # a Python, NumPy or 0-d torch integer
+        except TypeError:
+            return False
+        return client in self._memory or client in self._files
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(set(self._memory) | set(self._files)))
