@@ -134,14 +134,11 @@ def run_client(
     and uploads nothing; a configuration problem (e.g. a client without batches) raises.
     """
     fabric = fabric if fabric is not None else _cpu_fabric()
-    seed_everything_quietly(derive_seed(seed, round, client, STREAM_CLIENT))
+    loader = client_loader(datamodule, client, round, seed)
     module.load_federated_state(global_state)
     optimizer, scheduler = configure_optimizer(module)
     optimizer = fabric.setup_optimizers(optimizer)
-    loader = datamodule.client_dataloader(client, seed=derive_seed(seed, round, client, STREAM_LOADER) % 2**63)
-    clip = local.gradient_clip_val
-    if clip is None:
-        clip = getattr(getattr(module, "hparams", None), "grad_clip", None)
+    clip = gradient_clip(module, local)
     result = ClientResult(client=client, num_samples=int(datamodule.client_num_samples(client)), payload=None)
     context = StepContext(fabric, client=client, round=round)
     if not all(m.training for m in module.modules()):  # train() sets a flag on every submodule: skip a no-op
@@ -156,12 +153,31 @@ def run_client(
     result.logged = context.step_values()
     if result.failure is not None:
         return result
-    state = module.federated_state()
+    encode_upload(result, module.federated_state(), global_state, codec)
+    return result
+
+
+def client_loader(datamodule: Any, client: int, round: int, seed: int):
+    """Seed the global generator for ``client`` in ``round`` and return its loader: every draw of its local
+    training (shuffling, augmentation) derives from ``(seed, round, client)``."""
+    seed_everything_quietly(derive_seed(seed, round, client, STREAM_CLIENT))
+    return datamodule.client_dataloader(client, seed=derive_seed(seed, round, client, STREAM_LOADER) % 2**63)
+
+
+def gradient_clip(module: L.LightningModule, local: LocalTraining) -> float | None:
+    """The clipping norm: ``local.gradient_clip_val``, else the module's ``hparams.grad_clip`` (``None``: none)."""
+    if local.gradient_clip_val is not None:
+        return local.gradient_clip_val
+    return getattr(getattr(module, "hparams", None), "grad_clip", None)
+
+
+def encode_upload(result: ClientResult, state: State, global_state: State, codec: Codec) -> None:
+    """Fill ``result.payload`` with the codec's encoding of the trained ``state``, or ``result.failure`` when
+    the state holds non-finite values."""
     if bad := non_finite(state):
         result.failure = "; ".join(f"{n}: non-finite values" for n in bad)
-        return result
-    result.payload = codec.encode(state, global_state, client)
-    return result
+        return
+    result.payload = codec.encode(state, global_state, result.client)
 
 
 def _train(module, optimizer, scheduler, loader, fabric, context: StepContext, local: LocalTraining, clip, client):

@@ -28,19 +28,19 @@ import lightning as L
 import torch
 from torch.func import functional_call, grad, vmap
 
-from lightning_fl.compress.base import Codec, non_finite
+from lightning_fl.compress.base import Codec
 from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.client import (
-    STREAM_CLIENT,
-    STREAM_LOADER,
     ClientResult,
     LocalTraining,
     batch_size,
+    client_loader,
     configure_optimizer,
+    encode_upload,
+    gradient_clip,
 )
 from lightning_fl.federated.state import State
-from lightning_fl.seeding import derive_seed, seed_everything_quietly
 
 
 def cohort_problem(module: L.LightningModule, fabric: L.Fabric) -> str | None:
@@ -74,8 +74,7 @@ def cohort_problem(module: L.LightningModule, fabric: L.Fabric) -> str | None:
 def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: LocalTraining):
     """The batches ``client`` trains on this round, drawn exactly as :func:`run_client` draws them, and the epoch
     of each (what ``self.current_epoch`` says in its step)."""
-    seed_everything_quietly(derive_seed(seed, round, client, STREAM_CLIENT))
-    loader = datamodule.client_dataloader(client, seed=derive_seed(seed, round, client, STREAM_LOADER) % 2**63)
+    loader = client_loader(datamodule, client, round, seed)
     batches: list = []
     epochs: list[int] = []
     for epoch in range(local.epochs if local.steps is None else 10**9):
@@ -166,9 +165,7 @@ def run_cohort(
                           "clients one at a time (trainer.client_batching: sequential)")  # fmt: skip
     module.load_federated_state(global_state)
     optimizer, _ = configure_optimizer(module)
-    clip = local.gradient_clip_val
-    if clip is None:
-        clip = getattr(getattr(module, "hparams", None), "grad_clip", None)
+    clip = gradient_clip(module, local)
     if not all(m.training for m in module.modules()):
         module.train()
     device = fabric.device
@@ -239,12 +236,7 @@ def run_cohort(
             opt.step(t, params, grads, rows)
     for k, result in enumerate(results):
         result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
-        if result.failure is not None:
-            continue
-        state = {n: params[n][k].detach().clone() for n in names}
-        if bad := non_finite(state):
-            result.failure = "; ".join(f"{n}: non-finite values" for n in bad)
-            continue
-        result.payload = codec.encode(state, global_state, clients[k])
+        if result.failure is None:
+            encode_upload(result, {n: params[n][k].detach().clone() for n in names}, global_state, codec)
     module.load_federated_state(global_state)
     return results
