@@ -144,8 +144,8 @@ class ClientStateStore(MutableMapping):
     def state_dict(self) -> dict[str, Any]:
         """In memory: ``{str(client): state}``. File-backed: changed entries are written first, and the result is
         a manifest (``clients`` and ``serials`` as int64 tensors) naming each client's newest file."""
-        if self.folder is None:
-            return {str(c): dict(self[c]) for c in self}
+        if self.folder is None:  # everything is in memory
+            return {str(c): dict(self._memory[c]) for c in sorted(self._memory)}
         for client in sorted(self._dirty):
             self._write(client, self._memory[client])
         self._dirty.clear()

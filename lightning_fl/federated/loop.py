@@ -456,7 +456,7 @@ class FederatedTrainer(TrainerLike):
                 import_files(ckpt["codec"].get(name, {}), source, store.folder)
         self.codec.load_state_dict(ckpt["codec"])
         rank, world = self.fabric.global_rank, self.fabric.world_size
-        for store in stores.values():  # each process keeps the clients it trains (RoundRunner: client % world)
+        for store in stores.values() if world > 1 else ():  # each process keeps the clients it trains (client % world)
             store.retain(lambda c: c % world == rank)
         self.ledger.load_state_dict(ckpt["ledger"])
         self.history = list(ckpt.get("history", []))
