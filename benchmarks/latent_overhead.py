@@ -1,11 +1,13 @@
 """FLITE's cost per step and the memory of each factor mode, measured side by side.
 
 Prints, for one model on one batch:
-- the time of a latent training step (stored / regenerate / streamed factors) and of a full fine-tuning
+- the time of a latent training step (stored / regenerate / streamed / kronecker factors) and of a full fine-tuning
   step (every backbone weight trained with Adam): after one warm-up step each, the sides (full, then each
   mode) take turns ``--repeats`` times, ``--steps`` steps per turn (their mean is one sample); for each side
   the min and median of the wall time and of the CPU time (user + system, all threads) per step, and the
   min and median of the per-repeat ratio latent / full (wall and CPU);
+- the mapping's own cost per mode: ``weights(z)`` for every mapped layer and its backward for a random
+  upstream gradient (the two passes over the factors a step makes), alternated the same way;
 - the extra peak memory of each factor mode (analytic, and measured as the peak resident set (VmHWM,
   Linux) of a fresh process that builds the mapping and runs one forward/backward of the weights,
   minus the same for a process that builds the weights without a mapping; both first run the factor
@@ -38,7 +40,7 @@ from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import ResNet18
 
 MIB = 2**20
-MODES = ("stored", "regenerate", "streamed")
+MODES = ("stored", "regenerate", "streamed", "kronecker")
 
 
 def resnet18(width: int) -> ResNet18:
@@ -64,6 +66,25 @@ def stepper(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int
             one()
 
     one()
+    return run
+
+
+def projector(mode: str, width: int) -> Callable:
+    """One forward (``theta = theta_pre + U V^T z`` for every mapped layer) and backward of the mapping alone."""
+    from lightning_fl.mapping import LatentMapping
+
+    net = resnet18(width)
+    base = {n: p.detach() for n, p in net.named_parameters()}
+    mapping = LatentMapping(net, 64, 32, "conv", mode)
+    upstream = {lay.name: torch.randn(lay.shape) for lay in mapping.layers}
+    z = torch.randn(mapping.latent_size, requires_grad=True)
+
+    def run() -> None:
+        weights = mapping.weights(base, z)
+        torch.autograd.backward(list(weights.values()), [upstream[n] for n in weights])
+        z.grad = None
+
+    run()
     return run
 
 
@@ -113,8 +134,9 @@ def main() -> None:
         latent = LatentClassifier(resnet18(args.width), 100, base="scratch", latent_dim=64, rank=32, factors=mode)
         latent.load_state_dict({**full.state_dict(), "mapping.latent": torch.zeros(1280)})
         sides[mode] = stepper(latent, x, y, args.steps, 1.0)
-    samples = alternate(sides, args.repeats)  # full, stored, regenerate, streamed, full, ...
-    del sides
+    samples = alternate(sides, args.repeats)  # full, stored, regenerate, streamed, kronecker, full, ...
+    del sides, full, latent
+    projection = summarise(alternate({mode: projector(mode, args.width) for mode in args.modes}, args.repeats))
     summary = summarise(samples, per=args.steps)
     per_repeat = {mode: ratios(samples, mode, "full") for mode in args.modes}
     results = {"batch": args.batch, "threads": args.threads, "width": args.width, "steps": args.steps}
@@ -122,6 +144,7 @@ def main() -> None:
     results.update({f"{side}_s": summary[side]["wall"]["min"] for side in summary})  # min wall per step
     results["step_s"] = summary
     results["ratio_to_full"] = per_repeat
+    results["projection_s"] = projection
 
     report_ = memory_report(resnet18(args.width), 64, 32)
     baseline = peak_rss_child("none", args.width)
@@ -138,6 +161,10 @@ def main() -> None:
     for mode in args.modes:
         r = per_repeat[mode]
         print(f"{'latent, ' + mode + ' / full':<24} wall {fmt(r['wall'], '')}; CPU {fmt(r['cpu'], '')} (per repeat)")
+    print("the mapping alone (forward of every mapped layer + backward), per call:")
+    for mode in args.modes:
+        wall, cpu = projection[mode]["wall"], projection[mode]["cpu"]
+        print(f"{'mapping, ' + mode:<24} wall {fmt(wall)}; CPU {fmt(cpu)}")
     print()
     print(f"{'factor memory (r=32, d=64)':<28}{'analytic MiB':>14}{'measured MiB':>14}")
     print(f"{'dense (not allocated)':<28}{report_.dense_bytes / MIB:>14.1f}{'-':>14}")
@@ -145,6 +172,7 @@ def main() -> None:
         "stored": report_.stored_bytes,
         "regenerate": report_.regenerate_peak_bytes,
         "streamed": report_.streamed_peak_bytes,
+        "kronecker": report_.kronecker_bytes,
     }
     for mode, extra in measured.items():
         print(f"{mode:<28}{analytic[mode] / MIB:>14.1f}{extra / MIB:>14.1f}")

@@ -15,6 +15,7 @@ from lightning_fl.mapping import (
     orthonormal_factor,
     plan_layers,
 )
+from lightning_fl.mapping.factors import KroneckerFactor, kronecker_shape
 from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import ResNet18, ResNet34, SmallCNN
 
@@ -76,7 +77,7 @@ def test_stored_regenerate_and_streamed_share_factors_and_outputs():
     assert dense.fingerprint() != fingerprints["stored"]
 
 
-@pytest.mark.parametrize("mode", [*MODES, "dense"])
+@pytest.mark.parametrize("mode", [*MODES, "dense", "kronecker"])
 def test_gradient_wrt_latent_matches_finite_differences(mode):
     torch.manual_seed(0)
     net = SmallCNN(image_size=8, channels=[4, 8], feature_dim=6, norm_groups=2).double()
@@ -109,7 +110,7 @@ def classifier_pair(factors="stored"):
     return plain, latent
 
 
-@pytest.mark.parametrize("factors", MODES)
+@pytest.mark.parametrize("factors", [*MODES, "kronecker"])
 def test_zero_latent_reproduces_the_pretrained_outputs_exactly(factors):
     plain, latent = classifier_pair(factors)
     x = torch.randn(5, 1, 8, 8)
@@ -133,6 +134,56 @@ def test_memory_report_for_resnet18_r32_d64():
     assert report.streamed_peak_bytes <= 16 * 2**20
     assert report.regenerate_peak_bytes < report.stored_bytes / 4
     assert "dense projection" in report.as_table()
+
+
+@pytest.mark.parametrize(
+    ("rows", "rank", "shape"),
+    [
+        (1728, 32, (36, 48, 6, 6)),  # ResNet-18's stem: a 6 x 6 grid, 32 of its pairs used
+        (36864, 30, (192, 192, 6, 5)),
+        (64, 64, (8, 8, 8, 8)),  # as many columns as rows: U is an orthogonal matrix
+        (97, 10, (1, 97, 1, 10)),  # a prime: a Gaussian factor of the whole layer
+        (12, 5, (3, 4, 3, 2)),
+        (CHUNK_ROWS * 3 + 2, 3, (2, 12289, 2, 2)),  # a = 2: the smaller factor caps p
+    ],
+)
+def test_kronecker_factors_have_orthonormal_columns(rows, rank, shape):
+    assert kronecker_shape(rows, rank) == shape
+    u = KroneckerFactor(rows, rank, seed=3, layer=1).full().double()
+    assert u.shape == (rows, rank)
+    torch.testing.assert_close(u.T @ u, torch.eye(rank, dtype=torch.float64), atol=1e-6, rtol=0)
+    assert (u.abs().sum(1) > 0).all()  # every weight of the layer can move
+    assert not torch.equal(u, KroneckerFactor(rows, rank, seed=4, layer=1).full().double())
+    assert torch.equal(u, KroneckerFactor(rows, rank, seed=3, layer=1).full().double())
+
+
+@pytest.mark.parametrize("rank", [6, 9])  # a 3 x 2 grid (p > q) and a 3 x 3 one: both product orders
+def test_kronecker_mapping_applies_its_factor_without_forming_it(rank):
+    torch.manual_seed(0)
+    net = SmallCNN(image_size=28, channels=[8, 16], norm_groups=4)
+    base = {k: v.detach() for k, v in net.named_parameters()}
+    mapping = LatentMapping(net, 16, rank, "conv+linear", "kronecker", seed=9)
+    z = torch.randn(mapping.latent_size)
+    weights = mapping.weights(base, z)
+    for lay, z_l in zip(mapping.layers, mapping.split(z), strict=True):
+        expected = base[lay.name].reshape(-1) + mapping.u_factor(lay) @ (mapping.v_factor(lay).T @ z_l)
+        torch.testing.assert_close(weights[lay.name].reshape(-1), expected, atol=1e-6, rtol=0)
+    # what it keeps: V, the signs and the two small factors per layer, nothing of size P x r
+    kept = sum(b.numel() for b in mapping.buffers()) * 4
+    report = memory_report(net, 16, rank, "conv+linear")
+    assert kept == report.kronecker_bytes
+    assert all(b.numel() <= max(lay.numel for lay in mapping.layers) for b in mapping.buffers())
+    stored = LatentMapping(net, 16, rank, "conv+linear", "stored", seed=9)
+    assert mapping.fingerprint() != stored.fingerprint()  # another family
+    same = LatentMapping(net, 16, rank, "conv+linear", "kronecker", seed=9)
+    assert mapping.fingerprint() == same.fingerprint()
+    assert mapping.fingerprint() != LatentMapping(net, 16, rank, "conv+linear", "kronecker", seed=8).fingerprint()
+
+
+def test_kronecker_memory_for_resnet18_r32_d64():
+    report = memory_report(ResNet18(), latent_dim=64, rank=32)
+    assert report.kronecker_bytes == 45_350_368  # 43.2 MiB: the signs (11,159,232 floats) and small factors
+    assert report.kronecker_bytes < report.stored_bytes / 30
 
 
 def test_dense_mode_is_refused_for_large_models_without_allocating():

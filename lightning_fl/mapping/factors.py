@@ -18,6 +18,8 @@ directly. Results are rounded to float32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightning_fl.seeding import derive_seed
@@ -27,6 +29,7 @@ CHUNK_ROWS = 8192
 
 # Stream ids keep the factors of a layer independent of each other.
 STREAM_U, STREAM_V, STREAM_DENSE = 1, 2, 3
+STREAM_KRON_A, STREAM_KRON_B, STREAM_KRON_SIGNS = 4, 5, 6
 
 
 def chunk_bounds(rows: int) -> list[tuple[int, int]]:
@@ -126,6 +129,64 @@ class OrthonormalFactor:
         for a, b in self.bounds:
             out[a:b] = self.chunk(a, b)
         return out
+
+
+def kronecker_shape(rows: int, rank: int) -> tuple[int, int, int, int]:
+    """``(a, b, p, q)`` of a Kronecker factor: ``rows = a b`` with ``a`` the largest divisor of ``rows`` at most
+    its square root, and a ``p x q`` grid of column pairs (``p q >= rank``, ``p <= a``, ``q <= b``) as square as
+    those allow. A prime ``rows`` gives ``a = 1``, ``p = 1``, ``q = rank``: a Gaussian factor of the whole layer."""
+    if not 1 <= rank <= rows:
+        raise ValueError(f"Expected 1 <= rank <= rows, got rank={rank}, rows={rows}")
+    a = next(x for x in range(math.isqrt(rows), 0, -1) if rows % x == 0)
+    b = rows // a
+    p = min(a, math.isqrt(rank - 1) + 1)  # ceil(sqrt(rank)), at most a
+    q = -(-rank // p)  # <= b: either p = a and rank <= a b, or p >= sqrt(rank) >= q and b >= a >= p
+    return a, b, p, q
+
+
+class KroneckerFactor:
+    """A ``(rows, rank)`` factor with exactly orthonormal columns and ``O(rows)`` memory.
+
+    ``U = diag(s) (A kron B) S``: ``A`` (``a x p``) and ``B`` (``b x q``) have orthonormal columns (seeded
+    Gaussian draws made orthonormal like :class:`OrthonormalFactor`), ``S`` keeps the first ``rank`` of the
+    ``p q`` column pairs (row-major), and ``s`` is a seeded vector of random signs. Column ``j = i q + t`` of
+    ``A kron B`` is ``A[:, i] kron B[:, t]``; distinct pairs are orthonormal because ``A`` and ``B`` are, and
+    the signs keep them so. Applied without forming ``U``: reshaping a flat ``(a b,)`` vector row-major to
+    ``(a, b)``, ``U c = s * vec(A C B^T)`` with ``C`` the ``p x q`` grid holding ``c``, so a product costs
+    ``2 rows min(p, q)`` flops and reads only ``A``, ``B`` and ``s`` (about ``sqrt(rank)`` times fewer
+    flops than a stored ``U`` and none of its ``4 rows rank`` bytes of memory traffic); autograd's backward is
+    the adjoint ``U^T g``. A structured random subspace in the spirit of the Fastfood and Kronecker
+    projections of intrinsic-dimension work; not the Gaussian family, so its fingerprint differs.
+    """
+
+    def __init__(self, rows: int, rank: int, seed: int, layer: int) -> None:
+        self.rows, self.rank, self.seed, self.layer = rows, rank, seed, layer
+        self.a, self.b, self.p, self.q = kronecker_shape(rows, rank)
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(A, B, s)``: float32 ``(a, p)``, ``(b, q)`` and ``(rows,)`` signs in {-1, +1}."""
+        left = OrthonormalFactor(self.a, self.p, self.seed, self.layer, STREAM_KRON_A).full()
+        right = OrthonormalFactor(self.b, self.q, self.seed, self.layer, STREAM_KRON_B).full()
+        g = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, self.layer, STREAM_KRON_SIGNS, 0))
+        signs = torch.randint(0, 2, (self.rows,), generator=g, dtype=torch.int64).to(torch.float32).mul_(2).sub_(1)
+        return left, right, signs
+
+    def full(self) -> torch.Tensor:
+        """The whole ``(rows, rank)`` float32 factor (for tests and fingerprints; the mapping never forms it)."""
+        left, right, signs = self.parts()
+        u = torch.einsum("ip,kq->ikpq", left, right).reshape(self.rows, self.p * self.q)[:, : self.rank]
+        return u * signs[:, None]
+
+
+def kronecker_projection(
+    base: torch.Tensor, coeff: torch.Tensor, left: torch.Tensor, right: torch.Tensor, signs: torch.Tensor
+) -> torch.Tensor:
+    """``base + U @ coeff`` (flat) for a :class:`KroneckerFactor` given by its parts, without forming ``U``."""
+    p, q = left.shape[1], right.shape[1]
+    grid = torch.nn.functional.pad(coeff, (0, p * q - coeff.shape[-1])).reshape(p, q)
+    # the cheaper order: (a, p) @ (p, b) costs 2 a b p flops, (a, q) @ (q, b) costs 2 a b q
+    delta = left @ (grid @ right.T) if p <= q else (left @ grid) @ right.T
+    return torch.addcmul(base, delta.reshape(-1), signs)
 
 
 def orthonormal_factor(rows: int, rank: int, seed: int, layer: int, stream: int) -> torch.Tensor:

@@ -16,6 +16,11 @@ Factor modes (``mode``) trade memory for recomputation; the first three give the
   never materialised: peak extra memory a few MB, at the cost of regenerating U twice per step.
 - ``dense``: the original mapping network's dense projection ``theta = theta_pre + W z``, ``W`` a
   ``P x d`` matrix with orthonormal columns: for small models only (``max_dense_bytes`` guards it).
+- ``kronecker``: another family of exactly orthonormal ``U_l`` (see
+  :class:`~lightning_fl.mapping.factors.KroneckerFactor`): random signs times the Kronecker product of two
+  small orthonormal factors, applied as two small matrix products and never formed. Memory ``4 P_l`` bytes
+  (the signs) plus ``O(sqrt(P_l) r)``, and about ``sqrt(r)`` times fewer flops than ``stored``. Its factors
+  differ from the first three modes' (another fingerprint): every client of a federation must use it.
 
 ``rank`` is capped per layer at ``min(rank, d_l, P_l)``: ``U V^T`` cannot have a larger rank.
 """
@@ -38,12 +43,15 @@ from lightning_fl.mapping.factors import (
     STREAM_DENSE,
     STREAM_U,
     STREAM_V,
+    KroneckerFactor,
     OrthonormalFactor,
+    kronecker_projection,
+    kronecker_shape,
     regenerated_projection,
     streamed_projection,
 )
 
-FactorMode = Literal["stored", "regenerate", "streamed", "dense"]
+FactorMode = Literal["stored", "regenerate", "streamed", "dense", "kronecker"]
 LayerSelection = Literal["conv", "linear", "conv+linear"]
 FLOAT_BYTES = 4
 
@@ -117,6 +125,7 @@ class MemoryReport:
     stored_bytes: int  # sum_l r_l (P_l + d_l)
     regenerate_peak_bytes: int  # V stored + the largest layer's U + one float64 chunk
     streamed_peak_bytes: int  # V stored + one chunk of U (float64 draw and product, float32 copy)
+    kronecker_bytes: int  # V stored + per layer the signs (P_l) and the two small factors (a p + b q)
 
     def as_table(self) -> str:
         mib = 2**20
@@ -130,6 +139,7 @@ class MemoryReport:
                 f"({self.regenerate_peak_bytes / mib:,.1f} MiB)",
                 f"low-rank streamed:       {self.streamed_peak_bytes:>16,} bytes peak "
                 f"({self.streamed_peak_bytes / mib:,.1f} MiB)",
+                f"low-rank kronecker:      {self.kronecker_bytes:>16,} bytes ({self.kronecker_bytes / mib:,.1f} MiB)",
             ]
         )
 
@@ -153,7 +163,14 @@ def memory_report(
         stored_bytes=sum(lay.rank * (lay.numel + lay.latent_dim) for lay in plan) * FLOAT_BYTES,
         regenerate_peak_bytes=v_bytes + max(lay.numel * lay.rank for lay in plan) * FLOAT_BYTES + chunk_bytes,
         streamed_peak_bytes=v_bytes + chunk_bytes,
+        kronecker_bytes=v_bytes + sum(kronecker_floats(lay.numel, lay.rank) for lay in plan) * FLOAT_BYTES,
     )
+
+
+def kronecker_floats(rows: int, rank: int) -> int:
+    """Floats a Kronecker factor keeps: its signs and its two small orthonormal factors."""
+    a, b, p, q = kronecker_shape(rows, rank)
+    return rows + a * p + b * q
 
 
 class LatentMapping(nn.Module):
@@ -164,7 +181,7 @@ class LatentMapping(nn.Module):
         latent_dim: ``d``: one value for every layer, or one per mapped layer.
         rank: ``r``: rank of ``U_l V_l^T`` (capped at ``min(d_l, P_l)`` per layer).
         layers: Which weights to map: ``conv`` (default), ``linear``, ``conv+linear`` or name patterns.
-        mode: ``stored``, ``regenerate``, ``streamed`` or ``dense`` (see the module docstring).
+        mode: ``stored``, ``regenerate``, ``streamed``, ``dense`` or ``kronecker`` (see the module docstring).
         seed: The 64-bit seed every client shares.
         max_dense_bytes: Refuse ``dense`` mode above this many bytes of projection (reported, not allocated).
     """
@@ -180,8 +197,10 @@ class LatentMapping(nn.Module):
         max_dense_bytes: int = 2**31,
     ) -> None:
         super().__init__()
-        if mode not in ("stored", "regenerate", "streamed", "dense"):
-            raise ConfigError(f"model.factors must be 'stored', 'regenerate', 'streamed' or 'dense', got {mode!r}")
+        if mode not in ("stored", "regenerate", "streamed", "dense", "kronecker"):
+            raise ConfigError(
+                f"model.factors must be 'stored', 'regenerate', 'streamed', 'dense' or 'kronecker', got {mode!r}"
+            )
         if not 0 <= seed < 2**64:
             raise ConfigError(f"model.factor_seed must be a 64-bit non-negative integer, got {seed}")
         self.layers = plan_layers(module, latent_dim, rank, layers)
@@ -205,6 +224,11 @@ class LatentMapping(nn.Module):
             for lay in self.layers
             if mode != "dense"
         }
+        self._kron = {
+            lay.index: KroneckerFactor(lay.numel, lay.rank, seed, lay.index)
+            for lay in self.layers
+            if mode == "kronecker"
+        }
         self._materialised = False
 
     def materialise(self) -> None:
@@ -213,7 +237,8 @@ class LatentMapping(nn.Module):
         self._materialise()
 
     def _materialise(self) -> None:
-        """Create the buffers this mode keeps (V always; U in stored mode, W in dense mode) on the latent's device."""
+        """Create the buffers this mode keeps (V always; U in stored mode, W in dense mode, U's parts in kronecker
+        mode) on the latent's device."""
         if self._materialised:
             return
         device = self.latent.device
@@ -222,6 +247,9 @@ class LatentMapping(nn.Module):
                 self.register_buffer(f"v_{lay.index}", self._v[lay.index].full().to(device), persistent=False)
             if self.mode in ("stored", "dense"):
                 self.register_buffer(f"u_{lay.index}", self._u[lay.index].full().to(device), persistent=False)
+            if self.mode == "kronecker":
+                for name, part in zip(("a", "b", "s"), self._kron[lay.index].parts(), strict=True):
+                    self.register_buffer(f"k{name}_{lay.index}", part.to(device), persistent=False)
         self._materialised = True
 
     @property
@@ -246,6 +274,9 @@ class LatentMapping(nn.Module):
         coeff = getattr(self, f"v_{lay.index}").to(base.dtype).T @ z_l  # (r_l,)
         if self.mode == "stored":
             return torch.addmv(base, getattr(self, f"u_{lay.index}").to(base.dtype), coeff)
+        if self.mode == "kronecker":
+            parts = (getattr(self, f"k{name}_{lay.index}").to(base.dtype) for name in ("a", "b", "s"))
+            return kronecker_projection(base, coeff, *parts)
         if self.mode == "regenerate":
             return regenerated_projection(base, coeff, self._u[lay.index])
         return streamed_projection(base, coeff, self._u[lay.index])
@@ -260,6 +291,8 @@ class LatentMapping(nn.Module):
 
     def u_factor(self, lay: MappedLayer) -> torch.Tensor:
         """``U_l`` (``W_l`` in dense mode) as a float32 CPU tensor, for tests and reports."""
+        if self.mode == "kronecker":
+            return self._kron[lay.index].full()
         return self._u[lay.index].full()
 
     def v_factor(self, lay: MappedLayer) -> torch.Tensor:
@@ -271,10 +304,10 @@ class LatentMapping(nn.Module):
 
         Equal fingerprints mean identical weights from identical latents. ``stored``, ``regenerate`` and
         ``streamed`` share one factor family and so one fingerprint; U is hashed chunk by chunk, so the
-        check never materialises it.
+        check never materialises it. ``kronecker`` hashes U's parts (its signs and two small factors).
         """
         h = hashlib.sha256()
-        family = "dense-orthonormal" if self.mode == "dense" else "lowrank-orthonormal"
+        family = {"dense": "dense-orthonormal", "kronecker": "lowrank-kronecker"}.get(self.mode, "lowrank-orthonormal")
         layout = {"family": family, "seed": self.seed, "chunk_rows": CHUNK_ROWS}
         layout["layers"] = [asdict(lay) for lay in self.layers]
         h.update(json.dumps(layout, sort_keys=True).encode())
@@ -285,6 +318,10 @@ class LatentMapping(nn.Module):
         for lay in self.layers:
             if self.mode != "dense":
                 feed(self._v[lay.index].full())
+            if self.mode == "kronecker":
+                for part in self._kron[lay.index].parts():
+                    feed(part)
+                continue
             if self._materialised and self.mode in ("stored", "dense"):
                 feed(getattr(self, f"u_{lay.index}"))  # the same bytes as its chunks, already at hand
                 continue

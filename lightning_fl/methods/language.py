@@ -266,7 +266,8 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         latent_dim: ``d`` per mapped layer: one value, or one per layer (the FLITE paper's TinyGPT: 1024).
         rank: ``r`` of the factors.
         layers: Which network weights are mapped: ``linear`` (every projection), or a list of name patterns.
-        factors: ``stored``, ``regenerate``, ``streamed`` or ``dense`` (see :mod:`lightning_fl.mapping.lowrank`).
+        factors: ``stored``, ``regenerate``, ``streamed``, ``dense`` or ``kronecker`` (see
+            :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
         optimizer: Latent optimiser (paper: Adam).

@@ -119,7 +119,8 @@ class LatentClassifier(LatentSteering, Classifier):
         rank: ``r`` of the factors.
         layers: Which backbone weights are mapped: ``conv`` (every conv weight), ``linear``, ``conv+linear``,
             or a list of name patterns.
-        factors: ``stored``, ``regenerate``, ``streamed`` or ``dense`` (see :mod:`lightning_fl.mapping.lowrank`).
+        factors: ``stored``, ``regenerate``, ``streamed``, ``dense`` or ``kronecker`` (see
+            :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
         optimizer: Latent optimiser (paper: Adam).
