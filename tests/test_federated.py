@@ -259,6 +259,49 @@ EXTRAS = [
 ERROR_FEEDBACK = ["--trainer.rounds", "4", "--trainer.codec", "TopK", "--trainer.codec.density", "0.1"]
 
 
+def two_process_fit(tmp_path, devices: str, name: str, *extra: str) -> dict:
+    """``fit`` of the quickstart (Dirichlet clients, 5 of 8 per round) on ``devices`` CPU processes; its last.ckpt."""
+    env = {  # one thread per process, given by --threads below (the default on 2 cores): equal bit for bit
+        **{k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        "LIGHTNING_FL_CACHE": str(tmp_path / f"cache{devices}"),  # each run pretrains its base (rank 0 only)
+        "PYTHONPATH": str(REPO),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_fl",
+        "fit",
+        *QUICK,
+        "--threads",
+        "1",
+        "--trainer.devices",
+        devices,
+        "--trainer.fabric_strategy",
+        "ddp" if devices == "2" else "auto",
+        "--trainer.name",
+        name,
+        "--trainer.version",
+        "version_0",
+        "--data.partition",
+        "Dirichlet",
+        "--data.partition.alpha",
+        "0.5",
+        "--trainer.clients_per_round",
+        "5",
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "deprecated" not in proc.stderr and "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    return torch.load(tmp_path / "runs" / name / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def assert_same_residuals(a: dict, b: dict) -> None:
+    residuals = [ckpt["codec"].get("residuals", {}) for ckpt in (a, b)]  # every client's, from all processes
+    assert sorted(residuals[0]) == sorted(residuals[1])
+    assert all(torch.equal(residuals[0][c][n], residuals[1][c][n]) for c in residuals[0] for n in residuals[0][c])
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "extra",
@@ -270,42 +313,7 @@ ERROR_FEEDBACK = ["--trainer.rounds", "4", "--trainer.codec", "TopK", "--trainer
 )
 def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
     """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit."""
-    states = []
-    for devices in ("1", "2"):  # separate caches: each run pretrains its base too (rank 0 only with 2 processes)
-        env = {  # one thread per process, given by --threads below (the default on 2 cores): equal bit for bit
-            **{k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
-            "LIGHTNING_FL_CACHE": str(tmp_path / f"cache{devices}"),
-            "PYTHONPATH": str(REPO),
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "lightning_fl",
-            "fit",
-            *QUICK,
-            "--threads",
-            "1",
-            "--trainer.devices",
-            devices,
-            "--trainer.fabric_strategy",
-            "ddp" if devices == "2" else "auto",
-            "--trainer.name",
-            f"d{devices}",
-            "--data.partition",
-            "Dirichlet",
-            "--data.partition.alpha",
-            "0.5",
-            "--trainer.clients_per_round",
-            "5",
-            *extra,
-        ]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "deprecated" not in proc.stderr and "terminate called" not in proc.stderr, proc.stderr[-3000:]
-        states.append(
-            torch.load(tmp_path / "runs" / f"d{devices}" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
-        )
-    one, two = states
+    one, two = (two_process_fit(tmp_path, devices, f"d{devices}", *extra) for devices in ("1", "2"))
     assert torch.equal(one["global_state"]["mapping.latent"], two["global_state"]["mapping.latent"])
     assert torch.equal(one["ledger"]["up"], two["ledger"]["up"])
     assert [h.get("val/acc") for h in one["history"]] == [h.get("val/acc") for h in two["history"]]
@@ -313,9 +321,21 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
     assert one["strategy"].keys() == two["strategy"].keys()
     for key, value in one["strategy"].items():  # server optimiser moments agree too
         assert torch.equal(value, two["strategy"][key])
-    residuals = [ckpt["codec"].get("residuals", {}) for ckpt in states]  # every client's, saved from all processes
-    assert sorted(residuals[0]) == sorted(residuals[1])
-    assert all(torch.equal(residuals[0][c][n], residuals[1][c][n]) for c in residuals[0] for n in residuals[0][c])
+    assert_same_residuals(one, two)
+
+
+@pytest.mark.distributed
+def test_two_processes_resume_error_feedback_bit_for_bit(tmp_path):
+    """2 processes, 2 rounds, then resumed to 4: the same global state and residuals as 4 rounds on 1 process
+    (each resumed process keeps only its own clients' residuals and the checkpoint gathers them again)."""
+    one = two_process_fit(tmp_path, "1", "whole", *ERROR_FEEDBACK)
+    first = [*ERROR_FEEDBACK, "--trainer.rounds", "2"]
+    assert two_process_fit(tmp_path, "2", "split", *first)["round"] == 2
+    resumed = two_process_fit(tmp_path, "2", "split", *ERROR_FEEDBACK, "--trainer.resume", "auto")
+    assert resumed["round"] == 4
+    assert torch.equal(one["global_state"]["mapping.latent"], resumed["global_state"]["mapping.latent"])
+    assert [h.get("train/loss") for h in one["history"]] == [h.get("train/loss") for h in resumed["history"]]
+    assert_same_residuals(one, resumed)
 
 
 def test_checkpoint_files_load_with_weights_only(tmp_path):
