@@ -71,3 +71,35 @@ def test_non_finite_names_every_bad_tensor_and_never_flags_finite_values():
     nan[1, 2] = math.nan
     assert non_finite({"n": nan, "i": torch.tensor([1, 2]), "e": torch.zeros(0)}) == {"n": 1}
     assert non_finite({"a": torch.ones(3), "b": torch.tensor([0.0, -math.inf])}) == {"b": 1}
+
+
+def test_update_quantisation_codes_the_difference_from_the_broadcast_state():
+    torch.manual_seed(0)
+    reference = {"w": torch.randn(40, 30), "b": torch.randn(30)}
+    state = {n: t + 1e-3 * torch.randn_like(t) for n, t in reference.items()}  # a small local update
+    for bits in (8, 4):
+        weights, update = Quantize(bits), Quantize(bits, target="update")
+        payload = update.encode(state, reference, 0)
+        assert payload.nbytes == weights.encode(state, reference, 0).nbytes  # the same bytes
+        assert update.check_payload(payload, reference) == []  # the layout the gate checks is unchanged
+        decoded = update.decode(payload, reference, 0)
+        for n, t in state.items():
+            delta = (t.double() - reference[n].double()).reshape(-1)
+            step = (delta.max() - delta.min()).item() / (2**bits - 1)
+            err = (decoded[n].double() - t.double()).abs().max().item()
+            assert decoded[n].dtype == t.dtype and decoded[n].shape == t.shape
+            assert err <= step / 2 + 4 * float(torch.finfo(torch.float32).eps) * t.abs().max().item()
+            # quantising the weights themselves is far coarser for a small update
+            weight_err = (weights.decode(weights.encode(state, reference, 0), reference, 0)[n] - t).abs().max()
+            assert err < weight_err.item() / 50
+    unchanged = {n: t.clone() for n, t in reference.items()}
+    zero = Quantize(4, target="update")
+    assert all(
+        torch.equal(v, reference[n]) for n, v in zero.decode(zero.encode(unchanged, reference, 0), reference, 0).items()
+    )
+    assert (
+        repr(Quantize(4, target="update")) == "Quantize(bits=4, target='update')"
+        and repr(Quantize(4)) == "Quantize(bits=4)"
+    )
+    with pytest.raises(ConfigError, match=r"codec.target must be 'weights' or 'update', got 'delta'"):
+        Quantize(4, target="delta")

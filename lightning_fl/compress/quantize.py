@@ -6,6 +6,11 @@ per value. The wire format is the packed integers (``ceil(n b / 8)`` bytes: int4
 per byte, low nibble first; int2 four per byte; int16 two bytes little-endian) plus the scale and
 the zero point (``min``) as two float32: ``ceil(n b / 8) + 8`` bytes. A 1,280-float FLITE latent at
 int4 is 648 bytes (the FLITE paper, arXiv 2607.18343, section 5.9).
+
+``target`` says what is quantised: ``weights`` (default) the uploaded state itself; ``update`` its difference
+from the state the server broadcast (``state - reference``, per tensor, the same uniform affine code and the same
+bytes), which the server adds back to the broadcast state. The FLITE paper's full-weight ladder (its Table 5)
+quantises the update of textbook FedAvg.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import math
 
 import torch
 
-from lightning_fl.compress.base import Codec, Encoded, Layout, per_tensor_layout
+from lightning_fl.compress.base import Codec, Encoded, Layout, Payload, per_tensor_layout
 from lightning_fl.errors import ConfigError
 
 SUPPORTED_BITS = (2, 4, 8, 16)
@@ -47,12 +52,30 @@ class Quantize(Codec):
 
     Args:
         bits: Bits per value.
+        target: ``weights`` (quantise the uploaded state) or ``update`` (quantise ``state - reference``, the
+            difference from the broadcast state, and add it back to the reference on decoding).
     """
 
-    def __init__(self, bits: int = 8) -> None:
+    def __init__(self, bits: int = 8, target: str = "weights") -> None:
         if bits not in SUPPORTED_BITS:
             raise ConfigError(f"codec.bits must be one of {SUPPORTED_BITS}, got {bits}")
-        self.bits = bits
+        if target not in ("weights", "update"):
+            raise ConfigError(f"codec.target must be 'weights' or 'update', got {target!r}")
+        self.bits, self.target = bits, target
+
+    def encode(self, state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], client: int) -> Payload:
+        if self.target == "weights":
+            return super().encode(state, reference, client)
+        return Payload({name: self.encode_tensor(update(t, reference[name])) for name, t in state.items()})
+
+    def decode(self, payload: Payload, reference: dict[str, torch.Tensor], client: int) -> dict[str, torch.Tensor]:
+        decoded = super().decode(payload, reference, client)
+        if self.target == "weights":
+            return decoded
+        return {  # in float64, so adding the broadcast state back loses nothing beyond the final rounding
+            name: (reference[name].detach().cpu().to(torch.float64) + delta.to(torch.float64)).to(reference[name].dtype)
+            for name, delta in decoded.items()
+        }
 
     def encode_tensor(self, tensor: torch.Tensor) -> Encoded:
         x = tensor.detach().to(torch.float64).reshape(-1).cpu()
@@ -86,4 +109,11 @@ class Quantize(Codec):
         return per_tensor_layout(reference, parts_and_info)
 
     def __repr__(self) -> str:
-        return f"Quantize(bits={self.bits})"
+        target = "" if self.target == "weights" else f", target={self.target!r}"
+        return f"Quantize(bits={self.bits}{target})"
+
+
+def update(state: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``state - reference`` in float64 on the CPU (exact for float32 inputs), shaped and typed like ``state``."""
+    delta = state.detach().cpu().to(torch.float64) - reference.detach().cpu().to(torch.float64)
+    return delta.to(state.dtype)
