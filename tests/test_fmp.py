@@ -511,7 +511,9 @@ def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypat
     ]:
         assert key in metrics, key
     assert metrics["comm/kb_per_client"] == pytest.approx(10 * (64 + 10) * 4 / 1000)
-    assert 0.3 < metrics["test/acc"] <= 1.0
+    # 4 steps leave the config's linear read-out at its random start (it trains after a 600-step warm-up), so
+    # FMP's accuracy here says nothing; MP's, on the same tasks and features, checks the pipeline
+    assert 0.0 <= metrics["test/acc"] <= 1.0 and 0.3 < metrics["test/mp/acc"] <= 1.0
 
 
 def test_the_polya_urn_is_selected_by_class_path_and_needs_no_training(in_tmp, monkeypatch):
@@ -544,7 +546,9 @@ def test_target_classes_score_each_method_on_the_classes_the_tasks_leave_out(in_
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     captured = capture_test_results(monkeypatch)
     config = str(CONFIGS / "fmp_digits.yaml")
-    args = [*FMP_SHRINK, "--model.generator", "PolyaUrn", "--data.points_per_client", "30"]
+    # the data read-out: 4 steps leave the config's linear one at its random start (near-uniform predictions)
+    args = [*FMP_SHRINK, "--model.generator", "PolyaUrn", "--data.points_per_client", "30",
+            "--model.summariser.readout", "data", "--model.warmup_steps", "0"]  # fmt: skip
     assert run_cli("test", "--config", config, *args, "--data.target_classes", "6") == 0
     metrics = captured["out"][0]
     for method in ("mp", "ann", "cann", "fmp"):

@@ -262,3 +262,36 @@ def test_fmp_label_probe_scores_summaries_of_a_checkpoint(tmp_path):
     assert scores["kmeans"] < scores["kmeans_uniform_labels"]
     uniform = scores["uniform_label_entropy"]
     assert 0 < scores["summariser_label_entropy"] <= uniform == pytest.approx(math.log(10), abs=1e-4)
+
+
+def test_config_args_pin_a_configs_settings_before_everything_else(tmp_path):
+    """``config_args`` go right after ``--config`` (for that config's runs only); ``common`` and the run's own
+    arguments come later and override them, and the CLI resolves the pinned value."""
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location("sweep_tool", REPO / "tools" / "sweep.py")
+    sweep = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(sweep)
+    spec = {
+        "name": "pins",
+        "kind": "oneshot",
+        "config_args": {"configs/fmp_digits.yaml": ["--trainer.max_steps", "300", "--model.lr", "0.001"]},
+        "common": ["--data.test_tasks", "2"],
+        "runs": [
+            {"label": "pinned", "config": "configs/fmp_digits.yaml"},
+            {"label": "own", "config": "configs/fmp_digits.yaml", "args": ["--trainer.max_steps", "50"]},
+            {"label": "other", "config": "configs/fmp_fashion_mnist.yaml"},
+        ],
+    }
+    pinned, own, other = (sweep.command(spec, tmp_path, run) for run in sweep.expand(spec))
+    assert pinned[4:10] == ["--config", "configs/fmp_digits.yaml", "--trainer.max_steps", "300", "--model.lr", "0.001"]
+    assert pinned.index("--data.test_tasks") > pinned.index("--model.lr")
+    assert "--model.lr" not in other
+    from lightning_fl.cli import build_parser
+
+    parser = build_parser()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)
+        assert parser.parse_args(pinned[3:]).fit.trainer.init_args.max_steps == 300
+        assert parser.parse_args(own[3:]).fit.trainer.init_args.max_steps == 50
+        assert parser.parse_args(other[3:]).fit.trainer.init_args.max_steps == 1600  # the config's own

@@ -28,6 +28,10 @@ it (``--trainer.resume auto``). When a run fails, the sweep goes on with the oth
 and exits with status 1 naming the failed runs. ``seed_args`` (e.g. ``["--data.seed", "{seed}"]``) are added to every
 command with the seed filled in, for configs whose data or caches have seeds of their own.
 
+``config_args`` (``{config path: [arguments]}``) puts arguments right after ``--config`` for the runs of that
+config, before ``common`` and the run's own arguments, which override them: a sweep pins there the settings its
+configs had when it ran, so it reruns as it ran after the configs change.
+
 ``kind: oneshot`` is for configs run by ``lightning.Trainer`` whose numbers come from ``test`` (FMP and
 its baselines): each run is ``fit`` (until ``trainer.max_steps``, resuming from ``last.ckpt``) then
 ``test --ckpt_path last.ckpt``; the CSV has one row per run with every scalar the test logged, plus the
@@ -131,11 +135,17 @@ def seed_args(spec: dict, run: dict) -> list[str]:
     return [str(a).format(seed=run["seed"]) for a in spec.get("seed_args", [])]
 
 
+def config_args(spec: dict, run: dict) -> list[str]:
+    """``config_args[run's config]``: arguments right after ``--config`` (before ``common`` and the run's own), so a
+    sweep can pin settings a config has since changed and still rerun as it ran."""
+    return [str(a) for a in (spec.get("config_args") or {}).get(run["config"], [])]
+
+
 def command(spec: dict, out: Path, run: dict) -> list[str]:
     if spec.get("kind") == "oneshot":
         return oneshot_command(spec, out, run, "test" if run.get("fit_from") else "fit")
     return [
-        sys.executable, "-m", "lightning_fl", "fit", "--config", run["config"],
+        sys.executable, "-m", "lightning_fl", "fit", "--config", run["config"], *config_args(spec, run),
         *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
         "--seed_everything", str(run["seed"]), *seed_args(spec, run),
         "--trainer.default_root_dir", str(out), "--trainer.name", run["id"], "--trainer.version", "version_0",
@@ -147,7 +157,7 @@ def command(spec: dict, out: Path, run: dict) -> list[str]:
 def oneshot_command(spec: dict, out: Path, run: dict, stage: str) -> list[str]:
     """``fit`` into ``<out>/<id>/version_0`` or ``test`` from its ``last.ckpt`` into ``<out>/<id>/test``."""
     cmd = [
-        sys.executable, "-m", "lightning_fl", stage, "--config", run["config"],
+        sys.executable, "-m", "lightning_fl", stage, "--config", run["config"], *config_args(spec, run),
         *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
         "--seed_everything", str(run["seed"]), *seed_args(spec, run),
         "--trainer.default_root_dir", str(out / run["id"]), "--trainer.logger.init_args.save_dir", str(out),
