@@ -19,7 +19,9 @@ Factor modes (``mode``) trade memory for recomputation; the first three give the
 - ``kronecker``: another family of exactly orthonormal ``U_l`` (see
   :class:`~lightning_fl.mapping.factors.KroneckerFactor`): random signs times the Kronecker product of two
   small orthonormal factors, applied as two small matrix products and never formed. Memory ``4 P_l`` bytes
-  (the signs) plus ``O(sqrt(P_l) r)``, and about ``sqrt(r)`` times fewer flops than ``stored``. Its factors
+  (the signs) plus the small factors (``O(sqrt(P_l) r)`` when ``P_l`` has a divisor near its square root, as
+  conv weights do; a prime ``P_l`` falls back to a whole-layer factor), and about ``sqrt(r)`` times fewer
+  flops than ``stored``. Its factors
   differ from the first three modes' (another fingerprint): every client of a federation must use it.
 
 ``rank`` is capped per layer at ``min(rank, d_l, P_l)``: ``U V^T`` cannot have a larger rank.
