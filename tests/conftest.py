@@ -228,3 +228,13 @@ def fake_cifar(folder: Path, names: list[str], label_key: bytes, n=20, classes=1
     for name in names:
         batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), label_key: list(np.arange(n) % classes)}
         (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+
+
+def sweep_tool():
+    """``tools/sweep.py`` imported as a module (its command builder, expansion and CSV collection)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_tool", REPO / "tools" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

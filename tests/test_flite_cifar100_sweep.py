@@ -8,13 +8,12 @@ configs, the sweep's arguments, the sweep tool's commands and CSV, and the repor
 from __future__ import annotations
 
 import csv
-import importlib.util
 import subprocess
 import sys
 
 import yaml
 
-from conftest import REPO, fake_cifar, run_cli
+from conftest import REPO, fake_cifar, run_cli, sweep_tool
 
 SWEEP = REPO / "tools" / "sweeps" / "flite_cifar100.yaml"
 REPORT = REPO / "tools" / "sweeps" / "flite_cifar100_report.yaml"
@@ -25,13 +24,6 @@ SHRINK = [
 ]  # fmt: skip
 
 
-def load_sweep_tool():
-    spec = importlib.util.spec_from_file_location("sweep_tool", REPO / "tools" / "sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_run_of_the_cifar100_sweep_runs_and_reports_on_fake_files(tmp_path, monkeypatch):
     data = tmp_path / "data"
     fake_cifar(data / "cifar-100-python", ["train"], b"fine_labels", n=1600, classes=100)
@@ -40,7 +32,7 @@ def test_every_run_of_the_cifar100_sweep_runs_and_reports_on_fake_files(tmp_path
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(REPO)  # the sweep names its configs relative to the repository
 
-    sweep = load_sweep_tool()
+    sweep = sweep_tool()
     spec = yaml.safe_load(SWEEP.read_text())
     spec["seeds"], spec["common"] = [0], [*SHRINK, "--data.source.init_args.root", str(data)]
     out = tmp_path / "out"

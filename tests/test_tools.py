@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import CONFIGS, REPO
+from conftest import CONFIGS, REPO, sweep_tool
 
 SHRINK = [
     "--data.source",
@@ -267,11 +267,7 @@ def test_fmp_label_probe_scores_summaries_of_a_checkpoint(tmp_path):
 def test_config_args_pin_a_configs_settings_before_everything_else(tmp_path):
     """``config_args`` go right after ``--config`` (for that config's runs only); ``common`` and the run's own
     arguments come later and override them, and the CLI resolves the pinned value."""
-    import importlib.util
-
-    spec_ = importlib.util.spec_from_file_location("sweep_tool", REPO / "tools" / "sweep.py")
-    sweep = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(sweep)
+    sweep = sweep_tool()
     spec = {
         "name": "pins",
         "kind": "oneshot",

@@ -320,9 +320,10 @@ class LatentMapping(nn.Module):
         for lay in self.layers:
             if self.mode != "dense":
                 feed(self._v[lay.index].full())
-            if self.mode == "kronecker":
-                for part in self._kron[lay.index].parts():
-                    feed(part)
+            if self.mode == "kronecker":  # its parts are small: the buffers the mapping keeps anyway
+                self._materialise()
+                for name in ("a", "b", "s"):
+                    feed(getattr(self, f"k{name}_{lay.index}"))
                 continue
             if self._materialised and self.mode in ("stored", "dense"):
                 feed(getattr(self, f"u_{lay.index}"))  # the same bytes as its chunks, already at hand
