@@ -285,3 +285,23 @@ def test_synthetic_images_are_the_same_whatever_the_generation_chunk():
     for split in ("train", "test"):
         assert torch.equal(whole.load(split).images, chunked.load(split).images)
         assert np.array_equal(whole.load(split).targets, chunked.load(split).targets)
+
+
+def test_public_samples_shrinks_only_the_pretraining_split():
+    """Bases of graded strength over the same clients: the first N of the (shuffled) public split, nothing else moves."""
+    whole = make_dm(public_fraction=0.2, train_split="public")
+    small = make_dm(public_fraction=0.2, train_split="public", public_samples=7)
+    public = whole.split_indices("public")
+    assert len(small.split_indices("public")) == 7 and set(small.split_indices("public")) <= set(public)
+    order = np.random.default_rng(0).permutation(len(whole._train))
+    assert np.array_equal(small.split_indices("public"), np.sort(order[: round(0.2 * len(order))][:7]))
+    for part in ("clients", "test"):
+        assert np.array_equal(small.split_indices(part), whole.split_indices(part))
+    assert [small.client_indices(k).tolist() for k in range(4)] == [whole.client_indices(k).tolist() for k in range(4)]
+    assert len(small.train_dataloader().dataset) == 7
+    # the pretrained base's cache key sees it; an unset value leaves older keys as they were
+    assert small.describe()["public_samples"] == 7 and "public_samples" not in whole.describe()
+    with pytest.raises(ConfigError, match="data.public_samples is 1000 but the public split holds"):
+        make_dm(public_fraction=0.2, public_samples=1000).setup()
+    with pytest.raises(ConfigError, match="data.public_samples must be >= 1"):
+        make_dm(public_fraction=0.2, public_samples=0)

@@ -96,6 +96,9 @@ class FederatedDataModule(L.LightningDataModule):
         num_clients: Number of clients the client pool is divided among.
         partition: How the client pool is divided (``IID``, ``Dirichlet``, ``Shards``).
         public_fraction: Share of the training split held out as the public (server-side) split.
+        public_samples: Pretrain on only the first this many samples of the public split (a seeded random
+            subset; the rest of the public split is held out from everything, the client pool is unchanged):
+            bases of graded strength over the same clients. ``None`` = the whole public split.
         val_fraction: Share of the training split held out for validation. With 0, ``val_dataloader``
             serves the test split, which is how the papers report accuracy per epoch/round.
         train_split: What ``train_dataloader`` (centralised training) serves: ``clients`` = the pooled
@@ -115,6 +118,7 @@ class FederatedDataModule(L.LightningDataModule):
         num_clients: int = 8,
         partition: Partitioner = lazy_instance(IID),
         public_fraction: float = 0.0,
+        public_samples: int | None = None,
         val_fraction: float = 0.0,
         train_split: Literal["clients", "public"] = "clients",
         batch_size: int = 128,
@@ -147,7 +151,11 @@ class FederatedDataModule(L.LightningDataModule):
             )
         if num_workers < 0:
             problems.append(f"data.num_workers must be >= 0, got {num_workers}")
-        for key, value in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
+        for key, value in (
+            ("max_train_samples", max_train_samples),
+            ("max_eval_samples", max_eval_samples),
+            ("public_samples", public_samples),
+        ):
             if value is not None and value < 1:
                 problems.append(f"data.{key} must be >= 1 or null, got {value}")
         if problems:
@@ -156,6 +164,7 @@ class FederatedDataModule(L.LightningDataModule):
         self.num_clients = num_clients
         self.partition = partition
         self.public_fraction = public_fraction
+        self.public_samples = public_samples
         self.val_fraction = val_fraction
         self.train_split = train_split
         self.batch_size = batch_size
@@ -191,6 +200,8 @@ class FederatedDataModule(L.LightningDataModule):
             "max_train_samples": self.max_train_samples,
             "batch_size": self.batch_size,
             "augment": self.augment,
+            # only when set, so that every base cached before this option existed keeps its key
+            **({"public_samples": self.public_samples} if self.public_samples is not None else {}),
         }
 
     # ------------------------------------------------------------------------------ set-up
@@ -214,6 +225,14 @@ class FederatedDataModule(L.LightningDataModule):
                 "or the fractions, or raise data.max_train_samples"
             )
         val, public, pool = np.split(order, [n_val, n_val + n_public])
+        if self.public_samples is not None:
+            if self.public_samples > len(public):
+                raise ConfigError(
+                    f"data.public_samples is {self.public_samples} but the public split holds {len(public)} samples "
+                    "(data.public_fraction of the training split); lower data.public_samples or raise "
+                    "data.public_fraction"
+                )
+            public = public[: self.public_samples]
         test_idx = np.arange(len(test))
         if self.max_eval_samples is not None and self.max_eval_samples < len(test):
             test_idx = np.sort(np.random.default_rng(self.seed + 1).permutation(len(test))[: self.max_eval_samples])
