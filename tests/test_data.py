@@ -288,7 +288,7 @@ def test_synthetic_images_are_the_same_whatever_the_generation_chunk():
 
 
 def test_public_samples_shrinks_only_the_pretraining_split():
-    """Bases of graded strength over the same clients: the first N of the (shuffled) public split, nothing else moves."""
+    """Bases of graded strength over the same clients: the first N of the shuffled public split; nothing else moves."""
     whole = make_dm(public_fraction=0.2, train_split="public")
     small = make_dm(public_fraction=0.2, train_split="public", public_samples=7)
     public = whole.split_indices("public")
@@ -297,7 +297,7 @@ def test_public_samples_shrinks_only_the_pretraining_split():
     assert np.array_equal(small.split_indices("public"), np.sort(order[: round(0.2 * len(order))][:7]))
     for part in ("clients", "test"):
         assert np.array_equal(small.split_indices(part), whole.split_indices(part))
-    assert [small.client_indices(k).tolist() for k in range(4)] == [whole.client_indices(k).tolist() for k in range(4)]
+    assert [small.client_indices(k).tolist() for k in range(5)] == [whole.client_indices(k).tolist() for k in range(5)]
     assert len(small.train_dataloader().dataset) == 7
     # the pretrained base's cache key sees it; an unset value leaves older keys as they were
     assert small.describe()["public_samples"] == 7 and "public_samples" not in whole.describe()

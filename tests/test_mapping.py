@@ -240,3 +240,70 @@ def test_scratch_base_keeps_the_random_initialisation():
     torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match="drop one of them"):
         LatentClassifier(SmallCNN(image_size=8), 10, base="scratch", base_checkpoint="x.ckpt")
+
+
+def test_teacher_warm_start_fits_the_latent_by_least_squares(tmp_path):
+    """Appendix E's warm start: a random base, ``z`` at the least-squares fit of a converged teacher's weights."""
+    torch.manual_seed(3)
+    teacher = Classifier(SmallCNN(image_size=8, channels=[4, 8], feature_dim=16, norm_groups=2), 10)
+    for p in teacher.backbone.parameters():
+        p.data.normal_()
+    torch.save({"state_dict": teacher.state_dict()}, tmp_path / "teacher.ckpt")
+
+    def student(**kwargs):
+        torch.manual_seed(5)
+        backbone = SmallCNN(image_size=8, channels=[4, 8], feature_dim=16, norm_groups=2)
+        return LatentClassifier(backbone, 10, base="scratch", layers="conv+linear", **kwargs)
+
+    plain = student(latent_dim=32, rank=8)
+    model = student(latent_dim=32, rank=8, latent_init="teacher", base_checkpoint=str(tmp_path / "teacher.ckpt"))
+    # the base stays the random initialisation; only z moved
+    for name, w in plain.backbone.state_dict().items():
+        assert torch.equal(model.backbone.state_dict()[name], w), name
+    assert model.mapping.latent.abs().sum() > 0 and not plain.mapping.latent.any()
+    mapped, want = model.mapping.weights(model.mapped_base()), teacher.backbone.state_dict()
+    for lay, z_l in zip(model.mapping.layers, model.mapping.split(model.mapping.latent.detach()), strict=True):
+        m = (model.mapping.u_factor(lay) @ model.mapping.v_factor(lay).T).double()  # P x d
+        delta = (want[lay.name] - model.mapped_base()[lay.name]).reshape(-1).double()
+        best = torch.linalg.pinv(m, rtol=1e-6) @ delta  # the minimum-norm least-squares solution
+        torch.testing.assert_close(z_l.double(), best, rtol=1e-4, atol=1e-5)
+        # no other latent comes closer to the teacher
+        err = (mapped[lay.name] - want[lay.name]).norm()
+        other = model.mapping.mapped(lay, model.mapped_base()[lay.name], z_l + 0.01 * torch.randn_like(z_l))
+        assert err < (other - want[lay.name].reshape(-1)).norm()
+    # with d and r as large as every layer, the mapped weights are the teacher's exactly
+    full = student(latent_dim=2048, rank=2048, latent_init="teacher", base_checkpoint=str(tmp_path / "teacher.ckpt"))
+    for name, w in full.mapping.weights(full.mapped_base()).items():
+        torch.testing.assert_close(w, want[name], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="set model.base scratch"):
+        LatentClassifier(SmallCNN(image_size=8), 10, latent_init="teacher")
+    with pytest.raises(ConfigError, match="'scratch' but model.base_checkpoint is set"):
+        LatentClassifier(SmallCNN(image_size=8), 10, base="scratch", base_checkpoint="x.ckpt")
+    with pytest.raises(ConfigError, match="model.latent_init must be 'zero' or 'teacher'"):
+        LatentClassifier(SmallCNN(image_size=8), 10, base="scratch", latent_init="pca")
+
+
+def test_teacher_warm_start_uses_the_base_the_recipe_pretrains(tmp_path):
+    """Without a checkpoint the teacher is the cached base ``base: pretrained`` would get (same initial weights)."""
+    from conftest import make_dm, make_model
+    from lightning_fl.checkpoint import read_checkpoint
+    from lightning_fl.methods import Pretraining
+
+    dm = make_dm(public_fraction=0.25, train_split="public")
+    dm.prepare_data()
+    dm.setup("fit")
+    recipe = Pretraining(epochs=1, cache_dir=str(tmp_path / "cache"), accelerator="cpu")
+    pretrained = make_model(base="pretrained", pretraining=recipe)
+    pretrained.prepare_base(dm)
+    scratch = make_model()
+    model = make_model(latent_init="teacher", pretraining=recipe)
+    assert not model._base_ready and model.base_cache_path(dm) == pretrained.base_cache_path(dm)
+    model.prepare_base(dm, allow_training=False)  # read from the cache: the same teacher
+    for name, w in scratch.backbone.state_dict().items():
+        assert torch.equal(model.backbone.state_dict()[name], w), name
+    teacher = read_checkpoint(pretrained.base_cache_path(dm))["state_dict"]
+    fit = make_model()
+    fit.fit_latent({k.removeprefix("backbone."): v for k, v in teacher.items() if k.startswith("backbone.")})
+    assert fit.mapping.latent.any() and torch.equal(model.mapping.latent, fit.mapping.latent)
+    model.prepare_base(dm)  # a second call changes nothing
+    assert torch.equal(model.mapping.latent, fit.mapping.latent)

@@ -9,7 +9,9 @@ The base comes from ``base_checkpoint``, or, when none is given, is pretrained w
 foundation's :class:`~lightning_fl.methods.Classifier` recipe on the data module's centralised
 split and cached under a key made of everything that determines it, so one command runs the whole
 pipeline and later runs reuse the base. ``base: scratch`` keeps the random (Kaiming) initialisation
-instead: the paper's negative result (section 5.7).
+instead: the paper's negative result (section 5.7). ``base: scratch`` with ``latent_init: teacher`` is the paper's
+least-squares warm start (appendix E): the base stays random, and ``z`` starts at the least-squares fit of a converged
+teacher's weights (``base_checkpoint``, or the base the recipe pretrains and caches).
 """
 
 from __future__ import annotations
@@ -40,13 +42,19 @@ class LatentSteering:
     mapping: LatentMapping
 
     @staticmethod
-    def base_source(base: str, base_checkpoint: str | None, pretraining: Pretraining) -> dict:
-        """``init_from`` and ``pretraining`` for the host's constructor, from ``model.base`` and its checkpoint."""
+    def base_source(base: str, base_checkpoint: str | None, pretraining: Pretraining, teacher: bool = False) -> dict:
+        """``init_from`` and ``pretraining`` for the host's constructor, from ``model.base`` and its checkpoint
+        (with ``teacher``: where the teacher's weights come from; the base itself stays random)."""
         if base not in ("pretrained", "scratch"):
             raise ConfigError(f"model.base must be 'pretrained' or 'scratch', got {base!r}")
-        if base == "scratch" and base_checkpoint is not None:
+        if teacher and base != "scratch":
+            raise ConfigError(
+                "model.latent_init is 'teacher' (a random base whose latent starts at a teacher's least-squares fit) "
+                "but model.base is 'pretrained'; set model.base scratch, or model.latent_init zero"
+            )
+        if base == "scratch" and base_checkpoint is not None and not teacher:
             raise ConfigError("model.base is 'scratch' but model.base_checkpoint is set; drop one of them")
-        return {"init_from": base_checkpoint, "pretraining": pretraining if base == "pretrained" else None}
+        return {"init_from": base_checkpoint, "pretraining": pretraining if base == "pretrained" or teacher else None}
 
     @property
     def steered(self) -> torch.nn.Module:
@@ -73,6 +81,22 @@ class LatentSteering:
             seed=factor_seed,
             max_dense_bytes=max_dense_bytes,
         )
+
+    @torch.no_grad()
+    def fit_latent(self, teacher: dict[str, torch.Tensor]) -> None:
+        """Set ``z`` to the least-squares fit of ``teacher``'s mapped weights (appendix E's warm start):
+        ``z_l = argmin ||theta_l + U_l V_l^T z_l - teacher_l|| = V_l U_l^T (teacher_l - theta_l)``, the minimum-norm
+        solution, since ``U_l`` and ``V_l`` have orthonormal columns (dense mode: ``W_l^+``, by least squares)."""
+        base = self.mapped_base()
+        parts = []
+        for lay in self.mapping.layers:
+            delta = (teacher[lay.name].to(torch.float64) - base[lay.name].to(torch.float64)).reshape(-1)
+            u = self.mapping.u_factor(lay).to(torch.float64)
+            if self.mapping.mode == "dense":
+                parts.append(torch.linalg.lstsq(u, delta.unsqueeze(1), driver="gelsd").solution.squeeze(1))
+            else:
+                parts.append(self.mapping.v_factor(lay).to(torch.float64) @ (u.T @ delta))
+        self.mapping.latent.copy_(torch.cat(parts).to(self.mapping.latent))
 
     def memory_report(self):
         """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""
@@ -114,6 +138,12 @@ class LatentClassifier(LatentSteering, Classifier):
         base: ``pretrained`` (delta mode on a pretrained base) or ``scratch`` (random Kaiming base).
         base_checkpoint: Checkpoint with the base's ``backbone.*`` and ``head.*`` weights (e.g. the
             ``last.ckpt`` of a ``pretrain_*.yaml`` run). ``null``: pretrain per ``pretraining`` and cache.
+            With ``latent_init: teacher``, the teacher's weights.
+        latent_init: ``zero`` (the paper's default: the model starts exactly at the base) or ``teacher``
+            (with ``base: scratch``; appendix E's least-squares warm start): the backbone keeps its random
+            initialisation and ``z`` starts at :meth:`fit_latent` of a converged teacher, the base that
+            ``base_checkpoint`` holds or that ``pretraining`` trains (and caches) from the same initial weights.
+            The head is the teacher's (a frozen head is the same as the random one).
         pretraining: Recipe for pretraining the base when no checkpoint is given.
         latent_dim: ``d`` per mapped layer: one value, or one per layer.
         rank: ``r`` of the factors.
@@ -141,6 +171,7 @@ class LatentClassifier(LatentSteering, Classifier):
         base: Literal["pretrained", "scratch"] = "pretrained",
         base_checkpoint: str | None = None,
         pretraining: Pretraining = PAPER_PRETRAINING,
+        latent_init: Literal["zero", "teacher"] = "zero",
         latent_dim: int | list[int] = 64,
         rank: int = 32,
         layers: LayerSelection | list[str] = "conv",
@@ -156,7 +187,13 @@ class LatentClassifier(LatentSteering, Classifier):
         label_smoothing: float = 0.0,
         grad_clip: float | None = 1.0,
     ) -> None:
-        source = self.base_source(base, base_checkpoint, pretraining)
+        if latent_init not in ("zero", "teacher"):
+            raise ConfigError(f"model.latent_init must be 'zero' or 'teacher', got {latent_init!r}")
+        source = self.base_source(base, base_checkpoint, pretraining, teacher=latent_init == "teacher")
+        # the random initialisation the teacher's fit starts from (before a teacher checkpoint is loaded into it)
+        initial = None
+        if latent_init == "teacher":
+            initial = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
         super().__init__(
             backbone=backbone,
             num_classes=num_classes,
@@ -172,6 +209,21 @@ class LatentClassifier(LatentSteering, Classifier):
             **source,
         )
         self.steer(latent_dim, rank, layers, factors, factor_seed, max_dense_bytes)
+        self._random_backbone = initial
+        if initial is not None and self._base_ready:  # the teacher came from base_checkpoint
+            self._start_from_teacher()
+
+    def _start_from_teacher(self) -> None:
+        """The teacher's weights are in the backbone: fit ``z`` to them, then put the random backbone back."""
+        teacher = {name: w.detach().clone() for name, w in self.mapped_base().items()}
+        self.backbone.load_state_dict(self._random_backbone)
+        self.fit_latent(teacher)
+        self._random_backbone = None
+
+    def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
+        super().prepare_base(datamodule, allow_training)
+        if self._random_backbone is not None:
+            self._start_from_teacher()
 
     # ----------------------------------------------------------------------------------- forward
     @property
