@@ -206,6 +206,24 @@ def test_best_table_takes_each_runs_best_round_in_the_metrics_direction():
     assert "| x | 2 | 7.5000 +/- 0.7071 | 0.4500 +/- 0.0707 |" in final
 
 
+def test_budget_takes_each_seeds_best_round_within_the_bytes_and_never_the_base():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    curve = {0: (0, 0.9), 1: (100, 0.3), 2: (200, 0.5), 3: (300, 0.7)}  # round: (cumulative bytes, acc)
+    rows = [
+        {"label": "x", "seed": seed, "round": r, "comm/cum_client_bytes": b or "", "val/acc": a + seed / 10}
+        for seed in (0, 1)
+        for r, (b, a) in curve.items()
+    ]
+    # within 250 bytes: rounds 1 and 2 (the base's 0.9 at round 0 costs nothing but is not a round)
+    assert report.best_within_budget(rows, 250) == pytest.approx([0.5, 0.6])
+    assert report.best_within_budget(rows, 300) == pytest.approx([0.7, 0.8])
+    assert report.best_within_budget(rows, 50) == []
+
+
 def test_pivot_table_puts_tags_on_rows_and_columns():
     sys.path.insert(0, str(REPO / "tools"))
     try:

@@ -137,6 +137,17 @@ def bests(rows: list[dict], columns: list[str]) -> dict[Any, list[dict]]:
     return groups
 
 
+def best_within_budget(rows: list[dict], budget_bytes: float) -> list[float]:
+    """Per seed, the best val/acc of rounds 1.. whose cumulative bytes per client stay within ``budget_bytes``
+    (round 0 is the starting model, which costs nothing and is not what a method reached)."""
+    best: dict[Any, float] = {}
+    for r in rows:
+        if r.get("val/acc", "") == "" or r.get("round", 0) < 1 or (r.get("comm/cum_client_bytes") or 0) > budget_bytes:
+            continue
+        best[r["seed"]] = max(best.get(r["seed"], -math.inf), r["val/acc"])
+    return list(best.values())
+
+
 def table(rows: list[dict], spec: dict) -> str:
     labels = spec.get("labels") or labels_in_order(rows)
     columns = spec.get("columns", ["val/acc", "val/ece", "comm/client_up_bytes", "comm/cum_client_bytes"])
@@ -286,12 +297,7 @@ def figure(rows: list[dict], spec: dict):
             if kind == "bars":
                 m, s = mean_std([r[metric] for r in finals(select(rows, [label]))[label]])
             else:
-                budget = spec["budget_mb"] * MB
-                best = defaultdict(float)
-                for r in select(rows, [label]):
-                    if r.get("val/acc", "") != "" and (r.get("comm/cum_client_bytes") or 0) <= budget:
-                        best[r["seed"]] = max(best[r["seed"]], r["val/acc"])
-                m, s = mean_std(list(best.values()))
+                m, s = mean_std(best_within_budget(select(rows, [label]), spec["budget_mb"] * MB))
             means.append(m)
             stds.append(s)
         ax.bar(range(len(labels)), means, yerr=stds, capsize=3)
