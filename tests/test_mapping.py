@@ -271,6 +271,12 @@ def test_teacher_warm_start_fits_the_latent_by_least_squares(tmp_path):
         err = (mapped[lay.name] - want[lay.name]).norm()
         other = model.mapping.mapped(lay, model.mapped_base()[lay.name], z_l + 0.01 * torch.randn_like(z_l))
         assert err < (other - want[lay.name].reshape(-1)).norm()
+    teacher_ckpt = str(tmp_path / "teacher.ckpt")
+    dense = student(latent_dim=32, factors="dense", latent_init="teacher", base_checkpoint=teacher_ckpt)
+    for lay, z_l in zip(dense.mapping.layers, dense.mapping.split(dense.mapping.latent.detach()), strict=True):
+        delta = (want[lay.name] - dense.mapped_base()[lay.name]).reshape(-1).double()
+        best = torch.linalg.pinv(dense.mapping.u_factor(lay).double(), rtol=1e-6) @ delta
+        torch.testing.assert_close(z_l.double(), best, rtol=1e-4, atol=1e-5)
     # with d and r as large as every layer, the mapped weights are the teacher's exactly
     full = student(latent_dim=2048, rank=2048, latent_init="teacher", base_checkpoint=str(tmp_path / "teacher.ckpt"))
     for name, w in full.mapping.weights(full.mapped_base()).items():

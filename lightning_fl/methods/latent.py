@@ -86,14 +86,14 @@ class LatentSteering:
     def fit_latent(self, teacher: dict[str, torch.Tensor]) -> None:
         """Set ``z`` to the least-squares fit of ``teacher``'s mapped weights (appendix E's warm start):
         ``z_l = argmin ||theta_l + U_l V_l^T z_l - teacher_l|| = V_l U_l^T (teacher_l - theta_l)``, the minimum-norm
-        solution, since ``U_l`` and ``V_l`` have orthonormal columns (dense mode: ``W_l^+``, by least squares)."""
+        solution, since ``U_l`` and ``V_l`` have orthonormal columns (dense mode: ``W_l^+ (teacher_l - theta_l)``)."""
         base = self.mapped_base()
         parts = []
         for lay in self.mapping.layers:
             delta = (teacher[lay.name].to(torch.float64) - base[lay.name].to(torch.float64)).reshape(-1)
             u = self.mapping.u_factor(lay).to(torch.float64)
-            if self.mapping.mode == "dense":
-                parts.append(torch.linalg.lstsq(u, delta.unsqueeze(1), driver="gelsd").solution.squeeze(1))
+            if self.mapping.mode == "dense":  # W_l^+ (W_l^T when its d columns are orthonormal, d <= P)
+                parts.append(torch.linalg.pinv(u, rtol=1e-6) @ delta)
             else:
                 parts.append(self.mapping.v_factor(lay).to(torch.float64) @ (u.T @ delta))
         self.mapping.latent.copy_(torch.cat(parts).to(self.mapping.latent))
