@@ -75,6 +75,16 @@ def make_dm(**kwargs):
     return FederatedDataModule(**{**args, **kwargs})
 
 
+def public_pretraining(tmp_path):
+    """A data module set up to serve a public split, and a one-epoch CPU pretraining recipe caching under tmp_path."""
+    from lightning_fl.methods import Pretraining
+
+    dm = make_dm(public_fraction=0.25, train_split="public")
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm, Pretraining(epochs=1, cache_dir=str(tmp_path / "cache"), accelerator="cpu")
+
+
 def make_trainer(tmp_path, **kwargs):
     """A quiet FederatedTrainer writing under ``tmp_path``."""
     from lightning_fl.federated import FederatedTrainer

@@ -286,16 +286,12 @@ def test_features_checkpoint_is_refused_and_a_bad_cache_is_recomputed(tmp_path, 
 
 # ------------------------------------------------------------------------------ pretrained base cache, init_from
 def test_init_from_is_refused_and_a_bad_base_cache_is_pretrained_again(tmp_path, marker, caplog, monkeypatch):
-    from conftest import make_dm, make_model
-    from lightning_fl.methods import Pretraining
+    from conftest import make_model, public_pretraining
 
     evil = evil_file(tmp_path / "evil.ckpt", marker)
     with pytest.raises(CheckpointError, match=f"^model.init_from={evil} could not be read safely"):
         Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), num_classes=10, init_from=str(evil))
-    dm = make_dm(public_fraction=0.25, train_split="public")
-    dm.prepare_data()
-    dm.setup("fit")
-    recipe = Pretraining(epochs=1, cache_dir=str(tmp_path / "cache"), accelerator="cpu")
+    dm, recipe = public_pretraining(tmp_path)
     model = make_model(base="pretrained", pretraining=recipe)
     model.prepare_base(dm)
     cached = model.base_cache_path(dm)

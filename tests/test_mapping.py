@@ -291,14 +291,10 @@ def test_teacher_warm_start_fits_the_latent_by_least_squares(tmp_path):
 
 def test_teacher_warm_start_uses_the_base_the_recipe_pretrains(tmp_path):
     """Without a checkpoint the teacher is the cached base ``base: pretrained`` would get (same initial weights)."""
-    from conftest import make_dm, make_model
+    from conftest import make_model, public_pretraining
     from lightning_fl.checkpoint import read_checkpoint
-    from lightning_fl.methods import Pretraining
 
-    dm = make_dm(public_fraction=0.25, train_split="public")
-    dm.prepare_data()
-    dm.setup("fit")
-    recipe = Pretraining(epochs=1, cache_dir=str(tmp_path / "cache"), accelerator="cpu")
+    dm, recipe = public_pretraining(tmp_path)
     pretrained = make_model(base="pretrained", pretraining=recipe)
     pretrained.prepare_base(dm)
     scratch = make_model()
