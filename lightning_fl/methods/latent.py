@@ -16,19 +16,30 @@ teacher's weights (``base_checkpoint``, or the base the recipe pretrains and cac
 
 from __future__ import annotations
 
+import copy
+import logging
+from dataclasses import asdict
+from pathlib import Path
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch.func import functional_call
 
 from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import FactorMode, LatentMapping, LayerSelection, memory_report
+from lightning_fl.methods.centralised import resolve_device
 from lightning_fl.methods.classifier import Classifier, OptimizerName
 from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining
 from lightning_fl.methods.schedules import Schedule
+from lightning_fl.models import pcanet
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import HeadKind
+
+#: Images of the centralised split whose patches make a ``base: pcanet`` base.
+PCANET_IMAGES = 1024
+log = logging.getLogger(__name__)
 
 
 class LatentSteering:
@@ -42,19 +53,27 @@ class LatentSteering:
     mapping: LatentMapping
 
     @staticmethod
-    def base_source(base: str, base_checkpoint: str | None, pretraining: Pretraining, teacher: bool = False) -> dict:
-        """``init_from`` and ``pretraining`` for the host's constructor, from ``model.base`` and its checkpoint
-        (with ``teacher``: where the teacher's weights come from; the base itself stays random)."""
-        if base not in ("pretrained", "scratch"):
-            raise ConfigError(f"model.base must be 'pretrained' or 'scratch', got {base!r}")
+    def base_source(
+        base: str,
+        base_checkpoint: str | None,
+        pretraining: Pretraining,
+        teacher: bool = False,
+        choices: tuple[str, ...] = ("pretrained", "scratch"),
+    ) -> dict:
+        """``init_from`` and ``pretraining`` for the host's constructor, from ``model.base`` (one of ``choices``) and
+        its checkpoint (with ``teacher``: where the teacher's weights come from; the base itself stays random).
+        A ``pcanet`` base is made and cached like a pretrained one (``pretraining`` gives its seed and cache)."""
+        if base not in choices:
+            raise ConfigError(f"model.base must be one of {', '.join(map(repr, choices))}, got {base!r}")
         if teacher and base != "scratch":
             raise ConfigError(
                 "model.latent_init is 'teacher' (a random base whose latent starts at a teacher's least-squares fit) "
-                "but model.base is 'pretrained'; set model.base scratch, or model.latent_init zero"
+                f"but model.base is {base!r}; set model.base scratch, or model.latent_init zero"
             )
-        if base == "scratch" and base_checkpoint is not None and not teacher:
-            raise ConfigError("model.base is 'scratch' but model.base_checkpoint is set; drop one of them")
-        return {"init_from": base_checkpoint, "pretraining": pretraining if base == "pretrained" or teacher else None}
+        if base in ("scratch", "pcanet") and base_checkpoint is not None and not teacher:
+            raise ConfigError(f"model.base is {base!r} but model.base_checkpoint is set; drop one of them")
+        keep = base in ("pretrained", "pcanet") or teacher
+        return {"init_from": base_checkpoint, "pretraining": pretraining if keep else None}
 
     @property
     def steered(self) -> torch.nn.Module:
@@ -135,7 +154,11 @@ class LatentClassifier(LatentSteering, Classifier):
         num_classes: Number of classes.
         head: Classifier head kind; ``orthogonal`` (frozen) is the paper's default. A ``trainable`` head
             trains and is communicated too.
-        base: ``pretrained`` (delta mode on a pretrained base) or ``scratch`` (random Kaiming base).
+        base: ``pretrained`` (delta mode on a pretrained base), ``scratch`` (random Kaiming base) or ``pcanet``
+            (appendix E's PCANet-initialised base: every convolution's filters are the principal components of its
+            input patches on up to ``PCANET_IMAGES`` images of the centralised split, no labels or training, see
+            :func:`~lightning_fl.models.pcanet.pcanet_init_`; made once and cached like a pretrained base, with
+            ``pretraining``'s ``seed`` and ``cache_dir``; the linear layers and head keep their initialisation).
         base_checkpoint: Checkpoint with the base's ``backbone.*`` and ``head.*`` weights (e.g. the
             ``last.ckpt`` of a ``pretrain_*.yaml`` run). ``null``: pretrain per ``pretraining`` and cache.
             With ``latent_init: teacher``, the teacher's weights.
@@ -168,7 +191,7 @@ class LatentClassifier(LatentSteering, Classifier):
         backbone: Backbone,
         num_classes: int,
         head: HeadKind = "orthogonal",
-        base: Literal["pretrained", "scratch"] = "pretrained",
+        base: Literal["pretrained", "scratch", "pcanet"] = "pretrained",
         base_checkpoint: str | None = None,
         pretraining: Pretraining = PAPER_PRETRAINING,
         latent_init: Literal["zero", "teacher"] = "zero",
@@ -189,7 +212,13 @@ class LatentClassifier(LatentSteering, Classifier):
     ) -> None:
         if latent_init not in ("zero", "teacher"):
             raise ConfigError(f"model.latent_init must be 'zero' or 'teacher', got {latent_init!r}")
-        source = self.base_source(base, base_checkpoint, pretraining, teacher=latent_init == "teacher")
+        source = self.base_source(
+            base,
+            base_checkpoint,
+            pretraining,
+            teacher=latent_init == "teacher",
+            choices=("pretrained", "scratch", "pcanet"),
+        )
         # the random initialisation the teacher's fit starts from (before a teacher checkpoint is loaded into it)
         initial = None
         if latent_init == "teacher":
@@ -224,6 +253,44 @@ class LatentClassifier(LatentSteering, Classifier):
         super().prepare_base(datamodule, allow_training)
         if self._random_backbone is not None:
             self._start_from_teacher()
+
+    def base_cache_key(self, datamodule: object) -> dict[str, object]:
+        key = super().base_cache_key(datamodule)
+        if self.hparams.base == "pcanet":  # made by PCA, not by the training recipe: only its seed matters
+            key |= {"loop": pcanet.VERSION, "pretraining": {"images": PCANET_IMAGES, "seed": self.pretraining.seed}}
+        return key
+
+    def build_base(self, datamodule: object, folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        if self.hparams.base != "pcanet":
+            return super().build_base(datamodule, folder)
+        with isolate_rng():
+            torch.manual_seed(self.pretraining.seed)
+            batches, count = [], 0
+            for x, _ in datamodule.train_dataloader():
+                batches.append(x[: PCANET_IMAGES - count])
+                count += len(batches[-1])
+                if count >= PCANET_IMAGES:
+                    break
+        if not batches:
+            raise ConfigError("model.base is 'pcanet' but the data module's centralised split is empty; give it data")
+        device = resolve_device(self.pretraining.accelerator)
+        images = torch.cat(batches).float().to(device)
+        log.warning("Making the PCANet base from %d images on %s (cached in %s)", len(images), device, folder)
+        net = copy.deepcopy(self.backbone).to(device)
+        try:
+            layers = pcanet.pcanet_init_(net, images)
+        except ValueError as err:
+            raise ConfigError(f"model.base is 'pcanet': {err}; use model.base pretrained or scratch") from err
+        for lay in layers:
+            log.info(
+                "PCANet base: %s: %d of %d filters are principal components (%.1f%% of the patch variance)",
+                lay.name,
+                lay.pca_filters,
+                lay.filters,
+                100 * lay.variance_kept,
+            )
+        state = self.own_weights() | {f"backbone.{k}": v.cpu() for k, v in net.state_dict().items()}
+        return state, {"images": len(images), "layers": [asdict(lay) for lay in layers]}
 
     # ----------------------------------------------------------------------------------- forward
     @property

@@ -190,18 +190,25 @@ class TrainingRecipe(L.LightningModule):
         self._base_ready = True
 
     def _pretrain_base(self, datamodule: object, path: Path) -> None:
+        state, made = self.build_base(datamodule, path.parent)
+        atomic_save({"state_dict": {k: v.detach().cpu() for k, v in state.items()}}, path)
+        meta = {"key": self.base_cache_key(datamodule), **made}
+        atomic_write_text(path.parent / "meta.json", json.dumps(meta, indent=2, sort_keys=True, default=str))
+
+    def build_base(self, datamodule: object, folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """The base's weights (the keys of :meth:`own_weights`) and what to record of how they were made.
+
+        Here: train :meth:`pretraining_module` with ``self.pretraining``'s recipe (logs under ``folder``);
+        subclasses that make their base another way override it (and say so in :meth:`base_cache_key`)."""
         p = self.pretraining
-        log.warning("Pretraining the base for %d epochs (cached at %s)", p.epochs, path)
+        log.warning("Pretraining the base for %d epochs (cached in %s)", p.epochs, folder)
         pre = self.pretraining_module()
         with isolate_rng():
             torch.manual_seed(p.seed)
             metrics = train_classifier(
-                pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=path.parent / "pretraining"
+                pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=folder / "pretraining"
             )
-        state = {k: v.detach().cpu() for k, v in pre.own_weights().items()}
-        atomic_save({"state_dict": state}, path)
-        meta = {"key": self.base_cache_key(datamodule), "final_epoch": metrics}
-        atomic_write_text(path.parent / "meta.json", json.dumps(meta, indent=2, sort_keys=True, default=str))
+        return pre.own_weights(), {"final_epoch": metrics}
 
     # ----------------------------------------------------------------------------------- Lightning hooks
     def prepare_data(self) -> None:
