@@ -62,7 +62,8 @@ class LatentSteering:
     ) -> dict:
         """``init_from`` and ``pretraining`` for the host's constructor, from ``model.base`` (one of ``choices``) and
         its checkpoint (with ``teacher``: where the teacher's weights come from; the base itself stays random).
-        A ``pcanet`` base is made and cached like a pretrained one (``pretraining`` gives its seed and cache)."""
+        Every base but ``scratch`` is made and cached (``pretraining`` gives its recipe or seed, and the cache), and
+        only ``pretrained`` can come from ``base_checkpoint`` instead."""
         if base not in choices:
             raise ConfigError(f"model.base must be one of {', '.join(map(repr, choices))}, got {base!r}")
         if teacher and base != "scratch":
@@ -70,10 +71,10 @@ class LatentSteering:
                 "model.latent_init is 'teacher' (a random base whose latent starts at a teacher's least-squares fit) "
                 f"but model.base is {base!r}; set model.base scratch, or model.latent_init zero"
             )
-        if base in ("scratch", "pcanet") and base_checkpoint is not None and not teacher:
+        if base != "pretrained" and base_checkpoint is not None and not teacher:
             raise ConfigError(f"model.base is {base!r} but model.base_checkpoint is set; drop one of them")
-        keep = base in ("pretrained", "pcanet") or teacher
-        return {"init_from": base_checkpoint, "pretraining": pretraining if keep else None}
+        made = base != "scratch" or teacher
+        return {"init_from": base_checkpoint, "pretraining": pretraining if made else None}
 
     @property
     def steered(self) -> torch.nn.Module:
@@ -265,16 +266,15 @@ class LatentClassifier(LatentSteering, Classifier):
             return super().build_base(datamodule, folder)
         with isolate_rng():
             torch.manual_seed(self.pretraining.seed)
-            batches, count = [], 0
+            batches = []
             for x, _ in datamodule.train_dataloader():
-                batches.append(x[: PCANET_IMAGES - count])
-                count += len(batches[-1])
-                if count >= PCANET_IMAGES:
+                batches.append(x)
+                if sum(map(len, batches)) >= PCANET_IMAGES:
                     break
         if not batches:
             raise ConfigError("model.base is 'pcanet' but the data module's centralised split is empty; give it data")
         device = resolve_device(self.pretraining.accelerator)
-        images = torch.cat(batches).float().to(device)
+        images = torch.cat(batches)[:PCANET_IMAGES].float().to(device)
         log.warning("Making the PCANet base from %d images on %s (cached in %s)", len(images), device, folder)
         net = copy.deepcopy(self.backbone).to(device)
         try:
@@ -289,7 +289,7 @@ class LatentClassifier(LatentSteering, Classifier):
                 lay.filters,
                 100 * lay.variance_kept,
             )
-        state = self.own_weights() | {f"backbone.{k}": v.cpu() for k, v in net.state_dict().items()}
+        state = self.own_weights() | {f"backbone.{k}": v for k, v in net.state_dict().items()}
         return state, {"images": len(images), "layers": [asdict(lay) for lay in layers]}
 
     # ----------------------------------------------------------------------------------- forward
