@@ -6,7 +6,7 @@ Importing the package imports every plug-in so the CLI can resolve short class n
 
 __version__ = "0.1.0"
 
-from lightning_fl import compress, data, mapping, methods, models, oneshot
+from lightning_fl import compress, data, mapping, methods, models, oneshot, privacy
 from lightning_fl.data import FederatedDataModule
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError, UserError
 from lightning_fl.federated import FederatedTrainer
@@ -33,5 +33,6 @@ __all__ = [
     "methods",
     "models",
     "oneshot",
+    "privacy",
     "set_threads",
 ]

@@ -1,10 +1,19 @@
-"""Importable plug-ins for CLI tests."""
+"""Importable plug-ins for CLI tests, and clients with crafted uploads for tests of the round."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning as L
+import torch
+
 from lightning_fl import TrainerLike
+from lightning_fl.compress import FP32
+from lightning_fl.federated import ByteLedger, FedAvg, LocalTraining
+from lightning_fl.federated.round import RoundRunner
+from lightning_fl.federated.state import flatten, unflatten
+from lightning_fl.federated.transport import Reply, Transport
+from lightning_fl.privacy import Plan
 
 
 class RecordingTrainer(TrainerLike):
@@ -32,3 +41,47 @@ class RecordingTrainer(TrainerLike):
     def test(self, model: Any, *, datamodule: Any = None, ckpt_path: Any = None) -> Any:
         self.calls.append(("test", model, datamodule, ckpt_path))
         return [{}]
+
+
+class CraftedClients(Transport):
+    """A transport whose clients upload given updates: ``update(client, round)`` (a flat tensor the size of the
+    state) is added to the global state; ``failing`` clients reply with a training failure. For tests of the
+    round's stages with exactly known uploads."""
+
+    def __init__(self, update, num_samples=None, failing=()) -> None:
+        self.update, self.failing = update, set(failing)
+        self.num_samples = num_samples or (lambda client: 10)
+
+    def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric):
+        names = sorted(state)
+        for c in clients:
+            if c in self.failing:
+                yield Reply(c, self.num_samples(c), None, failure="local training failed: diverged")
+                continue
+            flat = flatten(state, names) + self.update(c, round).to(torch.float32)
+            yield Reply(c, self.num_samples(c), FP32().encode(unflatten(flat, state, names), state, c))
+
+
+class Population:
+    """A data module that is only a number of clients (for rounds driven by :class:`CraftedClients`)."""
+
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+
+
+def crafted_runner(update, num_clients, *, strategy=None, privacy=None, sampling="fixed", count=None, rounds=1,
+                   seed=0, failing=(), num_samples=None, **kwargs):  # fmt: skip
+    """A :class:`~lightning_fl.federated.round.RoundRunner` over :class:`CraftedClients` on one CPU process, with
+    ``privacy`` set up for ``rounds`` rounds of ``count`` clients; returns (runner, population)."""
+    strategy = strategy if strategy is not None else FedAvg()
+    count = count if count is not None else num_clients
+    kwargs.setdefault("max_update_norm_ratio", None)
+    fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
+    transport = CraftedClients(update, num_samples, failing)
+    runner = RoundRunner(fabric, strategy, FP32(), LocalTraining(), ByteLedger(num_clients), transport=transport,
+                         privacy=privacy, sampling=sampling, **kwargs)  # fmt: skip
+    if privacy is not None:
+        privacy.setup(
+            Plan(num_clients, float(count), sampling, rounds, seed, strategy, kwargs["max_update_norm_ratio"])
+        )
+    return runner, Population(num_clients)

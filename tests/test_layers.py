@@ -11,7 +11,7 @@ SHARED = {"errors", "checkpoint", "seeding", "runs", "context", "metrics", "thre
 # Top to bottom as in README's code map; a part may import the parts before it.
 LAYERS = [
     {"data"},
-    {"models", "mapping", "compress"},
+    {"models", "mapping", "compress", "privacy"},
     {"methods"},
     {"federated"},
     {"oneshot"},

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +32,9 @@ class Attack:
     """
 
     _plugin_base = True  # not offered as a choice in CLI messages
+    #: A hostile client's upload is forged from its own honest upload alone, so the round can stream; False
+    #: when forging needs every upload of the round (the round then keeps them as rows).
+    per_client: ClassVar[bool] = True
 
     def __init__(self, clients: list[int]) -> None:
         if any(int(c) < 0 for c in clients) or len(set(clients)) != len(clients):
@@ -140,6 +144,8 @@ class ALIE(Attack):
         z: Shift in standard deviations; ``null``: the paper's ``z_max`` for the round's ``n`` and ``f``
             (its probability capped at 0.99 when ``f`` is a majority).
     """
+
+    per_client = False  # the mean and spread of every upload of the round
 
     def __init__(self, clients: list[int], z: float | None = None) -> None:
         super().__init__(clients)

@@ -33,11 +33,14 @@ class LocalTraining:
         epochs: Local epochs E (ignored when ``steps`` is set).
         steps: Local optimiser steps instead of epochs (cycling the client's data).
         gradient_clip_val: Clip gradient norms; ``None`` uses the module's ``hparams.grad_clip``, if any.
+        upload_stage: What the client does to its trained state before encoding it (local DP: clip its update and
+            add noise, :class:`~lightning_fl.privacy.LocalDP`); ``None``: nothing.
     """
 
     epochs: int = 1
     steps: int | None = None
     gradient_clip_val: float | None = None
+    upload_stage: Any = None
 
 
 @dataclass
@@ -153,7 +156,7 @@ def run_client(
     result.logged = context.step_values()
     if result.failure is not None:
         return result
-    encode_upload(result, module.federated_state(), global_state, codec)
+    encode_upload(result, module.federated_state(), global_state, codec, local, round, seed)
     return result
 
 
@@ -171,12 +174,22 @@ def gradient_clip(module: L.LightningModule, local: LocalTraining) -> float | No
     return getattr(getattr(module, "hparams", None), "grad_clip", None)
 
 
-def encode_upload(result: ClientResult, state: State, global_state: State, codec: Codec) -> None:
-    """Fill ``result.payload`` with the codec's encoding of the trained ``state``, or ``result.failure`` when
-    the state holds non-finite values."""
+def encode_upload(
+    result: ClientResult,
+    state: State,
+    global_state: State,
+    codec: Codec,
+    local: LocalTraining = LocalTraining(),
+    round: int = 0,
+    seed: int = 0,
+) -> None:
+    """Fill ``result.payload`` with the codec's encoding of the trained ``state`` (after ``local.upload_stage``,
+    e.g. local DP's clipping and noise), or ``result.failure`` when the state holds non-finite values."""
     if bad := non_finite(state):
         result.failure = "; ".join(f"{n}: non-finite values" for n in bad)
         return
+    if local.upload_stage is not None:
+        state = local.upload_stage.privatize(state, global_state, result.client, round, seed)
     result.payload = codec.encode(state, global_state, result.client)
 
 

@@ -237,6 +237,7 @@ def run_cohort(
     for k, result in enumerate(results):
         result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
         if result.failure is None:
-            encode_upload(result, {n: params[n][k].detach().clone() for n in names}, global_state, codec)
+            trained = {n: params[n][k].detach().clone() for n in names}
+            encode_upload(result, trained, global_state, codec, local, round, seed)
     module.load_federated_state(global_state)
     return results

@@ -49,6 +49,7 @@ from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
 from lightning_fl.federated.summary import run_summary
 from lightning_fl.federated.transport import InProcess, Transport
+from lightning_fl.privacy.base import Plan, Privacy
 from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, write_config
 
@@ -77,6 +78,12 @@ class FederatedTrainer(TrainerLike):
             its download is counted, its upload never arrives.
         attack: Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``,
             ``NaNUpload``); ``null``: every client is honest.
+        privacy: Differential privacy (``CentralDP``: the server clips each update and noises their sum, with an
+            accountant; ``LocalDP``: each client clips and noises its own update); ``null``: none. See
+            ``docs/privacy.md``.
+        sampling: How a round's clients are drawn: ``fixed`` (``clients_per_round`` of them without replacement)
+            or ``poisson`` (each client independently with probability ``clients_per_round / num_clients``, so
+            the cohort's size varies; what most DP analyses assume).
         seed: Seed of client sampling and client training; default: the run's ``seed_everything``.
         accelerator: Fabric accelerator (``cpu``, ``gpu``, ``auto``).
         devices: Processes/devices the clients are spread over (``2`` on CPU uses gloo); with several nodes, per node.
@@ -128,6 +135,8 @@ class FederatedTrainer(TrainerLike):
         max_update_norm_ratio: float | None = 100.0,
         dropout: float = 0.0,
         attack: Attack | None = None,
+        privacy: Privacy | None = None,
+        sampling: Literal["fixed", "poisson"] = "fixed",
         seed: int | None = None,
         accelerator: str = "auto",
         devices: int | str = 1,
@@ -178,6 +187,9 @@ class FederatedTrainer(TrainerLike):
             (client_state_memory_mb is None or (math.isfinite(client_state_memory_mb) and client_state_memory_mb >= 0),
              f"trainer.client_state_memory_mb must be >= 0 or null, got {client_state_memory_mb}"),
             (isinstance(strategy, Strategy), f"trainer.strategy must be a Strategy, got {type(strategy).__name__}"),
+            (sampling in ("fixed", "poisson"), f"trainer.sampling must be 'fixed' or 'poisson', got {sampling!r}"),
+            (privacy is None or isinstance(privacy, Privacy),
+             f"trainer.privacy must be CentralDP, LocalDP or null, got {type(privacy).__name__}"),
         ]  # fmt: skip
         problems = [message for ok, message in checks if not ok]
         for key, value in (("max_update_norm", max_update_norm), ("max_update_norm_ratio", max_update_norm_ratio)):
@@ -186,7 +198,9 @@ class FederatedTrainer(TrainerLike):
         if problems:
             raise ConfigError("; ".join(problems))
         self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
-        self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val)
+        upload_stage = privacy if privacy is not None and not privacy.central else None  # LocalDP runs on clients
+        self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val, upload_stage)
+        self.privacy, self.sampling = privacy, sampling
         self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
         self.dropout, self.attack, self.seed = dropout, attack, seed
@@ -242,7 +256,9 @@ class FederatedTrainer(TrainerLike):
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
             identity, progress=self.enable_progress_bar, transport=self.transport,
             max_update_norm=self.max_update_norm, max_update_norm_ratio=self.max_update_norm_ratio,
+            privacy=self.privacy, sampling=self.sampling,
         )  # fmt: skip
+        self.round_runner = runner
         self.transport.open(num_clients=datamodule.num_clients, fingerprint=fingerprint, seed=seed)
         count = self._clients_per_round(datamodule.num_clients)
         self._attach_client_state()
@@ -258,7 +274,12 @@ class FederatedTrainer(TrainerLike):
             self._log_text(hooks, step=0)
             self.history.append({"round": 0, **base_metrics})
         started = time.perf_counter()
+        self.stopped = None
         for r in range(start, self.rounds):
+            if self.privacy is not None and (reason := self.privacy.stop_reason()) is not None:
+                self.stopped = f"stopped before round {r + 1}: {reason}"
+                fabric.print(self.stopped)
+                break
             self.current_round = r
             t0 = time.perf_counter()
             self.global_state, metrics = runner.run(model, datamodule, self.global_state, r, seed, count)
@@ -285,7 +306,7 @@ class FederatedTrainer(TrainerLike):
         if start < self.rounds:
             self._log_text(hooks, step=self.rounds)
         self._finish()
-        fabric.print(run_summary(self.history, self.log_dir, self.use_logger))
+        fabric.print(run_summary(self.history, self.log_dir, self.use_logger, self.stopped))
 
     def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
         return self._evaluate_only(model, datamodule, ckpt_path, "val")
@@ -377,12 +398,21 @@ class FederatedTrainer(TrainerLike):
         for logger in self.fabric.loggers:
             logger.finalize("success")
 
+    def _privacy_plan(self, num_clients: int, count: int, seed: int) -> Plan:
+        return Plan(
+            num_clients=num_clients, expected_clients=float(count), sampling=self.sampling, rounds=self.rounds,
+            seed=seed, strategy=self.strategy, max_update_norm_ratio=self.max_update_norm_ratio,
+        )  # fmt: skip
+
     def _clients_per_round(self, num_clients: int) -> int:
         return self.clients_per_round or max(1, round(self.client_fraction * num_clients))
 
     def _check_plan(self, num_clients: int) -> None:
+        """Refuse an impossible plan before any work; set up the privacy plug-in (checks, noise calibration)."""
         count = min(self._clients_per_round(num_clients), num_clients)
-        setup.check_plan(self.strategy, self.attack, num_clients, count)
+        setup.check_plan(self.strategy, self.attack, num_clients, count, self.sampling)
+        if self.privacy is not None:
+            self.privacy.setup(self._privacy_plan(num_clients, count, self._run_seed()))
 
     def _attach_client_state(self) -> None:
         """Give the codec's per-client stores their memory budget and folder (``client_state_memory_mb``)."""
@@ -421,6 +451,7 @@ class FederatedTrainer(TrainerLike):
                 "strategy_class": self.strategy.name,
                 "strategy": self.strategy.state_dict(),
                 "codec": codec_state,
+                "privacy": self.privacy.state_dict() if self.privacy is not None else {},
                 "ledger": self.ledger.state_dict(),
                 "history": [{k: float(v) for k, v in h.items()} for h in self.history],
             }
@@ -459,6 +490,13 @@ class FederatedTrainer(TrainerLike):
         for store in stores.values() if world > 1 else ():  # each process keeps the clients it trains (client % world)
             store.retain(lambda c: c % world == rank)
         self.ledger.load_state_dict(ckpt["ledger"])
+        if self.privacy is not None:
+            self.privacy.load_state_dict(ckpt.get("privacy", {}))
+        elif ckpt.get("privacy"):
+            raise CheckpointError(
+                f"cannot resume from {path}: it was written by a private run (trainer.privacy); set the same "
+                "trainer.privacy to continue its budget"
+            )
         self.history = list(ckpt.get("history", []))
         if self.fabric.is_global_zero:
             remove_stale_temps(path.parent)

@@ -1,16 +1,35 @@
-"""One federated round on every process: sample, train the local clients, gate, gather, attack, aggregate.
+"""One federated round as a pipeline: sample, train, then carry every reply through ordered stages.
 
 :class:`RoundRunner` holds what a round needs (Fabric, strategy, codec, gate policy, availability, attack,
-ledger) and turns a global state into the next one. Each process trains its share of the round's clients
-(every ``world_size``-th, by client id); the uploads it accepted are gathered on every process, in client
-order, so the strategy computes the same aggregate everywhere.
+privacy, ledger) and turns a global state into the next one. The round's uploads travel as one
+:class:`RoundUploads` object through these stages::
+
+    per client   decode + gate  ->  simulated attack  ->  finiteness  ->  norm gate  ->  clip (central DP)  ->  fold
+    per round                                                               (relative bound: every norm first)
+    server       aggregate (running sum, or rows)  ->  noise (central DP)  ->  strategy step  ->  aggregate check
+
+**Streaming.** A linear strategy (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad) only needs the round's mean: each
+upload is folded into a float64 running sum as soon as its stages pass, in client-id order, and dropped, so a
+round costs O(D) memory whatever the number of clients (local DP happens on the client, before encoding).
+**Rows** are kept, as an ``(n, D)`` float32 matrix, when something needs every upload at once: a robust strategy
+(Median, TrimmedMean, Krum), the relative norm gate (``max_update_norm_ratio``: the round's median norm is known
+only when every upload has arrived), an attack that forges from the whole round (ALIE), the averaging identity
+check (FLITE latents, a few thousand floats each), or clients spread over several processes (the fold must visit
+clients in client-id order to stay independent of their placement; each process decodes its own share and the
+rows are gathered). Either way the same operations run in the same order, so a streamed FedAvg equals the
+all-rows mean bit for bit.
+
+Each process trains its share of the round's clients (every ``world_size``-th, by client id), so the global
+state does not depend on how clients are placed.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -26,11 +45,60 @@ from lightning_fl.federated.gate import UploadRejectedError, non_finite_rows, sc
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.state import State, flatten, unflatten
 from lightning_fl.federated.strategies import Strategy
-from lightning_fl.federated.transport import InProcess, Transport
+from lightning_fl.federated.strategies.base import RunningSum
+from lightning_fl.federated.transport import InProcess, Reply, Transport
+from lightning_fl.privacy.base import Privacy, layer_slices
 from lightning_fl.seeding import derive_seed
 
 STREAM_DROPOUT = 15
 REJECTED, ACCEPTED, LOST = 0, 1, 2  # what became of a client's reply
+
+
+@dataclass
+class Entry:
+    """One sampled, available client in a round: what it sent and what became of it."""
+
+    client: int
+    weight: float = 0.0  # its sample count (the aggregation weight of a weighted strategy)
+    status: int = REJECTED
+    up: int = 0  # upload bytes (the codec's payload)
+    msg_up: int = -1  # the transport's message bytes (-1: not measured)
+    msg_down: int = -1
+    logged: dict[str, tuple[float, float]] = field(default_factory=dict)
+    norm: float = math.nan  # the L2 norm of its update (float64), once computed
+
+
+@dataclass
+class RoundUploads:
+    """A round's uploads as they travel through the stages.
+
+    ``entries`` has one :class:`Entry` per client that answered or was lost (by client id). Accepted uploads
+    are either folded into ``sum`` (streaming) or kept as ``rows`` (float32 ``(n, D)``, one per entry of
+    ``row_clients``); ``unclipped`` counts the folded updates central DP left unscaled.
+    """
+
+    current: torch.Tensor  # the global state the clients started from, flat float32 (D,)
+    streaming: bool
+    entries: dict[int, Entry] = field(default_factory=dict)
+    sum: RunningSum | None = None
+    rows: torch.Tensor | None = None
+    row_clients: list[int] = field(default_factory=list)
+    folded: list[int] = field(default_factory=list)  # clients in the aggregate, in client order
+    unclipped: int = 0
+    attacked: int = 0
+
+    def entry(self, client: int) -> Entry:
+        return self.entries[client]
+
+    @property
+    def in_order(self) -> list[Entry]:
+        """Every entry, in client order."""
+        return [self.entries[c] for c in sorted(self.entries)]
+
+    @property
+    def answered(self) -> list[Entry]:
+        """The entries of clients that replied (not lost), in client order."""
+        return [e for e in self.in_order if e.status != LOST]
 
 
 class RoundRunner:
@@ -51,20 +119,33 @@ class RoundRunner:
         transport: Transport | None = None,
         max_update_norm: float | None = None,
         max_update_norm_ratio: float | None = None,
+        privacy: Privacy | None = None,
+        sampling: str = "fixed",
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
         self.upload_policy, self.dropout, self.attack = upload_policy, dropout, attack
         self.identity, self.progress = identity, progress
         self.transport = transport if transport is not None else InProcess()
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
+        self.privacy, self.sampling = privacy, sampling
         #: Clients that answered the last round but were left out of its aggregate (rejected by the gate).
         self.dropped: list[int] = []
+        #: Rows of uploads the last round held at once on this process (0: it streamed into a running sum).
+        self.kept_rows = 0
 
+    # ============================================================================ the round
     def unavailable(self, seed: int, r: int, client: int) -> bool:
         """Whether ``client`` drops out of round ``r`` (seeded per client and round)."""
         if self.dropout == 0:
             return False
         return bool(np.random.default_rng(derive_seed(seed, r, client, STREAM_DROPOUT)).random() < self.dropout)
+
+    def sample(self, r: int, num_clients: int, count: int, seed: int) -> list[int]:
+        """Round ``r``'s clients: ``count`` without replacement (``fixed``), or each with probability
+        ``count / num_clients`` (``poisson``)."""
+        if self.sampling == "poisson":
+            return self.strategy.sample_poisson(r, num_clients, count / num_clients, seed)
+        return self.strategy.sample(r, num_clients, count, seed)
 
     def reject(self, r: int, client: int, problems: list[str]) -> None:
         """Apply the upload policy to a rejected upload: raise, or warn and leave it out."""
@@ -73,75 +154,201 @@ class RoundRunner:
             raise UploadRejectedError(message + " (trainer.upload_policy is 'raise'; use 'drop' to skip it)")
         warnings.warn(message + "; dropped from this round", stacklevel=3)
 
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether a round keeps every upload as a row (see the module docstring) instead of streaming."""
+        spread = self.transport.spreads_over_processes and self.fabric.world_size > 1
+        round_attack = self.attack is not None and not self.attack.per_client
+        return (
+            not self.strategy.streams
+            or self.max_update_norm_ratio is not None
+            or round_attack
+            or self.identity is not None
+            or spread
+        )
+
     def run(
         self, model: L.LightningModule, datamodule: Any, state: State, r: int, seed: int, count: int
     ) -> tuple[State, dict[str, float]]:
         """Round ``r`` from global ``state`` with ``count`` sampled clients: the next global state and metrics."""
         names = sorted(state)
-        sampled = self.strategy.sample(r, datamodule.num_clients, count, seed)
+        sampled = self.sample(r, datamodule.num_clients, count, seed)
         away = [c for c in sampled if self.unavailable(seed, r, c)]
         available = [c for c in sampled if c not in away]
-        ids, status, weights, flats, up, msg_up, msg_down, logged = self._train_mine(
-            model, datamodule, state, names, available, r, seed
-        )
-        order = sorted((i for i in range(len(ids)) if ids[i] >= 0), key=lambda i: int(ids[i]))
-        lost = [int(ids[i]) for i in order if status[i] == LOST]
+        current = flatten(state, names)
+        uploads = RoundUploads(current, streaming=not self.keeps_rows)
+        if uploads.streaming:
+            uploads.sum = RunningSum(len(current))
+        self.layers = layer_slices([state[n].numel() for n in names])
+        self._collect(uploads, model, datamodule, state, names, available, r, seed)
+        lost = [e.client for e in uploads.in_order if e.status == LOST]
         if lost:
             warnings.warn(f"round {r + 1}: no reply from client(s) {lost}; they miss this round", stacklevel=2)
-        answered = [i for i in order if status[i] != LOST]
-        keep = [i for i in order if status[i] == ACCEPTED]
         metrics = {
             "fed/round": float(r + 1),
             "fed/clients": float(len(sampled)),
             "fed/unavailable_clients": len(away),
             "fed/lost_clients": len(lost),
         }
-        clients, uploads, num_samples = [int(ids[i]) for i in keep], rows(flats, keep), weights[keep]
-        current = flatten(state, names)
+        self.kept_rows = 0 if uploads.streaming else len(uploads.rows)
+        if not uploads.streaming:
+            self._round_stages(uploads, r, seed)
         if self.attack is not None:
-            uploads, attacked = self.attack.apply(r, current, uploads, clients, seed)
-            metrics["fed/attacked_clients"] = len(attacked)
-            bad = non_finite_rows(uploads)
-            for i in bad:
-                self.reject(r, clients[i], ["non-finite values"])
-            good = [i for i in range(len(clients)) if i not in bad]
-            clients, uploads, num_samples = [clients[i] for i in good], rows(uploads, good), num_samples[good]
-        norms = update_norms(uploads, current)
-        good = self._norm_gate(r, clients, norms)
-        clients, num_samples, norms = [clients[i] for i in good], num_samples[good], norms[good]
-        uploads = rows(uploads, good)
-        aggregated_ids = set(clients)
-        self.dropped = [int(ids[i]) for i in answered if int(ids[i]) not in aggregated_ids]
+            metrics["fed/attacked_clients"] = uploads.attacked
+        aggregated = set(uploads.folded)
+        self.dropped = [e.client for e in uploads.answered if e.client not in aggregated]
         metrics["fed/dropped_clients"] = len(self.dropped)
         # what the round aggregated: the metrics and the ledger's upload bytes leave dropped clients out
-        metrics.update(mean_over_clients([logged[int(ids[i])] for i in answered if int(ids[i]) in aggregated_ids]))
-        self._record_bytes(state, ids, order, status, up, msg_up, msg_down, away, aggregated_ids)
-        state, aggregated = self._aggregate(r, state, names, current, uploads, num_samples, clients, norms)
-        metrics.update(aggregated)
+        metrics.update(mean_over_clients([e.logged for e in uploads.answered if e.client in aggregated]))
+        self._record_bytes(state, uploads, away, aggregated)
+        state, outcome = self._aggregate(r, state, names, uploads)
+        metrics.update(outcome)
+        if self.privacy is not None:
+            participants = uploads.folded if self.privacy.central else [e.client for e in uploads.answered if e.up]
+            metrics.update(self.privacy.end_round(r, participants))
         metrics.update(self.ledger.metrics())
         return state, {k: float(v) for k, v in metrics.items()}
 
-    def _norm_gate(self, r: int, clients: list[int], norms: torch.Tensor) -> list[int]:
-        """Indices of the uploads whose update norm passes ``max_update_norm`` and ``max_update_norm_ratio``."""
+    # ============================================================================ per-client stages
+    def _collect(self, uploads: RoundUploads, model, datamodule, state: State, names, available, r: int, seed: int):
+        """Have this process's share of ``available`` trained (by the transport) and take each reply through the
+        per-client stages: streaming, fold it in client order; keeping rows, decode it into its row (and gather
+        every process's rows and entries)."""
+        fabric = self.fabric
+        spread = self.transport.spreads_over_processes
+        # Each client trains on one process, always the same (client % processes): a codec's memory of a client
+        # (error-feedback residuals) stays where the client trains.
+        world = fabric.world_size if spread else 1
+        share = [c for c in available if c % world == fabric.global_rank] if spread else available
+        if not uploads.streaming:
+            slots = max(1, max(sum(1 for c in available if c % world == k) for k in range(world)))
+            uploads.rows = torch.zeros(slots, len(uploads.current), dtype=torch.float32)
+        show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
+        replies = self.transport.replies(
+            model, datamodule, state, share, r, seed, codec=self.codec, local=self.local, fabric=fabric
+        )
+        pending: dict[int, torch.Tensor | None] = {}  # streaming: processed replies waiting for their turn to fold
+        order = iter(sorted(share))
+        expected = next(order, None)
+        if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
+            replies = tqdm(replies, total=len(share), desc=f"clients r{r + 1}", leave=False, disable=not show)
+            for reply in replies:
+                entry, decoded = self._receive(reply, state, r)
+                uploads.entries[entry.client] = entry
+                if not uploads.streaming:
+                    if decoded is not None:
+                        flatten(decoded, names, out=uploads.rows[len(uploads.row_clients)])
+                        uploads.row_clients.append(entry.client)
+                    continue
+                row = flatten(decoded, names) if decoded is not None else None
+                pending[entry.client] = self._client_stages(uploads, entry, row, r, seed) if row is not None else None
+                while expected is not None and expected in pending:  # fold in client order, whatever the arrival
+                    if (ready := pending.pop(expected)) is not None:
+                        self._fold(uploads, uploads.entry(expected), ready)
+                    expected = next(order, None)
+            for client in sorted(pending):  # a transport that never answered for some client: fold the rest
+                if pending[client] is not None:
+                    self._fold(uploads, uploads.entry(client), pending[client])
+        if not uploads.streaming and fabric.world_size > 1:
+            self._gather_rows(uploads)
+
+    def _receive(self, reply: Reply, state: State, r: int) -> tuple[Entry, State | None]:
+        """A reply as an :class:`Entry`, and its decoded upload if it passed the gate (decode + checks)."""
+        cid = reply.client
+        entry = Entry(cid, float(reply.num_samples), REJECTED, logged=reply.logged)
+        entry.msg_up = -1 if reply.message_up is None else reply.message_up
+        entry.msg_down = -1 if reply.message_down is None else reply.message_down
+        if reply.lost:
+            entry.status = LOST
+            return entry, None
+        entry.up = upload_nbytes(reply.payload)
+        if reply.failure:
+            decoded, problems = None, [reply.failure]
+        else:
+            decoded, problems = screen_upload(reply.payload, self.codec, state, cid)
+        if problems or decoded is None:
+            self.reject(r, cid, problems)
+            return entry, None
+        entry.status = ACCEPTED
+        return entry, decoded
+
+    def _client_stages(self, uploads: RoundUploads, entry: Entry, row: torch.Tensor, r: int, seed: int):
+        """One accepted upload through the simulated attack, the finiteness check and the absolute norm gate:
+        the row to fold, or ``None`` (rejected, ``entry.status`` says so)."""
+        if self.attack is not None:
+            forged, attacked = self.attack.apply(r, uploads.current, row.unsqueeze(0), [entry.client], seed)
+            if attacked:
+                row = forged[0]
+                uploads.attacked += 1
+            if not bool(torch.isfinite(row).all()):
+                self._refuse(r, entry, ["non-finite values"])
+                return None
+        entry.norm = float(update_norms(row.unsqueeze(0), uploads.current)[0])
+        problems = [f"update norm {entry.norm:.4g} {why}" for limit, why in self.norm_limits() if entry.norm > limit]
+        if problems:
+            self._refuse(r, entry, problems)
+            return None
+        return row
+
+    def _refuse(self, r: int, entry: Entry, problems: list[str]) -> None:
+        self.reject(r, entry.client, problems)
+        entry.status = REJECTED
+
+    def _fold(self, uploads: RoundUploads, entry: Entry, row: torch.Tensor) -> None:
+        """Add one upload to the running sum: as it is (weighted by its sample count for a weighted strategy), or
+        under central DP its clipped update."""
+        if self.privacy is not None and self.privacy.central:
+            clipped, _, within = self.privacy.clip(row.double() - uploads.current.double(), self.layers)
+            uploads.sum.add(clipped, 1.0)
+            uploads.unclipped += int(within)
+        else:
+            uploads.sum.add(row, entry.weight if self.strategy.weighted else 1.0)
+        uploads.folded.append(entry.client)
+
+    # ============================================================================ per-round stages (rows kept)
+    def _round_stages(self, uploads: RoundUploads, r: int, seed: int) -> None:
+        """The kept rows through the attack (which may forge from all of them), the finiteness check and the norm
+        gate (with the round's median norm); then fold them in client order (linear strategies) or keep them."""
+        clients = list(uploads.row_clients)
+        rows_ = rows(uploads.rows, list(range(len(clients))))
+        current = uploads.current
+        if self.attack is not None:
+            rows_, attacked = self.attack.apply(r, current, rows_, clients, seed)
+            uploads.attacked = len(attacked)
+            bad = set(non_finite_rows(rows_))
+            for i in sorted(bad):
+                self._refuse(r, uploads.entry(clients[i]), ["non-finite values"])
+            good = [i for i in range(len(clients)) if i not in bad]
+            clients, rows_ = [clients[i] for i in good], rows(rows_, good)
+        norms = update_norms(rows_, current)
         limits = self.norm_limits(norms)
         good = []
         for i, client in enumerate(clients):
-            problems = [f"update norm {float(norms[i]):.4g} {why}" for limit, why in limits if float(norms[i]) > limit]
+            entry = uploads.entry(client)
+            entry.norm = float(norms[i])
+            problems = [f"update norm {entry.norm:.4g} {why}" for limit, why in limits if entry.norm > limit]
             if problems:
-                self.reject(r, client, problems)
+                self._refuse(r, entry, problems)
             else:
                 good.append(i)
-        return good
+        uploads.row_clients, uploads.rows = [clients[i] for i in good], rows(rows_, good)
+        if self.strategy.streams:
+            uploads.sum = RunningSum(len(current))
+            for client, row in zip(uploads.row_clients, uploads.rows, strict=True):
+                self._fold(uploads, uploads.entry(client), row)
+        else:
+            uploads.folded = list(uploads.row_clients)
 
-    def norm_limits(self, norms: torch.Tensor, relative: bool = True) -> list[tuple[float, str]]:
+    def norm_limits(self, norms: torch.Tensor | None = None, relative: bool = True) -> list[tuple[float, str]]:
         """The update-norm bounds of a round whose uploads have ``norms``, each with the reason it names.
 
-        ``relative``: include ``max_update_norm_ratio`` times the round's median (skipped when the median is 0).
+        ``relative``: include ``max_update_norm_ratio`` times the round's median (skipped when the median is 0 or
+        ``norms`` is not given).
         """
         limits = []
         if self.max_update_norm is not None:
             limits.append((self.max_update_norm, f"exceeds trainer.max_update_norm={self.max_update_norm:g}"))
-        if relative and self.max_update_norm_ratio is not None and len(norms):
+        if relative and self.max_update_norm_ratio is not None and norms is not None and len(norms):
             median = float(norms.median())  # the lower median: an honest majority keeps it honest
             if median > 0:
                 limits.append((
@@ -151,100 +358,53 @@ class RoundRunner:
                 ))  # fmt: skip
         return limits
 
-    def _record_bytes(self, state, ids, order, status, up, msg_up, msg_down, away, aggregated) -> None:
-        """Count the round's traffic: downloads to every sampled client, uploads aggregated or rejected."""
-        down = FP32().encode(state, state, -1).nbytes
-        self.ledger.start_round()
-        for i in order:
-            client = int(ids[i])
-            self.ledger.record(client, "down", down)
-            if status[i] != LOST:
-                self.ledger.record(client, "up" if client in aggregated else "rejected", int(up[i]))
-            for direction, sizes in (("up", msg_up), ("down", msg_down)):
-                if sizes[i] >= 0:
-                    self.ledger.record_message(client, direction, int(sizes[i]))
-        for c in away:
-            self.ledger.record(c, "down", down)
-
-    def _train_mine(self, model, datamodule, state: State, names: list[str], available: list[int], r: int, seed: int):
-        """Have this process's share of ``available`` trained (by the transport); gather what the round needs.
-
-        Returns ids, status (rejected, accepted or lost), sample counts, flat uploads, upload bytes and the
-        transport's message bytes up and down (-1: not measured), one row per slot on every process, and
-        ``{client: logged values}``.
-        """
-        fabric = self.fabric
-        spread = self.transport.spreads_over_processes
-        # Each client trains on one process, always the same (client % processes): a codec's memory of a client
-        # (error-feedback residuals) stays where the client trains. Rows are aggregated in client order.
-        world = fabric.world_size if spread else 1
-        share = [c for c in available if c % world == fabric.global_rank] if spread else available
-        slots = max(1, max(sum(1 for c in available if c % world == k) for k in range(world)))
-        ids = torch.full((slots,), -1, dtype=torch.int64)
-        status = torch.full((slots,), REJECTED, dtype=torch.int64)
-        weights = torch.zeros(slots, dtype=torch.float64)
-        flats = torch.zeros(slots, sum(state[n].numel() for n in names), dtype=torch.float32)
-        up = torch.zeros(slots, dtype=torch.int64)  # upload bytes (the codec's payload)
-        msg_up = torch.full((slots,), -1, dtype=torch.int64)
-        msg_down = torch.full((slots,), -1, dtype=torch.int64)
-        logged: dict[int, dict[str, tuple[float, float]]] = {}
-        show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
-        replies = self.transport.replies(
-            model, datamodule, state, share, r, seed, codec=self.codec, local=self.local, fabric=fabric
-        )
-        if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
-            replies = tqdm(replies, total=len(share), desc=f"clients r{r + 1}", leave=False, disable=not show)
-            for slot, reply in enumerate(replies):
-                cid = reply.client
-                ids[slot], weights[slot], logged[cid] = cid, float(reply.num_samples), reply.logged
-                msg_up[slot] = -1 if reply.message_up is None else reply.message_up
-                msg_down[slot] = -1 if reply.message_down is None else reply.message_down
-                if reply.lost:
-                    status[slot] = LOST
-                    continue
-                up[slot] = upload_nbytes(reply.payload)
-                if reply.failure:
-                    decoded, problems = None, [reply.failure]
-                else:
-                    decoded, problems = screen_upload(reply.payload, self.codec, state, cid)
-                if problems or decoded is None:
-                    self.reject(r, cid, problems)
-                    continue
-                status[slot] = ACCEPTED
-                flatten(decoded, names, out=flats[slot])
-        gathered = (self._gather(t) for t in (ids, status, weights, flats, up, msg_up, msg_down))
-        return (*gathered, self._gather_logged(logged))
-
-    def _aggregate(
-        self, r, state, names, current, uploads, num_samples, clients, norms
-    ) -> tuple[State, dict[str, float]]:
-        """Apply the strategy; keep ``state`` when the round cannot be aggregated or its result is unusable.
+    # ============================================================================ server stages
+    def _aggregate(self, r: int, state: State, names: list[str], uploads: RoundUploads) -> tuple[State, dict]:
+        """Aggregate, noise (central DP), step the strategy; keep ``state`` when the round cannot be aggregated or
+        its result is unusable.
 
         The aggregate passes the gate's checks before it becomes the global state: finite values, and a step
         within ``max_update_norm`` (and, for linear strategies, ``max_update_norm_ratio`` times the median).
+        Under central DP every round releases its noised sum (even of no upload): skipping a round because few
+        uploads arrived would reveal how many did; refusing a non-finite or too large noised result is
+        post-processing.
         """
-        problem = self.strategy.problem(len(clients))
+        strategy, current = self.strategy, uploads.current
+        central = self.privacy is not None and self.privacy.central
+        folded = uploads.folded
+        norms = torch.tensor([uploads.entry(c).norm for c in folded], dtype=torch.float64)
         metrics: dict[str, float] = {}
+        problem = None if central else strategy.problem(len(folded))
         if problem is None:
-            new_flat, extra = self.strategy.aggregate(r, current, uploads, num_samples, clients)
+            if central:
+                mean, released = self.privacy.release(uploads.sum.total, uploads.unclipped, len(folded), r)
+                if self.fabric.world_size > 1:  # noise from the OS differs per process: rank 0's release holds
+                    mean, released, self.privacy.bound = self.fabric.broadcast((mean, released, self.privacy.bound))
+                metrics.update(released)
+                new_flat, extra = strategy.step(r, current, current.double() + mean)
+            elif strategy.streams:
+                new_flat, extra = strategy.step(r, current, uploads.sum.mean())
+            else:
+                weights = torch.tensor([uploads.entry(c).weight for c in folded], dtype=torch.float64)
+                new_flat, extra = strategy.aggregate(r, current, uploads.rows, weights, list(folded))
             step = float((new_flat.double() - current.double()).norm())
             # a server optimiser's step is not bounded by the clients' updates: only the absolute bound applies
-            limits = self.norm_limits(norms, relative=self.strategy.linear)
-            name = self.strategy.name
+            limits = self.norm_limits(norms, relative=strategy.linear)
+            name = strategy.name
             if not bool(torch.isfinite(new_flat).all()):
                 problem = f"aggregate refused: {name} produced non-finite values"
             elif too_far := [why for limit, why in limits if step > limit]:
                 problem = f"aggregate refused: {name}'s step has norm {step:.4g}, which " + "; ".join(too_far)
             else:
                 new_state = unflatten(new_flat, state, names)
-                if self.identity is not None and self.fabric.is_global_zero:
-                    metrics["fed/identity_error"] = self.identity([unflatten(u, state, names) for u in uploads])
+                if self.identity is not None and self.fabric.is_global_zero and len(folded):
+                    metrics["fed/identity_error"] = self.identity([unflatten(u, state, names) for u in uploads.rows])
                 metrics.update({f"strategy/{k}": float(v) for k, v in extra.items()})
                 state = {n: t.to(state[n].device) for n, t in new_state.items()}
-            if problem is not None and len(clients):
+            if problem is not None and len(folded):
                 top = int(norms.argmax())
                 problem += (
-                    f"; the largest update came from client {clients[top]} (norm {float(norms[top]):.4g}, the "
+                    f"; the largest update came from client {folded[top]} (norm {float(norms[top]):.4g}, the "
                     f"round's median {float(norms.median()):.4g})"
                 )
         if problem is not None:
@@ -252,13 +412,35 @@ class RoundRunner:
         metrics["fed/round_skipped"] = float(problem is not None)
         return state, metrics
 
-    def _gather_logged(self, logged: dict[int, dict]) -> dict[int, dict]:
-        """Every process's ``{client: logged values}``, merged."""
-        if self.fabric.world_size == 1:
-            return logged
-        everyone: list[dict] = [{} for _ in range(self.fabric.world_size)]
-        dist.all_gather_object(everyone, logged)
-        return {c: values for part in everyone for c, values in part.items()}
+    # ============================================================================ bookkeeping
+    def _record_bytes(self, state: State, uploads: RoundUploads, away: list[int], aggregated: set[int]) -> None:
+        """Count the round's traffic: downloads to every sampled client, uploads aggregated or rejected."""
+        down = FP32().encode(state, state, -1).nbytes
+        self.ledger.start_round()
+        for e in uploads.in_order:
+            self.ledger.record(e.client, "down", down)
+            if e.status != LOST:
+                self.ledger.record(e.client, "up" if e.client in aggregated else "rejected", e.up)
+            for direction, size in (("up", e.msg_up), ("down", e.msg_down)):
+                if size >= 0:
+                    self.ledger.record_message(e.client, direction, size)
+        for c in away:
+            self.ledger.record(c, "down", down)
+
+    def _gather_rows(self, uploads: RoundUploads) -> None:
+        """Every process's entries and decoded rows, on every process, in client order."""
+        fabric = self.fabric
+        everyone: list[Any] = [None] * fabric.world_size
+        dist.all_gather_object(everyone, (uploads.entries, uploads.row_clients))
+        rows_ = self._gather(uploads.rows)
+        slots = len(uploads.rows)
+        entries, placed = {}, {}
+        for rank, (their_entries, their_rows) in enumerate(everyone):
+            entries.update(their_entries)
+            placed.update({c: rank * slots + i for i, c in enumerate(their_rows)})
+        uploads.entries = entries
+        uploads.row_clients = sorted(placed)
+        uploads.rows = rows_[[placed[c] for c in uploads.row_clients]]
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every process's ``t`` (same shape everywhere), concatenated in rank order along the first dimension.

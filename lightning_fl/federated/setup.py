@@ -108,19 +108,20 @@ def agree_on_fingerprint(fabric: L.Fabric, hooks: ModuleHooks) -> str | None:
     return mine
 
 
-def check_plan(strategy: Any, attack: Any, num_clients: int, count: int) -> None:
+def check_plan(strategy: Any, attack: Any, num_clients: int, count: int, sampling: str = "fixed") -> None:
     """Refuse a run whose attack names absent clients or whose strategy could never aggregate a round.
 
     Args:
         strategy: The server strategy (its ``problem`` says why a number of uploads cannot be aggregated).
         attack: The attack, or ``None``.
         num_clients: Clients of the data module.
-        count: Clients sampled per round.
+        count: Clients sampled per round (``poisson``: its expectation; a round may have more).
+        sampling: ``fixed`` or ``poisson``.
     """
     problems = []
     if attack is not None and (absent := [c for c in attack.clients if c >= num_clients]):
         problems.append(f"trainer.attack.clients {absent} do not exist: client ids run 0..{num_clients - 1}")
-    if (why := strategy.problem(count)) is not None:
+    if sampling == "fixed" and (why := strategy.problem(count)) is not None:
         problems.append(
             f"trainer.strategy cannot aggregate any round: a round samples {count} clients, so at most {why}"
         )

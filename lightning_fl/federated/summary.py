@@ -17,8 +17,9 @@ def best_round(history: list[dict[str, float]], key: str) -> tuple[int, float] |
     return min(rows, key=lambda rv: rv[1] if lower else -rv[1])
 
 
-def run_summary(history: list[dict[str, float]], log_dir: Path, logger: bool) -> str:
-    """One line per evaluation metric (start, final, best round), the bytes, and where the run's files are."""
+def run_summary(history: list[dict[str, float]], log_dir: Path, logger: bool, stopped: str | None = None) -> str:
+    """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
+    early (``stopped``), and where the run's files are."""
     if not history:
         return f"No round ran. Run folder: {log_dir}"
     last = history[-1]
@@ -36,6 +37,13 @@ def run_summary(history: list[dict[str, float]], log_dir: Path, logger: bool) ->
         if last.get("comm/cum_rejected_bytes"):
             text += f"; refused uploads: {last['comm/cum_rejected_bytes']:,.0f} bytes in all"
         lines.append(text)
+    if "privacy/epsilon" in last:
+        eps, delta = last["privacy/epsilon"], last.get("privacy/delta")
+        at = f" at delta {delta:.3g}" if delta is not None else ""
+        lines.append(f"  privacy: epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
+                     f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
+    if stopped is not None:
+        lines.append(f"  {stopped}")
     lines.append(f"  run folder: {log_dir} (config.yaml, checkpoints/last.ckpt)")
     if logger:
         lines.append(f"  TensorBoard: tensorboard --logdir {log_dir.parent}")

@@ -1,13 +1,23 @@
 """The server algorithm as a plug-in: which clients train, and how their uploads become the next global state.
 
 A :class:`Strategy` works on flat vectors: the global state and each accepted upload concatenated in a fixed
-name order (float32 rows of ``uploads``). So one strategy serves every federated state: a FLITE latent of a
-few thousand floats or the full weights of a network. It only ever sees uploads that passed the gate
-(decoded, right layout, finite), in client-id order, and must be deterministic given its inputs and its own
-state: every process computes the aggregate itself, and a resumed run must continue exactly.
+name order. So one strategy serves every federated state: a FLITE latent of a few thousand floats or the full
+weights of a network. It only ever sees uploads that passed the gate (decoded, right layout, finite), in
+client-id order, and must be deterministic given its inputs and its own state: every process computes the
+aggregate itself, and a resumed run must continue exactly.
 
-Write your own by subclassing :class:`Strategy` and implementing :meth:`Strategy.aggregate`; keep any state
-across rounds in attributes and return it from ``state_dict`` (it is saved in every round checkpoint).
+Two kinds:
+
+- Strategies that are a function of the round's **mean** upload (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad)
+  implement :meth:`Strategy.step` ``(round, current, mean)``; the round never builds an ``(n, D)`` matrix for
+  them: it folds each upload into a running float64 sum as it arrives (O(D) memory) and hands the mean over.
+  Under central DP that mean is the global state plus the noised mean of the clipped updates.
+- **Robust** strategies (Median, TrimmedMean, Krum) need every upload at once: they implement
+  :meth:`Strategy.aggregate` over the ``(n, D)`` float32 matrix of the round's uploads, which the round keeps
+  for them (O(n D) memory).
+
+Write your own by subclassing :class:`Strategy` and implementing one of the two; keep any state across rounds
+in attributes and return it from ``state_dict`` (it is saved in every round checkpoint).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import torch
 from lightning_fl.errors import ConfigError
 from lightning_fl.seeding import derive_seed
 
-STREAM_SAMPLING = 11
+STREAM_SAMPLING, STREAM_POISSON = 11, 19
 
 
 class Strategy:
@@ -34,6 +44,8 @@ class Strategy:
     #: The aggregate is an affine combination of the uploads (so averaging latents equals averaging the
     #: weights they map to, and the loop logs the averaging identity error). False for robust or adaptive rules.
     linear: ClassVar[bool] = False
+    #: Weight each upload by its client's sample count in the mean (linear strategies).
+    weighted: bool = False
 
     def __init__(self, min_clients: int = 1) -> None:
         if min_clients < 1:
@@ -47,6 +59,17 @@ class Strategy:
             raise ConfigError(f"trainer.clients_per_round={count} exceeds data.num_clients={num_clients}")
         rng = np.random.default_rng(derive_seed(seed, round, STREAM_SAMPLING))
         return sorted(int(c) for c in rng.choice(num_clients, size=count, replace=False))
+
+    def sample_poisson(self, round: int, num_clients: int, rate: float, seed: int) -> list[int]:
+        """Poisson sampling: every client takes part independently with probability ``rate`` (seeded per round).
+
+        The cohort's size varies from round to round (it may be empty); most DP analyses of federated learning
+        assume this sampling (:mod:`lightning_fl.privacy.accountant`).
+        """
+        if not 0 < rate <= 1:
+            raise ConfigError(f"Poisson sampling needs a rate in (0, 1], got {rate}")
+        rng = np.random.default_rng(derive_seed(seed, round, STREAM_POISSON))
+        return [int(c) for c in np.flatnonzero(rng.random(num_clients) < rate)]
 
     # ------------------------------------------------------------------------------------- aggregation
     def problem(self, num_uploads: int) -> str | None:
@@ -63,7 +86,9 @@ class Strategy:
         num_samples: torch.Tensor,
         clients: list[int],
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The next global state (flat, float64) and scalar metrics to log (under ``strategy/``).
+        """The next global state (flat, float64) and scalar metrics to log (under ``strategy/``), from every upload.
+
+        Robust strategies implement this; for a linear one it is :meth:`step` of the uploads' mean.
 
         Args:
             round: The round (0-based).
@@ -72,7 +97,26 @@ class Strategy:
             num_samples: Each client's number of training samples, float64 ``(n,)``.
             clients: The uploading clients' ids.
         """
+        if type(self).step is not Strategy.step:
+            return self.step(round, current, mean_of_uploads(uploads, num_samples, self.weighted))
+        raise NotImplementedError(f"{self.name} implements neither aggregate nor step")
+
+    def step(self, round: int, current: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """A linear strategy's next global state (flat, float64) and metrics, from the round's mean upload.
+
+        Args:
+            round: The round (0-based).
+            current: The global state the clients started from, flat float32 ``(D,)``.
+            mean: The round's mean upload, float64 ``(D,)``: ``sum_k w_k x_k / sum_k w_k`` summed in client order
+                (``w_k`` the sample count when :attr:`weighted`, else 1), or under central DP the global state
+                plus the noised mean of the clipped updates.
+        """
         raise NotImplementedError
+
+    @property
+    def streams(self) -> bool:
+        """Whether the round may fold uploads into a running sum for this strategy (it implements :meth:`step`)."""
+        return type(self).step is not Strategy.step
 
     # ------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -96,15 +140,35 @@ class Strategy:
 def mean_of_uploads(uploads: torch.Tensor, num_samples: torch.Tensor, weighted: bool) -> torch.Tensor:
     """``sum_k w_k x_k / sum_k w_k`` in float64, rows summed in order (so every process agrees bit for bit).
 
-    ``w_k`` is the client's sample count when ``weighted``, else 1.
+    ``w_k`` is the client's sample count when ``weighted``, else 1. The round's streaming sum
+    (:class:`RunningSum`) performs exactly these operations, one upload at a time.
     """
     if len(uploads) == 0:
         raise ValueError("Expected at least one upload to aggregate")
-    weights = [float(w) for w in num_samples] if weighted else [1.0] * len(uploads)
-    total = sum(weights)
-    if not total > 0:
-        raise ValueError(f"Expected positive aggregation weights, got {weights}")
-    acc = torch.zeros(uploads.shape[1], dtype=torch.float64)
-    for x, w in zip(uploads, weights, strict=True):
-        acc += w * x.to(torch.float64)
-    return acc / total
+    acc = RunningSum(uploads.shape[1])
+    for x, w in zip(uploads, num_samples, strict=True):
+        acc.add(x, float(w) if weighted else 1.0)
+    return acc.mean()
+
+
+class RunningSum:
+    """``sum_k w_k x_k`` and ``sum_k w_k`` in float64, one upload at a time, in the order they are added.
+
+    Float64 addition is not associative: the result depends on the order, so the round adds uploads in
+    client-id order, whichever process trained them, and a fold equals the old all-rows mean bit for bit.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.total = torch.zeros(size, dtype=torch.float64)
+        self.weight = 0.0
+        self.count = 0
+
+    def add(self, x: torch.Tensor, w: float = 1.0) -> None:
+        self.total += w * x.to(torch.float64)
+        self.weight += w
+        self.count += 1
+
+    def mean(self) -> torch.Tensor:
+        if not self.weight > 0:
+            raise ValueError(f"Expected positive aggregation weights, got a total of {self.weight}")
+        return self.total / self.weight

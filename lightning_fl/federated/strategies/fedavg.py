@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_fl.federated.strategies.base import Strategy, mean_of_uploads
+from lightning_fl.federated.strategies.base import Strategy
 
 
 class FedAvg(Strategy):
@@ -25,8 +25,8 @@ class FedAvg(Strategy):
         super().__init__(min_clients)
         self.weighted = weighted
 
-    def aggregate(self, round, current, uploads, num_samples, clients) -> tuple[torch.Tensor, dict[str, float]]:
-        return mean_of_uploads(uploads, num_samples, self.weighted), {}
+    def step(self, round, current, mean) -> tuple[torch.Tensor, dict[str, float]]:
+        return mean, {}
 
     def __repr__(self) -> str:
         return f"FedAvg(weighted={self.weighted})"

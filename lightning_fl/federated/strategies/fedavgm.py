@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.strategies.base import Strategy, mean_of_uploads
+from lightning_fl.federated.strategies.base import Strategy
 
 
 class FedAvgM(Strategy):
@@ -39,9 +39,9 @@ class FedAvgM(Strategy):
         self.server_lr, self.momentum, self.weighted = server_lr, momentum, weighted
         self.velocity: torch.Tensor | None = None
 
-    def aggregate(self, round, current, uploads, num_samples, clients) -> tuple[torch.Tensor, dict[str, float]]:
+    def step(self, round, current, mean) -> tuple[torch.Tensor, dict[str, float]]:
         x = current.to(torch.float64)
-        grad = x - mean_of_uploads(uploads, num_samples, self.weighted)  # pseudo-gradient
+        grad = x - mean  # pseudo-gradient
         self.velocity = grad if self.velocity is None else self.momentum * self.velocity + grad
         return x - self.server_lr * self.velocity, {"pseudo_grad_norm": float(grad.norm())}
 

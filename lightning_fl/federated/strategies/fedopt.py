@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.strategies.base import Strategy, mean_of_uploads
+from lightning_fl.federated.strategies.base import Strategy
 
 
 class FedOpt(Strategy):
@@ -63,9 +63,9 @@ class FedOpt(Strategy):
         """``v_t`` from ``v_{t-1}`` and ``Delta_t^2``."""
         raise NotImplementedError
 
-    def aggregate(self, round, current, uploads, num_samples, clients) -> tuple[torch.Tensor, dict[str, float]]:
+    def step(self, round, current, mean) -> tuple[torch.Tensor, dict[str, float]]:
         x = current.to(torch.float64)
-        delta = mean_of_uploads(uploads, num_samples, self.weighted) - x
+        delta = mean - x
         if self.m is None:
             self.m = torch.zeros_like(x)
             self.v = torch.full_like(x, self.tau**2)

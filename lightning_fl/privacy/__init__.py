@@ -1,0 +1,25 @@
+"""Differential privacy for federated rounds: user-level central DP (with adaptive clipping), local DP, and the
+accountant (Google's ``dp-accounting``) that says what a run has spent. Select one with ``--trainer.privacy``."""
+
+from lightning_fl.privacy.accountant import (
+    Accountant,
+    RoundEvent,
+    gaussian_epsilon_closed_form,
+    update_noise_multiplier,
+)
+from lightning_fl.privacy.base import Plan, Privacy, clip
+from lightning_fl.privacy.central import AdaptiveClipping, CentralDP
+from lightning_fl.privacy.local import LocalDP
+
+__all__ = [
+    "Accountant",
+    "AdaptiveClipping",
+    "CentralDP",
+    "LocalDP",
+    "Plan",
+    "Privacy",
+    "RoundEvent",
+    "clip",
+    "gaussian_epsilon_closed_form",
+    "update_noise_multiplier",
+]

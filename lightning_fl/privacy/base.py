@@ -1,0 +1,141 @@
+"""What every privacy plug-in shares: the base class the trainer talks to, clipping, and the noise generators.
+
+A privacy plug-in (``trainer.privacy``) acts at two places of a round: on a client, on its update before the
+codec encodes it (:class:`~lightning_fl.privacy.LocalDP`), and on the server, where each decoded update is
+clipped, the clipped updates are summed and the sum is noised (:class:`~lightning_fl.privacy.CentralDP`). It
+owns its accountant and any adaptive state, and returns them from ``state_dict`` for the round checkpoints.
+
+Noise comes from a generator seeded by ``(run seed, noise_seed, round[, client])`` (``noise_seed`` an integer):
+a simulation that can be rerun and resumed exactly. ``noise_seed: null`` seeds each draw from the operating
+system's randomness instead (:func:`secrets.randbits`, 63 bits), which is what a real deployment should use: a
+seeded generator's noise can be recomputed by anyone who knows the seed, and then protects nothing. Either way
+the samples are ordinary floating-point Gaussians, not the discretised or snapped noise that resists
+floating-point attacks (Mironov 2012, "On significance of the least significant bits for differential privacy").
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_fl.errors import ConfigError
+from lightning_fl.seeding import derive_seed
+
+STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE, STREAM_LOCAL_NOISE = 16, 17, 18
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a privacy plug-in needs to know about the run before its first round.
+
+    Args:
+        num_clients: The population ``N``.
+        expected_clients: Clients per round ``m`` (``fixed`` sampling) or its expectation ``q N`` (``poisson``).
+        sampling: ``fixed`` or ``poisson`` (``trainer.sampling``).
+        rounds: Rounds planned (``trainer.rounds``).
+        seed: The run's seed.
+        strategy: The server strategy.
+        max_update_norm_ratio: The gate's relative bound (``None``: off).
+    """
+
+    num_clients: int
+    expected_clients: float
+    sampling: str
+    rounds: int
+    seed: int
+    strategy: Any
+    max_update_norm_ratio: float | None = None
+
+
+class Privacy:
+    """Base class of ``trainer.privacy`` plug-ins."""
+
+    _plugin_base = True  # not offered as a choice in CLI messages
+    #: The server clips each accepted update and noises their sum (the round folds clipped updates).
+    central: ClassVar[bool] = False
+
+    def setup(self, plan: Plan) -> None:
+        """Check the run's other settings and prepare (calibrate noise, build the accountant) before round 1."""
+        self.plan = plan
+        if getattr(plan.strategy, "weighted", False):
+            name = type(self).__name__
+            raise ConfigError(
+                f"trainer.privacy {name} with trainer.strategy.weighted true: weights are client-declared sample "
+                "counts, unbounded and outside the guarantee; set trainer.strategy.weighted false"
+            )
+
+    def stop_reason(self) -> str | None:
+        """Why the next round must not run (a spent budget); ``None``: it may."""
+        return None
+
+    def privatize(self, state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], client: int,
+                  round: int, seed: int) -> dict[str, torch.Tensor]:  # fmt: skip
+        """A client's stage: what it uploads instead of its trained ``state`` (default: ``state`` itself)."""
+        return state
+
+    def end_round(self, round: int, participants: list[int]) -> dict[str, float]:
+        """Account for round ``round`` (0-based), whose uploads came from ``participants``; metrics to log."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ConfigError(f"{type(self).__name__} keeps no state but the checkpoint has {sorted(state)}")
+
+
+def check_noise_seed(noise_seed: int | None) -> int | None:
+    if noise_seed is not None and (isinstance(noise_seed, bool) or not isinstance(noise_seed, int) or noise_seed < 0):
+        raise ConfigError(f"trainer.privacy.noise_seed must be an integer >= 0 or null, got {noise_seed!r}")
+    return noise_seed
+
+
+def noise_generator(noise_seed: int | None, *parts: int) -> torch.Generator:
+    """A CPU generator for one draw: seeded by ``(noise_seed, *parts)``, or from the OS when ``noise_seed`` is None."""
+    seed = secrets.randbits(63) if noise_seed is None else derive_seed(noise_seed, *parts) % 2**63
+    return torch.Generator().manual_seed(seed)
+
+
+def positive(key: str, value: float | None, allow_zero: bool = False, allow_none: bool = False) -> list[str]:
+    """A one-line problem if ``trainer.privacy.<key>`` is not a finite positive number (or 0 / null, if allowed)."""
+    if value is None and allow_none:
+        return []
+    ok = value is not None and math.isfinite(value) and (value > 0 or (allow_zero and value == 0))
+    if ok:
+        return []
+    want = ">= 0" if allow_zero else "> 0"
+    return [f"trainer.privacy.{key} must be a finite number {want}{' or null' if allow_none else ''}, got {value}"]
+
+
+def layer_slices(sizes: list[int]) -> list[slice]:
+    """Slices of a flat vector made of tensors of ``sizes`` values, in order."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def clip(delta: torch.Tensor, bound: float, layers: list[slice] | None = None) -> tuple[torch.Tensor, float, bool]:
+    """``delta`` scaled to L2 norm at most ``bound``: the clipped vector, the norm before, whether it was within.
+
+    With ``layers`` each slice is clipped to ``bound / sqrt(L)`` on its own (``L`` slices), so the whole vector
+    still has norm at most ``bound``; "within" then means every slice was. ``delta`` is float64 ``(D,)``.
+    """
+    norm = float(delta.norm())
+    if layers is None:
+        factor = min(1.0, bound / norm) if norm > 0 else 1.0
+        return (delta * factor if factor < 1.0 else delta), norm, norm <= bound
+    each = bound / math.sqrt(len(layers))
+    out, within = delta.clone(), True
+    for part in layers:
+        n = float(delta[part].norm())
+        if n > each:
+            out[part] *= each / n
+            within = False
+    return out, norm, within

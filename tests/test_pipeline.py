@@ -1,0 +1,227 @@
+"""The round as a pipeline: streaming sums, and central DP's clipping, denominator, noise and adaptive bound,
+each checked against values computed by hand from uploads the clients are made to send."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from helpers import crafted_runner
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated import FedAdam, FedAvg, FedAvgM, Median, SignFlip
+from lightning_fl.privacy import AdaptiveClipping, CentralDP, Plan
+
+D = 6
+
+
+def updates(scale=1.0, seed=0):
+    """Client ``c``'s update in round ``r``: fixed random vectors of very different sizes (a wide float range)."""
+
+    def update(c, r):
+        g = torch.Generator().manual_seed(1000 * seed + 100 * r + c)
+        return torch.randn(D, generator=g) * scale * 10.0 ** ((c % 7) - 3)
+
+    return update
+
+
+def run_rounds(runner, population, rounds=1, state=None, seed=0):
+    state = state if state is not None else {"a": torch.zeros(2, 2), "b": torch.ones(2)}  # D = 6
+    history = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for r in range(rounds):
+            state, metrics = runner.run(None, population, state, r, seed, runner.count)
+            history.append(metrics)
+    return state, history
+
+
+def make(update, n, count=None, **kwargs):
+    runner, population = crafted_runner(update, n, count=count, **kwargs)
+    runner.count = count if count is not None else n
+    return runner, population
+
+
+def flat(state):
+    return torch.cat([state[n].reshape(-1) for n in sorted(state)])
+
+
+def textbook_mean(rows, weights):
+    """Today's reference: ``sum_k w_k x_k / sum_k w_k``, float64, rows added one after another in client order."""
+    acc, total = torch.zeros(rows.shape[1], dtype=torch.float64), 0.0
+    for x, w in zip(rows, weights, strict=True):
+        acc += w * x.to(torch.float64)
+        total += w
+    return acc / total
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_streamed_fedavg_round_equals_the_all_rows_mean_bit_for_bit_and_keeps_no_rows(weighted):
+    samples = lambda c: 7 + 3 * c
+    update = updates()
+    streamed, population = make(update, 12, strategy=FedAvg(weighted=weighted), num_samples=samples)
+    state, _ = run_rounds(streamed, population, rounds=2)
+    assert streamed.kept_rows == 0  # never an (n, D) matrix
+    kept, population = make(update, 12, strategy=FedAvg(weighted=weighted), num_samples=samples,
+                            max_update_norm_ratio=1e30)  # fmt: skip  # a relative gate that refuses nothing
+    again, _ = run_rounds(kept, population, rounds=2)
+    assert kept.kept_rows == 12
+    assert torch.equal(flat(state), flat(again))
+    # and both are the reference arithmetic, round by round
+    current = flat({"a": torch.zeros(2, 2), "b": torch.ones(2)})
+    for r in range(2):
+        rows = torch.stack([current + update(c, r) for c in range(12)])
+        current = textbook_mean(rows, [float(samples(c)) if weighted else 1.0 for c in range(12)]).float()
+    assert torch.equal(flat(state), current)
+
+
+def test_a_streamed_round_folds_in_client_order_whatever_order_replies_arrive():
+    update = updates()
+    ordered, population = make(update, 9)
+    shuffled, _ = make(update, 9)
+    inner = shuffled.transport.replies
+    shuffled.transport.replies = lambda *a, **k: reversed(list(inner(*a, **k)))  # the last client answers first
+    assert torch.equal(flat(run_rounds(ordered, population)[0]), flat(run_rounds(shuffled, population)[0]))
+
+
+@pytest.mark.parametrize("strategy", [FedAvgM(momentum=0.5), FedAdam(server_lr=0.1)], ids=["FedAvgM", "FedAdam"])
+def test_server_optimisers_stream_and_equal_their_all_rows_result(strategy):
+    import copy
+
+    update = updates()
+    a, population = make(update, 8, strategy=copy.deepcopy(strategy))
+    b, _ = make(update, 8, strategy=copy.deepcopy(strategy), max_update_norm_ratio=1e30)
+    sa, _ = run_rounds(a, population, rounds=3)
+    sb, _ = run_rounds(b, population, rounds=3)
+    assert a.kept_rows == 0 and b.kept_rows == 8 and torch.equal(flat(sa), flat(sb))
+
+
+def test_robust_strategies_and_per_client_attacks_keep_what_they_need():
+    update = updates()
+    median, population = make(update, 5, strategy=Median())
+    run_rounds(median, population)
+    assert median.kept_rows == 5  # the median needs every upload
+    attacked, population = make(update, 5, attack=SignFlip([2], scale=3.0))
+    clean, _ = make(update, 5)
+    s_attacked, history = run_rounds(attacked, population)
+    s_clean, _ = run_rounds(clean, population)
+    assert attacked.kept_rows == 0 and history[0]["fed/attacked_clients"] == 1  # forged per client, streamed
+    current = flat({"a": torch.zeros(2, 2), "b": torch.ones(2)})
+    # SignFlip sends current - 3 (x - current): the mean moves by -4/5 of client 2's update
+    want = flat(s_clean).double() - 4 / 5 * update(2, 0).float().double()
+    assert torch.allclose(flat(s_attacked).double(), want, atol=1e-6) and not torch.equal(current, flat(s_attacked))
+
+
+# ------------------------------------------------------------------------------------------ central DP
+def test_central_dp_clips_each_update_and_divides_by_the_expected_cohort_not_the_arrivals():
+    given = {
+        0: torch.tensor([3.0, 4.0, 0, 0, 0, 0]),  # norm 5: scaled to 1 -> (0.6, 0.8)
+        1: torch.tensor([0.3, 0.0, 0.4, 0, 0, 0]),  # norm 0.5: kept as it is
+        2: torch.tensor([0, 0, 0, 0, 2.0, 0]),  # norm 2: halved
+        3: torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),  # fails: uploads nothing
+    }
+    privacy = CentralDP(clip_norm=1.0, noise_multiplier=0.0)
+    runner, population = make(lambda c, r: given[c], 4, privacy=privacy, failing=[3])
+    state, (metrics,) = run_rounds(runner, population)
+    summed = torch.tensor([0.6 + 0.3, 0.8, 0.4, 0.0, 1.0, 0.0])
+    start = torch.tensor([0.0, 0, 0, 0, 1, 1])  # the state's flat layout: a (4 zeros) then b (2 ones)
+    assert torch.allclose(flat(state), start + summed / 4, atol=1e-7)  # divided by m = 4, though 3 arrived
+    assert runner.kept_rows == 0 and metrics["privacy/clip_norm"] == 1.0
+
+
+def test_per_layer_clipping_gives_each_tensor_its_share_of_the_bound():
+    given = torch.tensor([3.0, 0.0, 0.0, 4.0, 0.1, 0.0])  # tensor a: norm 5; tensor b: norm 0.1
+    privacy = CentralDP(clip_norm=1.0, noise_multiplier=0.0, per_layer=True)
+    runner, population = make(lambda c, r: given, 1, privacy=privacy)
+    state, _ = run_rounds(runner, population)
+    each = 1 / math.sqrt(2)  # two tensors share S = 1
+    want = torch.tensor([0.6 * each, 0, 0, 0.8 * each, 1.1, 1.0])
+    assert torch.allclose(flat(state), want, atol=1e-7)
+
+
+def test_central_noise_has_the_promised_scale_is_seeded_per_round_and_can_come_from_the_os():
+    m, z, bound, size = 50, 1.3, 0.7, 200_000
+    privacy = CentralDP(clip_norm=bound, noise_multiplier=z)
+    privacy.setup(Plan(1000, float(m), "poisson", 10, 0, FedAvg()))
+    zero = torch.zeros(size, dtype=torch.float64)
+    draws = torch.stack([privacy.release(zero, 0, 0, r)[0] for r in range(3)])
+    std = z * bound / m
+    for d in draws:  # N(0, (z S / m)^2) per coordinate
+        assert abs(float(d.mean())) < 5 * std / math.sqrt(size)
+        assert float(d.std()) == pytest.approx(std, rel=0.01)
+    assert float(torch.corrcoef(draws)[0, 1]).__abs__() < 0.01  # rounds draw independent noise
+    again = CentralDP(clip_norm=bound, noise_multiplier=z)
+    again.setup(Plan(1000, float(m), "poisson", 10, 0, FedAvg()))
+    assert torch.equal(again.release(zero, 0, 0, 1)[0], draws[1])  # reproducible: a resumed run draws the same
+    other_run = CentralDP(clip_norm=bound, noise_multiplier=z)
+    other_run.setup(Plan(1000, float(m), "poisson", 10, 1, FedAvg()))  # another run seed: other noise
+    assert not torch.equal(other_run.release(zero, 0, 0, 1)[0], draws[1])
+    system = CentralDP(clip_norm=bound, noise_multiplier=z, noise_seed=None)
+    system.setup(Plan(1000, float(m), "poisson", 10, 0, FedAvg()))
+    a, b = system.release(zero, 0, 0, 1)[0], system.release(zero, 0, 0, 1)[0]
+    assert not torch.equal(a, b) and float(a.std()) == pytest.approx(std, rel=0.01)
+
+
+def test_adaptive_clipping_takes_the_papers_geometric_step():
+    privacy = CentralDP(clip_norm=1.0, noise_multiplier=0.0, adaptive=AdaptiveClipping(0.5, 0.2, count_std=1.0))
+    privacy.setup(Plan(1000, 100.0, "poisson", 10, 0, FedAvg()))
+    privacy.release(torch.zeros(3, dtype=torch.float64), unclipped=30, participants=100, round=0)
+    # b = (30 - 100/2) / 100 + 1/2 = 0.3;  S <- 1 * exp(-0.2 (0.3 - 0.5))
+    assert privacy.bound == pytest.approx(math.exp(0.04), rel=1e-12)
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.9])
+def test_adaptive_clipping_tracks_the_target_quantile_of_crafted_norms(quantile):
+    n = 100  # client c's update has norm (c + 1) / 100: quantile q of the norms is about q
+    norm_of = lambda c: (c + 1) / 100
+    update = lambda c, r: torch.tensor([norm_of(c), 0, 0, 0, 0, 0])
+    privacy = CentralDP(clip_norm=0.05, noise_multiplier=0.0, adaptive=AdaptiveClipping(quantile, 0.2, count_std=1.0))
+    runner, population = make(update, n, privacy=privacy, rounds=150)
+    state = {"a": torch.zeros(2, 2), "b": torch.ones(2)}
+    _, history = run_rounds(runner, population, rounds=150, state=state)
+    bounds = [h["privacy/clip_norm"] for h in history]
+    assert bounds[0] == 0.05 and bounds[-1] == pytest.approx(quantile, abs=0.03)
+    fraction = history[-1]["privacy/unclipped_fraction"]  # measured, not assumed: the share actually kept
+    assert fraction == pytest.approx(sum(norm_of(c) <= bounds[-1] for c in range(n)) / n, abs=1e-9)
+
+
+def test_central_dp_noise_reaches_the_global_state_with_zero_updates():
+    privacy = CentralDP(clip_norm=2.0, noise_multiplier=1.0)
+    runner, population = make(lambda c, r: torch.zeros(D), 10, count=10, privacy=privacy)
+    state, (metrics,) = run_rounds(runner, population)
+    moved = flat(state) - torch.tensor([0.0, 0, 0, 0, 1, 1])
+    assert metrics["privacy/noise_std"] == pytest.approx(1.0 * 2.0 / 10)
+    assert 0 < float(moved.abs().max()) < 6 * metrics["privacy/noise_std"]
+    assert metrics["privacy/epsilon"] > 0 and math.isfinite(metrics["privacy/epsilon"])
+
+
+def test_a_private_round_with_no_upload_still_releases_its_noise():
+    privacy = CentralDP(clip_norm=1.0, noise_multiplier=1.0)
+    runner, population = make(lambda c, r: torch.zeros(D), 3, privacy=privacy, failing=[0, 1, 2])
+    state, (metrics,) = run_rounds(runner, population)
+    assert metrics["fed/round_skipped"] == 0 and not torch.equal(flat(state), torch.tensor([0.0, 0, 0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": FedAvg(weighted=True)}, "trainer.strategy.weighted true"),
+        ({"strategy": Median()}, "needs a strategy that steps from the round's mean"),
+        ({"max_update_norm_ratio": 100.0}, "set trainer.max_update_norm_ratio null with trainer.privacy CentralDP"),
+        ({"strategy": FedAvg(min_clients=3)}, "set trainer.strategy.min_clients 1"),
+    ],
+    ids=["weighted", "robust", "relative-gate", "min-clients"],
+)
+def test_combinations_that_void_the_guarantee_are_refused_naming_the_keys(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        make(updates(), 4, privacy=CentralDP(noise_multiplier=1.0), **kwargs)
+
+
+def test_poisson_sampling_draws_each_client_with_the_rate_and_the_accountant_expects_m():
+    runner, _ = make(lambda c, r: torch.zeros(D), 400, count=20, sampling="poisson")
+    sizes = [len(runner.sample(r, 400, 20, 0)) for r in range(300)]
+    assert sum(sizes) / len(sizes) == pytest.approx(20, rel=0.05) and len(set(sizes)) > 5
+    assert runner.sample(7, 400, 20, 0) == runner.sample(7, 400, 20, 0) != runner.sample(8, 400, 20, 0)
+    privacy = CentralDP(noise_multiplier=1.0)
+    make(lambda c, r: torch.zeros(D), 400, count=20, sampling="poisson", privacy=privacy)
+    assert privacy.accountant.expected_clients == 20 and privacy.accountant.sampling == "poisson"

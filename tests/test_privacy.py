@@ -1,0 +1,275 @@
+"""Differential privacy: the accountant against independent implementations and closed forms, local DP, and
+private runs end to end (calibration, the budget stop, resuming the budget, refusals)."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CONFIGS, make_dm, make_model, make_trainer, run_cli
+from lightning_fl.errors import ConfigError
+from lightning_fl.privacy import (
+    Accountant,
+    AdaptiveClipping,
+    CentralDP,
+    LocalDP,
+    RoundEvent,
+    clip,
+    gaussian_epsilon_closed_form,
+    update_noise_multiplier,
+)
+
+DELTA = 1e-5
+
+
+# ------------------------------------------------------------------------------------------ the accountant
+@pytest.mark.parametrize("z", [0.8, 2.0, 5.0])
+def test_one_unsampled_gaussian_matches_the_exact_curve_of_balle_and_wang(z):
+    """q = 1 and one round: PLD accounting is tight, so it meets the analytic Gaussian mechanism's epsilon; RDP
+    is an upper bound above it."""
+    pld = Accountant(100, 100, "poisson", "pld").epsilon(DELTA, (RoundEvent(z), 1))
+    rdp = Accountant(100, 100, "poisson", "rdp").epsilon(DELTA, (RoundEvent(z), 1))
+    exact = gaussian_epsilon_closed_form(z, DELTA)
+    assert pld == pytest.approx(exact, rel=0.01)
+    assert rdp > exact
+
+
+@pytest.mark.parametrize(("z", "rounds"), [(1.0, 1), (2.0, 300)])
+def test_unsampled_rdp_equals_the_closed_form_renyi_curve(z, rounds):
+    """RDP of a Gaussian with sensitivity 1 is alpha / (2 z^2) per round; epsilon is its best conversion over the
+    orders (Balle et al. 2020, Proposition 12, as dp-accounting converts)."""
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    a = np.array(DEFAULT_RDP_ORDERS, dtype=float)
+    rdp = rounds * a / (2 * z**2)
+    eps = rdp + np.log1p(-1 / a) - (np.log(DELTA) + np.log(a)) / (a - 1)
+    ours = Accountant(10, 10, "poisson", "rdp").epsilon(DELTA, (RoundEvent(z), rounds))
+    assert ours == pytest.approx(float(eps.min()), rel=1e-9)
+
+
+@pytest.mark.parametrize(("q", "z", "rounds"), [(0.05, 1.0, 200), (0.01, 0.8, 1000), (0.1, 2.0, 50)])
+def test_poisson_sampling_matches_opacus_rdp_and_prv_accountants(q, z, rounds):
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    n = 10_000
+    rdp = Accountant(n, q * n, "poisson", "rdp").epsilon(DELTA, (RoundEvent(z), rounds))
+    pld = Accountant(n, q * n, "poisson", "pld").epsilon(DELTA, (RoundEvent(z), rounds))
+    opacus_rdp, opacus_prv = RDPAccountant(), PRVAccountant()
+    opacus_rdp.history = [(z, q, rounds)]
+    opacus_prv.history = [(z, q, rounds)]
+    assert rdp == pytest.approx(opacus_rdp.get_epsilon(DELTA), rel=0.01)
+    assert pld == pytest.approx(opacus_prv.get_epsilon(DELTA), rel=0.01)
+    assert pld < rdp  # the tight accountant spends less
+
+
+@pytest.mark.parametrize("z", [1.0, 2.0, 4.0])
+def test_fixed_size_sampling_matches_autodp_and_pays_for_replace_one(z):
+    """Sampling m of N without replacement, replace-one neighbours: the clipped sum moves by 2 S, so the
+    accountant sees z / 2. Reference: autodp's RDP of the subsampled Gaussian (Wang, Balle, Kasiviswanathan
+    2019, Theorem 27, by the paper's authors), converted to epsilon here."""
+    from autodp import rdp_acct, rdp_bank
+
+    n, m, rounds = 2000, 100, 100
+    ours = Accountant(n, m, "fixed", "rdp").epsilon(DELTA, (RoundEvent(z), rounds))
+    acct = rdp_acct.anaRDPacct()
+    acct.compose_subsampled_mechanism(lambda a: rdp_bank.RDP_gaussian({"sigma": z / 2}, a), m / n,
+                                      improved_bound_flag=True)  # fmt: skip
+    acct.build_zeroth_oracle()
+    orders = np.arange(2, 257)
+    rdp = rounds * np.array([acct.evalRDP(int(a)) for a in orders])
+    eps = rdp + np.log1p(-1 / orders) - (np.log(DELTA) + np.log(orders)) / (orders - 1)
+    assert ours == pytest.approx(float(eps.min()), rel=0.01)
+    poisson = Accountant(n, m, "poisson", "rdp").epsilon(DELTA, (RoundEvent(z), rounds))
+    assert ours > poisson  # the stronger neighbouring relation costs more at equal noise
+
+
+def test_flowers_rdp_accountant_agrees_where_both_apply():
+    """Flower 1.42's RdpAccountant takes the multiplier in the accountant's units: ours divides by 2 for
+    fixed-size sampling (replace-one), so Flower at z/2 equals ours at z."""
+    from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
+
+    n, m, z, rounds = 1000, 50, 1.2, 40
+    for sampling, method, relation, flower_z in (
+        ("poisson", SamplingMethod.POISSON, NeighboringRelation.ADD_OR_REMOVE_ONE, z),
+        ("fixed", SamplingMethod.WITHOUT_REPLACEMENT, NeighboringRelation.REPLACE_ONE, z / 2),
+    ):
+        flower = RdpAccountant(PrivacyConfig(target_delta=DELTA, population_size=n, neighboring_relation=relation,
+                                             sampling_method=method))  # fmt: skip
+        flower.compose(GaussianPrivacyEvent(noise_multiplier=flower_z, sample_size=m, population_size=n), rounds)
+        ours = Accountant(n, m, sampling, "rdp").epsilon(DELTA, (RoundEvent(z), rounds))
+        assert ours == pytest.approx(flower.get_epsilon(DELTA), rel=1e-9)
+
+
+def test_calibration_meets_the_target_and_a_little_less_noise_would_not():
+    accountant = Accountant(2000, 100, "poisson", "rdp")
+    z = accountant.calibrate(4.0, DELTA, 150)
+    assert accountant.epsilon(DELTA, (RoundEvent(z), 150)) == pytest.approx(4.0, rel=1e-3)
+    assert accountant.epsilon(DELTA, (RoundEvent(z), 150)) <= 4.0
+    assert accountant.epsilon(DELTA, (RoundEvent(0.99 * z), 150)) > 4.0
+
+
+def test_adaptive_clippings_two_queries_cost_what_one_query_with_z_costs():
+    z, count_std = 1.1, 5.0
+    z_update = update_noise_multiplier(z, count_std)
+    assert z_update**-2 + (2 * count_std) ** -2 == pytest.approx(z**-2, rel=1e-12)  # Andrew et al., Theorem 1
+    for sampling in ("poisson", "fixed"):
+        accountant = Accountant(1000, 50, sampling, "rdp")
+        both = accountant.epsilon(DELTA, (RoundEvent(z_update, count_std), 30))
+        one = accountant.epsilon(DELTA, (RoundEvent(z), 30))
+        assert both == pytest.approx(one, rel=1e-9)
+    with pytest.raises(ConfigError, match="count_std=0.5 is too small"):
+        update_noise_multiplier(1.0, 0.5)
+
+
+def test_the_accountant_state_round_trips_and_refuses_another_population():
+    accountant = Accountant(500, 20, "fixed", "rdp")
+    accountant.compose(RoundEvent(1.0), 3)
+    accountant.compose(RoundEvent(1.0))
+    accountant.compose(RoundEvent(2.0, 1.5))
+    copy = Accountant(500, 20, "fixed", "rdp")
+    copy.load_state_dict(accountant.state_dict())
+    assert copy.num_rounds == 5 and copy.epsilon(DELTA) == accountant.epsilon(DELTA)
+    with pytest.raises(ConfigError, match="resume with the same data.num_clients"):
+        Accountant(600, 20, "fixed", "rdp").load_state_dict(accountant.state_dict())
+    with pytest.raises(ConfigError, match="no event for fixed-size sampling"):
+        Accountant(500, 20, "fixed", "pld")
+
+
+# ------------------------------------------------------------------------------------------ clipping, local DP
+def test_clip_scales_to_the_bound_and_says_whether_the_update_was_within():
+    out, norm, within = clip(torch.tensor([3.0, 4.0], dtype=torch.float64), 1.0)
+    assert out.tolist() == pytest.approx([0.6, 0.8]) and norm == 5.0 and not within
+    out, norm, within = clip(torch.tensor([0.3, 0.4], dtype=torch.float64), 1.0)
+    assert out.tolist() == [0.3, 0.4] and within
+    layers = [slice(0, 2), slice(2, 3)]
+    out, _, within = clip(torch.tensor([3.0, 4.0, 0.5], dtype=torch.float64), 2.0, layers)
+    each = 2 / math.sqrt(2)
+    assert out.tolist() == pytest.approx([0.6 * each, 0.8 * each, 0.5]) and not within
+
+
+def test_local_dp_clips_then_adds_noise_of_the_calibrated_scale_on_the_client():
+    import dp_accounting as dpa
+
+    privacy = LocalDP(clip_norm=0.5, epsilon=2.0, delta=DELTA)
+
+    def pld_epsilon(uploads):  # the reference: dp-accounting's tight accountant, sensitivity 2 S, std z S
+        accountant = dpa.pld.PLDAccountant()
+        accountant.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(privacy.z / 2), uploads))
+        return accountant.get_epsilon(DELTA)
+
+    assert pld_epsilon(1) == pytest.approx(2.0, rel=0.01)
+    size = 100_000
+    global_state = {"w": torch.zeros(size)}
+    trained = {"w": torch.zeros(size)}
+    trained["w"][0] = 10.0  # norm 10: clipped to 0.5
+    sent = privacy.privatize(trained, global_state, client=3, round=1, seed=0)["w"].double()
+    noise = sent.clone()
+    noise[0] -= 0.5
+    std = privacy.z * 0.5
+    assert float(noise.std()) == pytest.approx(std, rel=0.01) and abs(float(noise.mean())) < 5 * std / size**0.5
+    again = privacy.privatize(trained, global_state, client=3, round=1, seed=0)["w"]
+    other = privacy.privatize(trained, global_state, client=4, round=1, seed=0)["w"]
+    assert torch.equal(again.double(), sent) and not torch.equal(other.double(), sent)
+    assert privacy.end_round(0, [3, 4])["privacy/epsilon"] == pytest.approx(2.0, rel=1e-6)
+    two = privacy.end_round(1, [3])["privacy/epsilon"]  # client 3 has uploaded twice: the worst client counts
+    assert two == pytest.approx(pld_epsilon(2), rel=0.01) and 2.0 < two < 4.0
+
+
+def test_a_local_dp_run_uploads_noised_states_and_reports_the_worst_clients_budget(tmp_path):
+    trainer = make_trainer(tmp_path, rounds=2, logger=False, privacy=LocalDP(clip_norm=0.1, epsilon=8.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit(make_model(), datamodule=make_dm())
+    eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
+    assert eps[0] == pytest.approx(8.0, rel=0.01) and 8.0 < eps[1] < 16.0  # every client uploaded twice
+    assert trainer.local.upload_stage is trainer.privacy
+
+
+# ------------------------------------------------------------------------------------------ private runs
+def fit(trainer, model=None, dm=None, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit(model or make_model(), datamodule=dm or make_dm(num_clients=8), **kwargs)
+    return trainer
+
+
+DP_ARGS = {"max_update_norm_ratio": None, "clients_per_round": 4}
+
+
+def test_target_epsilon_is_calibrated_before_round_1_and_spent_by_the_last(tmp_path):
+    privacy = CentralDP(clip_norm=0.5, target_epsilon=6.0, delta=1e-4)
+    trainer = fit(make_trainer(tmp_path, rounds=3, logger=False, privacy=privacy, **DP_ARGS))
+    eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
+    assert eps == sorted(eps) and eps[-1] == pytest.approx(6.0, rel=1e-3) and eps[-1] <= 6.0
+
+
+def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_a_resume_keeps_the_budget(tmp_path, capsys):
+    def private(max_epsilon=None):
+        return CentralDP(
+            clip_norm=0.5, noise_multiplier=1.0, max_epsilon=max_epsilon, adaptive=AdaptiveClipping(count_std=2.0)
+        )
+
+    full = fit(make_trainer(tmp_path / "a", rounds=4, name="dp", privacy=private(), **DP_ARGS))
+    eps = [h["privacy/epsilon"] for h in full.history[1:]]
+    capsys.readouterr()
+    limit = (eps[1] + eps[2]) / 2  # allows 2 rounds, not 3
+    stopped = fit(make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(limit), **DP_ARGS))
+    out = capsys.readouterr().out
+    assert [h["round"] for h in stopped.history] == [0, 1, 2]
+    assert f"stopped before round 3: round 3 would spend epsilon {eps[2]:.4g}" in out and "max_epsilon" in out
+    ckpt = stopped.log_dir / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["round"] == 2
+    again = fit(make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(limit), **DP_ARGS),
+                ckpt_path=str(ckpt))  # fmt: skip
+    assert [h["round"] for h in again.history] == [0, 1, 2]  # the budget carried over: still no round 3
+    resumed = fit(make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(), **DP_ARGS), ckpt_path=str(ckpt))
+    assert [h["privacy/epsilon"] for h in resumed.history[1:]] == eps  # the same budget, continued
+    assert [h["privacy/clip_norm"] for h in resumed.history[1:]] == [h["privacy/clip_norm"] for h in full.history[1:]]
+    assert torch.equal(resumed.global_state["mapping.latent"], full.global_state["mapping.latent"])  # and noise
+
+
+def test_a_non_private_checkpoint_does_not_resume_into_a_private_run_nor_the_reverse(tmp_path):
+    plain = fit(make_trainer(tmp_path, rounds=1, name="p", **DP_ARGS))
+    ckpt = str(plain.log_dir / "checkpoints" / "last.ckpt")
+    private = make_trainer(tmp_path, rounds=2, name="p", privacy=CentralDP(noise_multiplier=1.0), **DP_ARGS)
+    with pytest.raises(ConfigError, match="a private run cannot continue a non-private one"):
+        fit(private, ckpt_path=ckpt)
+    dp = fit(make_trainer(tmp_path, rounds=1, name="q", privacy=CentralDP(noise_multiplier=1.0), **DP_ARGS))
+    with pytest.raises(Exception, match="written by a private run"):
+        fit(
+            make_trainer(tmp_path, rounds=2, name="q", **DP_ARGS),
+            ckpt_path=str(dp.log_dir / "checkpoints" / "last.ckpt"),
+        )
+
+
+def test_private_runs_from_the_command_line_and_their_refusals(in_tmp, capsys, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    base = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--model.pretraining.epochs", "1"]
+    dp = ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0"]
+    assert run_cli("fit", *base, *dp) == 2
+    err = capsys.readouterr().err
+    assert "set trainer.max_update_norm_ratio null with trainer.privacy CentralDP" in err and len(err.splitlines()) == 2
+    assert run_cli("fit", *base, *dp, "--trainer.privacy.target_epsilon", "2") == 2
+    assert "exactly one of noise_multiplier and target_epsilon" in capsys.readouterr().err
+    ok = [*base, *dp, "--trainer.max_update_norm_ratio", "null", "--trainer.sampling", "poisson",
+          "--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2"]  # fmt: skip
+    assert run_cli("fit", *ok) == 0
+    out = capsys.readouterr().out
+    assert "privacy: epsilon" in out and "at delta" in out
+    config = (in_tmp / "runs" / "quickstart" / "version_0" / "config.yaml").read_text()
+    assert "class_path: lightning_fl.privacy.CentralDP" in config and "sampling: poisson" in config
+
+
+def test_plan_refusals_are_one_line_config_errors():
+    with pytest.raises(ConfigError, match="clip_norm must be a finite number > 0"):
+        CentralDP(clip_norm=0, noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match="target_quantile must be in"):
+        AdaptiveClipping(target_quantile=1.5)
+    with pytest.raises(ConfigError, match="noise_seed must be an integer"):
+        CentralDP(noise_multiplier=1.0, noise_seed=-1)
+    with pytest.raises(ConfigError, match="trainer.privacy.delta must be in"):
+        LocalDP(epsilon=1.0, delta=0)
+    with pytest.raises(ConfigError, match="exactly one of epsilon and noise_multiplier"):
+        LocalDP()
