@@ -114,8 +114,8 @@ def test_adaptive_clippings_two_queries_cost_what_one_query_with_z_costs():
     z, count_std = 1.1, 5.0
     z_update = update_noise_multiplier(z, count_std)
     assert z_update**-2 + (2 * count_std) ** -2 == pytest.approx(z**-2, rel=1e-12)  # Andrew et al., Theorem 1
-    for sampling in ("poisson", "fixed"):
-        accountant = Accountant(1000, 50, sampling, "rdp")
+    for sampling, method in (("poisson", "rdp"), ("fixed", "rdp"), ("poisson", "pld")):
+        accountant = Accountant(1000, 50, sampling, method)
         both = accountant.epsilon(DELTA, (RoundEvent(z_update, count_std), 30))
         one = accountant.epsilon(DELTA, (RoundEvent(z), 30))
         assert both == pytest.approx(one, rel=1e-9)

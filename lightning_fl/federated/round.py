@@ -410,6 +410,8 @@ class RoundRunner:
         if problem is not None:
             warnings.warn(f"round {r + 1}: {problem}; the global state is unchanged", stacklevel=3)
         metrics["fed/round_skipped"] = float(problem is not None)
+        if len(norms):  # of the accepted updates, before any clipping: what a clip bound is chosen from
+            metrics["fed/update_norm_median"] = float(norms.median())
         return state, metrics
 
     # ============================================================================ bookkeeping

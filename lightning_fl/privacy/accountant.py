@@ -78,7 +78,9 @@ class Accountant:
                 "trainer.privacy.accountant rdp, or trainer.sampling poisson"
             )
         if not 0 < expected_clients <= num_clients:
-            raise ConfigError(f"expected {expected_clients} clients per round of a population of {num_clients}")
+            raise ConfigError(
+                f"trainer.clients_per_round={expected_clients:g} must be in (0, data.num_clients={num_clients}]"
+            )
         self.num_clients, self.expected_clients = num_clients, expected_clients
         self.sampling, self.method = sampling, method
         self.rounds: list[tuple[RoundEvent, int]] = []  # (event, how many rounds released it), in order
@@ -105,7 +107,12 @@ class Accountant:
             return dpa.NonPrivateDpEvent()
         inner = dpa.GaussianDpEvent(event.noise_multiplier / scale)
         if event.count_std > 0:  # the count of sum_k (b_k - 1/2) moves by scale / 2
-            inner = dpa.ComposedDpEvent([inner, dpa.GaussianDpEvent(event.count_std / (scale / 2))])
+            counting = dpa.GaussianDpEvent(event.count_std / (scale / 2))
+            if self.method == "rdp":
+                inner = dpa.ComposedDpEvent([inner, counting])
+            else:  # PLD takes one Gaussian under a sampling event: two Gaussians on the same data are one, exactly
+                both = (inner.noise_multiplier**-2 + counting.noise_multiplier**-2) ** -0.5
+                inner = dpa.GaussianDpEvent(both)
         if self.sampling == "poisson":
             sampled = dpa.PoissonSampledDpEvent(self.expected_clients / self.num_clients, inner)
         else:
@@ -140,7 +147,7 @@ class Accountant:
             accountant.compose(self.dp_event(event, count))
         return float(accountant.get_epsilon(delta))
 
-    def calibrate(self, target_epsilon: float, delta: float, rounds: int, count_std: float = 0.0) -> float:
+    def calibrate(self, target_epsilon: float, delta: float, rounds: int) -> float:
         """The noise multiplier ``z`` (std / S, effective over both queries with adaptive clipping) for which
         ``rounds`` rounds spend ``target_epsilon`` at ``delta``."""
         dpa = dp_accounting()
@@ -149,10 +156,13 @@ class Accountant:
         def event(z_accountant: float):  # the search runs in the accountant's units (std / sensitivity)
             return self.dp_event(RoundEvent(z_accountant * scale), rounds)
 
+        bracket = dpa.LowerEndpointAndGuess(0.01, 1.0)
+        if self.method == "pld":  # PLD spends less than RDP: its z lies below RDP's (and PLD is slow at tiny z)
+            rdp = Accountant(self.num_clients, self.expected_clients, self.sampling, "rdp")
+            upper = rdp.calibrate(target_epsilon, delta, rounds) / scale
+            bracket = dpa.ExplicitBracketInterval(0.25 * upper, upper)
         try:
-            z = dpa.calibrate_dp_mechanism(
-                self._fresh, event, target_epsilon, delta, dpa.LowerEndpointAndGuess(0.01, 1.0), tol=1e-4
-            )
+            z = dpa.calibrate_dp_mechanism(self._fresh, event, target_epsilon, delta, bracket, tol=1e-4)
         except dpa.mechanism_calibration.NoBracketIntervalFoundError as err:
             raise ConfigError(
                 f"trainer.privacy.target_epsilon={target_epsilon:g} at delta={delta:g} over {rounds} rounds cannot "

@@ -80,7 +80,7 @@ class CentralDP(Privacy):
         noise_multiplier: ``z``: noise standard deviation over ``S`` on the clipped sum (0: clipping only, no
             guarantee). Give this or ``target_epsilon``.
         target_epsilon: Calibrate ``z`` before round 1 so that ``trainer.rounds`` rounds spend this epsilon at
-            ``delta``.
+            ``delta`` (``inf``: ``z = 0``, clipping only).
         delta: The run's delta; ``null``: ``min(1e-5, N^-1.1)`` for ``N`` clients (below ``1 / N`` as it must be).
         max_epsilon: Stop the run, cleanly and with a checkpoint, before a round that would spend more.
         per_layer: Clip each tensor of the federated state to ``S / sqrt(L)`` (``L`` tensors) instead of the
@@ -107,7 +107,8 @@ class CentralDP(Privacy):
     ) -> None:
         problems = positive("clip_norm", clip_norm)
         problems += positive("noise_multiplier", noise_multiplier, allow_zero=True, allow_none=True)
-        problems += positive("target_epsilon", target_epsilon, allow_none=True)
+        if target_epsilon != math.inf:  # inf: no noise (clipping only), the right end of a privacy-utility curve
+            problems += positive("target_epsilon", target_epsilon, allow_none=True)
         problems += positive("max_epsilon", max_epsilon, allow_none=True)
         if (noise_multiplier is None) == (target_epsilon is None):
             problems.append(
@@ -158,8 +159,9 @@ class CentralDP(Privacy):
         if self.adaptive is not None and self.adaptive.count_std is None:
             self.adaptive.count_std = plan.expected_clients / 20
         if self.target_epsilon is not None and self.z is None:
-            self.z = self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds, self.count_std())
-        if self.adaptive is not None:
+            infinite = self.target_epsilon == math.inf
+            self.z = 0.0 if infinite else self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds)
+        if self.adaptive is not None and self.z > 0:
             update_noise_multiplier(self.z, self.adaptive.count_std)  # refuses a count noise too small for z
 
     def count_std(self) -> float:

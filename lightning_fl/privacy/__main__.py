@@ -1,0 +1,55 @@
+"""Plan a private run before starting it: the noise a budget needs, or the budget a noise spends.
+
+    python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --epsilon 1 2 4 8
+    python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --noise-multiplier 1.0
+    python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --epsilon 4 --sampling fixed
+
+It prints, for each setting, the noise multiplier ``z`` (noise std over the clip bound, on the clipped sum),
+epsilon at delta, and the standard deviation of the noise on each coordinate of the mean update for a clip
+bound ``--clip``: what ``trainer.privacy CentralDP`` would use (see docs/privacy.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_fl.errors import UserError
+from lightning_fl.privacy.accountant import Accountant, RoundEvent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_fl.privacy", description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, required=True, help="the population N (data.num_clients)")
+    parser.add_argument("--per-round", type=float, required=True, help="m (trainer.clients_per_round)")
+    parser.add_argument("--rounds", type=int, required=True, help="trainer.rounds")
+    parser.add_argument("--sampling", choices=["poisson", "fixed"], default="poisson", help="trainer.sampling")
+    parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp", help="trainer.privacy.accountant")
+    parser.add_argument("--delta", type=float, default=None, help="default: min(1e-5, N^-1.1), as CentralDP")
+    parser.add_argument("--clip", type=float, default=1.0, help="the clip bound S, for the noise on the mean")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--epsilon", type=float, nargs="+", help="target epsilon(s): the z each needs")
+    group.add_argument("--noise-multiplier", type=float, nargs="+", help="z: the epsilon each spends")
+    args = parser.parse_args(argv)
+    try:
+        accountant = Accountant(args.clients, args.per_round, args.sampling, args.accountant)
+        delta = args.delta if args.delta is not None else min(1e-5, args.clients**-1.1)
+        rows = []
+        for value in args.epsilon or args.noise_multiplier:
+            z = accountant.calibrate(value, delta, args.rounds) if args.epsilon else value
+            eps = accountant.epsilon(delta, (RoundEvent(z), args.rounds))
+            rows.append((z, eps))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"N = {args.clients:,}, m = {args.per_round:g} per round ({args.sampling}), {args.rounds} rounds, "
+          f"delta = {delta:.3g}, {args.accountant.upper()} accounting")  # fmt: skip
+    print("| noise multiplier z | epsilon | noise std on the mean update (S = {:g}) |".format(args.clip))
+    print("|---:|---:|---:|")
+    for z, eps in rows:
+        print(f"| {z:.4f} | {eps:.4f} | {z * args.clip / args.per_round:.4g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
