@@ -73,7 +73,7 @@ def worker(clients: int, weights: int, mode: str) -> dict:
         runner.run(None, Population(), state, 0, 0, 1)  # warm-up: one client, the code paths' one-time costs
         before = current_rss_bytes()
         start = time.perf_counter()
-        new, metrics = runner.run(None, Population(), state, 1, 0, clients)
+        _, metrics = runner.run(None, Population(), state, 1, 0, clients)
     seconds = time.perf_counter() - start
     assert metrics["fed/round_skipped"] == 0 and runner.kept_rows == (clients if mode == "rows" else 0)
     return {

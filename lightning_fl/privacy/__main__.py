@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"N = {args.clients:,}, m = {args.per_round:g} per round ({args.sampling}), {args.rounds} rounds, "
           f"delta = {delta:.3g}, {args.accountant.upper()} accounting")  # fmt: skip
-    print("| noise multiplier z | epsilon | noise std on the mean update (S = {:g}) |".format(args.clip))
+    print(f"| noise multiplier z | epsilon | noise std on the mean update (S = {args.clip:g}) |")
     print("|---:|---:|---:|")
     for z, eps in rows:
         print(f"| {z:.4f} | {eps:.4f} | {z * args.clip / args.per_round:.4g} |")
