@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(
             f"| {n:,} | {rows['peak_extra_bytes'] / mib:,.0f} MiB | {streamed['peak_extra_bytes'] / mib:,.0f} MiB | "
-            f"{4 * n * args.weights / mib:,.0f} MiB | {rows['round_seconds']:.2f} s / {streamed['round_seconds']:.2f} s |"
+            f"{4 * n * args.weights / mib:,.0f} MiB | "
+            f"{rows['round_seconds']:.2f} s / {streamed['round_seconds']:.2f} s |"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
