@@ -255,6 +255,13 @@ EXTRAS = [
 ]
 
 
+# central DP with adaptive clipping, streamed on one process (no identity check, no relative gate)
+PRIVATE = [
+    "--trainer.check_identity", "false", "--trainer.max_update_norm_ratio", "null", "--trainer.privacy", "CentralDP",
+    "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5", "--trainer.privacy.adaptive",
+    "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2",
+]  # fmt: skip
+
 # per-client codec memory: a client sampled again must find its residual, on whichever process trains it
 ERROR_FEEDBACK = ["--trainer.rounds", "4", "--trainer.codec", "TopK", "--trainer.codec.density", "0.1"]
 
@@ -309,10 +316,14 @@ def assert_same_residuals(a: dict, b: dict) -> None:
         pytest.param([], id="fedavg"),
         pytest.param(ERROR_FEEDBACK, id="topk_error_feedback"),
         pytest.param(EXTRAS, id="fedadam_dropout_attack", marks=pytest.mark.slow),
+        pytest.param(PRIVATE, id="central_dp_streamed_vs_rows"),
     ],
 )
 def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
-    """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit."""
+    """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit.
+
+    Under central DP (no identity check, no relative gate) one process streams its uploads into a running sum
+    while two processes gather rows and fold them in client order: the same sum, the same noise, bit for bit."""
     one, two = (two_process_fit(tmp_path, devices, f"d{devices}", *extra) for devices in ("1", "2"))
     assert torch.equal(one["global_state"]["mapping.latent"], two["global_state"]["mapping.latent"])
     assert torch.equal(one["ledger"]["up"], two["ledger"]["up"])
@@ -322,6 +333,7 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
     for key, value in one["strategy"].items():  # server optimiser moments agree too
         assert torch.equal(value, two["strategy"][key])
     assert_same_residuals(one, two)
+    assert one.get("privacy") == two.get("privacy")  # the accountant and the adaptive clip bound agree too
 
 
 @pytest.mark.distributed

@@ -146,6 +146,24 @@ def test_flower_transport_equals_in_process_bitwise(in_tmp, config):
     assert types.count(messages.HELLO) == 4 and types.count(messages.TRAIN) == 8
 
 
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        pytest.param(["--trainer.privacy", "CentralDP", "--trainer.max_update_norm_ratio", "null"], id="central"),
+        pytest.param(["--trainer.privacy", "LocalDP"], id="local"),
+    ],
+)
+def test_private_rounds_on_flower_equal_in_process_bitwise(in_tmp, privacy):
+    """Central DP runs in the ServerApp, local DP on each node inside run_client: the same noise, state and budget."""
+    extra = [*privacy, "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5"]
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
+    trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
+    assert_same_state(got, reference)
+    assert got["privacy"]["noise_multiplier"] == reference["privacy"]["noise_multiplier"] == 1.0
+    eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
+    assert eps == [h["privacy/epsilon"] for h in reference["history"][1:]] and 0 < eps[0] < eps[1]
+
+
 def garbage(reply: Message, message: Message) -> Message:
     """A hostile node: replaces its payload bytes with junk."""
     reply.content[messages.REPLY]["payload"] = b"\x00junk" * 20

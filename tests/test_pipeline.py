@@ -9,7 +9,7 @@ import torch
 
 from helpers import crafted_runner
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated import FedAdam, FedAvg, FedAvgM, Median, SignFlip
+from lightning_fl.federated import FedAdam, FedAvg, FedAvgM, Median, NaNUpload, SignFlip
 from lightning_fl.privacy import AdaptiveClipping, CentralDP, Plan
 
 D = 6
@@ -76,12 +76,15 @@ def test_a_streamed_fedavg_round_equals_the_all_rows_mean_bit_for_bit_and_keeps_
 
 
 def test_a_streamed_round_folds_in_client_order_whatever_order_replies_arrive():
-    update = updates()
-    ordered, population = make(update, 9)
-    shuffled, _ = make(update, 9)
+    big = torch.tensor([1e20, 0, 0, 0, 0, 0])  # float64 addition is not associative: (1e20 - 1e20) + 1 = 1,
+    given = {0: big, 1: -big, 2: big / 1e20}  # but (1 - 1e20) + 1e20 = 0
+    update = lambda c, r: given[c]  # noqa: E731
+    ordered, population = make(update, 3)
+    shuffled, _ = make(update, 3)
     inner = shuffled.transport.replies
     shuffled.transport.replies = lambda *a, **k: reversed(list(inner(*a, **k)))  # the last client answers first
-    assert torch.equal(flat(run_rounds(ordered, population)[0]), flat(run_rounds(shuffled, population)[0]))
+    first = flat(run_rounds(ordered, population)[0])
+    assert first[0] == pytest.approx(1 / 3) and torch.equal(first, flat(run_rounds(shuffled, population)[0]))
 
 
 @pytest.mark.parametrize("strategy", [FedAvgM(momentum=0.5), FedAdam(server_lr=0.1)], ids=["FedAvgM", "FedAdam"])
@@ -110,6 +113,20 @@ def test_robust_strategies_and_per_client_attacks_keep_what_they_need():
     # SignFlip sends current - 3 (x - current): the mean moves by -4/5 of client 2's update
     want = flat(s_clean).double() - 4 / 5 * update(2, 0).float().double()
     assert torch.allclose(flat(s_attacked).double(), want, atol=1e-6) and not torch.equal(current, flat(s_attacked))
+
+
+def test_a_streamed_round_gates_each_upload_before_folding_it():
+    given = {c: torch.full((D,), 0.05 * (c + 1)) for c in range(5)}  # norms 0.12 to 0.61
+    given[1] = torch.full((D,), 5.0)  # norm 12.2: above the absolute bound
+    runner, population = make(lambda c, r: given[c], 5, max_update_norm=1.0, attack=NaNUpload([3]))
+    with pytest.warns(UserWarning) as caught:
+        state, metrics = runner.run(None, population, {"a": torch.zeros(2, 2), "b": torch.ones(2)}, 0, 0, 5)
+    messages = [str(w.message) for w in caught]
+    assert any("client 1: upload rejected: update norm 12.25 exceeds trainer.max_update_norm=1" in m for m in messages)
+    assert any("client 3: upload rejected: non-finite values" in m for m in messages)
+    assert runner.kept_rows == 0 and runner.dropped == [1, 3] and metrics["fed/attacked_clients"] == 1
+    want = torch.tensor([0.0, 0, 0, 0, 1, 1]) + (given[0] + given[2] + given[4]) / 3
+    assert torch.allclose(flat(state), want, atol=1e-7)
 
 
 # ------------------------------------------------------------------------------------------ central DP
@@ -168,6 +185,10 @@ def test_adaptive_clipping_takes_the_papers_geometric_step():
     privacy.release(torch.zeros(3, dtype=torch.float64), unclipped=30, participants=100, round=0)
     # b = (30 - 100/2) / 100 + 1/2 = 0.3;  S <- 1 * exp(-0.2 (0.3 - 0.5))
     assert privacy.bound == pytest.approx(math.exp(0.04), rel=1e-12)
+    # 80 of the m = 100 expected clients arrived (Poisson sampling, dropouts): the count is of sum_k (b_k - 1/2), so
+    # b = (30 - 80/2) / 100 + 1/2 = 0.4 (as TF Privacy's quantile estimator centres it)
+    privacy.release(torch.zeros(3, dtype=torch.float64), unclipped=30, participants=80, round=1)
+    assert privacy.bound == pytest.approx(math.exp(0.04) * math.exp(0.02), rel=1e-12)
 
 
 @pytest.mark.parametrize("quantile", [0.5, 0.9])

@@ -265,6 +265,27 @@ def test_pivot_table_puts_tags_on_rows_and_columns():
     assert "| strategy | this | other |" in by_sweep and "| avg | 0.505 (0.007) | 0.000 (0.000) |" in by_sweep
 
 
+def test_a_best_pivot_takes_each_runs_best_round_and_keeps_its_tags():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    curve = {0: 0.9, 1: 0.3, 2: 0.6, 3: 0.5}  # round 0 (the base) is not a round of the run
+    rows = [
+        {"label": f"{m}_{e}", "seed": seed, "round": r, "final": int(r == 3), "method": m, "epsilon": e,
+         "val/acc": acc + (0.1 if m == "b" else 0.0) + 0.01 * seed}
+        for m in ("a", "b") for e in (1.0, float("inf")) for seed in (0, 1) for r, acc in curve.items()
+    ]  # fmt: skip
+    spec = {"pivot": {"rows": "method", "columns": ["epsilon"]}, "metric": "val/acc", "best": True}
+    lines = {line.split(" | ")[0].strip("| "): line for line in report.pivot_table(rows, spec).splitlines()
+             if line.startswith("| ")}  # fmt: skip
+    assert lines["method"] == "| method | epsilon=1 | epsilon=inf |"
+    assert lines["a"] == "| a | 0.605 (0.007) | 0.605 (0.007) |" and lines["b"].startswith("| b | 0.705 (0.007)")
+    final = report.pivot_table(rows, {**spec, "best": False})
+    assert "| a | 0.505 (0.007) | 0.505 (0.007) |" in final
+
+
 def test_fmp_label_probe_scores_summaries_of_a_checkpoint(tmp_path):
     """Uniform labels on the k-means centres cost FMP most of what the centres give (the read-out study)."""
     args = ["fit", "--config", str(CONFIGS / "fmp_digits.yaml"), "--model.generator", "PolyaUrn",

@@ -39,12 +39,13 @@ figures:
 Kinds: ``pareto`` plots val/acc against cumulative bytes per client (both directions, MB, log scale) round by
 round, one curve per label (mean over seeds); ``sweep`` plots the final ``metric`` against a numeric tag, one
 line per value of ``series`` (a tag, optional) or, with ``methods`` and a ``metric`` template such as
-``test/{method}/acc``, one line per method (optional ``ylabel``, and ``yscale`` such as ``log``); ``bars``
+``test/{method}/acc``, one line per method (optional ``ylabel``, and ``yscale`` such as ``log``; ``best: true``
+plots each run's best over rounds; a value ``inf`` of the tag is drawn as a dashed level line); ``bars``
 shows the final ``metric`` per label; ``budget`` shows, per label, the best val/acc reached while cumulative
 bytes per client stay within ``budget_mb``; ``rounds`` plots ``metric`` against the round, one curve per
 label. Error bars and bands are one standard deviation over seeds. A ``pivot`` table shows ``mean (std)`` of
 one metric with a row per value of the ``rows`` tag and a column per combination of the ``columns`` tags (in
-CSV order).
+CSV order); ``best: true`` takes each run's best over rounds instead of its final round.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def bests(rows: list[dict], columns: list[str]) -> dict[Any, list[dict]]:
             runs[(r["label"], r["seed"])].append(r)
     groups = defaultdict(list)
     for (label, seed), group in runs.items():
-        best = {"label": label, "seed": seed}
+        best = {**group[0], "label": label, "seed": seed}  # the run's tags come along (pivots read them)
         for c in columns:
             values = [r[c] for r in group if r.get(c, "") != ""]
             if values:
@@ -170,7 +171,8 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
     """One metric: a row per value of ``pivot.rows``, a column per combination of the ``pivot.columns`` tags."""
     row_tag, col_tags = spec["pivot"]["rows"], spec["pivot"]["columns"]
     metric = spec.get("metric", "val/acc")
-    groups = finals(select(rows, spec.get("labels"), spec.get("where")), spec.get("round"), key=per_run)
+    chosen = select(rows, spec.get("labels"), spec.get("where"))
+    groups = bests(chosen, [metric]) if spec.get("best") else finals(chosen, spec.get("round"), key=per_run)
     cells: dict[tuple, list[float]] = defaultdict(list)
     row_keys, col_keys = [], []
     for group in groups.values():
@@ -180,6 +182,7 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
         col_keys += [ck] if ck not in col_keys else []
         cells[rk, ck] += [r.get(metric, "") for r in group]
     which = "final round" if spec.get("round") is None else f"round {spec['round']}"
+    which = "best over rounds 1 to R" if spec.get("best") else which
     seeds = sorted({len(g) for g in groups.values()})
     lines = [
         f"**{spec.get('title', metric)}** ({metric}, {which}, mean (std) over {'/'.join(map(str, seeds))} seeds)",
@@ -259,7 +262,8 @@ def figure(rows: list[dict], spec: dict):
         ax.set_xlabel("cumulative MB per client (up + down)")
         ax.set_ylabel("test accuracy")
     elif kind == "sweep":
-        chosen = finals(select(rows, spec.get("labels"), spec.get("where")), key=per_run)
+        picked = select(rows, spec.get("labels"), spec.get("where"))
+        chosen = bests(picked, [metric]) if spec.get("best") else finals(picked, key=per_run)
         series = defaultdict(list)
         for group in chosen.values():
             if spec.get("methods"):  # one line per method, the metric a template
@@ -271,8 +275,11 @@ def figure(rows: list[dict], spec: dict):
             series[key].append((float(group[0][spec["x"]]), *mean_std([r[metric] for r in group])))
         for key, points in sorted(series.items(), key=lambda kv: str(kv[0])):
             points.sort()
-            xs, ms, ss = zip(*points, strict=True)
-            ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(key) if key != "" else None)
+            finite = [p for p in points if math.isfinite(p[0])]
+            xs, ms, ss = zip(*finite, strict=True) if finite else ((), (), ())
+            line = ax.errorbar(xs, ms, yerr=ss, marker="o", capsize=3, label=str(key) if key != "" else None)
+            for _, m, _ in (p for p in points if not math.isfinite(p[0])):  # x = inf (e.g. epsilon): a level line
+                ax.axhline(m, ls="--", lw=1, color=line[0].get_color(), label=f"{key}, {spec['x']} = inf")
         ax.set_xscale(spec.get("xscale", "log"), **({"base": 2} if spec.get("xscale", "log") == "log" else {}))
         ax.set_xlabel(spec["x"])
         ax.set_ylabel(spec.get("ylabel", metric.replace("{method}/", "")))

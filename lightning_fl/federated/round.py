@@ -79,6 +79,7 @@ class RoundUploads:
 
     current: torch.Tensor  # the global state the clients started from, flat float32 (D,)
     streaming: bool
+    layers: list[slice] = field(default_factory=list)  # each tensor's slice of a flat row (per-layer clipping)
     entries: dict[int, Entry] = field(default_factory=dict)
     sum: RunningSum | None = None
     rows: torch.Tensor | None = None
@@ -176,10 +177,9 @@ class RoundRunner:
         away = [c for c in sampled if self.unavailable(seed, r, c)]
         available = [c for c in sampled if c not in away]
         current = flatten(state, names)
-        uploads = RoundUploads(current, streaming=not self.keeps_rows)
+        uploads = RoundUploads(current, not self.keeps_rows, layer_slices([state[n].numel() for n in names]))
         if uploads.streaming:
             uploads.sum = RunningSum(len(current))
-        self.layers = layer_slices([state[n].numel() for n in names])
         self._collect(uploads, model, datamodule, state, names, available, r, seed)
         lost = [e.client for e in uploads.in_order if e.status == LOST]
         if lost:
@@ -298,7 +298,7 @@ class RoundRunner:
         """Add one upload to the running sum: as it is (weighted by its sample count for a weighted strategy), or
         under central DP its clipped update."""
         if self.privacy is not None and self.privacy.central:
-            clipped, _, within = self.privacy.clip(row.double() - uploads.current.double(), self.layers)
+            clipped, _, within = self.privacy.clip(row.double() - uploads.current.double(), uploads.layers)
             uploads.sum.add(clipped, 1.0)
             uploads.unclipped += int(within)
         else:
