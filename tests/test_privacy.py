@@ -198,6 +198,23 @@ def fit(trainer, model=None, dm=None, **kwargs):
 DP_ARGS = {"max_update_norm_ratio": None, "clients_per_round": 4}
 
 
+@pytest.mark.parametrize("codec", ["int4", "topk_error_feedback"])
+def test_central_dp_bounds_the_step_whatever_the_codec_did_and_local_dp_encodes_the_noised_update(tmp_path, codec):
+    from lightning_fl.compress import Quantize, TopK
+
+    make_codec = {"int4": lambda: Quantize(bits=4), "topk_error_feedback": lambda: TopK(density=0.5)}[codec]
+    bound = 1e-3  # far below the clients' update norms: every update is clipped
+    central = fit(make_trainer(tmp_path / "c", rounds=2, logger=False, codec=make_codec(),
+                               privacy=CentralDP(clip_norm=bound, noise_multiplier=0.0), **DP_ARGS))  # fmt: skip
+    states = [make_model().federated_state()["mapping.latent"], central.global_state["mapping.latent"].cpu()]
+    # two rounds, each a mean of at most m = 4 clipped updates over m: the state moved by at most 2 S
+    assert 0 < float((states[1] - states[0]).double().norm()) <= 2 * bound * (1 + 1e-6)
+    local = fit(make_trainer(tmp_path / "l", rounds=1, logger=False, codec=make_codec(),
+                             privacy=LocalDP(clip_norm=0.1, epsilon=4.0), **DP_ARGS))  # fmt: skip
+    assert torch.isfinite(local.global_state["mapping.latent"]).all()
+    assert local.history[-1]["privacy/epsilon"] == pytest.approx(4.0, rel=1e-6)
+
+
 def test_target_epsilon_is_calibrated_before_round_1_and_spent_by_the_last(tmp_path):
     privacy = CentralDP(clip_norm=0.5, target_epsilon=6.0, delta=1e-4)
     trainer = fit(make_trainer(tmp_path, rounds=3, logger=False, privacy=privacy, **DP_ARGS))

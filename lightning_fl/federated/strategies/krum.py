@@ -6,6 +6,9 @@ Euclidean distances to its ``n - f - 2`` nearest other uploads; Krum returns the
 Multi-Krum the mean of the ``m`` lowest-scoring ones. Ties go to the lower client id. The scores need
 ``n >= f + 3``; the paper's guarantee needs ``n > 2f + 2``. A round with too few uploads for ``f`` keeps the
 global state (no silent clamping of ``f``).
+
+It needs every upload at once, so a round keeps them as an ``(n, D)`` float32 matrix (O(n D) memory) instead
+of streaming them into a running sum as the mean-based strategies do.
 """
 
 from __future__ import annotations

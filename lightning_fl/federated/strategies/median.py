@@ -4,6 +4,9 @@ Towards Optimal Statistical Rates" (ICML).
 Each coordinate of the next global state is the median of that coordinate over the uploads (the mean of
 the two middle values for an even count, as ``numpy.median``). It tolerates fewer than half of the uploads
 being arbitrary; every upload counts once, whatever its client's sample count.
+
+It needs every upload at once, so a round keeps them as an ``(n, D)`` float32 matrix (O(n D) memory) instead
+of streaming them into a running sum as the mean-based strategies do.
 """
 
 from __future__ import annotations

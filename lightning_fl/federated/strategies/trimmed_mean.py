@@ -3,6 +3,9 @@ Learning: Towards Optimal Statistical Rates" (ICML).
 
 For each coordinate, the ``k = floor(beta n)`` largest and ``k`` smallest values over the ``n`` uploads are
 removed and the remaining ``n - 2k`` averaged. It tolerates up to ``k`` arbitrary uploads per coordinate.
+
+It needs every upload at once, so a round keeps them as an ``(n, D)`` float32 matrix (O(n D) memory) instead
+of streaming them into a running sum as the mean-based strategies do.
 """
 
 from __future__ import annotations
