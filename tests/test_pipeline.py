@@ -78,7 +78,7 @@ def test_a_streamed_fedavg_round_equals_the_all_rows_mean_bit_for_bit_and_keeps_
 def test_a_streamed_round_folds_in_client_order_whatever_order_replies_arrive():
     big = torch.tensor([1e20, 0, 0, 0, 0, 0])  # float64 addition is not associative: (1e20 - 1e20) + 1 = 1,
     given = {0: big, 1: -big, 2: big / 1e20}  # but (1 - 1e20) + 1e20 = 0
-    update = lambda c, r: given[c]  # noqa: E731
+    update = lambda c, r: given[c]
     ordered, population = make(update, 3)
     shuffled, _ = make(update, 3)
     inner = shuffled.transport.replies
@@ -119,7 +119,7 @@ def test_a_streamed_round_gates_each_upload_before_folding_it():
     given = {c: torch.full((D,), 0.05 * (c + 1)) for c in range(5)}  # norms 0.12 to 0.61
     given[1] = torch.full((D,), 5.0)  # norm 12.2: above the absolute bound
     runner, population = make(lambda c, r: given[c], 5, max_update_norm=1.0, attack=NaNUpload([3]))
-    with pytest.warns(UserWarning) as caught:
+    with pytest.warns(UserWarning, match="upload rejected") as caught:
         state, metrics = runner.run(None, population, {"a": torch.zeros(2, 2), "b": torch.ones(2)}, 0, 0, 5)
     messages = [str(w.message) for w in caught]
     assert any("client 1: upload rejected: update norm 12.25 exceeds trainer.max_update_norm=1" in m for m in messages)
