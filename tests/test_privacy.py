@@ -220,6 +220,10 @@ def test_target_epsilon_is_calibrated_before_round_1_and_spent_by_the_last(tmp_p
     trainer = fit(make_trainer(tmp_path, rounds=3, logger=False, privacy=privacy, **DP_ARGS))
     eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(6.0, rel=1e-3) and eps[-1] <= 6.0
+    other = make_trainer(tmp_path, rounds=4, logger=False, privacy=CentralDP(clip_norm=0.5, target_epsilon=8.0),
+                         **DP_ARGS)  # fmt: skip
+    with pytest.raises(ConfigError, match="calibrated to trainer.privacy.target_epsilon=6.0, this run asks for 8.0"):
+        fit(other, ckpt_path=str(trainer.log_dir / "checkpoints" / "last.ckpt"))
 
 
 def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_a_resume_keeps_the_budget(tmp_path, capsys):

@@ -223,6 +223,7 @@ class CentralDP(Privacy):
     def state_dict(self) -> dict[str, Any]:
         return {
             "noise_multiplier": self.z,
+            "target_epsilon": self.target_epsilon,
             "clip_norm": self.bound,
             "delta": self.delta,
             "accountant": self.accountant.state_dict(),
@@ -238,6 +239,11 @@ class CentralDP(Privacy):
             raise ConfigError(
                 f"the checkpoint's noise multiplier is {state['noise_multiplier']:g}, trainer.privacy.noise_multiplier "
                 f"is {self.noise_multiplier:g}: resume with the same value"
+            )
+        if self.target_epsilon is not None and (saved := state.get("target_epsilon")) != self.target_epsilon:
+            raise ConfigError(
+                f"the checkpoint's noise was calibrated to trainer.privacy.target_epsilon={saved}, this run asks for "
+                f"{self.target_epsilon}: resume with the same target (or set max_epsilon to stop earlier)"
             )
         self.z, self.bound, self.delta = (
             float(state["noise_multiplier"]),
