@@ -330,3 +330,17 @@ def test_config_args_pin_a_configs_settings_before_everything_else(tmp_path):
         assert parser.parse_args(pinned[3:]).fit.trainer.init_args.max_steps == 300
         assert parser.parse_args(own[3:]).fit.trainer.init_args.max_steps == 50
         assert parser.parse_args(other[3:]).fit.trainer.init_args.max_steps == 1600  # the config's own
+
+
+def test_a_run_may_have_its_own_seeds():
+    sweep = sweep_tool()
+    spec = {
+        "name": "s",
+        "seeds": [0, 1, 2],
+        "runs": [
+            {"label": "all", "config": "c.yaml"},
+            {"label": "check_{x}", "config": "c.yaml", "grid": {"x": [1, 2]}, "seeds": [0]},
+        ],
+    }
+    ids = [run["id"] for run in sweep.expand(spec)]
+    assert ids == ["all__seed0", "all__seed1", "all__seed2", "check_1__seed0", "check_2__seed0"]

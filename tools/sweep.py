@@ -25,8 +25,9 @@ runs:
 
 A run is finished when its ``last.ckpt`` has done all ``trainer.rounds``; unfinished runs continue from
 it (``--trainer.resume auto``). When a run fails, the sweep goes on with the others, collects what finished,
-and exits with status 1 naming the failed runs. ``seed_args`` (e.g. ``["--data.seed", "{seed}"]``) are added to every
-command with the seed filled in, for configs whose data or caches have seeds of their own.
+and exits with status 1 naming the failed runs. A run may list its own ``seeds`` (e.g. a side check on one
+seed). ``seed_args`` (e.g. ``["--data.seed", "{seed}"]``) are added to every command with the seed filled in,
+for configs whose data or caches have seeds of their own.
 
 ``config_args`` (``{config path: [arguments]}``) puts arguments right after ``--config`` for the runs of that
 config, before ``common`` and the run's own arguments, which override them: a sweep pins there the settings its
@@ -105,6 +106,7 @@ def expand(spec: dict) -> list[dict]:
                     "args": [sub(a) for a in entry.get("args", [])],
                     "tags": {k: sub(v) for k, v in (entry.get("tags") or {}).items()},
                     "fit_from": sub(entry["fit_from"]) if entry.get("fit_from") is not None else None,
+                    "seeds": entry.get("seeds"),  # a run's own seeds (a check on one seed), else the sweep's
                 }
             )
     labels = [r["label"] for r in runs]
@@ -122,7 +124,8 @@ def expand(spec: dict) -> list[dict]:
             raise SystemExit(
                 f"error: run {run['label']}: fit_from {base!r} must name a run listed before it that fits itself"
             )
-    return [{**r, "seed": s, "id": f"{r['label']}__seed{s}"} for r in runs for s in spec.get("seeds", [0])]
+    seeds = spec.get("seeds", [0])
+    return [{**r, "seed": s, "id": f"{r['label']}__seed{s}"} for r in runs for s in r["seeds"] or seeds]
 
 
 def run_dir(out: Path, run: dict) -> Path:
