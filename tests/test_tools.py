@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from conftest import CONFIGS, REPO, sweep_tool
@@ -344,3 +345,48 @@ def test_a_run_may_have_its_own_seeds():
     }
     ids = [run["id"] for run in sweep.expand(spec)]
     assert ids == ["all__seed0", "all__seed1", "all__seed2", "check_1__seed0", "check_2__seed0"]
+
+
+def test_dp_noise_probe_shares_against_closed_forms():
+    """Isotropic noise puts k / D of its energy in a k-dimensional input subspace; a weight built in it puts all."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dp_noise_probe", REPO / "tools" / "dp_noise_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    g = torch.Generator().manual_seed(0)
+    D, k, n = 400, 10, 2000
+    basis = torch.linalg.qr(torch.randn(D, k, generator=g, dtype=torch.float64))[0].T  # (k, D) orthonormal rows
+    X = torch.randn(n, k, generator=g, dtype=torch.float64) @ basis  # inputs of rank k
+    W = torch.randn(32, k, generator=g, dtype=torch.float64) @ basis  # a weight that reads only that subspace
+    N = torch.randn(32, D, generator=g, dtype=torch.float64)  # isotropic noise
+    out = probe.subspace_shares(X, W, N, fractions=(0.999999,))
+    assert out["k0.999999"] == k
+    assert out["W_share0.999999"] == pytest.approx(1.0, abs=1e-9)
+    assert out["N_share0.999999"] == pytest.approx(k / D, rel=0.15)  # chi-square of 320 of 12,800 entries
+    assert out["N_norm"] == pytest.approx(float(N.norm()))
+    ratio = ((X @ N.T).norm(dim=1) / (X @ W.T).norm(dim=1)).mean()
+    assert out["output_ratio"] == pytest.approx(float(ratio))
+
+
+def test_dp_noise_probe_reads_two_checkpoints(tmp_path):
+    """End to end on digits: the noise the probe reports is the difference planted between two checkpoints."""
+    config = CONFIGS / "fedavg_digits.yaml"
+    fit = tool("-m", "lightning_fl", "fit", "--config", config, "--trainer.rounds", "1",
+               "--trainer.default_root_dir", tmp_path / "runs", "--trainer.logger", "false", cwd=tmp_path)  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    clean = next((tmp_path / "runs").rglob("last.ckpt"))
+    ckpt = torch.load(clean, map_location="cpu", weights_only=True)
+    weight = ckpt["global_state"]["backbone.fc.weight"]
+    planted = 0.01 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
+    ckpt["global_state"]["backbone.fc.weight"] = weight + planted
+    noised = tmp_path / "noised.ckpt"
+    torch.save(ckpt, noised)
+    args = [REPO / "tools" / "dp_noise_probe.py", "fit", "--config", config, "--noised", noised, "--clean", clean]
+    proc = tool(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.strip().split(": ") for line in proc.stdout.splitlines() if line.startswith("  "))
+    assert float(lines["N_norm"]) == pytest.approx(float(planted.norm()), abs=1e-4)
+    assert 0 < float(lines["N_share0.9"]) < float(lines["W_share0.9"])
+    bad = tool(*args, "--layer", "backbone.nope", cwd=tmp_path)
+    assert bad.returncode == 2 and "--layer backbone.nope" in bad.stderr and "backbone.fc" in bad.stderr
