@@ -390,3 +390,22 @@ def test_dp_noise_probe_reads_two_checkpoints(tmp_path):
     assert 0 < float(lines["N_share0.9"]) < float(lines["W_share0.9"])
     bad = tool(*args, "--layer", "backbone.nope", cwd=tmp_path)
     assert bad.returncode == 2 and "--layer backbone.nope" in bad.stderr and "backbone.fc" in bad.stderr
+
+
+def test_report_label_tables_take_a_where_filter():
+    """A labels table with ``where: {seed: 0}`` averages only that seed's runs (a fair row beside one-seed runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report", REPO / "tools" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    rows = [
+        {"label": "a", "seed": seed, "round": 1, "final": 1, "val/acc": acc}
+        for seed, acc in ((0, 0.5), (1, 0.7), (2, 0.9))
+    ]
+    both = report.table(rows, {"labels": ["a"], "columns": ["val/acc"]})
+    assert "| a | 3 | 0.7000 +/- 0.2000 |" in both
+    seed0 = report.table(rows, {"labels": ["a"], "columns": ["val/acc"], "where": {"seed": 0}})
+    assert "| a | 1 | 0.5000 +/- 0.0000 |" in seed0
+    best = report.table(rows, {"labels": ["a"], "columns": ["val/acc"], "where": {"seed": 2}, "best": True})
+    assert "| a | 1 | 0.9000 +/- 0.0000 |" in best

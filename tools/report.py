@@ -153,9 +153,9 @@ def table(rows: list[dict], spec: dict) -> str:
     labels = spec.get("labels") or labels_in_order(rows)
     columns = spec.get("columns", ["val/acc", "val/ece", "comm/client_up_bytes", "comm/cum_client_bytes"])
     if spec.get("best"):
-        groups, which = bests(select(rows, labels), columns), "best over rounds 1 to R"
+        groups, which = bests(select(rows, labels, spec.get("where")), columns), "best over rounds 1 to R"
     else:
-        groups = finals(select(rows, labels), spec.get("round"))
+        groups = finals(select(rows, labels, spec.get("where")), spec.get("round"))
         which = "final round" if spec.get("round") is None else f"round {spec['round']}"
     lines = [f"**{spec.get('title', 'Results')}** ({which}, mean +/- std over seeds)", ""]
     lines.append("| run | seeds | " + " | ".join(columns) + " |")
