@@ -390,6 +390,9 @@ def test_dp_noise_probe_reads_two_checkpoints(tmp_path):
     assert 0 < float(lines["N_share0.9"]) < float(lines["W_share0.9"])
     bad = tool(*args, "--layer", "backbone.nope", cwd=tmp_path)
     assert bad.returncode == 2 and "--layer backbone.nope" in bad.stderr and "backbone.fc" in bad.stderr
+    (tmp_path / "corrupt.ckpt").write_bytes(b"not a checkpoint")
+    corrupt = tool(*args[:-1], tmp_path / "corrupt.ckpt", cwd=tmp_path)
+    assert corrupt.returncode == 2 and "--clean" in corrupt.stderr and "Traceback" not in corrupt.stderr
 
 
 def test_report_label_tables_take_a_where_filter():

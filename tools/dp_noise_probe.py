@@ -26,6 +26,7 @@ import torch
 
 from lightning_fl.checkpoint import read_checkpoint
 from lightning_fl.cli import build
+from lightning_fl.errors import UserError
 
 
 def subspace_shares(
@@ -57,10 +58,14 @@ def main() -> int:
     parser.add_argument("--clean", required=True, help="the run without noise")
     parser.add_argument("--batches", type=int, default=16, help="validation batches to read")
     args, rest = parser.parse_known_args()
-    run = build(rest)
+    try:  # a config typo or an unreadable checkpoint: one line, exit code 2
+        run = build(rest)
+        noised = read_checkpoint(args.noised, "--noised")["global_state"]
+        clean = read_checkpoint(args.clean, "--clean")["global_state"]
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     model, data = run.model, run.data
-    noised = read_checkpoint(args.noised, "--noised")["global_state"]
-    clean = read_checkpoint(args.clean, "--clean")["global_state"]
     key = f"{args.layer}.weight"
     if key not in clean:
         layers = sorted(k.removesuffix(".weight") for k in clean if k.endswith(".weight") and clean[k].dim() == 2)
