@@ -240,11 +240,16 @@ def fake_cifar(folder: Path, names: list[str], label_key: bytes, n=20, classes=1
         (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
 
 
-def sweep_tool():
-    """``tools/sweep.py`` imported as a module (its command builder, expansion and CSV collection)."""
+def tool_module(name: str):
+    """``tools/<name>.py`` imported as a module (the tools are scripts, not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("sweep_tool", REPO / "tools" / "sweep.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def sweep_tool():
+    """``tools/sweep.py`` imported as a module (its command builder, expansion and CSV collection)."""
+    return tool_module("sweep")

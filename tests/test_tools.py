@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS, REPO, sweep_tool
+from conftest import CONFIGS, REPO, sweep_tool, tool_module
 
 SHRINK = [
     "--data.source",
@@ -349,11 +349,7 @@ def test_a_run_may_have_its_own_seeds():
 
 def test_dp_noise_probe_shares_against_closed_forms():
     """Isotropic noise puts k / D of its energy in a k-dimensional input subspace; a weight built in it puts all."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("dp_noise_probe", REPO / "tools" / "dp_noise_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = tool_module("dp_noise_probe")
     g = torch.Generator().manual_seed(0)
     D, k, n = 400, 10, 2000
     basis = torch.linalg.qr(torch.randn(D, k, generator=g, dtype=torch.float64))[0].T  # (k, D) orthonormal rows
@@ -397,11 +393,7 @@ def test_dp_noise_probe_reads_two_checkpoints(tmp_path):
 
 def test_report_label_tables_take_a_where_filter():
     """A labels table with ``where: {seed: 0}`` averages only that seed's runs (a fair row beside one-seed runs)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("report", REPO / "tools" / "report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = tool_module("report")
     rows = [
         {"label": "a", "seed": seed, "round": 1, "final": 1, "val/acc": acc}
         for seed, acc in ((0, 0.5), (1, 0.7), (2, 0.9))
