@@ -317,14 +317,18 @@ def assert_same_residuals(a: dict, b: dict) -> None:
         pytest.param(ERROR_FEEDBACK, id="topk_error_feedback"),
         pytest.param(EXTRAS, id="fedadam_dropout_attack", marks=pytest.mark.slow),
         pytest.param(PRIVATE, id="central_dp_streamed_vs_rows"),
+        pytest.param([*PRIVATE, "--trainer.fold_groups", "4"], id="central_dp_fold_groups_both_stream"),
     ],
 )
 def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
     """Clients spread over 2 CPU processes (gloo) end with the global state of a single process, bit for bit.
 
     Under central DP (no identity check, no relative gate) one process streams its uploads into a running sum
-    while two processes gather rows and fold them in client order: the same sum, the same noise, bit for bit."""
+    while two processes gather rows and fold them in client order: the same sum, the same noise, bit for bit.
+    With ``fold_groups`` both stream, each process its own groups' running sums."""
     one, two = (two_process_fit(tmp_path, devices, f"d{devices}", *extra) for devices in ("1", "2"))
+    if "--trainer.fold_groups" in extra:
+        assert [h["fed/kept_rows"] for h in one["history"] + two["history"] if "fed/kept_rows" in h] == [0.0] * 4
     assert torch.equal(one["global_state"]["mapping.latent"], two["global_state"]["mapping.latent"])
     assert torch.equal(one["ledger"]["up"], two["ledger"]["up"])
     assert [h.get("val/acc") for h in one["history"]] == [h.get("val/acc") for h in two["history"]]

@@ -3,13 +3,18 @@ each checked against values computed by hand from uploads the clients are made t
 
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from helpers import crafted_runner
+from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FedAdam, FedAvg, FedAvgM, Median, NaNUpload, SignFlip
+from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.ledger import ByteLedger
+from lightning_fl.federated.round import RoundRunner
 from lightning_fl.privacy import AdaptiveClipping, CentralDP, Plan
 
 D = 6
@@ -85,6 +90,50 @@ def test_a_streamed_round_folds_in_client_order_whatever_order_replies_arrive():
     shuffled.transport.replies = lambda *a, **k: reversed(list(inner(*a, **k)))  # the last client answers first
     first = flat(run_rounds(ordered, population)[0])
     assert first[0] == pytest.approx(1 / 3) and torch.equal(first, flat(run_rounds(shuffled, population)[0]))
+
+
+def grouped_reference(rows, weights, groups):
+    """Fold groups by hand: client ``c`` into sum ``c % groups`` in client order, then the sums in group order."""
+    parts = {}
+    for c, (x, w) in enumerate(zip(rows, weights, strict=True)):
+        acc, total = parts.setdefault(c % groups, [torch.zeros(rows.shape[1], dtype=torch.float64), 0.0])
+        parts[c % groups] = [acc + w * x.to(torch.float64), total + w]
+    acc, total = torch.zeros(rows.shape[1], dtype=torch.float64), 0.0
+    for g in sorted(parts):
+        acc, total = acc + parts[g][0], total + parts[g][1]
+    return acc / total
+
+
+def test_fold_groups_add_each_group_in_client_order_then_the_groups_in_group_order():
+    big = torch.tensor([1e20, 0, 0, 0, 0, 0])
+    given = {0: big, 1: -big, 2: big / 1e20}
+    one, population = make(lambda c, r: given[c], 3)
+    two, _ = make(lambda c, r: given[c], 3, fold_groups=2)
+    assert flat(run_rounds(one, population)[0])[0] == pytest.approx(1 / 3)  # ((1e20 - 1e20) + 1) / 3
+    assert flat(run_rounds(two, population)[0])[0] == 0.0  # ((1e20 + 1) + -1e20) / 3: group 0, then group 1
+    three, _ = make(lambda c, r: given[c], 3, fold_groups=3)
+    assert flat(run_rounds(three, population)[0])[0] == pytest.approx(1 / 3)  # groups 0, 1, 2 in that order
+    # wide-ranging updates, weighted, 3 groups of 11 clients: the hand fold, streamed and with rows kept
+    update, samples = updates(), lambda c: 5 + 2 * c
+    streamed, population = make(update, 11, strategy=FedAvg(weighted=True), num_samples=samples, fold_groups=3)
+    kept, _ = make(update, 11, strategy=FedAvg(weighted=True), num_samples=samples, fold_groups=3,
+                   max_update_norm_ratio=1e30)  # fmt: skip
+    s_streamed, history = run_rounds(streamed, population)
+    s_kept, _ = run_rounds(kept, population)
+    current = flat({"a": torch.zeros(2, 2), "b": torch.ones(2)})
+    rows = torch.stack([current + update(c, 0) for c in range(11)])
+    want = grouped_reference(rows, [float(samples(c)) for c in range(11)], 3).float()
+    assert torch.equal(flat(s_streamed), want) and torch.equal(flat(s_kept), want)
+    assert history[0]["fed/kept_rows"] == 0 and kept.kept_rows == 11
+
+
+def test_with_fold_groups_a_process_trains_the_clients_of_its_groups():
+    runner, _ = make(updates(), 4, fold_groups=4)
+    assert [runner.process_of(c, 2) for c in range(8)] == [c % 2 for c in range(8)]  # 2 divides 4: as before
+    runner.fold_groups = 3
+    assert [runner.process_of(c, 2) for c in range(6)] == [0, 1, 0, 0, 1, 0]  # group c % 3 on process g % 2
+    with pytest.warns(UserWarning, match="fold_groups is 2 but the run has 4 processes"):
+        RoundRunner(SimpleNamespace(world_size=4), FedAvg(), FP32(), LocalTraining(), ByteLedger(4), fold_groups=2)
 
 
 @pytest.mark.parametrize("strategy", [FedAvgM(momentum=0.5), FedAdam(server_lr=0.1)], ids=["FedAvgM", "FedAdam"])

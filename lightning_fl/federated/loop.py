@@ -84,6 +84,13 @@ class FederatedTrainer(TrainerLike):
         sampling: How a round's clients are drawn: ``fixed`` (``clients_per_round`` of them without replacement)
             or ``poisson`` (each client independently with probability ``clients_per_round / num_clients``, so
             the cohort's size varies; what most DP analyses assume).
+        fold_groups: How many running sums a linear strategy's round adds uploads into (client ``c`` into sum
+            ``c % fold_groups``, each in client-id order; the sums are then added in group order). The global
+            state depends on this number, never on how many processes train the clients. ``1`` (default): one
+            sum, the order of a single process; clients spread over several processes then keep their uploads
+            as rows and gather them. A multiple of the number of processes (e.g. 8 for 1, 2, 4 or 8 processes)
+            lets every process stream its own groups (memory O(D) per group) and still give one process's result
+            bit for bit.
         seed: Seed of client sampling and client training; default: the run's ``seed_everything``.
         accelerator: Fabric accelerator (``cpu``, ``gpu``, ``auto``).
         devices: Processes/devices the clients are spread over (``2`` on CPU uses gloo); with several nodes, per node.
@@ -137,6 +144,7 @@ class FederatedTrainer(TrainerLike):
         attack: Attack | None = None,
         privacy: Privacy | None = None,
         sampling: Literal["fixed", "poisson"] = "fixed",
+        fold_groups: int = 1,
         seed: int | None = None,
         accelerator: str = "auto",
         devices: int | str = 1,
@@ -188,6 +196,8 @@ class FederatedTrainer(TrainerLike):
              f"trainer.client_state_memory_mb must be >= 0 or null, got {client_state_memory_mb}"),
             (isinstance(strategy, Strategy), f"trainer.strategy must be a Strategy, got {type(strategy).__name__}"),
             (sampling in ("fixed", "poisson"), f"trainer.sampling must be 'fixed' or 'poisson', got {sampling!r}"),
+            (isinstance(fold_groups, int) and fold_groups >= 1,
+             f"trainer.fold_groups must be a whole number >= 1, got {fold_groups!r}"),
             (privacy is None or isinstance(privacy, Privacy),
              f"trainer.privacy must be CentralDP, LocalDP or null, got {type(privacy).__name__}"),
         ]  # fmt: skip
@@ -200,7 +210,7 @@ class FederatedTrainer(TrainerLike):
         self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
         upload_stage = privacy if privacy is not None and not privacy.central else None  # LocalDP runs on clients
         self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val, upload_stage)
-        self.privacy, self.sampling = privacy, sampling
+        self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
         self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
         self.dropout, self.attack, self.seed = dropout, attack, seed
@@ -256,7 +266,7 @@ class FederatedTrainer(TrainerLike):
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
             identity, progress=self.enable_progress_bar, transport=self.transport,
             max_update_norm=self.max_update_norm, max_update_norm_ratio=self.max_update_norm_ratio,
-            privacy=self.privacy, sampling=self.sampling,
+            privacy=self.privacy, sampling=self.sampling, fold_groups=self.fold_groups,
         )  # fmt: skip
         self.round_runner = runner
         self.transport.open(num_clients=datamodule.num_clients, fingerprint=fingerprint, seed=seed)

@@ -14,13 +14,19 @@ round costs O(D) memory whatever the number of clients (local DP happens on the 
 **Rows** are kept, as an ``(n, D)`` float32 matrix, when something needs every upload at once: a robust strategy
 (Median, TrimmedMean, Krum), the relative norm gate (``max_update_norm_ratio``: the round's median norm is known
 only when every upload has arrived), an attack that forges from the whole round (ALIE), the averaging identity
-check (FLITE latents, a few thousand floats each), or clients spread over several processes (the fold must visit
-clients in client-id order to stay independent of their placement; each process decodes its own share and the
-rows are gathered). Either way the same operations run in the same order, so a streamed FedAvg equals the
-all-rows mean bit for bit.
+check (FLITE latents, a few thousand floats each), or clients spread over several processes with one running
+sum (the fold must visit clients in client-id order to stay independent of their placement; each process decodes
+its own share and the rows are gathered). Either way the same operations run in the same order, so a streamed
+FedAvg equals the all-rows mean bit for bit.
 
-Each process trains its share of the round's clients (every ``world_size``-th, by client id), so the global
-state does not depend on how clients are placed.
+**Several processes stream** with ``fold_groups`` G > 1: client ``c`` is folded into running sum ``c % G`` (each
+in client-id order) and the G sums are added in group order (:class:`~lightning_fl.federated.strategies.GroupedSums`).
+Group ``g``'s clients train on process ``g % world_size``, which folds them as they arrive and, once, broadcasts
+its sum in its turn: memory O(D) per group, and the same additions whatever the number of processes, so the
+global state is that of one process with the same G, bit for bit.
+
+Each process trains its share of the round's clients (by client id: every ``world_size``-th, or the clients of
+its groups), so the global state does not depend on how clients are placed.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from lightning_fl.federated.gate import UploadRejectedError, non_finite_rows, sc
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.state import State, flatten, unflatten
 from lightning_fl.federated.strategies import Strategy
-from lightning_fl.federated.strategies.base import RunningSum
+from lightning_fl.federated.strategies.base import GroupedSums, RunningSum
 from lightning_fl.federated.transport import InProcess, Reply, Transport
 from lightning_fl.privacy.base import Privacy, layer_slices
 from lightning_fl.seeding import derive_seed
@@ -73,14 +79,17 @@ class RoundUploads:
     """A round's uploads as they travel through the stages.
 
     ``entries`` has one :class:`Entry` per client that answered or was lost (by client id). Accepted uploads
-    are either folded into ``sum`` (streaming) or kept as ``rows`` (float32 ``(n, D)``, one per entry of
-    ``row_clients``); ``unclipped`` counts the folded updates central DP left unscaled.
+    are either folded into ``sums`` (streaming; one running sum per fold group) or kept as ``rows`` (float32
+    ``(n, D)``, one per entry of ``row_clients``) and folded at the end of the round (linear strategies); ``sum``
+    is the groups' combined sum the server stages read. ``unclipped`` counts the folded updates central DP left
+    unscaled.
     """
 
     current: torch.Tensor  # the global state the clients started from, flat float32 (D,)
     streaming: bool
     layers: list[slice] = field(default_factory=list)  # each tensor's slice of a flat row (per-layer clipping)
     entries: dict[int, Entry] = field(default_factory=dict)
+    sums: GroupedSums | None = None
     sum: RunningSum | None = None
     rows: torch.Tensor | None = None
     row_clients: list[int] = field(default_factory=list)
@@ -122,13 +131,21 @@ class RoundRunner:
         max_update_norm_ratio: float | None = None,
         privacy: Privacy | None = None,
         sampling: str = "fixed",
+        fold_groups: int = 1,
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
         self.upload_policy, self.dropout, self.attack = upload_policy, dropout, attack
         self.identity, self.progress = identity, progress
         self.transport = transport if transport is not None else InProcess()
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
-        self.privacy, self.sampling = privacy, sampling
+        self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
+        world = fabric.world_size
+        if self.transport.spreads_over_processes and world > fold_groups > 1:
+            warnings.warn(
+                f"trainer.fold_groups is {fold_groups} but the run has {world} processes: {world - fold_groups} of "
+                f"them train no client; set fold_groups to a multiple of {world}",
+                stacklevel=2,
+            )
         #: Clients that answered the last round but were left out of its aggregate (rejected by the gate).
         self.dropped: list[int] = []
         #: Rows of uploads the last round held at once on this process (0: it streamed into a running sum).
@@ -158,7 +175,7 @@ class RoundRunner:
     @property
     def keeps_rows(self) -> bool:
         """Whether a round keeps every upload as a row (see the module docstring) instead of streaming."""
-        spread = self.transport.spreads_over_processes and self.fabric.world_size > 1
+        spread = self.transport.spreads_over_processes and self.fabric.world_size > 1 and self.fold_groups == 1
         round_attack = self.attack is not None and not self.attack.per_client
         return (
             not self.strategy.streams
@@ -179,7 +196,7 @@ class RoundRunner:
         current = flatten(state, names)
         uploads = RoundUploads(current, not self.keeps_rows, layer_slices([state[n].numel() for n in names]))
         if uploads.streaming:
-            uploads.sum = RunningSum(len(current))
+            uploads.sums = GroupedSums(len(current), self.fold_groups)
         self._collect(uploads, model, datamodule, state, names, available, r, seed)
         lost = [e.client for e in uploads.in_order if e.status == LOST]
         if lost:
@@ -191,8 +208,11 @@ class RoundRunner:
             "fed/lost_clients": len(lost),
         }
         self.kept_rows = 0 if uploads.streaming else len(uploads.rows)
+        metrics["fed/kept_rows"] = self.kept_rows  # uploads held at once (0: streamed into running sums)
         if not uploads.streaming:
             self._round_stages(uploads, r, seed)
+        if uploads.sum is None and uploads.sums is not None:  # (several streaming processes have combined theirs)
+            uploads.sum = uploads.sums.combine()
         if self.attack is not None:
             metrics["fed/attacked_clients"] = uploads.attacked
         aggregated = set(uploads.folded)
@@ -216,12 +236,12 @@ class RoundRunner:
         every process's rows and entries)."""
         fabric = self.fabric
         spread = self.transport.spreads_over_processes
-        # Each client trains on one process, always the same (client % processes): a codec's memory of a client
-        # (error-feedback residuals) stays where the client trains.
+        # Each client trains on one process, always the same: a codec's memory of a client (error-feedback
+        # residuals) stays where the client trains.
         world = fabric.world_size if spread else 1
-        share = [c for c in available if c % world == fabric.global_rank] if spread else available
+        share = [c for c in available if self.process_of(c, world) == fabric.global_rank] if spread else available
         if not uploads.streaming:
-            slots = max(1, max(sum(1 for c in available if c % world == k) for k in range(world)))
+            slots = max(1, max(sum(1 for c in available if self.process_of(c, world) == k) for k in range(world)))
             uploads.rows = torch.zeros(slots, len(uploads.current), dtype=torch.float32)
         show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
         replies = self.transport.replies(
@@ -251,6 +271,14 @@ class RoundRunner:
                     self._fold(uploads, uploads.entry(client), pending[client])
         if not uploads.streaming and fabric.world_size > 1:
             self._gather_rows(uploads)
+        elif spread and fabric.world_size > 1:
+            self._combine_groups(uploads)
+
+    def process_of(self, client: int, world: int) -> int:
+        """The process that trains ``client`` among ``world``: the one holding its fold group (``client %
+        fold_groups``) when there are several groups, else every ``world``-th client (the same when ``world``
+        divides ``fold_groups``)."""
+        return (client % self.fold_groups) % world if self.fold_groups > 1 else client % world
 
     def _receive(self, reply: Reply, state: State, r: int) -> tuple[Entry, State | None]:
         """A reply as an :class:`Entry`, and its decoded upload if it passed the gate (decode + checks)."""
@@ -299,10 +327,10 @@ class RoundRunner:
         under central DP its clipped update."""
         if self.privacy is not None and self.privacy.central:
             clipped, _, within = self.privacy.clip(row.double() - uploads.current.double(), uploads.layers)
-            uploads.sum.add(clipped, 1.0)
+            uploads.sums.add(entry.client, clipped, 1.0)
             uploads.unclipped += int(within)
         else:
-            uploads.sum.add(row, entry.weight if self.strategy.weighted else 1.0)
+            uploads.sums.add(entry.client, row, entry.weight if self.strategy.weighted else 1.0)
         uploads.folded.append(entry.client)
 
     # ============================================================================ per-round stages (rows kept)
@@ -333,7 +361,7 @@ class RoundRunner:
                 good.append(i)
         uploads.row_clients, uploads.rows = [clients[i] for i in good], rows(rows_, good)
         if self.strategy.streams:
-            uploads.sum = RunningSum(len(current))
+            uploads.sums = GroupedSums(len(current), self.fold_groups)
             for client, row in zip(uploads.row_clients, uploads.rows, strict=True):
                 self._fold(uploads, uploads.entry(client), row)
         else:
@@ -443,6 +471,31 @@ class RoundRunner:
         uploads.entries = entries
         uploads.row_clients = sorted(placed)
         uploads.rows = rows_[[placed[c] for c in uploads.row_clients]]
+
+    def _combine_groups(self, uploads: RoundUploads) -> None:
+        """Several streaming processes: every process's entries and counts, and the groups' sums added in group
+        order (each broadcast once by the process that holds it), on every process."""
+        fabric = self.fabric
+        mine = {g: (part.weight, part.count) for g, part in uploads.sums.sums.items()}
+        everyone: list[Any] = [None] * fabric.world_size
+        dist.all_gather_object(everyone, (uploads.entries, uploads.folded, uploads.unclipped, uploads.attacked, mine))
+        entries, folded, holders = {}, [], {}
+        uploads.unclipped = uploads.attacked = 0
+        for rank, (their_entries, their_folded, unclipped, attacked, groups) in enumerate(everyone):
+            entries.update(their_entries)
+            folded += their_folded
+            uploads.unclipped += unclipped
+            uploads.attacked += attacked
+            holders.update({g: (rank, weight, count) for g, (weight, count) in groups.items()})
+        uploads.entries, uploads.folded = entries, sorted(folded)
+        total = RunningSum(len(uploads.current))
+        for group in sorted(holders):
+            rank, weight, count = holders[group]
+            held = rank == fabric.global_rank
+            part = fabric.to_device(uploads.sums.sums[group].total if held else torch.empty_like(total.total))
+            dist.broadcast(part, src=rank)
+            total.merge(part.cpu(), weight, count)
+        uploads.sum = total
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every process's ``t`` (same shape everywhere), concatenated in rank order along the first dimension.

@@ -1,6 +1,6 @@
 """Server strategies: one algorithm per file, each citing its paper; select one with ``--trainer.strategy``."""
 
-from lightning_fl.federated.strategies.base import RunningSum, Strategy, mean_of_uploads
+from lightning_fl.federated.strategies.base import GroupedSums, RunningSum, Strategy, mean_of_uploads
 from lightning_fl.federated.strategies.fedadagrad import FedAdagrad
 from lightning_fl.federated.strategies.fedadam import FedAdam
 from lightning_fl.federated.strategies.fedavg import FedAvg
@@ -18,6 +18,7 @@ __all__ = [
     "FedAvgM",
     "FedOpt",
     "FedYogi",
+    "GroupedSums",
     "Krum",
     "Median",
     "RunningSum",

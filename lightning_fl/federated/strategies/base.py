@@ -155,7 +155,8 @@ class RunningSum:
     """``sum_k w_k x_k`` and ``sum_k w_k`` in float64, one upload at a time, in the order they are added.
 
     Float64 addition is not associative: the result depends on the order, so the round adds uploads in
-    client-id order, whichever process trained them, and a fold equals the old all-rows mean bit for bit.
+    client-id order, whichever process trained them, and a fold equals the old all-rows mean bit for bit
+    (several processes: :class:`GroupedSums`).
     """
 
     def __init__(self, size: int) -> None:
@@ -168,7 +169,46 @@ class RunningSum:
         self.weight += w
         self.count += 1
 
+    def merge(self, total: torch.Tensor, weight: float, count: int) -> None:
+        """Add another sum's ``total``, ``weight`` and ``count`` (one group of :class:`GroupedSums`)."""
+        self.total += total.to(torch.float64)
+        self.weight += weight
+        self.count += count
+
     def mean(self) -> torch.Tensor:
         if not self.weight > 0:
             raise ValueError(f"Expected positive aggregation weights, got a total of {self.weight}")
         return self.total / self.weight
+
+
+class GroupedSums:
+    """``groups`` running sums: client ``c`` is added to sum ``c % groups``, each sum in client-id order, and
+    :meth:`combine` adds the sums together in group order.
+
+    The result depends on ``groups`` alone: a group's clients all train on one process, so the same sums reach
+    the same additions however many processes hold the groups. That lets several processes stream (each holds
+    only its groups' sums, O(D) each) and still give the global state of one process, bit for bit. With one
+    group, :meth:`combine` is the single sum itself: the order of a single running sum.
+    """
+
+    def __init__(self, size: int, groups: int = 1) -> None:
+        if groups < 1:
+            raise ValueError(f"Expected at least one group, got {groups}")
+        self.size, self.groups = size, groups
+        self.sums: dict[int, RunningSum] = {}  # only the groups that received an upload
+
+    def add(self, client: int, x: torch.Tensor, w: float = 1.0) -> None:
+        group = client % self.groups
+        if group not in self.sums:
+            self.sums[group] = RunningSum(self.size)
+        self.sums[group].add(x, w)
+
+    def combine(self) -> RunningSum:
+        """Every group's sum added in group order (starting from zero) into one :class:`RunningSum`."""
+        if self.groups == 1:
+            return self.sums.get(0, RunningSum(self.size))
+        out = RunningSum(self.size)
+        for group in sorted(self.sums):
+            part = self.sums[group]
+            out.merge(part.total, part.weight, part.count)
+        return out
