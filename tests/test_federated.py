@@ -341,13 +341,19 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
 
 
 @pytest.mark.distributed
-def test_two_processes_resume_error_feedback_bit_for_bit(tmp_path):
+@pytest.mark.parametrize(
+    "groups",
+    [pytest.param([], id="client_mod_processes"), pytest.param(["--trainer.fold_groups", "3"], id="fold_groups_3",
+                                                                 marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_two_processes_resume_error_feedback_bit_for_bit(tmp_path, groups):
     """2 processes, 2 rounds, then resumed to 4: the same global state and residuals as 4 rounds on 1 process
-    (each resumed process keeps only its own clients' residuals and the checkpoint gathers them again)."""
-    one = two_process_fit(tmp_path, "1", "whole", *ERROR_FEEDBACK)
-    first = [*ERROR_FEEDBACK, "--trainer.rounds", "2"]
+    (each resumed process keeps only its own clients' residuals and the checkpoint gathers them again). With 3
+    fold groups on 2 processes, client ``c`` trains on process ``(c % 3) % 2``, not ``c % 2``."""
+    one = two_process_fit(tmp_path, "1", "whole", *ERROR_FEEDBACK, *groups)
+    first = [*ERROR_FEEDBACK, *groups, "--trainer.rounds", "2"]
     assert two_process_fit(tmp_path, "2", "split", *first)["round"] == 2
-    resumed = two_process_fit(tmp_path, "2", "split", *ERROR_FEEDBACK, "--trainer.resume", "auto")
+    resumed = two_process_fit(tmp_path, "2", "split", *ERROR_FEEDBACK, *groups, "--trainer.resume", "auto")
     assert resumed["round"] == 4
     assert torch.equal(one["global_state"]["mapping.latent"], resumed["global_state"]["mapping.latent"])
     assert [h.get("train/loss") for h in one["history"]] == [h.get("train/loss") for h in resumed["history"]]

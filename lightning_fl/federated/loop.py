@@ -497,8 +497,8 @@ class FederatedTrainer(TrainerLike):
                 import_files(ckpt["codec"].get(name, {}), source, store.folder)
         self.codec.load_state_dict(ckpt["codec"])
         rank, world = self.fabric.global_rank, self.fabric.world_size
-        for store in stores.values() if world > 1 else ():  # each process keeps the clients it trains (client % world)
-            store.retain(lambda c: c % world == rank)
+        for store in stores.values() if world > 1 else ():  # each process keeps the clients it trains
+            store.retain(lambda c: self.round_runner.process_of(c, world) == rank)
         self.ledger.load_state_dict(ckpt["ledger"])
         if self.privacy is not None:
             self.privacy.load_state_dict(ckpt.get("privacy", {}))
