@@ -13,9 +13,11 @@ costs (lazy imports, allocator pools) are not counted. The two modes alternate p
 
     python benchmarks/round_memory.py                                   # 10 / 100 / 1,000 clients, D = 1M
     python benchmarks/round_memory.py --clients 10 100 --weights 100000 --json round_memory.json
+    python benchmarks/round_memory.py --clients 1000 --groups 8   # also streamed into 8 fold groups (one process)
 
 Expected: ``rows`` grows like ``4 n D`` bytes; ``streamed`` stays at a few ``D``-sized buffers (the float64
-sum and one upload in flight) whatever ``n``. Results: docs/results.md, "The round as a pipeline".
+sum and one upload in flight) whatever ``n``; ``grouped`` (``trainer.fold_groups`` G, here all G groups on one
+process) holds up to G float64 sums. Results: docs/results.md, "The round as a pipeline".
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def worker(clients: int, weights: int, mode: str) -> dict:
+def worker(clients: int, weights: int, mode: str, groups: int = 1) -> dict:
     """One round in this process; its peak memory above the memory before it."""
     import lightning as L
 
@@ -67,7 +69,7 @@ def worker(clients: int, weights: int, mode: str) -> dict:
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
     ratio = 100.0 if mode == "rows" else None  # the relative gate needs every upload: rows are kept
     runner = RoundRunner(fabric, FedAvg(), FP32(), LocalTraining(), ByteLedger(clients), transport=Clients(),
-                         max_update_norm_ratio=ratio)  # fmt: skip
+                         max_update_norm_ratio=ratio, fold_groups=groups if mode == "grouped" else 1)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner.run(None, Population(), state, 0, 0, 1)  # warm-up: one client, the code paths' one-time costs
@@ -80,6 +82,7 @@ def worker(clients: int, weights: int, mode: str) -> dict:
         "clients": clients,
         "weights": weights,
         "mode": mode,
+        "groups": groups if mode == "grouped" else 1,
         "peak_extra_bytes": peak_rss_bytes() - before,
         "kept_rows": runner.kept_rows,
         "round_seconds": seconds,
@@ -90,31 +93,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--weights", type=int, default=1_000_000, help="D, the federated state's size")
+    parser.add_argument("--groups", type=int, default=1, help="also measure streaming into this many fold groups")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--worker", nargs=3, metavar=("CLIENTS", "WEIGHTS", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=4, metavar=("CLIENTS", "WEIGHTS", "MODE", "GROUPS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(int(args.worker[0]), int(args.worker[1]), args.worker[2])))
+        print(json.dumps(worker(int(args.worker[0]), int(args.worker[1]), args.worker[2], int(args.worker[3]))))
         return
     results = []
+    modes = ("rows", "streamed", "grouped") if args.groups > 1 else ("rows", "streamed")
     for n in args.clients:
-        for mode in ("rows", "streamed"):
-            cmd = [sys.executable, __file__, "--worker", str(n), str(args.weights), mode]
+        for mode in modes:
+            cmd = [sys.executable, __file__, "--worker", str(n), str(args.weights), mode, str(args.groups)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     mib = 2**20
     print(f"[round_memory] one FedAvg round, D = {args.weights:,} weights, FP32 uploads; extra peak RSS during it")
-    print("| clients | rows kept (before) | streamed (after) | 4 n D | round time rows / streamed |")
-    print("|---:|---:|---:|---:|---:|")
+    grouped = f" | streamed, {args.groups} groups" if args.groups > 1 else ""
+    print(f"| clients | rows kept (before) | streamed (after){grouped} | 4 n D | round time, {' / '.join(modes)} |")
+    print("|---:|---:|---:|---:|---:" + ("|---:" if grouped else "") + "|")
     for n in args.clients:
-        rows, streamed = (
-            next(r for r in results if r["clients"] == n and r["mode"] == m) for m in ("rows", "streamed")
-        )
-        print(
-            f"| {n:,} | {rows['peak_extra_bytes'] / mib:,.0f} MiB | {streamed['peak_extra_bytes'] / mib:,.0f} MiB | "
-            f"{4 * n * args.weights / mib:,.0f} MiB | "
-            f"{rows['round_seconds']:.2f} s / {streamed['round_seconds']:.2f} s |"
-        )
+        found = [next(r for r in results if r["clients"] == n and r["mode"] == m) for m in modes]
+        memory = " | ".join(f"{r['peak_extra_bytes'] / mib:,.0f} MiB" for r in found)
+        times = " / ".join(f"{r['round_seconds']:.2f} s" for r in found)
+        print(f"| {n:,} | {memory} | {4 * n * args.weights / mib:,.0f} MiB | {times} |")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
         print(f"[round_memory] wrote {args.json}")
