@@ -285,6 +285,7 @@ def test_a_best_pivot_takes_each_runs_best_round_and_keeps_its_tags():
     assert lines["a"] == "| a | 0.605 (0.007) | 0.605 (0.007) |" and lines["b"].startswith("| b | 0.705 (0.007)")
     final = report.pivot_table(rows, {**spec, "best": False})
     assert "| a | 0.505 (0.007) | 0.505 (0.007) |" in final
+    assert "| a | 0.5050 (0.0071) | 0.5050 (0.0071) |" in report.pivot_table(rows, {**spec, "best": False, "digits": 4})
 
 
 def test_fmp_label_probe_scores_summaries_of_a_checkpoint(tmp_path):

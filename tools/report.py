@@ -16,6 +16,7 @@ tables:
     pivot: {rows: strategy, columns: [attack, f]}
     where: {sweep: robustness_digits, state: latent}
     metric: val/acc
+    digits: 3                           # decimals of the cells (mean and std)
   - title: Table I analogue             # rows are methods: metric columns "test/{method}/{metric}" per label
     methods: [fmp, mp, cann]
     labels: [digits, fashion_mnist]
@@ -170,7 +171,7 @@ def table(rows: list[dict], spec: dict) -> str:
 def pivot_table(rows: list[dict], spec: dict) -> str:
     """One metric: a row per value of ``pivot.rows``, a column per combination of the ``pivot.columns`` tags."""
     row_tag, col_tags = spec["pivot"]["rows"], spec["pivot"]["columns"]
-    metric = spec.get("metric", "val/acc")
+    metric, digits = spec.get("metric", "val/acc"), int(spec.get("digits", 3))
     chosen = select(rows, spec.get("labels"), spec.get("where"))
     groups = bests(chosen, [metric]) if spec.get("best") else finals(chosen, spec.get("round"), key=per_run)
     cells: dict[tuple, list[float]] = defaultdict(list)
@@ -196,7 +197,7 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
         values = []
         for ck in col_keys:
             mean, std = mean_std(cells.get((rk, ck), []))
-            values.append("-" if math.isnan(mean) else f"{mean:.3f} ({std:.3f})")
+            values.append("-" if math.isnan(mean) else f"{mean:.{digits}f} ({std:.{digits}f})")
         lines.append(f"| {rk} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
