@@ -44,9 +44,9 @@ line per value of ``series`` (a tag, optional) or, with ``methods`` and a ``metr
 plots each run's best over rounds; a value ``inf`` of the tag is drawn as a dashed level line); ``bars``
 shows the final ``metric`` per label; ``budget`` shows, per label, the best val/acc reached while cumulative
 bytes per client stay within ``budget_mb``; ``rounds`` plots ``metric`` against the round, one curve per
-label. Error bars and bands are one standard deviation over seeds. A ``pivot`` table shows ``mean (std)`` of
-one metric with a row per value of the ``rows`` tag and a column per combination of the ``columns`` tags (in
-CSV order); ``best: true`` takes each run's best over rounds instead of its final round.
+label (``yscale`` too). Error bars and bands are one standard deviation over seeds. A ``pivot`` table shows
+``mean (std)`` of one metric with a row per value of the ``rows`` tag and a column per combination of the
+``columns`` tags (in CSV order); ``best: true`` takes each run's best over rounds instead of its final round.
 """
 
 from __future__ import annotations
@@ -298,6 +298,7 @@ def figure(rows: list[dict], spec: dict):
                 ax.fill_between(xs, stats[:, 0] - stats[:, 1], stats[:, 0] + stats[:, 1], alpha=0.2)
         ax.set_xlabel("round")
         ax.set_ylabel(metric)
+        ax.set_yscale(spec.get("yscale", "linear"))
     elif kind in ("bars", "budget"):
         labels = spec.get("labels") or labels_in_order(rows)
         means, stds = [], []
