@@ -134,6 +134,11 @@ def test_with_fold_groups_a_process_trains_the_clients_of_its_groups():
     assert [runner.process_of(c, 2) for c in range(6)] == [0, 1, 0, 0, 1, 0]  # group c % 3 on process g % 2
     with pytest.warns(UserWarning, match="fold_groups is 2 but the run has 4 processes"):
         RoundRunner(SimpleNamespace(world_size=4), FedAvg(), FP32(), LocalTraining(), ByteLedger(4), fold_groups=2)
+    from lightning_fl import FederatedTrainer
+
+    for bad in (0, 2.5):
+        with pytest.raises(ConfigError, match=f"trainer.fold_groups must be a whole number >= 1, got {bad}"):
+            FederatedTrainer(fold_groups=bad)
 
 
 @pytest.mark.parametrize("strategy", [FedAvgM(momentum=0.5), FedAdam(server_lr=0.1)], ids=["FedAvgM", "FedAdam"])
