@@ -153,10 +153,11 @@ def best_within_budget(rows: list[dict], budget_bytes: float) -> list[float]:
 def table(rows: list[dict], spec: dict) -> str:
     labels = spec.get("labels") or labels_in_order(rows)
     columns = spec.get("columns", ["val/acc", "val/ece", "comm/client_up_bytes", "comm/cum_client_bytes"])
+    chosen = select(rows, labels, spec.get("where"))
     if spec.get("best"):
-        groups, which = bests(select(rows, labels, spec.get("where")), columns), "best over rounds 1 to R"
+        groups, which = bests(chosen, columns), "best over rounds 1 to R"
     else:
-        groups = finals(select(rows, labels, spec.get("where")), spec.get("round"))
+        groups = finals(chosen, spec.get("round"))
         which = "final round" if spec.get("round") is None else f"round {spec['round']}"
     lines = [f"**{spec.get('title', 'Results')}** ({which}, mean +/- std over seeds)", ""]
     lines.append("| run | seeds | " + " | ".join(columns) + " |")
