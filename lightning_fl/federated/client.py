@@ -35,12 +35,15 @@ class LocalTraining:
         gradient_clip_val: Clip gradient norms; ``None`` uses the module's ``hparams.grad_clip``, if any.
         upload_stage: What the client does to its trained state before encoding it (local DP: clip its update and
             add noise, :class:`~lightning_fl.privacy.LocalDP`); ``None``: nothing.
+        dp_sgd: Record-level DP-SGD on the client's local steps (:class:`~lightning_fl.privacy.DPSGD`); ``None``:
+            plain local training.
     """
 
     epochs: int = 1
     steps: int | None = None
     gradient_clip_val: float | None = None
     upload_stage: Any = None
+    dp_sgd: Any = None
 
 
 @dataclass
@@ -140,7 +143,13 @@ def run_client(
     loader = client_loader(datamodule, client, round, seed)
     module.load_federated_state(global_state)
     optimizer, scheduler = configure_optimizer(module)
-    optimizer = fabric.setup_optimizers(optimizer)
+    dp = local.dp_sgd
+    if dp is None:
+        optimizer = fabric.setup_optimizers(optimizer)
+    else:  # DP-SGD steps the optimiser itself (Opacus' DPOptimizer, or the same steps by torch.func)
+        from lightning_fl.federated.dp_client import choose_engine, train_dp_sgd
+
+        engine, plan = choose_engine(module, dp), dp.client_plan(datamodule, client, local)
     clip = gradient_clip(module, local)
     result = ClientResult(client=client, num_samples=int(datamodule.client_num_samples(client)), payload=None)
     context = StepContext(fabric, client=client, round=round)
@@ -148,7 +157,11 @@ def run_client(
         module.train()
     try:
         with attached(module, context):
-            _train(module, optimizer, scheduler, loader, fabric, context, local, clip, client)
+            if dp is None:
+                _train(module, optimizer, scheduler, loader, fabric, context, local, clip, client)
+            else:
+                train_dp_sgd(module, optimizer, scheduler, loader, fabric, context, plan, dp,
+                             dp.generators(seed, round, client), engine)  # fmt: skip
     except (UserError, FloatingPointError) as err:
         if isinstance(err, ConfigError):
             raise

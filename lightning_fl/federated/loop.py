@@ -47,9 +47,10 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
-from lightning_fl.federated.summary import run_summary
+from lightning_fl.federated.summary import run_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.privacy.base import Plan, Privacy
+from lightning_fl.privacy.dpsgd import DPSGD
 from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, write_config
 
@@ -81,6 +82,9 @@ class FederatedTrainer(TrainerLike):
         privacy: Differential privacy (``CentralDP``: the server clips each update and noises their sum, with an
             accountant; ``LocalDP``: each client clips and noises its own update); ``null``: none. See
             ``docs/privacy.md``.
+        dp_sgd: Record-level DP-SGD inside every client (:class:`~lightning_fl.privacy.DPSGD`: Poisson-sampled
+            batches, per-record clipping and noise, each client's own accountant); combines with ``privacy``.
+            ``null``: plain local training. See ``docs/privacy.md``.
         sampling: How a round's clients are drawn: ``fixed`` (``clients_per_round`` of them without replacement)
             or ``poisson`` (each client independently with probability ``clients_per_round / num_clients``, so
             the cohort's size varies; what most DP analyses assume).
@@ -143,6 +147,7 @@ class FederatedTrainer(TrainerLike):
         dropout: float = 0.0,
         attack: Attack | None = None,
         privacy: Privacy | None = None,
+        dp_sgd: DPSGD | None = None,
         sampling: Literal["fixed", "poisson"] = "fixed",
         fold_groups: int = 1,
         seed: int | None = None,
@@ -200,6 +205,15 @@ class FederatedTrainer(TrainerLike):
              f"trainer.fold_groups must be a whole number >= 1, got {fold_groups!r}"),
             (privacy is None or isinstance(privacy, Privacy),
              f"trainer.privacy must be CentralDP, LocalDP or null, got {type(privacy).__name__}"),
+            (dp_sgd is None or isinstance(dp_sgd, DPSGD),
+             f"trainer.dp_sgd must be DPSGD or null, got {type(dp_sgd).__name__}"),
+            (dp_sgd is None or gradient_clip_val is None,
+             "trainer.gradient_clip_val clips a batch's gradient, which DP-SGD replaces by clipping each record's "
+             "(trainer.dp_sgd.max_grad_norm): remove trainer.gradient_clip_val"),
+            (dp_sgd is None or precision in (None, "32-true", "32", 32),
+             f"trainer.dp_sgd trains in 32-bit; trainer.precision is {precision!r}: set it to 32-true or null"),
+            (dp_sgd is None or client_batching == "sequential",
+             "trainer.dp_sgd trains clients one at a time: set trainer.client_batching sequential"),
         ]  # fmt: skip
         problems = [message for ok, message in checks if not ok]
         for key, value in (("max_update_norm", max_update_norm), ("max_update_norm_ratio", max_update_norm_ratio)):
@@ -209,7 +223,10 @@ class FederatedTrainer(TrainerLike):
             raise ConfigError("; ".join(problems))
         self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
         upload_stage = privacy if privacy is not None and not privacy.central else None  # LocalDP runs on clients
-        self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val, upload_stage)
+        self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val, upload_stage, dp_sgd)
+        self.dp_sgd = dp_sgd
+        if dp_sgd is not None:
+            dp_sgd.setup(rounds)
         self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
         self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
@@ -316,6 +333,8 @@ class FederatedTrainer(TrainerLike):
         if start < self.rounds:
             self._log_text(hooks, step=self.rounds)
         self._finish()
+        if self.dp_sgd is not None and fabric.is_global_zero:
+            write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
         fabric.print(run_summary(self.history, self.log_dir, self.use_logger, self.stopped))
 
     def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
@@ -462,6 +481,7 @@ class FederatedTrainer(TrainerLike):
                 "strategy": self.strategy.state_dict(),
                 "codec": codec_state,
                 "privacy": self.privacy.state_dict() if self.privacy is not None else {},
+                "dp_sgd": self.dp_sgd.state_dict() if self.dp_sgd is not None else {},
                 "ledger": self.ledger.state_dict(),
                 "history": [{k: float(v) for k, v in h.items()} for h in self.history],
             }
@@ -506,6 +526,13 @@ class FederatedTrainer(TrainerLike):
             raise CheckpointError(
                 f"cannot resume from {path}: it was written by a private run (trainer.privacy); set the same "
                 "trainer.privacy to continue its budget"
+            )
+        if self.dp_sgd is not None:
+            self.dp_sgd.load_state_dict(ckpt.get("dp_sgd", {}))
+        elif ckpt.get("dp_sgd"):
+            raise CheckpointError(
+                f"cannot resume from {path}: it was written by a run with trainer.dp_sgd; set the same trainer.dp_sgd "
+                "to continue its clients' budgets"
             )
         self.history = list(ckpt.get("history", []))
         if self.fabric.is_global_zero:

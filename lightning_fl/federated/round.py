@@ -226,6 +226,8 @@ class RoundRunner:
         if self.privacy is not None:
             participants = uploads.folded if self.privacy.central else [e.client for e in uploads.answered if e.up]
             metrics.update(self.privacy.end_round(r, participants))
+        if self.local.dp_sgd is not None:  # every client asked to train has spent its records' budget
+            metrics.update(self.local.dp_sgd.end_round(available, datamodule, self.local))
         metrics.update(self.ledger.metrics())
         return state, {k: float(v) for k, v in metrics.items()}
 

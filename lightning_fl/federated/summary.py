@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 #: Evaluation metrics where lower is better (every other ``val/*`` metric: higher is better).
 LOWER_IS_BETTER = ("loss", "ppl", "ece")
@@ -42,9 +43,27 @@ def run_summary(history: list[dict[str, float]], log_dir: Path, logger: bool, st
         at = f" at delta {delta:.3g}" if delta is not None else ""
         lines.append(f"  privacy: epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
                      f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
+    if "privacy/record_epsilon_max" in last:
+        worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
+        lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
+                     f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
+                     "dp_sgd_clients.csv)")  # fmt: skip
     if stopped is not None:
         lines.append(f"  {stopped}")
     lines.append(f"  run folder: {log_dir} (config.yaml, checkpoints/last.ckpt)")
     if logger:
         lines.append(f"  TensorBoard: tensorboard --logdir {log_dir.parent}")
     return "\n".join(lines)
+
+
+def write_client_epsilons(dp_sgd: Any, path: Path) -> None:
+    """Every client's record-level DP-SGD spend (``trainer.dp_sgd``) as a CSV row, written atomically."""
+    rows = dp_sgd.report()
+    if not rows:
+        return
+    header = list(rows[0])
+    text = ",".join(header) + "\n" + "".join(",".join(f"{r[k]:.6g}" if isinstance(r[k], float) else str(r[k])
+                                                      for k in header) + "\n" for r in rows)  # fmt: skip
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

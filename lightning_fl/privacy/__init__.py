@@ -1,5 +1,6 @@
-"""Differential privacy for federated rounds: user-level central DP (with adaptive clipping), local DP, and the
-accountant (Google's ``dp-accounting``) that says what a run has spent. Select one with ``--trainer.privacy``."""
+"""Differential privacy for federated rounds: user-level central DP (with adaptive clipping), local DP and the
+accountant (Google's ``dp-accounting``) that says what a run has spent (``--trainer.privacy``); record-level DP-SGD
+inside clients (``--trainer.dp_sgd``)."""
 
 from lightning_fl.privacy.accountant import (
     Accountant,
@@ -9,9 +10,11 @@ from lightning_fl.privacy.accountant import (
 )
 from lightning_fl.privacy.base import Plan, Privacy, clip
 from lightning_fl.privacy.central import AdaptiveClipping, CentralDP
+from lightning_fl.privacy.dpsgd import DPSGD
 from lightning_fl.privacy.local import LocalDP
 
 __all__ = [
+    "DPSGD",
     "Accountant",
     "AdaptiveClipping",
     "CentralDP",

@@ -1,0 +1,221 @@
+"""A client's local training under record-level DP-SGD (:class:`~lightning_fl.privacy.DPSGD`).
+
+:func:`train_dp_sgd` replaces the plain local loop of :func:`~lightning_fl.federated.client.run_client` when
+``trainer.dp_sgd`` is set: Poisson-sampled batches of the client's records, per-record gradients (Opacus' hooks,
+or ``torch.func``), clipping, noise and the module's own optimiser. See :mod:`lightning_fl.privacy.dpsgd` for
+the guarantee and the accounting.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch.func import functional_call, grad, vmap
+
+from lightning_fl.context import StepContext
+from lightning_fl.errors import ConfigError
+from lightning_fl.privacy.dpsgd import DPSGD, ClientPlan
+
+
+def batchnorm_problem(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot train under DP-SGD because of batch normalisation (``None``: it can)."""
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            return (
+                f"trainer.dp_sgd cannot train {type(module).__name__}: its layer {name or '(root)'} is "
+                f"{type(m).__name__}, whose batch statistics mix records (and whose running statistics are not "
+                "protected); use a GroupNorm model (e.g. lightning_fl.models.SmallCNN or ResNetGN)"
+            )
+    return None
+
+
+def opacus_problem(module: torch.nn.Module) -> str | None:
+    """Why Opacus' ``GradSampleModule`` cannot compute ``module``'s per-record gradients (``None``: it can)."""
+    from opacus import GradSampleModule
+
+    for name, m in module.named_modules():
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        if own and type(m) not in GradSampleModule.GRAD_SAMPLERS:
+            return f"its layer {name or '(root)'} ({type(m).__name__}) has trainable parameters Opacus has no rule for"
+        if own and any(True for _ in m.buffers(recurse=False)):
+            return f"its trainable layer {name or '(root)'} ({type(m).__name__}) keeps buffers"
+    return None
+
+
+def functorch_problem(module: torch.nn.Module) -> str | None:
+    """Why the ``functorch`` engine cannot train ``module`` (``None``: it can)."""
+    from lightning_fl.methods.recipe import TrainingRecipe
+
+    if not isinstance(module, TrainingRecipe) or type(module).training_step is not TrainingRecipe.training_step:
+        return (f"{type(module).__name__} is not a TrainingRecipe with the recipe's own training_step (forward, "
+                "then compute_loss on one record)")  # fmt: skip
+    return None
+
+
+def choose_engine(module: torch.nn.Module, dp: DPSGD) -> str:
+    """The engine that computes ``module``'s per-record gradients: ``dp.engine``, or for ``auto`` Opacus when it
+    can wrap every trainable layer, else ``functorch``; a one-line error when the chosen one cannot."""
+    if (problem := batchnorm_problem(module)) is not None:
+        raise ConfigError(problem)
+    if getattr(module, "mu", 0) and hasattr(module, "proximal_term"):
+        raise ConfigError(
+            "trainer.dp_sgd with FedProx: its proximal term is not a sum over records, and Opacus would leave it "
+            "out of the step; use model.mu 0 (or a Classifier)"
+        )
+    engine = dp.engine
+    if engine == "auto":
+        engine = "opacus" if opacus_problem(module) is None else "functorch"
+    problem = opacus_problem(module) if engine == "opacus" else functorch_problem(module)
+    if problem is not None:
+        other = "functorch" if engine == "opacus" else "opacus"
+        raise ConfigError(f"trainer.dp_sgd.engine {engine} cannot train this model: {problem}; try "
+                          f"trainer.dp_sgd.engine {other}")  # fmt: skip
+    return engine
+
+
+class PoissonBatches:
+    """A client's records sampled for DP-SGD: at each step every record is taken independently with
+    probability ``q`` (``torch.rand(n) < q`` from ``generator``, the draw of Opacus' ``DPDataLoader``). Yields the
+    collated batch, or ``None`` when no record was drawn.
+
+    Reads the records from the loader the data module made: a ``torch`` ``DataLoader`` (its ``dataset`` and
+    ``collate_fn``) or :class:`~lightning_fl.data.datamodule.InMemoryBatches` (the same transform per batch).
+    """
+
+    def __init__(self, loader: Any, q: float, generator: torch.Generator) -> None:
+        from lightning_fl.data.datamodule import InMemoryBatches
+
+        self.q, self.generator = q, generator
+        if isinstance(loader, InMemoryBatches):
+            self.n = len(loader.positions)
+            self._take = lambda idx: (loader.transform.batch(loader.images[loader.positions[idx]]),
+                                      loader.targets[loader.positions[idx]])  # fmt: skip
+        elif isinstance(loader, torch.utils.data.DataLoader):
+            dataset, collate = loader.dataset, loader.collate_fn
+            self.n = len(dataset)
+            self._take = lambda idx: collate([dataset[i] for i in idx.tolist()])
+        else:
+            raise ConfigError(f"trainer.dp_sgd samples records from the client's dataset, but the data module's "
+                              f"client loader is a {type(loader).__name__}: return a torch DataLoader")  # fmt: skip
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            idx = (torch.rand(self.n, generator=self.generator) < self.q).nonzero().reshape(-1)
+            yield self._take(idx) if len(idx) else None
+
+
+def train_dp_sgd(
+    module: L.LightningModule,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loader: Any,
+    fabric: L.Fabric,
+    context: StepContext,
+    plan: ClientPlan,
+    dp: DPSGD,
+    generators: tuple[torch.Generator, torch.Generator],
+    engine: str,
+) -> None:
+    """``plan.steps`` DP-SGD steps of ``module`` (its state set, ``context`` attached) on ``loader``'s records."""
+    sampling, noise = generators
+    records = PoissonBatches(loader, plan.q, sampling)
+    if records.n != plan.records:
+        raise ConfigError(
+            f"trainer.dp_sgd: client {context.client_id}'s loader holds {records.n} records but the data module's "
+            f"client_num_samples says {plan.records}; the sampling rate and the accountant need them equal"
+        )
+    batches = iter(records)
+    per_epoch = -(-plan.records // plan.batch_size)  # the batches of an epoch: what current_epoch counts
+
+    def epoch_of(t: int) -> int:
+        return t // per_epoch
+
+    if engine == "opacus":
+        _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of)
+    else:
+        _functorch_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of)
+
+
+def _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of) -> None:
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    # Opacus' backward hooks forbid in-place activations on a hooked layer's output: off while it trains (the
+    # same values), restored after.
+    in_place = [m for m in module.modules() if getattr(m, "inplace", False) is True]
+    for m in in_place:
+        m.inplace = False
+    wrapped = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
+    dp_optimizer = DPOptimizer(optimizer, noise_multiplier=plan.z, max_grad_norm=dp.max_grad_norm,
+                               expected_batch_size=plan.batch_size, loss_reduction="mean", generator=noise)  # fmt: skip
+    try:
+        with warnings.catch_warnings():  # torch notes that the first layer's hook fires without input gradients
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for t in range(plan.steps):
+                batch = next(batches)
+                context.current_epoch, context.global_step = epoch_of(t), t
+                if batch is None:  # nobody drawn: the step is the noise alone (Opacus' empty-batch rule)
+                    for p in dp_optimizer.params:
+                        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+                else:
+                    batch = fabric.to_device(batch) if fabric.device.type != "cpu" else batch
+                    context.weight = len(batch[0]) if isinstance(batch, (list, tuple)) else 1
+                    out = module.training_step(batch, t)
+                    fabric.backward(out["loss"] if isinstance(out, dict) else out)
+                dp_optimizer.step()
+                dp_optimizer.zero_grad(set_to_none=True)
+                if scheduler is not None:
+                    scheduler.step()
+    finally:
+        wrapped._close()  # hooks and per-record attributes off: the module trains the next client as it was
+        for m in in_place:
+            m.inplace = True
+
+
+def _functorch_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of) -> None:
+    trainable = module.trainable_parameters()
+    name_of = {id(p): n for n, p in trainable.items()}
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]  # DPOptimizer's order
+    if (mapping := getattr(module, "mapping", None)) is not None and hasattr(mapping, "materialise"):
+        mapping.materialise()  # no random numbers may be drawn inside vmap
+
+    def one_record(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+        logits = functional_call(module, params, (x.unsqueeze(0),), strict=False)
+        loss = module.compute_loss(logits, y.unsqueeze(0))
+        return loss, (loss, logits.squeeze(0))
+
+    per_record = vmap(grad(one_record, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+    C, std = dp.max_grad_norm, plan.z * dp.max_grad_norm
+    for t in range(plan.steps):
+        batch = next(batches)
+        context.current_epoch, context.global_step = epoch_of(t), t
+        if batch is None:
+            grads = {n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in trainable.items()}
+        else:
+            x, y = fabric.to_device(batch) if fabric.device.type != "cpu" else batch
+            grads, (losses, logits) = per_record({n: p.detach() for n, p in trainable.items()}, x, y)
+            loss = losses.mean()
+            module.check_loss(loss)
+            context.weight = len(y)
+            context.log("train/loss", loss)
+            context.log("train/acc", module.train_accuracy(logits.detach(), y))
+        # DPOptimizer's clip_and_accumulate, add_noise and scale_grad, in its order and with its draws
+        flat = [grads[name_of[id(p)]] for p in ordered]
+        if len(flat[0]) == 0:
+            factor = torch.zeros((0,), device=flat[0].device)
+        else:
+            norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in flat], dim=1).norm(2, dim=1)
+            factor = (C / (norms + 1e-6)).clamp(max=1.0)
+        for p, g in zip(ordered, flat, strict=True):
+            summed = torch.einsum("i,i...", factor.to(g.dtype), g.to(p.dtype))
+            if std > 0:
+                summed = summed + torch.normal(0, std, size=p.shape, device=p.device, generator=noise, dtype=p.dtype)
+            p.grad = (summed / plan.batch_size).view_as(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()

@@ -1,0 +1,257 @@
+"""Record-level differential privacy inside each client: DP-SGD on the client's own records.
+
+User-level DP (:class:`~lightning_fl.privacy.CentralDP`, :class:`~lightning_fl.privacy.LocalDP`) protects whether
+a client took part at all. Cross-silo federations (hospitals, banks) often need the other guarantee: each silo's
+own records must not be recoverable from what it uploads, whatever the server or other silos do. That is DP-SGD
+(Abadi, Chu, Goodfellow, McMahan, Mironov, Talwar, Zhang (2016), "Deep Learning with Differential Privacy", CCS)
+run by every client on its local steps:
+
+- every step draws a **Poisson sample** of the client's records (each independently with probability
+  ``q = B / n``: ``B`` the data module's batch size, ``n`` the client's records), as the analysis requires;
+- each record's gradient is **clipped** to L2 norm ``C`` (``max_grad_norm``) over all trainable tensors;
+- the clipped gradients are summed, Gaussian noise of standard deviation ``z C`` is added per coordinate and the
+  sum is divided by ``B`` (the expected batch size; Opacus' convention), and the client's optimiser steps on it.
+
+Everything a client uploads is then post-processing of these steps. A client that trains ``T`` steps per round
+in ``k`` rounds has released ``T k`` Poisson-subsampled Gaussian mechanisms with rate ``q`` and multiplier ``z``
+(add/remove-one-record neighbours); its epsilon at ``delta`` comes from Google's ``dp-accounting`` (RDP), tested
+against Opacus' own accountant. ``T`` is ``trainer.local_steps``, or ``trainer.local_epochs`` times the number of
+batches of an epoch (``ceil(n / B)``, Opacus' ``DPDataLoader`` length).
+
+Two engines compute the per-record gradients and give the same steps (tested):
+
+- ``opacus``: Opacus' ``GradSampleModule`` hooks and ``DPOptimizer`` (clipping, noise, scaling) around the
+  module's own ``training_step``, for modules made of layers Opacus knows (Linear, Conv, GroupNorm, Embedding,
+  LayerNorm, ...);
+- ``functorch``: ``torch.func.vmap`` of ``torch.func.grad`` of the module's ``forward`` then ``compute_loss``
+  on one record, then the same clipping, noise and scaling as ``DPOptimizer``, drawn in the same order from the
+  same generator. It needs a :class:`~lightning_fl.methods.recipe.TrainingRecipe` and serves what Opacus cannot
+  wrap, e.g. FLITE's latent (its weights are computed from ``z`` in the forward pass).
+
+``auto`` picks ``opacus`` when Opacus can wrap every trainable layer, else ``functorch``. BatchNorm is refused:
+its batch statistics mix records (and its running statistics are unprotected); use GroupNorm.
+
+With ``target_epsilon`` every client gets the noise multiplier that makes its own ``T`` steps over ``rounds``
+participations (``trainer.rounds``: a client that takes part in every round, the cross-silo case) spend exactly
+``target_epsilon``; a client sampled in fewer rounds spends less, and the run logs what each one has spent.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from lightning_fl.errors import ConfigError
+from lightning_fl.privacy.accountant import dp_accounting
+from lightning_fl.privacy.base import check_noise_seed, noise_generator, positive
+
+Engine = Literal["auto", "opacus", "functorch"]
+STREAM_DPSGD_SAMPLING, STREAM_DPSGD_NOISE = 19, 20
+
+
+@dataclass(frozen=True)
+class ClientPlan:
+    """One client's DP-SGD in one round: Poisson rate ``q``, ``steps`` per round, noise multiplier ``z``, the
+    expected batch size ``batch_size`` and the client's ``records``."""
+
+    records: int
+    batch_size: int
+    q: float
+    steps: int
+    z: float
+
+
+def epsilon(q: float, steps: int, z: float, delta: float) -> float:
+    """Epsilon at ``delta`` of ``steps`` Poisson-subsampled Gaussian mechanisms (rate ``q``, multiplier ``z``;
+    add/remove-one neighbours), from dp-accounting's RDP accountant."""
+    return _epsilon(float(q), int(steps), float(z), float(delta))
+
+
+@functools.lru_cache(maxsize=65536)
+def _epsilon(q: float, steps: int, z: float, delta: float) -> float:
+    if steps == 0:
+        return 0.0
+    if z <= 0:
+        return math.inf
+    dpa = dp_accounting()
+    accountant = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    event = dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)) if q < 1 else dpa.GaussianDpEvent(z)
+    accountant.compose(event, steps)
+    return float(accountant.get_epsilon(delta))
+
+
+@functools.lru_cache(maxsize=4096)
+def noise_multiplier(target_epsilon: float, delta: float, q: float, steps: int) -> float:
+    """The ``z`` for which ``steps`` Poisson-subsampled Gaussians with rate ``q`` spend ``target_epsilon`` at
+    ``delta`` (dp-accounting's calibration over its RDP accountant)."""
+    dpa = dp_accounting()
+
+    def event(z: float):
+        inner = dpa.GaussianDpEvent(z)
+        return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, inner) if q < 1 else inner, steps)
+
+    def fresh():
+        return dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+    try:
+        z = dpa.calibrate_dp_mechanism(
+            fresh, event, target_epsilon, delta, dpa.LowerEndpointAndGuess(0.05, 1.0), tol=1e-4
+        )
+    except dpa.mechanism_calibration.NoBracketIntervalFoundError as err:
+        raise ConfigError(
+            f"trainer.dp_sgd.target_epsilon={target_epsilon:g} at delta={delta:g} cannot be met for {steps} steps at "
+            f"sampling rate {q:.4g}: raise target_epsilon, or lower trainer.rounds or trainer.local_epochs"
+        ) from err
+    return float(z)
+
+
+class DPSGD:
+    """Record-level DP-SGD inside every client (``trainer.dp_sgd``); see the module docstring.
+
+    Args:
+        max_grad_norm: ``C``: each record's gradient is clipped to this L2 norm.
+        noise_multiplier: ``z``: the noise's standard deviation over ``C``, the same for every client. Give this
+            or ``target_epsilon``.
+        target_epsilon: Each client's budget over the run at ``delta``: its ``z`` is calibrated for its own
+            sampling rate and steps, taking part in every round.
+        delta: Delta of each client's guarantee (well below ``1 / records`` of the smallest client).
+        engine: ``auto``, ``opacus`` or ``functorch`` (how per-record gradients are computed).
+        noise_seed: Seed of the batch sampling and the noise, combined with the run's seed, the round and the
+            client; ``null``: the operating system's randomness (what a deployment should use).
+    """
+
+    def __init__(
+        self,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        delta: float = 1e-5,
+        engine: Engine = "auto",
+        noise_seed: int | None = 0,
+    ) -> None:
+        problems = [p.replace("trainer.privacy.", "trainer.dp_sgd.") for p in positive("max_grad_norm", max_grad_norm)]
+        if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            problems.append(f"trainer.dp_sgd.noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
+        if target_epsilon is not None and not (target_epsilon > 0):
+            problems.append(f"trainer.dp_sgd.target_epsilon must be > 0 (or .inf), got {target_epsilon}")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            problems.append(
+                "trainer.dp_sgd needs exactly one of noise_multiplier and target_epsilon, got "
+                f"noise_multiplier={noise_multiplier} and target_epsilon={target_epsilon}"
+            )
+        if not 0 < delta < 1:
+            problems.append(f"trainer.dp_sgd.delta must be in (0, 1), got {delta}")
+        if engine not in ("auto", "opacus", "functorch"):
+            problems.append(f"trainer.dp_sgd.engine must be 'auto', 'opacus' or 'functorch', got {engine!r}")
+        try:
+            noise_seed = check_noise_seed(noise_seed)
+        except ConfigError as err:
+            problems.append(str(err).replace("trainer.privacy.", "trainer.dp_sgd."))
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.max_grad_norm, self.z, self.target_epsilon = float(max_grad_norm), noise_multiplier, target_epsilon
+        self.delta, self.engine, self.noise_seed = delta, engine, noise_seed
+        self.rounds = 1  # participations a target epsilon is calibrated for (trainer.rounds, set by the trainer)
+        self.participations: dict[int, int] = {}  # client -> rounds it has trained in
+        self.plans: dict[int, ClientPlan] = {}  # client -> its plan (fixed by its size and the local settings)
+
+    # ------------------------------------------------------------------------------------------ planning
+    def setup(self, rounds: int) -> None:
+        self.rounds = rounds
+
+    def plan(self, records: int, batch_size: int, local: Any) -> ClientPlan:
+        """A client's DP-SGD plan: its Poisson rate, steps per round (``local.steps``, else ``local.epochs`` times
+        ``ceil(records / batch_size)``) and noise multiplier."""
+        if records < 1 or batch_size < 1:
+            raise ConfigError(f"trainer.dp_sgd needs clients with records and a batch size >= 1, got {records} "
+                              f"records and batch size {batch_size}")  # fmt: skip
+        q = min(1.0, batch_size / records)
+        steps = local.steps if local.steps is not None else local.epochs * -(-records // batch_size)
+        if self.z is not None:
+            z = float(self.z)
+        elif math.isinf(self.target_epsilon):
+            z = 0.0
+        else:
+            z = noise_multiplier(float(self.target_epsilon), self.delta, q, steps * self.rounds)
+        return ClientPlan(records, batch_size, q, steps, z)
+
+    def client_plan(self, datamodule: Any, client: int, local: Any) -> ClientPlan:
+        """:meth:`plan` for ``client`` of ``datamodule`` (its ``client_num_samples`` and ``batch_size``)."""
+        if client not in self.plans:
+            batch = getattr(datamodule, "batch_size", None)
+            if not isinstance(batch, int):
+                raise ConfigError(f"trainer.dp_sgd needs a data module with an integer batch_size, got {batch!r}")
+            self.plans[client] = self.plan(int(datamodule.client_num_samples(client)), batch, local)
+        return self.plans[client]
+
+    # ------------------------------------------------------------------------------------------ accounting
+    def client_epsilon(self, client: int) -> float:
+        """What ``client`` has spent so far (0 if it never trained)."""
+        k = self.participations.get(client, 0)
+        if k == 0:
+            return 0.0
+        p = self.plans[client]
+        return epsilon(p.q, p.steps * k, p.z, self.delta)
+
+    def end_round(self, trained: list[int], datamodule: Any, local: Any) -> dict[str, float]:
+        """Count a participation for every client that trained this round; the worst and median epsilon so far."""
+        for c in trained:
+            self.participations[c] = self.participations.get(c, 0) + 1
+        for c in self.participations:  # (after a resume, the plans of earlier rounds' clients are made again)
+            self.client_plan(datamodule, c, local)
+        spent = sorted(self.client_epsilon(c) for c in self.participations)
+        if not spent:
+            return {}
+        return {
+            "privacy/record_epsilon_max": spent[-1],
+            "privacy/record_epsilon_median": spent[len(spent) // 2],
+            "privacy/record_delta": self.delta,
+            "privacy/record_noise_multiplier_max": max(self.plans[c].z for c in self.participations),
+        }
+
+    def report(self) -> list[dict[str, float]]:
+        """One row per client that trained: records, rate, steps per round, z, rounds taken part in, epsilon."""
+        rows = []
+        for c in sorted(self.participations):
+            p = self.plans[c]
+            rows.append({"client": c, "records": p.records, "sample_rate": p.q, "steps_per_round": p.steps,
+                         "noise_multiplier": p.z, "rounds": self.participations[c],
+                         "epsilon": self.client_epsilon(c), "delta": self.delta})  # fmt: skip
+        return rows
+
+    def settings(self) -> list[float]:
+        """What fixes every client's noise: ``C``, ``z`` or the target with the rounds it is calibrated for, delta."""
+        budget = [self.z, math.nan, math.nan] if self.z is not None else [math.nan, self.target_epsilon, self.rounds]
+        return [self.max_grad_norm, *map(float, budget), self.delta]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "settings": torch.tensor(self.settings(), dtype=torch.float64),
+            "participations": torch.tensor(sorted(self.participations.items()), dtype=torch.int64).reshape(-1, 2),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            raise ConfigError("the checkpoint was written without trainer.dp_sgd: a DP-SGD run cannot continue it")
+        theirs, mine = state["settings"].tolist(), self.settings()
+        if not all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(theirs, mine, strict=True)):
+            raise ConfigError(
+                "the checkpoint's trainer.dp_sgd (max_grad_norm, noise_multiplier, target_epsilon, rounds it was "
+                f"calibrated for, delta) = {theirs} differs from this run's {mine}: "
+                "resume with the same trainer.dp_sgd and trainer.rounds (a calibrated noise depends on the rounds)"
+            )
+        self.participations = {int(c): int(k) for c, k in state["participations"].tolist()}
+
+    # ------------------------------------------------------------------------------------------ generators
+    def generators(self, seed: int, round: int, client: int) -> tuple[torch.Generator, torch.Generator]:
+        """The client's sampling and noise generators for this round."""
+        return (noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_SAMPLING),
+                noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_NOISE))  # fmt: skip
+
+    def __repr__(self) -> str:
+        budget = f"noise_multiplier={self.z}" if self.z is not None else f"target_epsilon={self.target_epsilon}"
+        return f"DPSGD(max_grad_norm={self.max_grad_norm}, {budget}, delta={self.delta}, engine={self.engine!r})"

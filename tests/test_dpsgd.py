@@ -1,0 +1,218 @@
+"""Record-level DP-SGD inside clients (trainer.dp_sgd): the Opacus engine equals Opacus used directly, the
+torch.func engine equals the Opacus engine, per-record clipping equals hand-computed per-record gradients, the
+noise has the stated scale, each client's epsilon equals Opacus' own accountant, and a run logs, reports and
+resumes its clients' budgets."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+from conftest import make_dm, make_model, make_trainer
+from lightning_fl.compress import FP32
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated.client import LocalTraining, client_loader, run_client
+from lightning_fl.privacy import DPSGD
+from lightning_fl.privacy.dpsgd import epsilon, noise_multiplier
+
+CLIENT, ROUND, SEED = 1, 0, 0
+
+
+def classifier(optimizer="adam", lr=1e-3, norm="group"):
+    from lightning_fl.methods import Classifier
+    from lightning_fl.models import SmallCNN
+
+    torch.manual_seed(0)
+    backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
+    if norm == "batch":
+        backbone.features[1] = torch.nn.BatchNorm2d(8)
+    return Classifier(backbone, 10, warmup_epochs=0, schedule="constant", optimizer=optimizer, lr=lr, weight_decay=0.0)
+
+
+@pytest.fixture(scope="module")
+def dm():
+    dm = make_dm(augment=False)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def trained(module, dm, dp, local=None):
+    """The client's uploaded state after one round under ``dp`` (``local``: its epochs or steps; the codec is
+    lossless), and its result."""
+    local = local or LocalTraining(epochs=1)
+    local = LocalTraining(local.epochs, local.steps, local.gradient_clip_val, local.upload_stage, dp)
+    state = module.federated_state()
+    result = run_client(module, dm, state, CLIENT, ROUND, SEED, codec=FP32(), local=local)
+    assert result.failure is None
+    return FP32().decode(result.payload, state, CLIENT), result
+
+
+def client_records(dm):
+    """The client's records in its loader's order, transformed as its batches are."""
+    loader = client_loader(dm, CLIENT, ROUND, SEED)
+    return loader.transform.batch(loader.images[loader.positions]), loader.targets[loader.positions]
+
+
+def test_the_opacus_engine_equals_opacus_used_directly(dm):
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    dp = DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="opacus")
+    ours, _ = trained(classifier(), dm, dp)
+    # Opacus directly: its Poisson loader over the same records with the same generators, its wrappers, Adam
+    x, y = client_records(dm)
+    plan = dp.client_plan(dm, CLIENT, LocalTraining(epochs=1))
+    sampling, noise = dp.generators(SEED, ROUND, CLIENT)
+    sampler = UniformWithReplacementSampler(num_samples=len(x), sample_rate=plan.q, generator=sampling,
+                                            steps=plan.steps)  # fmt: skip
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
+    module = classifier()
+    for m in module.modules():  # Opacus' hooks and in-place activations do not mix
+        if hasattr(m, "inplace"):
+            m.inplace = False
+    model = GradSampleModule(module)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = DPOptimizer(torch.optim.Adam(trainable, lr=1e-3), noise_multiplier=1.1, max_grad_norm=0.5,
+                            expected_batch_size=plan.batch_size, generator=noise)  # fmt: skip
+    for xb, yb in loader:
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    theirs = {n: p.detach() for n, p in module.named_parameters()}
+    assert plan.steps == 4 and not torch.equal(
+        ours["backbone.fc.weight"], classifier().federated_state()["backbone.fc.weight"]
+    )
+    for name, value in ours.items():
+        torch.testing.assert_close(value, theirs[name], rtol=0, atol=1e-6)
+
+
+def test_the_torch_func_engine_equals_the_opacus_engine(dm):
+    a, ra = trained(classifier(), dm, DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="opacus"))
+    b, rb = trained(classifier(), dm, DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="functorch"))
+    for name, value in a.items():
+        torch.testing.assert_close(value, b[name], rtol=0, atol=1e-6)
+    assert ra.logged["train/loss"] == pytest.approx(rb.logged["train/loss"], rel=1e-6)
+
+
+def test_auto_picks_opacus_for_standard_layers_and_torch_func_for_the_latent(dm):
+    from lightning_fl.federated.dp_client import choose_engine
+
+    dp = DPSGD(noise_multiplier=1.0)
+    assert choose_engine(classifier(), dp) == "opacus"
+    assert choose_engine(make_model(), dp) == "functorch"
+    with pytest.raises(ConfigError, match="trainer.dp_sgd.engine opacus cannot train this model.*LatentMapping"):
+        choose_engine(make_model(), DPSGD(noise_multiplier=1.0, engine="opacus"))
+
+
+@pytest.mark.parametrize("engine", ["opacus", "functorch"])
+def test_per_record_clipping_equals_hand_computed_per_record_gradients(dm, engine):
+    """One SGD step (lr 1), no noise: the update is minus the sum of the drawn records' gradients, each clipped
+    to C, over the expected batch size."""
+    C = 0.05  # below every record's gradient norm here, so every record is clipped
+    dp = DPSGD(max_grad_norm=C, noise_multiplier=0.0, engine=engine)
+    module = classifier("sgd", lr=1.0)
+    before = module.federated_state()
+    after, _ = trained(module, dm, dp, LocalTraining(steps=1, dp_sgd=dp))
+    x, y = client_records(dm)
+    plan = dp.client_plan(dm, CLIENT, LocalTraining(steps=1))
+    drawn = (torch.rand(len(x), generator=dp.generators(SEED, ROUND, CLIENT)[0]) < plan.q).nonzero().reshape(-1)
+    reference = classifier("sgd", lr=1.0)
+    total = {n: torch.zeros_like(p) for n, p in before.items()}
+    norms = []
+    for i in drawn.tolist():  # one record at a time, plain autograd
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x[i : i + 1]), y[i : i + 1]).backward()
+        g = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+        norm = torch.sqrt(sum((v**2).sum() for v in g.values()))
+        norms.append(float(norm))
+        for n in total:
+            total[n] += g[n] * min(1.0, C / (float(norm) + 1e-6))
+    assert len(drawn) > 5 and min(norms) > C
+    for n, value in after.items():
+        torch.testing.assert_close(before[n] - value, total[n] / plan.batch_size, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine", ["opacus", "functorch"])
+def test_the_noise_has_standard_deviation_z_c_over_the_expected_batch(dm, engine):
+    """One SGD step with and without noise, on the same drawn records: the difference is the noise over B."""
+    z, C = 2.0, 0.3
+    clean, _ = trained(classifier("sgd", 1.0), dm, DPSGD(C, 0.0, engine=engine), LocalTraining(steps=1))
+    noisy, _ = trained(classifier("sgd", 1.0), dm, DPSGD(C, z, engine=engine), LocalTraining(steps=1))
+    plan = DPSGD(C, z).client_plan(dm, CLIENT, LocalTraining(steps=1))
+    diff = torch.cat([(noisy[n] - clean[n]).reshape(-1) for n in clean]) * plan.batch_size
+    assert diff.numel() > 5000
+    assert float(diff.std()) == pytest.approx(z * C, rel=0.05)
+    assert abs(float(diff.mean())) < 4 * z * C / math.sqrt(diff.numel())
+
+
+@pytest.mark.parametrize(("q", "steps", "z"), [(0.01, 1000, 1.1), (0.25, 40, 0.8), (0.05, 300, 2.0)])
+def test_a_clients_epsilon_equals_opacus_rdp_accountant(q, steps, z):
+    from opacus.accountants import RDPAccountant
+
+    opacus = RDPAccountant()
+    opacus.history = [(z, q, steps)]
+    theirs = opacus.get_epsilon(1e-5)
+    assert epsilon(q, steps, z, 1e-5) == pytest.approx(theirs, rel=0.02)  # orders differ slightly: ours finer
+
+
+def test_calibration_spends_the_target_and_agrees_with_opacus():
+    from opacus.accountants.utils import get_noise_multiplier
+
+    z = noise_multiplier(4.0, 1e-5, 0.1, 500)
+    assert epsilon(0.1, 500, z, 1e-5) == pytest.approx(4.0, abs=2e-3)
+    assert z == pytest.approx(get_noise_multiplier(target_epsilon=4.0, target_delta=1e-5, sample_rate=0.1,
+                                                   steps=500, epsilon_tolerance=0.001), rel=0.02)  # fmt: skip
+
+
+def dp_fit(tmp_path, rounds, version, dp, **kwargs):
+    trainer = make_trainer(tmp_path, rounds=rounds, name="dp", version=version, clients_per_round=2, dp_sgd=dp,
+                           **kwargs)  # fmt: skip
+    trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
+    return trainer
+
+
+def test_a_run_logs_each_clients_budget_and_reports_it(tmp_path):
+    run = dp_fit(tmp_path, 3, "calibrated", DPSGD(max_grad_norm=1.0, target_epsilon=3.0))
+    spent = [h["privacy/record_epsilon_max"] for h in run.history[1:]]
+    assert spent == sorted(spent) and 0 < spent[0] < spent[-1] <= 3.0 + 1e-3
+    with open(run.log_dir / "dp_sgd_clients.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sum(int(r["rounds"]) for r in rows) == 6  # 2 clients in each of 3 rounds
+    worst = max(rows, key=lambda r: float(r["epsilon"]))
+    assert float(worst["epsilon"]) == pytest.approx(spent[-1], rel=1e-4)
+    q, steps, z = float(worst["sample_rate"]), int(worst["steps_per_round"]), float(worst["noise_multiplier"])
+    assert float(worst["epsilon"]) == pytest.approx(epsilon(q, steps * int(worst["rounds"]), z, 1e-5), rel=1e-4)
+    assert epsilon(q, steps * 3, z, 1e-5) == pytest.approx(3.0, abs=2e-3)  # calibrated for every round
+
+
+def test_a_resumed_run_continues_its_clients_budgets_exactly(tmp_path):
+    whole = dp_fit(tmp_path, 3, "whole", DPSGD(max_grad_norm=1.0, noise_multiplier=1.2))
+    dp_fit(tmp_path, 2, "part", DPSGD(max_grad_norm=1.0, noise_multiplier=1.2))
+    resumed = dp_fit(tmp_path, 3, "part", DPSGD(max_grad_norm=1.0, noise_multiplier=1.2), resume=True)
+    for name, value in whole.global_state.items():
+        assert torch.equal(value, resumed.global_state[name])
+    assert resumed.dp_sgd.participations == whole.dp_sgd.participations
+    assert resumed.history[-1]["privacy/record_epsilon_max"] == whole.history[-1]["privacy/record_epsilon_max"]
+    with pytest.raises(ConfigError, match="resume with the same trainer.dp_sgd"):
+        dp_fit(tmp_path, 4, "part", DPSGD(max_grad_norm=1.0, noise_multiplier=0.9), resume=True)
+
+
+def test_bad_settings_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="exactly one of noise_multiplier and target_epsilon"):
+        DPSGD()
+    with pytest.raises(ConfigError, match="trainer.dp_sgd.max_grad_norm"):
+        DPSGD(max_grad_norm=0, noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match="trainer.dp_sgd.engine"):
+        DPSGD(noise_multiplier=1.0, engine="jax")
+    with pytest.raises(ConfigError, match="remove trainer.gradient_clip_val"):
+        make_trainer(tmp_path, gradient_clip_val=1.0, dp_sgd=DPSGD(noise_multiplier=1.0))
+
+
+def test_batchnorm_is_refused_with_one_line(dm):
+    with pytest.raises(ConfigError, match="BatchNorm2d.*use a GroupNorm model"):
+        trained(classifier(norm="batch"), dm, DPSGD(noise_multiplier=1.0))
