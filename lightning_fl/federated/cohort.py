@@ -158,6 +158,11 @@ def run_cohort(
     fabric: L.Fabric,
 ) -> list[ClientResult]:
     """Train ``clients`` together for one round from ``global_state``; one result per client, in order."""
+    if local.dp_sgd is not None:
+        from lightning_fl.federated.dp_client import run_cohort_dp_sgd
+
+        return run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, codec=codec, local=local,
+                                 fabric=fabric)  # fmt: skip
     trainable = module.trainable_parameters()
     names = list(trainable)
     if sorted(names) != sorted(global_state):

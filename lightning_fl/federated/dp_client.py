@@ -219,3 +219,121 @@ def _functorch_steps(module, optimizer, scheduler, batches, fabric, context, pla
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
+
+
+def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *, codec, local, fabric) -> list:
+    """DP-SGD for a vectorised cohort (``trainer.client_batching: vmap``): every client's Poisson batches (drawn as
+    :func:`~lightning_fl.federated.client.run_client` draws them), its per-record gradients by ``torch.func`` with
+    a second ``vmap`` over the clients (each client's batch padded to the step's largest, the padding masked out of
+    the clipped sum), then each client's noise from its own generator in ``DPOptimizer``'s order and the cohort's
+    optimiser step. Equal to training the clients one at a time up to float32 rounding (``tests/test_dpsgd.py``)."""
+    from lightning_fl.federated.client import ClientResult, client_loader, configure_optimizer, encode_upload
+    from lightning_fl.federated.cohort import _Optimizer, _rows
+
+    dp = local.dp_sgd
+    for problem in (batchnorm_problem(module), functorch_problem(module)):
+        if problem is not None:
+            raise ConfigError(problem if problem.startswith("trainer.") else f"trainer.dp_sgd in a cohort: {problem}")
+    trainable = module.trainable_parameters()
+    module.load_federated_state(global_state)
+    optimizer, _ = configure_optimizer(module)
+    name_of = {id(p): n for n, p in trainable.items()}
+    ordered = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]  # DPOptimizer's order
+    if not all(m.training for m in module.modules()):
+        module.train()
+    if (mapping := getattr(module, "mapping", None)) is not None and hasattr(mapping, "materialise"):
+        mapping.materialise()
+    device, C = fabric.device, len(clients)
+    plans, draws, noises = [], [], []
+    for c in clients:  # each client's loader seeded and its batches drawn as it would be alone
+        plan = dp.client_plan(datamodule, c, local)
+        sampling, noise = dp.generators(seed, round, c)
+        records = PoissonBatches(client_loader(datamodule, c, round, seed), plan.q, sampling)
+        if records.n != plan.records:
+            raise ConfigError(f"trainer.dp_sgd: client {c}'s loader holds {records.n} records but the data "
+                              f"module's client_num_samples says {plan.records}")  # fmt: skip
+        stream = iter(records)
+        plans.append(plan)
+        draws.append([next(stream) for _ in range(plan.steps)])
+        noises.append(noise)
+    params = {n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim()))
+              for n in trainable}  # fmt: skip
+    opt = _Optimizer(optimizer, params)
+    results = [ClientResult(c, int(datamodule.client_num_samples(c)), None) for c in clients]
+    sums = [{"train/loss": [0.0, 0.0], "train/acc": [0.0, 0.0]} for _ in clients]
+    alive = [True] * C
+
+    def one_record(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+        logits = functional_call(module, p, (x.unsqueeze(0),), strict=False)
+        loss = module.compute_loss(logits, y.unsqueeze(0))
+        return loss, (loss, logits.squeeze(0))
+
+    per_record = vmap(vmap(grad(one_record, has_aux=True), in_dims=(None, 0, 0)), in_dims=(0, 0, 0))
+    accuracy = vmap(module.train_accuracy)
+    for t in range(max(p.steps for p in plans)):
+        active = [k for k in range(C) if alive[k] and t < plans[k].steps]
+        if not active:
+            break
+        rows = None if active == list(range(C)) else torch.tensor(active, device=device)
+        drawn = [draws[k][t] for k in active]
+        sizes = [0 if b is None else len(b[1]) for b in drawn]
+        width = max(sizes)
+        A = len(active)
+        if width == 0:
+            grads = {n: torch.zeros((A, 0, *trainable[n].shape), device=device) for n in trainable}
+            mask = torch.zeros((A, 0), device=device)
+        else:
+            pad = next(b for b in drawn if b is not None)
+            filler_x, filler_y = pad[0][:1], pad[1][:1]
+            xs, ys = [], []
+            for b, size in zip(drawn, sizes, strict=True):
+                x = filler_x.expand(width, *filler_x.shape[1:]) if b is None else b[0]
+                y = filler_y.expand(width, *filler_y.shape[1:]) if b is None else b[1]
+                if size and size < width:
+                    x = torch.cat([x, filler_x.expand(width - size, *filler_x.shape[1:])])
+                    y = torch.cat([y, filler_y.expand(width - size, *filler_y.shape[1:])])
+                xs.append(x)
+                ys.append(y)
+            x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)).to(device)
+            grads, (losses, logits) = per_record({n: _rows(params[n], rows) for n in trainable}, x, y)
+            for i, k in enumerate(active):
+                if sizes[i] == 0:
+                    continue
+                loss_k = losses[i, : sizes[i]].mean()
+                if not bool(torch.isfinite(loss_k)):
+                    results[k].failure = (f"local training failed: train/loss became {float(loss_k)} at step {t}. "
+                                          "Lower model.lr, or check the data for NaNs.")  # fmt: skip
+                    alive[k] = False
+                    continue
+                acc_k = accuracy(logits[i, : sizes[i]].detach().unsqueeze(0), y[i, : sizes[i]].unsqueeze(0))[0]
+                for key, value in (("train/loss", float(loss_k)), ("train/acc", float(acc_k))):
+                    sums[k][key][0] += value * sizes[i]
+                    sums[k][key][1] += sizes[i]
+        flat = [grads[n].reshape(A, width, -1) for n in ordered]
+        norms = torch.stack([g.norm(2, dim=-1) for g in flat], dim=2).norm(2, dim=2)  # (A, width)
+        factor = (dp.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * mask
+        stepped = {}
+        for n in ordered:
+            summed = torch.einsum("ki,ki...->k...", factor.to(grads[n].dtype), grads[n])
+            noise = [torch.normal(0, plans[k].z * dp.max_grad_norm, size=trainable[n].shape, device=device,
+                                  generator=noises[k], dtype=summed.dtype) if plans[k].z > 0
+                     else torch.zeros_like(summed[0]) for k in active]  # fmt: skip
+            stepped[n] = summed + torch.stack(noise)  # client k's generator draws parameter by parameter, in order
+        batch = torch.tensor([plans[k].batch_size for k in active], dtype=torch.float32, device=device)
+        stepped = {n: g / batch.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for n, g in stepped.items()}
+        keep = [i for i, k in enumerate(active) if alive[k]]
+        if len(keep) < A:
+            if not keep:
+                continue
+            index = torch.tensor(keep, device=device)
+            stepped = {n: g[index] for n, g in stepped.items()}
+            rows = torch.tensor([active[i] for i in keep], device=device)
+        opt.step(t, params, stepped, rows)
+    for k, result in enumerate(results):
+        result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
+        if result.failure is None:
+            trained = {n: params[n][k].detach().clone() for n in trainable}
+            encode_upload(result, trained, global_state, codec, local, round, seed)
+    module.load_federated_state(global_state)
+    return results

@@ -212,8 +212,6 @@ class FederatedTrainer(TrainerLike):
              "(trainer.dp_sgd.max_grad_norm): remove trainer.gradient_clip_val"),
             (dp_sgd is None or precision in (None, "32-true", "32", 32),
              f"trainer.dp_sgd trains in 32-bit; trainer.precision is {precision!r}: set it to 32-true or null"),
-            (dp_sgd is None or client_batching == "sequential",
-             "trainer.dp_sgd trains clients one at a time: set trainer.client_batching sequential"),
         ]  # fmt: skip
         problems = [message for ok, message in checks if not ok]
         for key, value in (("max_update_norm", max_update_norm), ("max_update_norm_ratio", max_update_norm_ratio)):
