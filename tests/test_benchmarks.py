@@ -71,6 +71,11 @@ CASES = {
         "[cohort] wrote c.json",
         outputs=["c.json"],
     ),
+    "dp_sgd.py": Case(
+        ["--clients", "2", "--steps", "1", "--batch", "4", "--repeats", "1", "--json", "dp.json"],
+        "[dp_sgd] wrote dp.json",
+        outputs=["dp.json"],
+    ),
     "population.py": Case(
         ["--populations", "300", "--clients", "4", "--rounds", "1", "--codec", "topk", "--client-state-mb", "0.01",
          "--json", "pop.json"],
