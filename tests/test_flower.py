@@ -164,6 +164,17 @@ def test_private_rounds_on_flower_equal_in_process_bitwise(in_tmp, privacy):
     assert eps == [h["privacy/epsilon"] for h in reference["history"][1:]] and 0 < eps[0] < eps[1]
 
 
+def test_record_level_dp_sgd_on_flower_equals_in_process_bitwise(in_tmp):
+    """Each node runs DP-SGD inside run_client (built from the run's config): the same state and per-client budget."""
+    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0"]
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
+    trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
+    assert_same_state(got, reference)
+    eps = [h["privacy/record_epsilon_max"] for h in trainer.history[1:]]
+    assert eps == [h["privacy/record_epsilon_max"] for h in reference["history"][1:]] and 0 < eps[0] < eps[1]
+    assert torch.equal(got["dp_sgd"]["participations"], reference["dp_sgd"]["participations"])
+
+
 def garbage(reply: Message, message: Message) -> Message:
     """A hostile node: replaces its payload bytes with junk."""
     reply.content[messages.REPLY]["payload"] = b"\x00junk" * 20

@@ -68,6 +68,11 @@ class LocalClient:
     def client_num_samples(self, client: int) -> int:
         return self.datamodule.client_num_samples(self.data_partition)
 
+    @property
+    def batch_size(self) -> Any:
+        """The node's batch size (DP-SGD's expected Poisson batch)."""
+        return getattr(self.datamodule, "batch_size", None)
+
 
 def node_arguments(node_config: dict[str, Any]) -> tuple[list[str], int | None]:
     """CLI arguments a node adds to the server's config, and its local data partition (``None``: its client id)."""
