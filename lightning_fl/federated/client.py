@@ -161,7 +161,7 @@ def run_client(
                 _train(module, optimizer, scheduler, loader, fabric, context, local, clip, client)
             else:
                 train_dp_sgd(module, optimizer, scheduler, loader, fabric, context, plan, dp,
-                             dp.generators(seed, round, client), engine)  # fmt: skip
+                             dp.generators(seed, round, client, fabric.device), engine)  # fmt: skip
     except (UserError, FloatingPointError) as err:
         if isinstance(err, ConfigError):
             raise

@@ -247,7 +247,7 @@ def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *,
     plans, draws, noises = [], [], []
     for c in clients:  # each client's loader seeded and its batches drawn as it would be alone
         plan = dp.client_plan(datamodule, c, local)
-        sampling, noise = dp.generators(seed, round, c)
+        sampling, noise = dp.generators(seed, round, c, fabric.device)
         records = PoissonBatches(client_loader(datamodule, c, round, seed), plan.q, sampling)
         if records.n != plan.records:
             raise ConfigError(f"trainer.dp_sgd: client {c}'s loader holds {records.n} records but the data "

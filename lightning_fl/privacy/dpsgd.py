@@ -247,10 +247,16 @@ class DPSGD:
         self.participations = {int(c): int(k) for c, k in state["participations"].tolist()}
 
     # ------------------------------------------------------------------------------------------ generators
-    def generators(self, seed: int, round: int, client: int) -> tuple[torch.Generator, torch.Generator]:
-        """The client's sampling and noise generators for this round."""
-        return (noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_SAMPLING),
-                noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_NOISE))  # fmt: skip
+    def generators(
+        self, seed: int, round: int, client: int, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Generator, torch.Generator]:
+        """The client's sampling generator (on the CPU, where its records are) and noise generator (on ``device``,
+        where the parameters are: the noise is drawn there) for this round."""
+        sampling = noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_SAMPLING)
+        noise = noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_NOISE)
+        if torch.device(device).type != "cpu":
+            noise = torch.Generator(device=device).manual_seed(noise.initial_seed())
+        return sampling, noise
 
     def __repr__(self) -> str:
         budget = f"noise_multiplier={self.z}" if self.z is not None else f"target_epsilon={self.target_epsilon}"
