@@ -294,3 +294,79 @@ def test_plan_refusals_are_one_line_config_errors():
         LocalDP(epsilon=1.0, delta=0)
     with pytest.raises(ConfigError, match="exactly one of epsilon and noise_multiplier"):
         LocalDP()
+
+
+# ------------------------------------------------------------------------------------------ distributed DP
+def distributed(m=50, sampling="fixed", **kwargs):
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DistributedDP, Plan
+
+    privacy = DistributedDP(**{"clip_norm": 0.7, "noise_multiplier": 1.3, **kwargs})
+    privacy.setup(Plan(1000, float(m), sampling, 10, 0, FedAvg()))
+    return privacy
+
+
+def test_distributed_shares_add_up_to_the_central_mechanisms_noise():
+    m, size = 50, 20_000
+    privacy = distributed(m)
+    zero = {"w": torch.zeros(size)}
+    shares = torch.stack([privacy.privatize(zero, zero, client=c, round=2, seed=0)["w"].double() for c in range(m)])
+    assert float(shares[0].std()) == pytest.approx(1.3 * 0.7 / math.sqrt(m), rel=0.02)  # one share: z S / sqrt(m)
+    mean, metrics = privacy.release(shares.sum(0), 0, m, round=2)  # the server: sum / m, no noise of its own
+    central = 1.3 * 0.7 / m  # central DP's noise on the mean: N(0, (z S / m)^2)
+    assert float(mean.std()) == pytest.approx(central, rel=0.02) and abs(float(mean.mean())) < 5 * central / size**0.5
+    assert metrics["privacy/noise_std"] == pytest.approx(central)
+    assert float(torch.corrcoef(shares[:2])[0, 1]).__abs__() < 0.05  # clients draw independent shares
+    big = {"w": torch.zeros(size)}
+    big["w"][:2] = torch.tensor([30.0, 40.0])  # norm 50: clipped to S on the client, before its share is added
+    clipped = distributed(m, noise_multiplier=0.0).privatize(big, zero, client=1, round=0, seed=0)["w"].double()
+    assert float(clipped.norm()) == pytest.approx(0.7, rel=1e-6)
+
+
+def test_distributed_epsilon_equals_central_when_every_share_arrives_and_grows_when_clients_drop():
+    m, rounds = 20, 5
+    dist, central = distributed(m), CentralDP(clip_norm=0.7, noise_multiplier=1.3)
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import Plan
+
+    central.setup(Plan(1000, float(m), "fixed", 10, 0, FedAvg()))
+    for r in range(rounds):
+        got, want = dist.end_round(r, list(range(m))), central.end_round(r, list(range(m)))
+    assert got["privacy/epsilon"] == want["privacy/epsilon"] and got["privacy/delta"] == want["privacy/delta"]
+    half = distributed(m)
+    weaker = CentralDP(clip_norm=0.7, noise_multiplier=1.3 / math.sqrt(2))  # half the shares: variance halved
+    weaker.setup(Plan(1000, float(m), "fixed", 10, 0, FedAvg()))
+    for r in range(rounds):
+        got, want = half.end_round(r, list(range(m // 2))), weaker.end_round(r, list(range(m // 2)))
+    assert got["privacy/epsilon"] == pytest.approx(want["privacy/epsilon"], rel=1e-9)
+    assert got["privacy/epsilon"] > central.epsilon()
+    none = distributed(m)
+    assert none.end_round(0, [])["privacy/epsilon"] == 0.0  # fixed sampling, no share arrived: nothing released
+
+
+def test_distributed_target_epsilon_is_met_under_poisson_without_counting_the_clients_own_share():
+    privacy = distributed(m=30, sampling="poisson", noise_multiplier=None, target_epsilon=3.0)
+    for r in range(10):
+        metrics = privacy.end_round(r, list(range(30)))
+    assert metrics["privacy/epsilon"] == pytest.approx(3.0, rel=1e-3)
+    assert metrics["privacy/round_noise_multiplier"] == pytest.approx(privacy.z * math.sqrt(29 / 30))
+
+
+def test_a_distributed_dp_run_spends_what_a_central_dp_run_spends(tmp_path):
+    from lightning_fl.privacy import DistributedDP
+
+    args = {
+        "rounds": 2,
+        "logger": False,
+        "clients_per_round": 8,
+        **{k: v for k, v in DP_ARGS.items() if k != "clients_per_round"},
+    }
+    dist = fit(make_trainer(tmp_path / "d", privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0), **args))
+    cent = fit(make_trainer(tmp_path / "c", privacy=CentralDP(clip_norm=0.05, noise_multiplier=1.0), **args))
+    assert [h["privacy/epsilon"] for h in dist.history[1:]] == [h["privacy/epsilon"] for h in cent.history[1:]]
+    assert dist.local.upload_stage is dist.privacy
+    clean = [fit(make_trainer(tmp_path / name, privacy=kind(clip_norm=0.05, noise_multiplier=0.0), **args))
+             for name, kind in (("d0", DistributedDP), ("c0", CentralDP))]  # fmt: skip
+    a, b = (t.global_state["mapping.latent"] for t in clean)  # without noise: clipped on the client or the server
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert not torch.equal(dist.global_state["mapping.latent"], a)

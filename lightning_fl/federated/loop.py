@@ -80,7 +80,8 @@ class FederatedTrainer(TrainerLike):
         attack: Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``,
             ``NaNUpload``); ``null``: every client is honest.
         privacy: Differential privacy (``CentralDP``: the server clips each update and noises their sum, with an
-            accountant; ``LocalDP``: each client clips and noises its own update); ``null``: none. See
+            accountant; ``DistributedDP``: each client clips and adds its share of that noise; ``LocalDP``: each
+            client clips and noises its own update); ``null``: none. See
             ``docs/privacy.md``.
         dp_sgd: Record-level DP-SGD inside every client (:class:`~lightning_fl.privacy.DPSGD`: Poisson-sampled
             batches, per-record clipping and noise, each client's own accountant); combines with ``privacy``.
@@ -204,7 +205,7 @@ class FederatedTrainer(TrainerLike):
             (isinstance(fold_groups, int) and fold_groups >= 1,
              f"trainer.fold_groups must be a whole number >= 1, got {fold_groups!r}"),
             (privacy is None or isinstance(privacy, Privacy),
-             f"trainer.privacy must be CentralDP, LocalDP or null, got {type(privacy).__name__}"),
+             f"trainer.privacy must be CentralDP, DistributedDP, LocalDP or null, got {type(privacy).__name__}"),
             (dp_sgd is None or isinstance(dp_sgd, DPSGD),
              f"trainer.dp_sgd must be DPSGD or null, got {type(dp_sgd).__name__}"),
             (dp_sgd is None or gradient_clip_val is None,
@@ -220,7 +221,7 @@ class FederatedTrainer(TrainerLike):
         if problems:
             raise ConfigError("; ".join(problems))
         self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
-        upload_stage = privacy if privacy is not None and not privacy.central else None  # LocalDP runs on clients
+        upload_stage = privacy if privacy is not None and privacy.client_stage else None  # local or distributed noise
         self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val, upload_stage, dp_sgd)
         self.dp_sgd = dp_sgd
         if dp_sgd is not None:

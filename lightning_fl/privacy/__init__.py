@@ -10,6 +10,7 @@ from lightning_fl.privacy.accountant import (
 )
 from lightning_fl.privacy.base import Plan, Privacy, clip
 from lightning_fl.privacy.central import AdaptiveClipping, CentralDP
+from lightning_fl.privacy.distributed import DistributedDP
 from lightning_fl.privacy.dpsgd import DPSGD
 from lightning_fl.privacy.local import LocalDP
 
@@ -18,6 +19,7 @@ __all__ = [
     "Accountant",
     "AdaptiveClipping",
     "CentralDP",
+    "DistributedDP",
     "LocalDP",
     "Plan",
     "Privacy",

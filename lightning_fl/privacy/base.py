@@ -57,6 +57,8 @@ class Privacy:
     _plugin_base = True  # not offered as a choice in CLI messages
     #: The server clips each accepted update and noises their sum (the round folds clipped updates).
     central: ClassVar[bool] = False
+    #: Each client transforms its update before encoding it (:meth:`privatize`: local DP, distributed noise).
+    client_stage: ClassVar[bool] = False
 
     def setup(self, plan: Plan) -> None:
         """Check the run's other settings and prepare (calibrate noise, build the accountant) before round 1."""

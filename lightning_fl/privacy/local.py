@@ -42,6 +42,8 @@ class LocalDP(Privacy):
             operating system's randomness.
     """
 
+    client_stage = True
+
     def __init__(
         self,
         clip_norm: float = 1.0,
