@@ -238,3 +238,14 @@ def test_a_vectorised_cohort_equals_its_clients_trained_one_at_a_time(tmp_path, 
     assert any(not torch.equal(v, start[n]) for n, v in one.global_state.items())
     assert cohort.history[-1]["train/loss"] == pytest.approx(one.history[-1]["train/loss"], rel=1e-5)
     assert cohort.history[-1]["privacy/record_epsilon_max"] == one.history[-1]["privacy/record_epsilon_max"]
+
+
+def test_record_level_and_user_level_dp_run_together(tmp_path):
+    from lightning_fl.privacy import CentralDP
+
+    trainer = make_trainer(tmp_path, rounds=2, clients_per_round=2, max_update_norm_ratio=None,
+                           privacy=CentralDP(clip_norm=0.1, noise_multiplier=1.0),
+                           dp_sgd=DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))  # fmt: skip
+    trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
+    last = trainer.history[-1]
+    assert 0 < last["privacy/epsilon"] < math.inf and 0 < last["privacy/record_epsilon_max"] < math.inf
