@@ -1,0 +1,111 @@
+"""Secure aggregation's arithmetic: the clipping range, quantisation and modular sum of Flower's SecAgg+.
+
+Bell, Bonawitz, Gascon, Lepoint, Raykova (2020), "Secure Single-Server Aggregation with (Poly)Logarithmic
+Overhead" (CCS), as Flower 1.42 implements it (``flwr.server.workflow.SecAggPlusWorkflow`` with
+``flwr.client.mod.secaggplus_mod``): each client maps every coordinate ``x`` of its update into
+``[0, T]`` (``T`` the quantisation range) after clipping it to ``[-c, c]`` (``c`` the clipping range, per
+coordinate), ``q = stochastic_round((clip(x, -c, c) + c) T / (2c))``, masks ``q`` with pairwise and private masks
+modulo ``M`` (the modulus range), and the server, once the masks cancel, holds ``sum_i q_i mod M`` and nothing
+else. The sum of the dequantised updates is ``(sum_i q_i - n T / 2) 2c / T`` for ``n`` clients, exact as long as
+nothing wraps (``n T < M``).
+
+Flower's own rounding draws from NumPy's global, unseeded generator, so two runs (or a simulation and a
+deployment) never round alike. This module rounds with a generator seeded per ``(run seed, round, client)``
+instead and gives the client the values on Flower's grid (:meth:`SecureSum.on_grid`): with ``c`` and ``T`` powers
+of two, Flower's quantisation maps them back to the same integers exactly (its rounding then has nothing to
+round), so an in-process secure sum equals a deployed one bit for bit (``tests/test_secure.py`` checks it against
+Flower's ``quantize`` and its server's dequantisation).
+
+The masking and the key agreement are Flower's, never ours; in process, where no party needs hiding from
+another, the sum is taken directly (the masks would cancel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_fl.errors import ConfigError
+
+
+def _power_of_two(value: float) -> bool:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        return False
+    mantissa, _ = math.frexp(value)
+    return mantissa == 0.5
+
+
+class SecureSum:
+    """SecAgg+'s quantisation and modular sum, with seeded rounding.
+
+    Args:
+        clipping_range: ``c``: every coordinate of an update is clipped to ``[-c, c]`` (a power of two, e.g. 0.125).
+        quantization_range: ``T``: coordinates are mapped to the integers ``0..T`` (a power of two, at most
+            ``2^30``: Flower rounds into int32); the step is ``2c / T``.
+        modulus_range: ``M``: the sum is taken modulo this (a power of two above ``T``, at most ``2^62``); at most
+            ``(M - 1) // T`` clients can be summed without wrapping.
+    """
+
+    def __init__(self, clipping_range: float = 0.125, quantization_range: int = 2**22, modulus_range: int = 2**32):
+        problems = []
+        if not _power_of_two(clipping_range):
+            problems.append(f"clipping_range must be a power of two (e.g. 0.125 or 1.0), got {clipping_range}")
+        if not (isinstance(quantization_range, int) and _power_of_two(quantization_range) and
+                2 <= quantization_range <= 2**30):  # fmt: skip
+            problems.append(f"quantization_range must be a power of two in [2, 2^30], got {quantization_range}")
+        if not (isinstance(modulus_range, int) and _power_of_two(modulus_range) and
+                isinstance(quantization_range, int) and quantization_range < modulus_range <= 2**62):  # fmt: skip
+            problems.append(f"modulus_range must be a power of two above quantization_range, at most 2^62, got "
+                            f"{modulus_range}")  # fmt: skip
+        if problems:
+            raise ConfigError("trainer.secure_aggregation." + "; trainer.secure_aggregation.".join(problems))
+        self.c, self.T, self.M = float(clipping_range), int(quantization_range), int(modulus_range)
+
+    @property
+    def step(self) -> float:
+        """The quantisation step ``2c / T`` (exact: a power of two)."""
+        return 2 * self.c / self.T
+
+    @property
+    def max_clients(self) -> int:
+        """The most clients whose quantised updates sum without wrapping modulo ``M``."""
+        return (self.M - 1) // self.T
+
+    def quantize(self, update: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """``update`` (float64, any shape) clipped to ``[-c, c]`` and stochastically rounded to integers in
+        ``[0, T]`` (int64): ``ceil(v)``, minus one with probability ``ceil(v) - v``, for ``v = (x + c) T / (2c)``;
+        unbiased: the expected dequantised value is the clipped coordinate."""
+        v = (update.double().clamp(-self.c, self.c) + self.c) * (self.T / (2 * self.c))
+        up = torch.ceil(v)
+        down = torch.rand(v.shape, generator=generator, dtype=torch.float64) < (up - v)
+        return (up - down.double()).to(torch.int64)
+
+    def on_grid(self, quantized: torch.Tensor) -> torch.Tensor:
+        """The float64 values a client hands Flower's ``secaggplus_mod`` so that its quantisation returns
+        ``quantized`` exactly: ``q 2c / T - c``."""
+        return quantized.double() * self.step - self.c
+
+    def dequantize(self, quantized: torch.Tensor) -> torch.Tensor:
+        """One client's quantised update back in ``[-c, c]`` (float64)."""
+        return self.on_grid(quantized)
+
+    def modular_sum(self, quantized: list[torch.Tensor]) -> torch.Tensor:
+        """``sum_i q_i mod M`` (int64): what the server holds once the masks cancel."""
+        total = torch.zeros_like(quantized[0], dtype=torch.int64)
+        for q in quantized:
+            total = torch.remainder(total + q, self.M)
+        return total
+
+    def recover(self, total: torch.Tensor, clients: int) -> torch.Tensor:
+        """The sum of the ``clients`` dequantised updates from their modular sum (float64, exact)."""
+        if clients > self.max_clients:
+            raise ConfigError(
+                f"trainer.secure_aggregation: {clients} clients would wrap the sum modulo modulus_range={self.M} "
+                f"(at most {self.max_clients} with quantization_range={self.T}): raise modulus_range or lower "
+                "quantization_range"
+            )
+        return (total - clients * (self.T // 2)).double() * self.step
+
+    def __repr__(self) -> str:
+        return f"SecureSum(clipping_range={self.c}, quantization_range={self.T}, modulus_range={self.M})"
