@@ -249,3 +249,16 @@ def test_record_level_and_user_level_dp_run_together(tmp_path):
     trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
     last = trainer.history[-1]
     assert 0 < last["privacy/epsilon"] < math.inf and 0 < last["privacy/record_epsilon_max"] < math.inf
+
+
+def test_the_planning_command_prints_each_budgets_noise_and_refuses_bad_input(capsys):
+    from lightning_fl.privacy.__main__ import main
+
+    assert (
+        main(["dp-sgd", "--records", "6750", "--batch", "64", "--steps", "25", "--rounds", "10", "--epsilon", "4"]) == 0
+    )
+    out = capsys.readouterr().out
+    z = noise_multiplier(4.0, 1e-5, 64 / 6750, 250)
+    assert f"| {z:.4f} | " in out and "250 steps" in out
+    assert main(["dp-sgd", "--records", "0", "--batch", "64", "--steps", "25", "--rounds", "10", "--epsilon", "4"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --records must be >= 1, got 0"

@@ -3,10 +3,12 @@
     python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --epsilon 1 2 4 8
     python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --noise-multiplier 1.0
     python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --epsilon 4 --sampling fixed
+    python -m lightning_fl.privacy dp-sgd --records 6750 --batch 64 --steps 25 --rounds 10 --epsilon 1 4 8
 
 It prints, for each setting, the noise multiplier ``z`` (noise std over the clip bound, on the clipped sum),
 epsilon at delta, and the standard deviation of the noise on each coordinate of the mean update for a clip
-bound ``--clip``: what ``trainer.privacy CentralDP`` would use (see docs/privacy.md).
+bound ``--clip``: what ``trainer.privacy CentralDP`` would use (see docs/privacy.md). ``dp-sgd`` plans one
+client's record-level DP-SGD (``trainer.dp_sgd``) instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from lightning_fl.privacy.accountant import Accountant, RoundEvent
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["dp-sgd"]:
+        from lightning_fl.privacy.dpsgd import main as plan_dp_sgd
+
+        return plan_dp_sgd(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m lightning_fl.privacy", description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, required=True, help="the population N (data.num_clients)")
     parser.add_argument("--per-round", type=float, required=True, help="m (trainer.clients_per_round)")
