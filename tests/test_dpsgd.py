@@ -157,7 +157,7 @@ def test_a_clients_epsilon_equals_opacus_rdp_accountant(q, steps, z):
     opacus = RDPAccountant()
     opacus.history = [(z, q, steps)]
     theirs = opacus.get_epsilon(1e-5)
-    assert epsilon(q, steps, z, 1e-5) == pytest.approx(theirs, rel=0.02)  # orders differ slightly: ours finer
+    assert epsilon(q, steps, z, 1e-5) == pytest.approx(theirs, rel=2e-3)  # 1e-7 at eps ~2; 0.11% at eps 18.5
 
 
 def test_calibration_spends_the_target_and_agrees_with_opacus():
