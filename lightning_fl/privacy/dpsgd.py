@@ -158,6 +158,7 @@ class DPSGD:
         self.rounds = 1  # participations a target epsilon is calibrated for (trainer.rounds, set by the trainer)
         self.participations: dict[int, int] = {}  # client -> rounds it has trained in
         self.plans: dict[int, ClientPlan] = {}  # client -> its plan (fixed by its size and the local settings)
+        self.spent: dict[int, float] = {}  # client -> its epsilon so far (updated for the clients of each round)
 
     # ------------------------------------------------------------------------------------------ planning
     def setup(self, rounds: int) -> None:
@@ -201,9 +202,10 @@ class DPSGD:
         """Count a participation for every client that trained this round; the worst and median epsilon so far."""
         for c in trained:
             self.participations[c] = self.participations.get(c, 0) + 1
-        for c in self.participations:  # (after a resume, the plans of earlier rounds' clients are made again)
+        for c in set(trained) | (self.participations.keys() - self.spent.keys()):  # (after a resume: every client)
             self.client_plan(datamodule, c, local)
-        spent = sorted(self.client_epsilon(c) for c in self.participations)
+            self.spent[c] = self.client_epsilon(c)
+        spent = sorted(self.spent.values())
         if not spent:
             return {}
         return {
