@@ -68,3 +68,98 @@ def test_a_sum_that_would_wrap_is_refused_and_settings_must_be_powers_of_two():
         SecureSum(clipping_range=0.3)
     with pytest.raises(ConfigError, match="modulus_range must be a power of two above quantization_range"):
         SecureSum(quantization_range=2**20, modulus_range=2**20)
+
+
+# ------------------------------------------------------------------------------------------ secure rounds
+def secure_fit(tmp_path, name, secure=None, rounds=2, **kwargs):
+    import warnings
+
+    from conftest import make_dm, make_model, make_trainer
+
+    trainer = make_trainer(tmp_path, rounds=rounds, name=name, max_update_norm_ratio=None, check_identity=False,
+                           secure_aggregation=secure, **kwargs)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit(make_model(), datamodule=make_dm(num_clients=kwargs.pop("num_clients", 4)))
+    return trainer
+
+
+def test_a_secure_round_steps_by_the_exact_mean_of_the_clients_quantised_updates(tmp_path):
+    from conftest import make_dm, make_model
+    from lightning_fl.compress import FP32
+    from lightning_fl.federated.client import LocalTraining, run_client
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    secure = SecureAggregation(clipping_range=1.0, quantization_range=2**12)  # a coarse step: rounding shows
+    run = secure_fit(tmp_path, "secure", secure, rounds=1)
+    model, dm = make_model(), make_dm(num_clients=4)
+    dm.prepare_data()
+    dm.setup("fit")
+    start = model.federated_state()
+    vectors = []
+    for c in range(4):  # each client alone, then its secure upload as the server reads it
+        result = run_client(model, dm, start, c, 0, 0, codec=FP32(), local=LocalTraining(secure=secure))
+        vector, problem = secure.read(result.payload, start["mapping.latent"].numel())
+        assert problem is None and result.payload.nbytes == 8 * start["mapping.latent"].numel()
+        vectors.append(vector)
+    mean = secure.recover(secure.modular_sum(vectors), 4) / 4
+    want = (start["mapping.latent"].double() + mean).float()
+    assert torch.equal(run.global_state["mapping.latent"].cpu(), want)
+    plain = secure_fit(tmp_path, "plain", None, rounds=1)
+    gap = (run.global_state["mapping.latent"] - plain.global_state["mapping.latent"]).abs().max()
+    assert 0 < float(gap) <= secure.step  # the mean of 4 roundings, each under one step
+    assert run.history[-1]["comm/client_up_bytes"] == 2 * plain.history[-1]["comm/client_up_bytes"]  # int64
+
+
+def test_distributed_dp_under_secure_aggregation_spends_what_central_dp_spends(tmp_path):
+    from lightning_fl.privacy import CentralDP, DistributedDP
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    secure = secure_fit(tmp_path, "sd", SecureAggregation(clipping_range=1.0), clients_per_round=4,
+                        privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0))  # fmt: skip
+    central = secure_fit(tmp_path, "c", None, clients_per_round=4,
+                         privacy=CentralDP(clip_norm=0.05, noise_multiplier=1.0))  # fmt: skip
+    assert [h["privacy/epsilon"] for h in secure.history[1:]] == [h["privacy/epsilon"] for h in central.history[1:]]
+    assert torch.isfinite(secure.global_state["mapping.latent"]).all()
+
+
+def test_what_a_secure_round_cannot_do_is_refused_in_one_line(tmp_path):
+    from conftest import make_trainer
+    from lightning_fl.compress import Quantize
+    from lightning_fl.federated import FedAvg, Median, SignFlip
+    from lightning_fl.privacy import CentralDP
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    cases = [
+        ({"strategy": Median()}, "Median needs single updates"),
+        ({"strategy": FedAvg(weighted=True)}, "set trainer.strategy.weighted false"),
+        ({"privacy": CentralDP(noise_multiplier=1.0)}, "use DistributedDP"),
+        ({"max_update_norm_ratio": 100.0}, "set trainer.max_update_norm_ratio null"),
+        ({"attack": SignFlip(clients=[0])}, "remove trainer.attack"),
+        ({"codec": Quantize(bits=8)}, "trainer.codec Quantize"),
+    ]
+    for kwargs, message in cases:
+        kwargs.setdefault("max_update_norm_ratio", None)
+        with pytest.raises(ConfigError, match=f"trainer.secure_aggregation: .*{message}"):
+            make_trainer(tmp_path, secure_aggregation=SecureAggregation(), **kwargs)
+
+
+def test_a_malformed_secure_upload_is_named_and_a_dropped_client_leaves_a_correct_sum(tmp_path):
+    from lightning_fl.compress.base import Encoded, Payload
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    secure = SecureAggregation()
+    good = Payload({"secure": Encoded({"q": torch.zeros(6, dtype=torch.int64)}, (6,), torch.int64)})
+    assert secure.read(good, 6)[1] is None
+    for bad in (Payload({"secure": Encoded({"q": torch.zeros(6)}, (6,), torch.int64)}),  # floats
+                Payload({"secure": Encoded({"q": torch.zeros(5, dtype=torch.int64)}, (5,), torch.int64)}),
+                Payload({}), "not a payload"):  # fmt: skip
+        vector, problem = secure.read(bad, 6)
+        assert vector is None and problem.startswith("malformed secure upload")
+    dropped = secure_fit(tmp_path, "drop", SecureAggregation(clipping_range=1.0), dropout=0.4)
+    plain = secure_fit(tmp_path, "plain", None, dropout=0.4)
+    gap = (dropped.global_state["mapping.latent"] - plain.global_state["mapping.latent"]).abs().max()
+    assert [h["fed/unavailable_clients"] for h in dropped.history[1:]] == [h["fed/unavailable_clients"]
+                                                                           for h in plain.history[1:]]  # fmt: skip
+    assert sum(h["fed/unavailable_clients"] for h in dropped.history[1:]) > 0
+    assert float(gap) <= 2 * SecureAggregation(clipping_range=1.0).step

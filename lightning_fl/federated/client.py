@@ -37,6 +37,8 @@ class LocalTraining:
             add noise, :class:`~lightning_fl.privacy.LocalDP`); ``None``: nothing.
         dp_sgd: Record-level DP-SGD on the client's local steps (:class:`~lightning_fl.privacy.DPSGD`); ``None``:
             plain local training.
+        secure: Secure aggregation (:class:`~lightning_fl.privacy.secure.SecureAggregation`): the client uploads
+            its quantised update for the round's modular sum instead of the codec's payload; ``None``: the codec's.
     """
 
     epochs: int = 1
@@ -44,6 +46,7 @@ class LocalTraining:
     gradient_clip_val: float | None = None
     upload_stage: Any = None
     dp_sgd: Any = None
+    secure: Any = None
 
 
 @dataclass
@@ -203,6 +206,9 @@ def encode_upload(
         return
     if local.upload_stage is not None:
         state = local.upload_stage.privatize(state, global_state, result.client, round, seed)
+    if local.secure is not None:
+        result.payload = local.secure.encode(state, global_state, result.client, round, seed)
+        return
     result.payload = codec.encode(state, global_state, result.client)
 
 

@@ -51,6 +51,7 @@ from lightning_fl.federated.summary import run_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.privacy.base import Plan, Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
+from lightning_fl.privacy.secure import SecureAggregation
 from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, write_config
 
@@ -86,6 +87,9 @@ class FederatedTrainer(TrainerLike):
         dp_sgd: Record-level DP-SGD inside every client (:class:`~lightning_fl.privacy.DPSGD`: Poisson-sampled
             batches, per-record clipping and noise, each client's own accountant); combines with ``privacy``.
             ``null``: plain local training. See ``docs/privacy.md``.
+        secure_aggregation: The server learns only the sum of each round's updates
+            (:class:`~lightning_fl.privacy.secure.SecureAggregation`: SecAgg+'s clipping range, quantisation and
+            modular sum, in process); sum-only: linear, unweighted strategies, no per-update gates. ``null``: off.
         sampling: How a round's clients are drawn: ``fixed`` (``clients_per_round`` of them without replacement)
             or ``poisson`` (each client independently with probability ``clients_per_round / num_clients``, so
             the cohort's size varies; what most DP analyses assume).
@@ -149,6 +153,7 @@ class FederatedTrainer(TrainerLike):
         attack: Attack | None = None,
         privacy: Privacy | None = None,
         dp_sgd: DPSGD | None = None,
+        secure_aggregation: SecureAggregation | None = None,
         sampling: Literal["fixed", "poisson"] = "fixed",
         fold_groups: int = 1,
         seed: int | None = None,
@@ -208,6 +213,8 @@ class FederatedTrainer(TrainerLike):
              f"trainer.privacy must be CentralDP, DistributedDP, LocalDP or null, got {type(privacy).__name__}"),
             (dp_sgd is None or isinstance(dp_sgd, DPSGD),
              f"trainer.dp_sgd must be DPSGD or null, got {type(dp_sgd).__name__}"),
+            (secure_aggregation is None or isinstance(secure_aggregation, SecureAggregation),
+             f"trainer.secure_aggregation must be SecureAggregation or null, got {type(secure_aggregation).__name__}"),
             (dp_sgd is None or gradient_clip_val is None,
              "trainer.gradient_clip_val clips a batch's gradient, which DP-SGD replaces by clipping each record's "
              "(trainer.dp_sgd.max_grad_norm): remove trainer.gradient_clip_val"),
@@ -218,11 +225,15 @@ class FederatedTrainer(TrainerLike):
         for key, value in (("max_update_norm", max_update_norm), ("max_update_norm_ratio", max_update_norm_ratio)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 problems.append(f"trainer.{key} must be a positive number or null, got {value}")
+        if isinstance(secure_aggregation, SecureAggregation):
+            problems += secure_aggregation.problems(strategy, privacy, codec, max_update_norm_ratio, attack)
         if problems:
             raise ConfigError("; ".join(problems))
         self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
         upload_stage = privacy if privacy is not None and privacy.client_stage else None  # local or distributed noise
-        self.local = LocalTraining(local_epochs, local_steps, gradient_clip_val, upload_stage, dp_sgd)
+        self.local = LocalTraining(
+            local_epochs, local_steps, gradient_clip_val, upload_stage, dp_sgd, secure_aggregation
+        )
         self.dp_sgd = dp_sgd
         if dp_sgd is not None:
             dp_sgd.setup(rounds)
@@ -278,6 +289,13 @@ class FederatedTrainer(TrainerLike):
         self.history, start = [], 0
         fingerprint = setup.agree_on_fingerprint(fabric, hooks)
         identity = hooks.averaging_identity_error if self.check_identity and self.strategy.linear else None
+        if self.local.secure is not None:  # a secure round never shows the server an upload
+            identity = None
+            if not isinstance(self.transport, InProcess) or fabric.world_size > 1:
+                raise ConfigError(
+                    "trainer.secure_aggregation runs in one process for now (Flower's SecAgg+ path and several "
+                    "processes are not built): run in process with trainer.devices 1, or remove the key"
+                )
         runner = RoundRunner(
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
             identity, progress=self.enable_progress_bar, transport=self.transport,

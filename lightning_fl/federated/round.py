@@ -96,6 +96,7 @@ class RoundUploads:
     folded: list[int] = field(default_factory=list)  # clients in the aggregate, in client order
     unclipped: int = 0
     attacked: int = 0
+    secure_total: torch.Tensor | None = None  # secure aggregation: the modular sum of the quantised updates (int64)
 
     def entry(self, client: int) -> Entry:
         return self.entries[client]
@@ -109,6 +110,14 @@ class RoundUploads:
     def answered(self) -> list[Entry]:
         """The entries of clients that replied (not lost), in client order."""
         return [e for e in self.in_order if e.status != LOST]
+
+
+@dataclass
+class SecureTotal:
+    """A secure round's sum of the dequantised updates (float64 ``(D,)``, exact) and how many it adds."""
+
+    total: torch.Tensor
+    count: int
 
 
 class RoundRunner:
@@ -134,6 +143,7 @@ class RoundRunner:
         fold_groups: int = 1,
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
+        self.secure = local.secure  # secure aggregation: the round sees the modular sum of the uploads only
         self.upload_policy, self.dropout, self.attack = upload_policy, dropout, attack
         self.identity, self.progress = identity, progress
         self.transport = transport if transport is not None else InProcess()
@@ -175,6 +185,8 @@ class RoundRunner:
     @property
     def keeps_rows(self) -> bool:
         """Whether a round keeps every upload as a row (see the module docstring) instead of streaming."""
+        if self.secure is not None:
+            return False
         spread = self.transport.spreads_over_processes and self.fabric.world_size > 1 and self.fold_groups == 1
         round_attack = self.attack is not None and not self.attack.per_client
         return (
@@ -255,6 +267,9 @@ class RoundRunner:
         if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
             replies = tqdm(replies, total=len(share), desc=f"clients r{r + 1}", leave=False, disable=not show)
             for reply in replies:
+                if self.secure is not None:
+                    self._receive_secure(uploads, reply, r)
+                    continue
                 entry, decoded = self._receive(reply, state, r)
                 uploads.entries[entry.client] = entry
                 if not uploads.streaming:
@@ -301,6 +316,27 @@ class RoundRunner:
             return entry, None
         entry.status = ACCEPTED
         return entry, decoded
+
+    def _receive_secure(self, uploads: RoundUploads, reply: Reply, r: int) -> None:
+        """A secure reply: its vector (structure checked, nothing else: its values are masked in a deployment)
+        added to the round's modular sum; the sum is exact, so the order of arrival does not matter."""
+        entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged)
+        uploads.entries[entry.client] = entry
+        if reply.lost:
+            entry.status = LOST
+            return
+        entry.up = upload_nbytes(reply.payload)
+        vector, problem = (
+            (None, reply.failure) if reply.failure else self.secure.read(reply.payload, len(uploads.current))
+        )
+        if problem is not None:
+            self.reject(r, entry.client, [problem])
+            return
+        entry.status = ACCEPTED
+        total = uploads.secure_total if uploads.secure_total is not None else torch.zeros_like(vector)
+        uploads.secure_total = torch.remainder(total + vector, self.secure.M)
+        uploads.folded.append(entry.client)
+        uploads.folded.sort()
 
     def _client_stages(self, uploads: RoundUploads, entry: Entry, row: torch.Tensor, r: int, seed: int):
         """One accepted upload through the simulated attack, the finiteness check and the absolute norm gate:
@@ -402,11 +438,20 @@ class RoundRunner:
         strategy, current = self.strategy, uploads.current
         central = self.privacy is not None and self.privacy.central
         folded = uploads.folded
-        norms = torch.tensor([uploads.entry(c).norm for c in folded], dtype=torch.float64)
+        # (a secure round never sees an update, so it has no update norms)
+        norms = torch.tensor([uploads.entry(c).norm for c in folded if self.secure is None], dtype=torch.float64)
         metrics: dict[str, float] = {}
         problem = None if central else strategy.problem(len(folded))
+        if self.secure is not None:  # the exact sum of the dequantised updates, from the modular sum
+            n = len(folded)
+            total = (
+                self.secure.recover(uploads.secure_total, n) if n else torch.zeros(len(current), dtype=torch.float64)
+            )
+            uploads.sum = SecureTotal(total, n)
         if problem is None:
-            if central:
+            if self.secure is not None and not central:
+                new_flat, extra = strategy.step(r, current, current.double() + uploads.sum.total / len(folded))
+            elif central:
                 mean, released = self.privacy.release(uploads.sum.total, uploads.unclipped, len(folded), r)
                 if self.fabric.world_size > 1:  # noise from the OS differs per process: rank 0's release holds
                     mean, released, self.privacy.bound = self.fabric.broadcast((mean, released, self.privacy.bound))
@@ -431,7 +476,7 @@ class RoundRunner:
                     metrics["fed/identity_error"] = self.identity([unflatten(u, state, names) for u in uploads.rows])
                 metrics.update({f"strategy/{k}": float(v) for k, v in extra.items()})
                 state = {n: t.to(state[n].device) for n, t in new_state.items()}
-            if problem is not None and len(folded):
+            if problem is not None and len(norms):
                 top = int(norms.argmax())
                 problem += (
                     f"; the largest update came from client {folded[top]} (norm {float(norms[top]):.4g}, the "

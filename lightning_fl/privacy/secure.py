@@ -23,6 +23,7 @@ another, the sum is taken directly (the masks would cancel).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -109,3 +110,92 @@ class SecureSum:
 
     def __repr__(self) -> str:
         return f"SecureSum(clipping_range={self.c}, quantization_range={self.T}, modulus_range={self.M})"
+
+
+STREAM_SECURE_ROUNDING = 22
+
+
+class SecureAggregation(SecureSum):
+    """``trainer.secure_aggregation``: the server learns only the sum of the round's updates (SecAgg+ semantics,
+    in process).
+
+    Every client uploads its update ``Delta = x_k - x`` (after any client stage: DistributedDP's clipping and noise
+    share, LocalDP) clipped to ``[-c, c]`` per coordinate and quantised to integers in ``[0, T]`` with seeded
+    stochastic rounding, as the int64 vector Flower's SecAgg+ masks (8 bytes per coordinate on the wire). The
+    server folds the vectors into one sum modulo ``M`` and reads nothing else of them (their shape and type only,
+    as Flower's workflow does); it recovers the exact sum of the dequantised updates and steps from their mean
+    (``/ n``, or ``/ m`` under :class:`~lightning_fl.privacy.DistributedDP`). A secure round is sum-only: robust
+    strategies, sample weights, per-update gates and server-side clipping (``CentralDP``) need single updates
+    and are refused; the aggregate's own checks (finite, step norm) stay.
+
+    Args:
+        clipping_range, quantization_range, modulus_range: As :class:`SecureSum` (powers of two).
+        rounding_seed: Seed of the stochastic rounding, with the run's seed, the round and the client; ``null``:
+            the operating system's randomness.
+    """
+
+    def __init__(
+        self,
+        clipping_range: float = 0.125,
+        quantization_range: int = 2**22,
+        modulus_range: int = 2**32,
+        rounding_seed: int | None = 0,
+    ) -> None:
+        super().__init__(clipping_range, quantization_range, modulus_range)
+        from lightning_fl.privacy.base import check_noise_seed
+
+        self.rounding_seed = check_noise_seed(rounding_seed)
+
+    def problems(self, strategy: Any, privacy: Any, codec: Any, max_update_norm_ratio: float | None,
+                 attack: Any) -> list[str]:  # fmt: skip
+        """What in the run's settings needs single updates, which a secure round never shows the server."""
+        from lightning_fl.compress.base import FP32
+
+        out = []
+        if not getattr(strategy, "streams", False):
+            out.append(f"trainer.strategy {strategy.name} needs single updates; use FedAvg, FedAvgM, FedAdam, FedYogi "
+                       "or FedAdagrad")  # fmt: skip
+        if getattr(strategy, "weighted", False):
+            out.append("set trainer.strategy.weighted false (client-declared weights cannot be checked in a sum)")
+        if privacy is not None and privacy.central and not privacy.client_stage:
+            out.append(f"trainer.privacy {type(privacy).__name__} clips each update on the server; use DistributedDP "
+                       "(each client clips and adds its noise share)")  # fmt: skip
+        if max_update_norm_ratio is not None:
+            out.append("set trainer.max_update_norm_ratio null (it compares single updates)")
+        if attack is not None:
+            out.append(f"trainer.attack {type(attack).__name__} is simulated on single uploads at the server, which "
+                       "a secure round never shows it; remove trainer.attack")  # fmt: skip
+        if not isinstance(codec, FP32):
+            out.append(
+                f"trainer.codec {type(codec).__name__}: a secure upload is the quantised update itself; use FP32"
+            )
+        return [f"trainer.secure_aggregation: {p}" for p in out]
+
+    # ------------------------------------------------------------------------------------------ the client
+    def encode(self, state: dict, global_state: dict, client: int, round: int, seed: int) -> Any:
+        """The client's secure upload: its update, clipped per coordinate and quantised (int64 ``(D,)``)."""
+        from lightning_fl.compress.base import Encoded, Payload
+        from lightning_fl.privacy.base import noise_generator
+
+        names = sorted(state)
+        delta = torch.cat([(state[n].detach().double() - global_state[n].detach().double()).reshape(-1).cpu()
+                           for n in names])  # fmt: skip
+        g = noise_generator(self.rounding_seed, seed, round, client, STREAM_SECURE_ROUNDING)
+        return Payload({"secure": Encoded({"q": self.quantize(delta, g)}, (len(delta),), torch.int64)})
+
+    # ------------------------------------------------------------------------------------------ the server
+    def read(self, payload: Any, size: int) -> tuple[torch.Tensor | None, str | None]:
+        """A secure upload's vector, or why it is malformed (only its structure is checked: the values are masked)."""
+        try:
+            ((name, encoded),) = payload.tensors.items()
+            ((part, q),) = encoded.parts.items()
+        except (AttributeError, ValueError):
+            return None, "malformed secure upload: expected one vector"
+        if (name, part) != ("secure", "q") or not isinstance(q, torch.Tensor) or q.dtype != torch.int64 \
+                or tuple(q.shape) != (size,):  # fmt: skip
+            return None, f"malformed secure upload: expected an int64 vector of {size} values"
+        return torch.remainder(q, self.M), None
+
+    def __repr__(self) -> str:
+        return (f"SecureAggregation(clipping_range={self.c}, quantization_range={self.T}, "
+                f"modulus_range={self.M})")  # fmt: skip
