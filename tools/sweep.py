@@ -77,6 +77,8 @@ METRIC_COLUMNS = [
     "privacy/clip_norm",
     "privacy/noise_multiplier",
     "privacy/unclipped_fraction",
+    "privacy/record_epsilon_max",
+    "privacy/record_noise_multiplier_max",
     "fed/dropped_clients",
     "fed/attacked_clients",
     "fed/unavailable_clients",
