@@ -145,6 +145,17 @@ def _set_rows(tensors: dict[str, torch.Tensor], name: str, rows, value: torch.Te
         tensors[name][rows] = value
 
 
+def cohort_state(global_state: State, names, clients: list[int], optimizer, datamodule: Any, device):
+    """What a cohort's training carries: every client's copy of the trainable tensors (stacked ``[C, ...]``), the
+    cohort's optimiser, a result, the logged sums and an alive flag per client."""
+    C = len(clients)
+    params = {n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim()))
+              for n in names}  # fmt: skip
+    results = [ClientResult(c, int(datamodule.client_num_samples(c)), None) for c in clients]
+    sums = [{"train/loss": [0.0, 0.0], "train/acc": [0.0, 0.0]} for _ in clients]
+    return params, _Optimizer(optimizer, params), results, sums, [True] * C
+
+
 def run_cohort(
     module: L.LightningModule,
     datamodule: Any,
@@ -177,12 +188,7 @@ def run_cohort(
     C = len(clients)
     drawn = [_client_batches(datamodule, c, round, seed, local) for c in clients]
     batches, epoch_of = [b for b, _ in drawn], [e for _, e in drawn]
-    params = {n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim()))
-              for n in names}  # fmt: skip
-    opt = _Optimizer(optimizer, params)
-    results = [ClientResult(c, int(datamodule.client_num_samples(c)), None) for c in clients]
-    sums = [{"train/loss": [0.0, 0.0], "train/acc": [0.0, 0.0]} for _ in clients]
-    alive = [True] * C
+    params, opt, results, sums, alive = cohort_state(global_state, names, clients, optimizer, datamodule, device)
 
     def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
         logits = functional_call(module, p, (x,), strict=False)

@@ -227,8 +227,8 @@ def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *,
     a second ``vmap`` over the clients (each client's batch padded to the step's largest, the padding masked out of
     the clipped sum), then each client's noise from its own generator in ``DPOptimizer``'s order and the cohort's
     optimiser step. Equal to training the clients one at a time up to float32 rounding (``tests/test_dpsgd.py``)."""
-    from lightning_fl.federated.client import ClientResult, client_loader, configure_optimizer, encode_upload
-    from lightning_fl.federated.cohort import _Optimizer, _rows
+    from lightning_fl.federated.client import client_loader, configure_optimizer, encode_upload
+    from lightning_fl.federated.cohort import _rows, cohort_state
 
     dp = local.dp_sgd
     for problem in (batchnorm_problem(module), functorch_problem(module)):
@@ -256,12 +256,8 @@ def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *,
         plans.append(plan)
         draws.append([next(stream) for _ in range(plan.steps)])
         noises.append(noise)
-    params = {n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim()))
-              for n in trainable}  # fmt: skip
-    opt = _Optimizer(optimizer, params)
-    results = [ClientResult(c, int(datamodule.client_num_samples(c)), None) for c in clients]
-    sums = [{"train/loss": [0.0, 0.0], "train/acc": [0.0, 0.0]} for _ in clients]
-    alive = [True] * C
+    params, opt, results, sums, alive = cohort_state(global_state, list(trainable), clients, optimizer, datamodule,
+                                                     device)  # fmt: skip
 
     def one_record(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
         logits = functional_call(module, p, (x.unsqueeze(0),), strict=False)

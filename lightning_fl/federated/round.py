@@ -143,7 +143,8 @@ class RoundRunner:
         fold_groups: int = 1,
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
-        self.secure = local.secure  # secure aggregation: the round sees the modular sum of the uploads only
+        # secure aggregation: the round sees the modular sum of the uploads only
+        self.secure = getattr(local, "secure", None)
         self.upload_policy, self.dropout, self.attack = upload_policy, dropout, attack
         self.identity, self.progress = identity, progress
         self.transport = transport if transport is not None else InProcess()
@@ -238,8 +239,8 @@ class RoundRunner:
         if self.privacy is not None:
             participants = uploads.folded if self.privacy.central else [e.client for e in uploads.answered if e.up]
             metrics.update(self.privacy.end_round(r, participants))
-        if self.local.dp_sgd is not None:  # every client asked to train has spent its records' budget
-            metrics.update(self.local.dp_sgd.end_round(available, datamodule, self.local))
+        if (dp_sgd := getattr(self.local, "dp_sgd", None)) is not None:  # every client asked to train has spent
+            metrics.update(dp_sgd.end_round(available, datamodule, self.local))
         metrics.update(self.ledger.metrics())
         return state, {k: float(v) for k, v in metrics.items()}
 

@@ -114,6 +114,23 @@ def positive(key: str, value: float | None, allow_zero: bool = False, allow_none
     return [f"trainer.privacy.{key} must be a finite number {want}{' or null' if allow_none else ''}, got {value}"]
 
 
+def flat_update(state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A client's update ``state - global_state`` as one float64 CPU vector, tensors in name order."""
+    return torch.cat([(state[n].detach().double() - global_state[n].detach().double()).reshape(-1).cpu()
+                      for n in sorted(state)])  # fmt: skip
+
+
+def apply_update(global_state: dict[str, torch.Tensor], update: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``global_state`` plus a flat float64 ``update`` (tensors in name order), in each tensor's dtype and device."""
+    out, start = {}, 0
+    for n in sorted(global_state):
+        ref = global_state[n]
+        part = update[start : start + ref.numel()].view(ref.shape)
+        out[n] = (ref.detach().double().cpu() + part).to(dtype=ref.dtype, device=ref.device)
+        start += ref.numel()
+    return out
+
+
 def layer_slices(sizes: list[int]) -> list[slice]:
     """Slices of a flat vector made of tensors of ``sizes`` values, in order."""
     out, start = [], 0

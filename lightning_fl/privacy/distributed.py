@@ -37,7 +37,7 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import RoundEvent
-from lightning_fl.privacy.base import Plan, clip, layer_slices, noise_generator
+from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, noise_generator
 from lightning_fl.privacy.central import CentralDP
 
 STREAM_DISTRIBUTED_NOISE = 21
@@ -101,22 +101,14 @@ class DistributedDP(CentralDP):
         return self.z * self.bound / math.sqrt(self.plan.expected_clients)
 
     def privatize(self, state, global_state, client, round, seed) -> dict[str, torch.Tensor]:
-        names = sorted(state)
-        delta = torch.cat([(state[n].detach().double() - global_state[n].detach().double()).reshape(-1).cpu()
-                           for n in names])  # fmt: skip
-        sizes = [global_state[n].numel() for n in names]
+        delta = flat_update(state, global_state)
+        sizes = [global_state[n].numel() for n in sorted(global_state)]
         clipped, _, _ = clip(delta, self.bound, layer_slices(sizes) if self.per_layer else None)
         std = self.share_std()
         if std > 0:
             g = noise_generator(self.noise_seed, seed, round, client, STREAM_DISTRIBUTED_NOISE)
             clipped = clipped + torch.randn(delta.shape, generator=g, dtype=torch.float64) * std
-        out, start = {}, 0
-        for n, size in zip(names, sizes, strict=True):
-            ref = global_state[n]
-            part = clipped[start : start + size].view(ref.shape)
-            out[n] = (ref.detach().double().cpu() + part).to(dtype=ref.dtype, device=ref.device)
-            start += size
-        return out
+        return apply_update(global_state, clipped)
 
     # ------------------------------------------------------------------------------------------ the server
     def clip(self, delta: torch.Tensor, layers: list[slice] | None) -> tuple[torch.Tensor, float, bool]:

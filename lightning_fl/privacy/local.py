@@ -26,7 +26,16 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import gaussian_epsilon_closed_form, gaussian_noise_multiplier
-from lightning_fl.privacy.base import STREAM_LOCAL_NOISE, Privacy, check_noise_seed, clip, noise_generator, positive
+from lightning_fl.privacy.base import (
+    STREAM_LOCAL_NOISE,
+    Privacy,
+    apply_update,
+    check_noise_seed,
+    clip,
+    flat_update,
+    noise_generator,
+    positive,
+)
 
 
 class LocalDP(Privacy):
@@ -70,19 +79,11 @@ class LocalDP(Privacy):
 
     # ------------------------------------------------------------------------------------------ the client
     def privatize(self, state, global_state, client, round, seed) -> dict[str, torch.Tensor]:
-        names = sorted(state)
-        delta = torch.cat([(state[n].detach().double() - global_state[n].detach().double()).reshape(-1).cpu()
-                           for n in names])  # fmt: skip
+        delta = flat_update(state, global_state)
         clipped, _, _ = clip(delta, self.clip_norm)
         g = noise_generator(self.noise_seed, seed, round, client, STREAM_LOCAL_NOISE)
         noisy = clipped + torch.randn(delta.shape, generator=g, dtype=torch.float64) * (self.z * self.clip_norm)
-        out, start = {}, 0
-        for n in names:
-            ref = global_state[n]
-            part = noisy[start : start + ref.numel()].view(ref.shape)
-            out[n] = (ref.detach().double().cpu() + part).to(dtype=ref.dtype, device=ref.device)
-            start += ref.numel()
-        return out
+        return apply_update(global_state, noisy)
 
     # ------------------------------------------------------------------------------------------ accounting
     def end_round(self, round: int, participants: list[int]) -> dict[str, float]:

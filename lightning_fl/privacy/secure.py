@@ -175,11 +175,9 @@ class SecureAggregation(SecureSum):
     def encode(self, state: dict, global_state: dict, client: int, round: int, seed: int) -> Any:
         """The client's secure upload: its update, clipped per coordinate and quantised (int64 ``(D,)``)."""
         from lightning_fl.compress.base import Encoded, Payload
-        from lightning_fl.privacy.base import noise_generator
+        from lightning_fl.privacy.base import flat_update, noise_generator
 
-        names = sorted(state)
-        delta = torch.cat([(state[n].detach().double() - global_state[n].detach().double()).reshape(-1).cpu()
-                           for n in names])  # fmt: skip
+        delta = flat_update(state, global_state)
         g = noise_generator(self.rounding_seed, seed, round, client, STREAM_SECURE_ROUNDING)
         return Payload({"secure": Encoded({"q": self.quantize(delta, g)}, (len(delta),), torch.int64)})
 
