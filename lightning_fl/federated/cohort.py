@@ -245,10 +245,16 @@ def run_cohort(
                 coef = (clip / (norms + 1e-6)).clamp(max=1.0)
                 grads = {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
             opt.step(t, params, grads, rows)
+    return finish_cohort(module, results, sums, params, global_state, codec, local, round, seed)
+
+
+def finish_cohort(module, results, sums, params, global_state, codec, local, round: int, seed: int) -> list:
+    """Each client's logged sums and, unless its training failed, the encoding of its trained row of ``params``;
+    the module back at ``global_state``."""
     for k, result in enumerate(results):
         result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
         if result.failure is None:
-            trained = {n: params[n][k].detach().clone() for n in names}
+            trained = {n: p[k].detach().clone() for n, p in params.items()}
             encode_upload(result, trained, global_state, codec, local, round, seed)
     module.load_federated_state(global_state)
     return results

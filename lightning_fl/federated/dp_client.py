@@ -66,10 +66,13 @@ def choose_engine(module: torch.nn.Module, dp: DPSGD) -> str:
             "trainer.dp_sgd with FedProx: its proximal term is not a sum over records, and Opacus would leave it "
             "out of the step; use model.mu 0 (or a Classifier)"
         )
-    engine = dp.engine
-    if engine == "auto":
-        engine = "opacus" if opacus_problem(module) is None else "functorch"
-    problem = opacus_problem(module) if engine == "opacus" else functorch_problem(module)
+    engine, problem = dp.engine, None
+    if engine in ("auto", "opacus"):
+        problem = opacus_problem(module)
+        if engine == "auto":
+            engine = "opacus" if problem is None else "functorch"
+    if engine == "functorch":
+        problem = functorch_problem(module)
     if problem is not None:
         other = "functorch" if engine == "opacus" else "opacus"
         raise ConfigError(f"trainer.dp_sgd.engine {engine} cannot train this model: {problem}; try "
@@ -227,8 +230,8 @@ def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *,
     a second ``vmap`` over the clients (each client's batch padded to the step's largest, the padding masked out of
     the clipped sum), then each client's noise from its own generator in ``DPOptimizer``'s order and the cohort's
     optimiser step. Equal to training the clients one at a time up to float32 rounding (``tests/test_dpsgd.py``)."""
-    from lightning_fl.federated.client import client_loader, configure_optimizer, encode_upload
-    from lightning_fl.federated.cohort import _rows, cohort_state
+    from lightning_fl.federated.client import client_loader, configure_optimizer
+    from lightning_fl.federated.cohort import _rows, cohort_state, finish_cohort
 
     dp = local.dp_sgd
     for problem in (batchnorm_problem(module), functorch_problem(module)):
@@ -326,10 +329,4 @@ def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *,
             stepped = {n: g[index] for n, g in stepped.items()}
             rows = torch.tensor([active[i] for i in keep], device=device)
         opt.step(t, params, stepped, rows)
-    for k, result in enumerate(results):
-        result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
-        if result.failure is None:
-            trained = {n: params[n][k].detach().clone() for n in trainable}
-            encode_upload(result, trained, global_state, codec, local, round, seed)
-    module.load_federated_state(global_state)
-    return results
+    return finish_cohort(module, results, sums, params, global_state, codec, local, round, seed)

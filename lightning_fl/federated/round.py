@@ -31,6 +31,7 @@ its groups), so the global state does not depend on how clients are placed.
 
 from __future__ import annotations
 
+import bisect
 import math
 import sys
 import warnings
@@ -336,8 +337,7 @@ class RoundRunner:
         entry.status = ACCEPTED
         total = uploads.secure_total if uploads.secure_total is not None else torch.zeros_like(vector)
         uploads.secure_total = torch.remainder(total + vector, self.secure.M)
-        uploads.folded.append(entry.client)
-        uploads.folded.sort()
+        bisect.insort(uploads.folded, entry.client)  # client order, whatever the arrival
 
     def _client_stages(self, uploads: RoundUploads, entry: Entry, row: torch.Tensor, r: int, seed: int):
         """One accepted upload through the simulated attack, the finiteness check and the absolute norm gate:

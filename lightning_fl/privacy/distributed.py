@@ -74,7 +74,6 @@ class DistributedDP(CentralDP):
     ) -> None:
         super().__init__(clip_norm, noise_multiplier, target_epsilon, delta, max_epsilon, per_layer, None,
                          accountant, noise_seed)  # fmt: skip
-        self.last_shares: int | None = None
 
     def setup(self, plan: Plan) -> None:
         super().setup(plan)
@@ -119,7 +118,6 @@ class DistributedDP(CentralDP):
     def release(self, total: torch.Tensor, unclipped: int, participants: int, round: int) -> tuple[torch.Tensor, dict]:
         """The mean update ``sum / m``: the noise is already in the sum, ``n = participants`` shares of it."""
         m = self.plan.expected_clients
-        self.last_shares = participants
         std = self.z * self.bound * math.sqrt(participants / m)
         return total / m, {"privacy/clip_norm": self.bound, "privacy/noise_std": std / m,
                            "privacy/noise_shares": float(participants)}  # fmt: skip
