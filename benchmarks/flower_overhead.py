@@ -13,6 +13,12 @@ alternating the two sides ``--repeats`` times (in-process first, then flower; th
 Workloads:
 
 - ``quickstart``: configs/quickstart.yaml (FLITE latents on digits, 768-byte payloads), as shipped.
+- ``fedavg_digits``: configs/fedavg_digits.yaml (full-weight FedAvg on the same digits and CNN, 207,232-byte
+  payloads), as shipped.
+- ``quickstart_secagg``, ``fedavg_digits_secagg``: the same with secure aggregation (``trainer.secure_aggregation``,
+  clipping range 1, 2^22 levels, sum modulo 2^32): Flower's SecAgg+ on the deployment (four message rounds per
+  training round), its arithmetic in process. The cost of secure aggregation is the secagg workload's Flower
+  side against the plain one's.
 - ``fedavg_fmnist``: configs/fedavg_fashion_mnist.yaml (full-weight FedAvg, 1,681,792-byte payloads), shrunk
   with ``--data.max_train_samples 6000`` (a seeded subset of the 60k training images: 600 public images
   pretrain the base (cached), 2,700 per client, 43 local steps of 64) and ``--data.max_eval_samples 1000``
@@ -23,7 +29,7 @@ Both sides get ``--data.num_clients K --trainer.rounds R --trainer.logger false
 (in-process run, SuperLink, SuperNodes and what they start) runs with ``OMP_NUM_THREADS=1`` and one shared
 ``LIGHTNING_FL_CACHE`` (the pretrained bases, built by the first in-process run).
 
-    python benchmarks/flower_overhead.py                                 # both workloads, R=5, 3 repeats
+    python benchmarks/flower_overhead.py                                 # quickstart and fedavg_fmnist, R=5, 3 repeats
     python benchmarks/flower_overhead.py --workloads quickstart --rounds 3 --repeats 1   # quicker
 
 It prints markdown tables and writes docs/results/flower_overhead.csv (one row per workload and side) and
@@ -92,6 +98,13 @@ COLD = ("cold_interpreter_s", "cold_imports_s", "cold_build_s", "cold_total_s")
 BYTES = ("comm/client_up_bytes", "comm/client_down_bytes", "comm/msg_client_up_bytes", "comm/msg_client_down_bytes")
 
 
+# secure aggregation (trainer.secure_aggregation): each coordinate clipped to [-1, 1], 2^22 levels, sum mod 2^32
+SECAGG = [
+    "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
+    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.max_update_norm_ratio", "null",
+]  # fmt: skip
+
+
 @dataclass
 class Workload:
     name: str
@@ -103,6 +116,18 @@ class Workload:
 WORKLOADS = {
     "quickstart": Workload(
         "quickstart", "configs/quickstart.yaml", [], "FLITE latents on digits (768-byte payloads), as shipped"
+    ),
+    "quickstart_secagg": Workload(
+        "quickstart_secagg",
+        "configs/quickstart.yaml",
+        [*SECAGG],
+        "the quickstart with secure aggregation (Flower's SecAgg+ on Flower, its arithmetic in process)",
+    ),
+    "fedavg_digits": Workload(
+        "fedavg_digits", "configs/fedavg_digits.yaml", [], "full-weight FedAvg on digits (207,232-byte payloads)"
+    ),
+    "fedavg_digits_secagg": Workload(
+        "fedavg_digits_secagg", "configs/fedavg_digits.yaml", [*SECAGG], "fedavg_digits with secure aggregation"
     ),
     "fedavg_fmnist": Workload(
         "fedavg_fmnist",
@@ -306,8 +331,9 @@ def node_timings(logs: list[Path]) -> dict[str, list[float]]:
     train reply to "Receiving" the next round's message of the same run (the ServerApp's poll for replies, the
     other client, aggregation and the SuperNode's poll for work).
     """
-    out: dict[str, list[float]] = {k: [] for k in (*NODE, "node_message_s")}
+    out: dict[str, list[float]] = {k: [] for k in (*NODE, "node_message_s", "train_messages")}
     for log in logs:
+        out["train_messages"].append(float(log.read_text(errors="replace").count("Receiving: train message")))
         run = received = started = sending = sent = sent_run = None
         for line in log.read_text(errors="replace").splitlines():
             stamp, _, text = line.partition(" ")
@@ -421,16 +447,19 @@ def tables(rows: list[dict], args) -> str:
     out += [
         "",
         "Bytes per client and round (medians): the codec's payload (the ledger) against the Flower messages "
-        "that carry it; overhead = message / payload.",
+        "that carry it (under secure aggregation: the four SecAgg+ stages' messages together, and the payload is "
+        "the masked int64 vector); overhead = message / payload; train messages each way = a SuperNode's train "
+        "messages per round (1 plain, 4 for SecAgg+: setup, key shares, masked upload, unmask).",
         "",
-        "| workload | side | payload up | payload down | message up | message down | overhead up | overhead down |",
-        "|---|---|--:|--:|--:|--:|--:|--:|",
+        "| workload | side | payload up | payload down | message up | message down | overhead up | overhead down "
+        "| train messages each way |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         out.append(
             f"| {r['workload']} | {r['side']} | {fmt(r['payload_up_bytes'], 0)} | {fmt(r['payload_down_bytes'], 0)} "
             f"| {fmt(r['msg_up_bytes'], 0)} | {fmt(r['msg_down_bytes'], 0)} | {fmt(r['msg_overhead_up'], 3)} "
-            f"| {fmt(r['msg_overhead_down'], 3)} |"
+            f"| {fmt(r['msg_overhead_down'], 3)} | {fmt(r.get('train_messages_per_client_round'), 1)} |"
         )
     out += [
         "",
@@ -457,7 +486,7 @@ def tables(rows: list[dict], args) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["quickstart", "fedavg_fmnist"])
     parser.add_argument("--clients", type=int, default=2, help="clients = SuperNodes (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default 5; round 1 is warm-up)")
     add_arguments(parser, repeats=3)  # --repeats: runs per side and workload, alternated; --json
@@ -503,7 +532,10 @@ def main() -> None:
                               f"(run {time.perf_counter() - t:.1f} s, CPU {run.cpu:.1f} s)", flush=True)  # fmt: skip
                 logs = [d.logs[n] for n in d.logs if n.startswith("supernode")]
             spans = node_timings(logs)
+            messages = spans.pop("train_messages")  # per SuperNode, over every Flower run of this workload
             extra[wname] = {k: statistics.median(v) if v else None for k, v in spans.items()}
+            runs = args.clients * args.rounds * args.repeats
+            extra[wname]["train_messages_per_client_round"] = sum(messages) / runs
             extra[wname].update(rebuild_times(w, args, work, root))
             print(f"[{time.perf_counter() - started:6.0f} s] {wname}: cold ClientApp start {extra[wname]}", flush=True)
     finally:

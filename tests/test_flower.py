@@ -7,6 +7,7 @@ the simulation and deployment engines themselves.
 
 from __future__ import annotations
 
+import copy
 import io
 import itertools
 import warnings
@@ -17,7 +18,8 @@ import torch
 
 flwr = pytest.importorskip("flwr")
 
-from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.common.constant import ErrorCode  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 
 from conftest import CONFIGS, run_cli  # noqa: E402
@@ -88,12 +90,27 @@ class LocalGrid(Grid):
             node = message.metadata.dst_node_id
             if node not in self.contexts:
                 continue
-            reply = flower_client.app(message, self.contexts[node])
+            try:  # (a copy, as the wire delivers it: SecAgg+'s mod edits what it receives, shared by several messages)
+                reply = flower_client.app(delivered(message), self.contexts[node])
+            except Exception as err:  # as a SuperNode does: the ClientApp's exception becomes an error reply
+                reason = f"{type(err)}:<'{err}'>"
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=message)
             if node in self.tamper and message.metadata.message_type == messages_train():
                 reply = self.tamper[node](reply, message)
             if reply is not None:
                 replies.append(reply)
         return replies
+
+
+def delivered(message: Message) -> Message:
+    """``message`` as a node receives it: its config records are its own (the arrays are shared: nobody edits them)."""
+    from flwr.app import ConfigRecord
+
+    content = RecordDict({k: ConfigRecord(dict(v)) if isinstance(v, ConfigRecord) else v
+                          for k, v in message.content.items()})  # fmt: skip
+    out = Message(content, dst_node_id=message.metadata.dst_node_id, message_type=message.metadata.message_type)
+    out.metadata.__dict__.update(copy.deepcopy(message.metadata.__dict__))
+    return out
 
 
 def messages_train() -> str:
@@ -338,3 +355,154 @@ def test_run_config_mistakes_get_one_line():
 def test_server_refuses_a_non_federated_trainer(in_tmp):
     with pytest.raises(ConfigError, match="trainer.devices must be 1 on Flower"):
         serve(LocalGrid(nodes()), str(CONFIGS / "quickstart.yaml"), ["--trainer.devices", "2"])
+
+
+# ------------------------------------------------------------------------------------------ secure aggregation
+SECURE = [
+    "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
+    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "30",
+    "--trainer.max_update_norm_ratio", "null",
+]  # fmt: skip
+
+
+def secagg_reply(key: str, change: Callable) -> Callable:
+    """A node that rewrites (or, returning ``None``, withholds) its reply to the SecAgg+ stage whose reply holds
+    ``key``: pk1 (setup), dsts (share keys), masked_params (masked upload), nids (unmask)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    def tamper(reply: Message, message: Message) -> Message | None:
+        if reply.has_content() and RECORD_KEY_CONFIGS in reply.content:
+            record = reply.content.config_records[RECORD_KEY_CONFIGS]
+            if key in record:
+                return change(reply, record)
+        return reply
+
+    return tamper
+
+
+def test_secure_rounds_on_flower_equal_in_process_bitwise(in_tmp):
+    """Flower's SecAgg+ between 4 nodes: the in-process secure run's state, budget of bytes and logged metrics; no
+    upload crosses unmasked (every train reply is a SecAgg+ message with an empty payload)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *SECURE)
+    grid = LocalGrid(nodes())
+    trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE)
+    assert_same_state(got, reference)
+    assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
+    assert (got["ledger"]["msg_up"] > got["ledger"]["up"]).all()  # 4 stages of keys, shares and masked vectors
+    for key in ("train/loss", "fed/clients", "fed/dropped_clients"):
+        assert [h.get(key) for h in trainer.history[1:]] == [h.get(key) for h in reference["history"][1:]], key
+    train = [m for m in grid.sent if m.metadata.message_type == messages.TRAIN]
+    assert len(train) == 2 * 4 * 4 and all(RECORD_KEY_CONFIGS in m.content for m in train)  # rounds x stages x nodes
+
+
+def _absent(tmp_path) -> dict:
+    """The secure run with client 2's node missing: the sum of the other three (the reference for a dropped node)."""
+    grid = LocalGrid([c for c in nodes() if c["partition-id"] != 2])
+    with pytest.warns(UserWarning, match="no SuperNode serves client"):
+        return on_flower(tmp_path, CONFIGS / "quickstart.yaml", grid, *SECURE, name="absent")[1]
+
+
+def _junk_vector(reply, record):
+    record["masked_params"] = [b"\x93NUMPY junk", b"junk"]
+    return reply
+
+
+def _float_vector(reply, record):
+    import numpy as np
+    from flwr.common import ndarray_to_bytes
+
+    record["masked_params"] = [ndarray_to_bytes(np.ones(1)), ndarray_to_bytes(np.ones(7))]
+    return reply
+
+
+def _bad_key(reply, record):
+    record["pk1"] = b"not a public key"
+    return reply
+
+
+def _uneven_shares(reply, record):
+    record["ctxts"] = record["ctxts"][:-1]
+    return reply
+
+
+@pytest.mark.parametrize(
+    ("key", "change", "why"),
+    [
+        pytest.param("pk1", _bad_key, "setup stage: malformed SecAgg\\+ reply: ValueError", id="setup-bad-key"),
+        pytest.param(
+            "dsts",
+            _uneven_shares,
+            "share keys stage: malformed SecAgg\\+ reply: dsts and ctxts",
+            id="share-keys-uneven",
+        ),
+        pytest.param("masked_params", _junk_vector, "masked upload stage: malformed SecAgg\\+ reply", id="upload-junk"),
+        pytest.param(
+            "masked_params",
+            _float_vector,
+            "masked upload stage: malformed SecAgg\\+ reply: masked weight",
+            id="upload-floats",
+        ),
+        pytest.param("masked_params", lambda reply, record: None, None, id="upload-withheld"),
+    ],
+)
+def test_a_hostile_or_dropped_node_leaves_the_sum_of_the_others(in_tmp, key, change, why):
+    """A node whose SecAgg+ reply is malformed (or missing) at setup, key sharing or the masked upload is dropped,
+    never crashing the server: the round's sum is the other nodes' exactly (as if its node were absent)."""
+    reference = _absent(in_tmp)
+    grid = LocalGrid(nodes(), tamper={3: secagg_reply(key, change)})  # node 3 serves client 2
+    if why is None:
+        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE)
+        assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
+    else:
+        with pytest.warns(UserWarning, match=f"round 1, client 2: upload rejected: secure aggregation, {why}"):
+            trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE)
+        assert [h["fed/dropped_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
+    assert_same_state(got, reference)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda reply, record: None, id="withheld"),
+        pytest.param(lambda reply, record: record.__setitem__("shares", record["shares"][:-1]) or reply, id="uneven"),
+    ],
+)
+def test_a_node_lost_after_its_masked_upload_still_counts(in_tmp, change):
+    """A node that masked its upload and then drops (or sends malformed shares) at the unmask stage: SecAgg+
+    rebuilds its mask from the others' shares, and its upload stays in the sum (the undisturbed secure run)."""
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *SECURE)
+    grid = LocalGrid(nodes(), tamper={3: secagg_reply("nids", change)})
+    trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE)
+    assert_same_state(got, reference)
+    assert [h["fed/dropped_clients"] + h["fed/lost_clients"] for h in trainer.history[1:]] == [0.0, 0.0]
+
+
+def test_nodes_refuse_what_their_own_run_does_not_ask_for(in_tmp):
+    """A node runs SecAgg+ only with its own quantisation, and never uploads in the clear when its run is secure:
+    a server whose setup differs gets no upload from it."""
+    from lightning_fl.flower.secure import check_setup
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    secure = SecureAggregation(clipping_range=1.0)
+    good = {"clipping_range": 1.0, "target_range": 2**22, "mod_range": 2**32, "max_weight": 1.0}
+    assert check_setup(good, secure) is None
+    assert "clipping_range=8.0 (this node's is 1.0)" in check_setup({**good, "clipping_range": 8.0}, secure)
+    # a node whose run is secure, asked for a plain round, refuses (a server may not switch secure aggregation off)
+    grid, config = LocalGrid(nodes()), _yaml(in_tmp, *SECURE)
+    grid.send_and_receive([Message(messages.hello_content(config), dst_node_id=1, message_type=messages.HELLO)])
+    node = flower_client.build_node(config, grid.contexts[1].node_config)
+    state = messages.state_to_record(node.model.federated_state())
+    train = Message(messages.train_content(state, 0, 0, 0, node.fingerprint), dst_node_id=1,
+                    message_type=messages.TRAIN)  # fmt: skip
+    (reply,) = grid.send_and_receive([train])
+    payload, _, failure, _ = messages.read_reply(reply)
+    assert payload is None and failure.startswith("refused: this run uploads through secure aggregation only")
+
+
+def _yaml(tmp_path, *extra) -> str:
+    from lightning_fl.cli import build
+
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *SMALL, "--trainer.default_root_dir", str(tmp_path)]
+    return build([*args, *extra]).config_yaml

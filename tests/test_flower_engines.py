@@ -7,6 +7,7 @@ sums depend on how many threads split them, and Ray gives each ClientApp one CPU
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -134,3 +135,111 @@ def test_killed_supernode_misses_a_round_and_rejoins(tmp_path, deployment):
     assert [h["fed/lost_clients"] for h in history[1:]] == [0.0, 1.0, 0.0]
     assert [h["fed/round_skipped"] for h in history[1:]] == [0.0, 0.0, 0.0]
     assert all(torch.isfinite(t).all() for t in final_state(tmp_path, "killed")["global_state"].values())
+
+
+# ------------------------------------------------------------------------------------------------ SecAgg+
+SECURE = [
+    "--trainer.rounds", "1", "--data.num_clients", "3", "--trainer.enable_progress_bar", "false",
+    "--model.init_args.pretraining.epochs", "2", "--trainer.max_update_norm_ratio", "null",
+    "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
+    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "20",
+]  # fmt: skip
+
+
+@pytest.fixture
+def secure_deployment(tmp_path):
+    """A SuperLink and 3 SuperNodes on 127.0.0.1 whose ClientApp is ours plus test-only misbehaviour
+    (tests/secagg_misbehave.py), steered by files in a control folder."""
+    import deployment as fd
+
+    fd.enable_subreaper()
+    control = tmp_path / "control"
+    control.mkdir()
+    env = environment(tmp_path)
+    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE", "PYTHONPATH")}
+    extra["LIGHTNING_FL_TEST_CONTROL"] = str(control)
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=3, extra_env=extra) as d:
+        yield d, control
+    left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
+    assert not left, "processes left running: " + ", ".join(map(str, left))
+
+
+def secure_app(tmp_path):
+    """A Flower app folder: our ServerApp, the test's ClientApp."""
+    import shutil
+
+    app = tmp_path / "app"
+    app.mkdir()
+    shutil.copy(REPO / "tests" / "secagg_misbehave.py", app / "secagg_misbehave.py")
+    (app / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "secagg-test"\nversion = "0.1.0"\ndependencies = []\n\n'
+        '[tool.flwr.app]\npublisher = "lightning-fl"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "lightning_fl.flower.server:app"\n'
+        'clientapp = "secagg_misbehave:app"\n\n'
+        '[tool.flwr.app.config]\nconfig = ""\noverrides = ""\nround-timeout = 0.0\nwait-for-nodes = 60.0\n',
+        encoding="utf-8",
+    )
+    return app
+
+
+def test_secagg_plus_deployment_equals_in_process_and_survives_dropped_and_hostile_nodes(tmp_path, secure_deployment):
+    """flwr run with SecAgg+ on a real SuperLink and 3 SuperNodes, one round each:
+    (1) the in-process secure run bit for bit, and plain FedAvg within the quantisation step;
+    (2) a node killed after its masked upload: its mask is rebuilt from the others' shares, the sum is (1)'s;
+    (3) a node whose masked upload is not an array: rejected and named, the run completes on the others' sum."""
+    import signal
+    import time
+
+    deployment, control = secure_deployment
+    config = str(CONFIGS / "quickstart.yaml")
+    common = ["--config", config, *SECURE, "--trainer.default_root_dir", str(tmp_path / "runs")]
+    run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc", "--trainer.logger", "false"], tmp_path)
+    plain = [a for i, a in enumerate(common)  # the same run without the secure_aggregation keys and their values
+             if not any(common[j].startswith("--trainer.secure_aggregation") for j in (i, i - 1))]  # fmt: skip
+    run(["-m", "lightning_fl", "fit", *plain, "--trainer.name", "plain", "--trainer.logger", "false"], tmp_path)
+    app = secure_app(tmp_path)
+
+    def deploy(name: str) -> int:
+        overrides = " ".join([*SECURE, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.name", name])
+        return deployment.run_app(app, f'config="{config}" overrides="{overrides}" round-timeout=120')
+
+    reference, flat = final_state(tmp_path, "inproc"), final_state(tmp_path, "plain")
+    # (1)
+    finish(deployment, deploy("deployed"))
+    got = final_state(tmp_path, "deployed")
+    for name in reference["global_state"]:
+        assert torch.equal(got["global_state"][name], reference["global_state"][name]), name
+        gap = (got["global_state"][name] - flat["global_state"][name]).abs().max()
+        assert float(gap) <= 2.0 / 2**22 + 1e-6, name  # one round: the mean of the roundings, under one step
+    assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
+    assert (got["ledger"]["msg_up"] > got["ledger"]["up"]).all()
+    # (2)
+    (control / "stall-2").touch()
+    run_id = deploy("dropped")
+    deadline = time.monotonic() + 240
+    while not (control / "stalled-2").exists():
+        assert time.monotonic() < deadline, "node 2 never reached the unmask stage"
+        time.sleep(0.2)
+    pid = int((control / "stalled-2").read_text())
+    deployment.crash_supernode(2)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    finish(deployment, run_id)
+    got = final_state(tmp_path, "dropped")
+    for name in reference["global_state"]:
+        assert torch.equal(got["global_state"][name], reference["global_state"][name]), name
+    assert got["history"][-1]["fed/dropped_clients"] == 0.0 and got["history"][-1]["fed/lost_clients"] == 0.0
+    # (3)
+    (control / "stall-2").unlink()
+    deployment.start_supernode(2)
+    deployment.wait_nodes(3)
+    (control / "hostile-1").touch()
+    run_id = deploy("hostile")
+    finish(deployment, run_id)
+    got = final_state(tmp_path, "hostile")
+    assert got["history"][-1]["fed/dropped_clients"] == 1.0 and got["history"][-1]["fed/round_skipped"] == 0.0
+    assert "client 1: upload rejected: secure aggregation, masked upload stage: malformed SecAgg+ reply" in \
+        deployment.run_logs(run_id)  # fmt: skip
+    assert all(torch.isfinite(t).all() for t in got["global_state"].values())
+    assert any(not torch.equal(got["global_state"][n], reference["global_state"][n]) for n in got["global_state"])

@@ -291,10 +291,10 @@ class FederatedTrainer(TrainerLike):
         identity = hooks.averaging_identity_error if self.check_identity and self.strategy.linear else None
         if self.local.secure is not None:  # a secure round never shows the server an upload
             identity = None
-            if not isinstance(self.transport, InProcess) or fabric.world_size > 1:
+            if not self.transport.sums_securely or fabric.world_size > 1:
                 raise ConfigError(
-                    "trainer.secure_aggregation runs in one process for now (Flower's SecAgg+ path and several "
-                    "processes are not built): run in process with trainer.devices 1, or remove the key"
+                    "trainer.secure_aggregation runs in one process or on Flower (SecAgg+), not over several "
+                    "processes: set trainer.devices 1 and trainer.num_nodes 1, or remove the key"
                 )
         runner = RoundRunner(
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,

@@ -31,7 +31,6 @@ its groups), so the global state does not depend on how clients are placed.
 
 from __future__ import annotations
 
-import bisect
 import math
 import sys
 import warnings
@@ -53,7 +52,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.state import State, flatten, unflatten
 from lightning_fl.federated.strategies import Strategy
 from lightning_fl.federated.strategies.base import GroupedSums, RunningSum
-from lightning_fl.federated.transport import InProcess, Reply, Transport
+from lightning_fl.federated.transport import InProcess, Reply, SecureRound, Transport
 from lightning_fl.privacy.base import Privacy, layer_slices
 from lightning_fl.seeding import derive_seed
 
@@ -260,6 +259,12 @@ class RoundRunner:
             slots = max(1, max(sum(1 for c in available if self.process_of(c, world) == k) for k in range(world)))
             uploads.rows = torch.zeros(slots, len(uploads.current), dtype=torch.float32)
         show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
+        if self.secure is not None:  # (one process: checked when the fit starts)
+            result = self.transport.secure_round(
+                model, datamodule, state, available, r, seed, codec=self.codec, local=self.local, fabric=fabric
+            )
+            self._receive_secure(uploads, result, r)
+            return
         replies = self.transport.replies(
             model, datamodule, state, share, r, seed, codec=self.codec, local=self.local, fabric=fabric
         )
@@ -269,9 +274,6 @@ class RoundRunner:
         if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
             replies = tqdm(replies, total=len(share), desc=f"clients r{r + 1}", leave=False, disable=not show)
             for reply in replies:
-                if self.secure is not None:
-                    self._receive_secure(uploads, reply, r)
-                    continue
                 entry, decoded = self._receive(reply, state, r)
                 uploads.entries[entry.client] = entry
                 if not uploads.streaming:
@@ -319,25 +321,28 @@ class RoundRunner:
         entry.status = ACCEPTED
         return entry, decoded
 
-    def _receive_secure(self, uploads: RoundUploads, reply: Reply, r: int) -> None:
-        """A secure reply: its vector (structure checked, nothing else: its values are masked in a deployment)
-        added to the round's modular sum; the sum is exact, so the order of arrival does not matter."""
-        entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged)
-        uploads.entries[entry.client] = entry
-        if reply.lost:
-            entry.status = LOST
+    def _receive_secure(self, uploads: RoundUploads, result: SecureRound, r: int) -> None:
+        """A secure round's replies as entries, and the modular sum of the uploads it included: the server reads
+        no upload (a deployment never shows it one; in process only their structure is checked)."""
+        for reply in result.replies:
+            entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged)
+            entry.msg_up = -1 if reply.message_up is None else reply.message_up
+            entry.msg_down = -1 if reply.message_down is None else reply.message_down
+            uploads.entries[entry.client] = entry
+            if reply.lost:
+                entry.status = LOST
+                continue
+            entry.up = reply.upload_bytes if reply.upload_bytes is not None else upload_nbytes(reply.payload)
+            if reply.failure:
+                self.reject(r, entry.client, [reply.failure])
+            elif result.problem is None and entry.client in result.included:
+                entry.status = ACCEPTED
+        if result.problem is not None:
+            warnings.warn(f"round {r + 1}: secure aggregation failed: {result.problem}; the round has no aggregate",
+                          stacklevel=3)  # fmt: skip
             return
-        entry.up = upload_nbytes(reply.payload)
-        vector, problem = (
-            (None, reply.failure) if reply.failure else self.secure.read(reply.payload, len(uploads.current))
-        )
-        if problem is not None:
-            self.reject(r, entry.client, [problem])
-            return
-        entry.status = ACCEPTED
-        total = uploads.secure_total if uploads.secure_total is not None else torch.zeros_like(vector)
-        uploads.secure_total = torch.remainder(total + vector, self.secure.M)
-        bisect.insort(uploads.folded, entry.client)  # client order, whatever the arrival
+        uploads.secure_total = result.total
+        uploads.folded = list(result.included)
 
     def _client_stages(self, uploads: RoundUploads, entry: Entry, row: torch.Tensor, r: int, seed: int):
         """One accepted upload through the simulated attack, the finiteness check and the absolute norm gate:

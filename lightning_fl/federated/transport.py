@@ -9,12 +9,14 @@ bytes they send back. The server decodes and gates every reply the same way, whi
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
+import torch
 
 from lightning_fl.compress.base import Codec, Payload
 from lightning_fl.federated.client import LocalTraining, run_client
@@ -35,6 +37,8 @@ class Reply:
         lost: No reply at all (the node left, or the round's timeout passed): counted like an unavailable client.
         message_up: Bytes of the transport's reply message (``None`` in process: nothing travels).
         message_down: Bytes of the transport's instruction message to this client.
+        upload_bytes: The upload's bytes when ``payload`` does not hold it (a secure round on Flower: the masked
+            vector went into the sum); ``None``: the payload's.
     """
 
     client: int
@@ -45,6 +49,26 @@ class Reply:
     lost: bool = False
     message_up: int | None = None
     message_down: int | None = None
+    upload_bytes: int | None = None
+
+
+@dataclass
+class SecureRound:
+    """A secure round as a transport gives it back: one reply per client (without its upload) and the sum of
+    the uploads it included.
+
+    Args:
+        replies: One :class:`Reply` per client: lost, failed (``failure``), or answered.
+        total: ``sum_i q_i mod M`` over the ``included`` clients' quantised uploads (int64 ``(D,)``); ``None``
+            when none was included.
+        included: The clients whose uploads are in ``total``, in client order.
+        problem: Why the round has no sum at all (the secure aggregation failed as a whole), else ``None``.
+    """
+
+    replies: list[Reply] = field(default_factory=list)
+    total: torch.Tensor | None = None
+    included: list[int] = field(default_factory=list)
+    problem: str | None = None
 
 
 class Transport:
@@ -52,6 +76,8 @@ class Transport:
 
     #: Whether clients run in this process tree, spread over the Fabric processes (each trains its share).
     spreads_over_processes = True
+    #: Whether :meth:`secure_round` is implemented (the server then sees only the sum of a round's uploads).
+    sums_securely = False
 
     def open(self, *, num_clients: int, fingerprint: str | None, seed: int) -> None:
         """Called once before the first round of a fit (a network transport finds its clients here)."""
@@ -73,6 +99,22 @@ class Transport:
         fabric: L.Fabric,
     ) -> Iterator[Reply]:
         raise NotImplementedError
+
+    def secure_round(
+        self,
+        model: L.LightningModule,
+        datamodule: Any,
+        state: State,
+        clients: Sequence[int],
+        round: int,
+        seed: int,
+        *,
+        codec: Codec,
+        local: LocalTraining,
+        fabric: L.Fabric,
+    ) -> SecureRound:
+        """Deliver a secure round (``local.secure``): the replies and the modular sum of the uploads only."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run secure rounds")
 
 
 class InProcess(Transport):
@@ -96,6 +138,23 @@ class InProcess(Transport):
         for cid in clients:
             result = run_client(model, datamodule, state, cid, round, seed, codec=codec, local=local, fabric=fabric)
             yield Reply(cid, result.num_samples, result.payload, result.logged, result.failure)
+
+    sums_securely = True
+
+    def secure_round(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> SecureRound:
+        """The clients train here; their quantised uploads are added modulo ``M`` (the masks of a deployment
+        would cancel in this sum) and only their structure is read."""
+        secure, size = local.secure, sum(t.numel() for t in state.values())
+        out = SecureRound()
+        for reply in self.replies(model, datamodule, state, clients, round, seed, codec=codec, local=local,
+                                  fabric=fabric):  # fmt: skip
+            if not reply.lost and not reply.failure:
+                vector, reply.failure = secure.read(reply.payload, size)
+                if vector is not None:
+                    out.total = vector if out.total is None else torch.remainder(out.total + vector, secure.M)
+                    bisect.insort(out.included, reply.client)  # client order, whatever the arrival
+            out.replies.append(reply)
+        return out
 
     def _cohorts_possible(self, model, fabric) -> bool:
         if id(model) not in self._checked:

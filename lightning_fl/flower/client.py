@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -34,7 +35,38 @@ from lightning_fl.federated.client import run_client
 from lightning_fl.federated.setup import prepare
 from lightning_fl.flower import messages as wire_msg
 
-app = ClientApp()
+
+def _secure_aggregation_if_asked(message: Message, context: Context, call_next):
+    """Flower's ``secaggplus_mod`` for the train messages of a SecAgg+ round (they carry its config record), our
+    app for the rest. The node takes part only if its own run asks for secure aggregation with the same
+    quantisation as the server's setup, and NumPy's global generator (which Flower's rounding draws from)
+    comes out as it went in."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    if message.metadata.message_type != wire_msg.TRAIN or RECORD_KEY_CONFIGS not in message.content:
+        return call_next(message, context)
+    run_record = context.state.get(wire_msg.RUN) if wire_msg.RUN in context.state else None
+    if run_record is None:
+        raise RuntimeError("refused: the node was not introduced to this run")
+    node = build_node(run_record["config"], dict(context.node_config))
+    if node.local.secure is None:
+        raise RuntimeError("refused: the server asks for secure aggregation, which this run does not set "
+                           "(trainer.secure_aggregation)")  # fmt: skip
+    configs = message.content.config_records[RECORD_KEY_CONFIGS]
+    if configs.get(Key.STAGE) == Stage.SETUP:
+        from lightning_fl.flower.secure import check_setup
+
+        if (refusal := check_setup(configs, node.local.secure)) is not None:
+            raise RuntimeError(refusal)
+    generator = np.random.get_state()
+    try:
+        return secaggplus_mod(message, context, call_next)
+    finally:
+        np.random.set_state(generator)
+
+
+app = ClientApp(mods=[_secure_aggregation_if_asked])
 
 _CODEC_STATE = "lightning_fl.codec"  # context.state key: this node's codec memory (error feedback), local only
 
@@ -131,6 +163,9 @@ def hello(message: Message, context: Context) -> Message:
 @app.train()
 def train(message: Message, context: Context) -> Message:
     """One round: load the global state, check the fingerprint, train, reply with the encoded payload."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    secure = RECORD_KEY_CONFIGS in message.content  # (stage 2 of SecAgg+: the mod masks what this returns)
     failure, payload, num_samples, logged = None, None, 0, {}
     run_record = context.state.get(wire_msg.RUN) if wire_msg.RUN in context.state else None
     instructions = message.content.get(wire_msg.INSTRUCTIONS) if wire_msg.INSTRUCTIONS in message.content else None
@@ -148,6 +183,8 @@ def train(message: Message, context: Context) -> Message:
                 "factors or pretrained base differ); use the server's model.factor_seed, layers, latent_dim, rank "
                 "and base on this node"
             )
+        elif node.local.secure is not None and not secure:
+            failure = "refused: this run uploads through secure aggregation only (trainer.secure_aggregation)"
         else:
             client = int(instructions["client"])
             data = node.datamodule
@@ -163,6 +200,14 @@ def train(message: Message, context: Context) -> Message:
             )  # fmt: skip
             _save_codec_state(codec, context)
             failure, payload, num_samples, logged = result.failure, result.payload, result.num_samples, result.logged
+    if secure:
+        if failure is not None:  # raising drops this node from the round; SecAgg+ removes its masks
+            raise RuntimeError(failure)
+        from lightning_fl.flower.secure import upload_content
+
+        values = node.local.secure.on_grid(payload.tensors["secure"].parts["q"]).numpy()
+        records = wire_msg.reply_content(None, num_samples, None, logged)
+        return Message(upload_content(values, num_samples, records), reply_to=message)
     content = wire_msg.reply_content(payload, num_samples, failure, logged)
     return Message(content, reply_to=message)
 

@@ -13,12 +13,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from flwr.app import Message
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from lightning_fl.federated.transport import Reply, Transport
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated.transport import Reply, SecureRound, Transport
 from lightning_fl.flower import messages as wire_msg
 
 NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
@@ -37,6 +39,7 @@ class FlowerTransport(Transport):
     """
 
     spreads_over_processes = False
+    sums_securely = True
 
     def __init__(
         self,
@@ -157,3 +160,59 @@ class FlowerTransport(Transport):
             payload, num_samples, failure, logged = wire_msg.read_reply(reply)
             size = wire_msg.message_bytes(reply) if reply.has_content() else None
             yield Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down)
+
+    def secure_round(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> SecureRound:
+        """A round through Flower's SecAgg+ (:mod:`lightning_fl.flower.secure`): the sampled clients' nodes train
+        in its masked-upload stage; the server gets the sum of their quantised updates and their reply metadata.
+        Every message of the four stages is counted in the clients' message bytes."""
+        from lightning_fl.flower import secure as secagg
+
+        secure = local.secure
+        if secure.M > secagg.MAX_MODULUS:
+            raise ConfigError(
+                f"trainer.secure_aggregation.modulus_range {secure.M} is above 2^48: Flower's server dequantises the "
+                "sum in float64, exact only below that; lower modulus_range (the default is 2^32)"
+            )
+        self.introduce()
+        arrays = wire_msg.state_to_record(state)
+        contents = {}
+        for cid in clients:
+            node = self.node_of.get(cid)
+            if node is not None:
+                contents[node] = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint)
+        size = sum(t.numel() for t in state.values())
+        outcome = secagg.SecAggOutcome(problem="no sampled client has a node")
+        if contents:
+            outcome = secagg.secure_round(self.grid, contents, round, secure, size, wire_msg.message_bytes,
+                                          self.round_timeout)  # fmt: skip
+        out = SecureRound(problem=outcome.problem)
+        included = set(outcome.included)
+        for cid in clients:
+            node = self.node_of.get(cid)
+            traffic = outcome.traffic.get(node) if node is not None else None
+            if traffic is None:
+                out.replies.append(Reply(cid, lost=True))
+                continue
+            down, up = traffic.bytes_down or None, traffic.bytes_up or None
+            if traffic.lost and node not in included:
+                if traffic.failure == "its node is unavailable":  # gone: forget it until it comes back
+                    self.client_of.pop(self.node_of.pop(cid, -1), None)
+                out.replies.append(Reply(cid, lost=True, message_up=up, message_down=down))
+                continue
+            num_samples, logged = 0, {}
+            if traffic.upload is not None:
+                _, num_samples, _, logged = wire_msg.read_reply(traffic.upload)
+            failure = None
+            if node not in included and traffic.failure is not None:
+                failure = f"secure aggregation, {secagg.STAGES[traffic.failed_stage]} stage: {traffic.failure}"
+            elif node not in included and outcome.problem is None:
+                failure = "secure aggregation left its upload out"
+            reply = Reply(cid, num_samples, None, logged, failure, message_up=up, message_down=down,
+                          upload_bytes=8 * size if traffic.upload is not None else 0)  # fmt: skip
+            out.replies.append(reply)
+        if outcome.total is not None:
+            out.total = torch.remainder(outcome.total, secure.M)
+            out.included = sorted(self.client_of[n] for n in outcome.included)
+        if outcome.attempts > 1 and outcome.problem is None:
+            log(INFO, "round %s: SecAgg+ ran again without the nodes that failed before training", round + 1)
+        return out

@@ -132,6 +132,14 @@ class SecureAggregation(SecureSum):
         clipping_range, quantization_range, modulus_range: As :class:`SecureSum` (powers of two).
         rounding_seed: Seed of the stochastic rounding, with the run's seed, the round and the client; ``null``:
             the operating system's randomness.
+        num_shares: On Flower: how many nodes hold shares of each node's secrets (its neighbours on SecAgg+'s
+            ring, itself included): an integer above 2, or a fraction of the round's nodes (``1.0``: every node,
+            i.e. SecAgg). In process it has no effect.
+        reconstruction_threshold: On Flower: how many of a node's share holders must answer to rebuild its
+            secrets (an integer below ``num_shares``, or a fraction of it in (0, 1]); the round survives nodes
+            that drop after their masked upload as long as every node keeps this many answering neighbours.
+        stage_timeout: On Flower: seconds to wait for the replies of each of SecAgg+'s four stages (a node
+            that has not answered by then has dropped).
     """
 
     def __init__(
@@ -140,11 +148,33 @@ class SecureAggregation(SecureSum):
         quantization_range: int = 2**22,
         modulus_range: int = 2**32,
         rounding_seed: int | None = 0,
+        num_shares: int | float = 1.0,
+        reconstruction_threshold: int | float = 0.67,
+        stage_timeout: float = 120.0,
     ) -> None:
         super().__init__(clipping_range, quantization_range, modulus_range)
         from lightning_fl.privacy.base import check_noise_seed
 
         self.rounding_seed = check_noise_seed(rounding_seed)
+        problems = []
+        number = (int, float)
+        if isinstance(num_shares, bool) or not isinstance(num_shares, number) or not math.isfinite(num_shares) or (
+                num_shares <= 2 if isinstance(num_shares, int) else not 0 < num_shares <= 1):  # fmt: skip
+            problems.append(f"num_shares must be an integer above 2 or a fraction in (0, 1], got {num_shares!r}")
+        threshold = reconstruction_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, number) or not math.isfinite(threshold) or (
+                threshold < 2 if isinstance(threshold, int) else not 0 < threshold <= 1):  # fmt: skip
+            problems.append("reconstruction_threshold must be an integer of at least 2 or a fraction in (0, 1], got "
+                            f"{threshold!r}")  # fmt: skip
+        elif isinstance(threshold, int) and isinstance(num_shares, int) and threshold >= num_shares:
+            problems.append(f"reconstruction_threshold {threshold} must be below num_shares {num_shares}")
+        if isinstance(stage_timeout, bool) or not isinstance(stage_timeout, number) or not stage_timeout > 0 \
+                or not math.isfinite(stage_timeout):  # fmt: skip
+            problems.append(f"stage_timeout must be a number of seconds above 0, got {stage_timeout!r}")
+        if problems:
+            raise ConfigError("trainer.secure_aggregation." + "; trainer.secure_aggregation.".join(problems))
+        self.num_shares, self.reconstruction_threshold = num_shares, threshold
+        self.stage_timeout = float(stage_timeout)
 
     def problems(self, strategy: Any, privacy: Any, codec: Any, max_update_norm_ratio: float | None,
                  attack: Any) -> list[str]:  # fmt: skip
