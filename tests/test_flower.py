@@ -192,6 +192,37 @@ def test_record_level_dp_sgd_on_flower_equals_in_process_bitwise(in_tmp):
     assert torch.equal(got["dp_sgd"]["participations"], reference["dp_sgd"]["participations"])
 
 
+def test_nodes_report_their_dp_sgd_plans_to_the_servers_accountant(in_tmp):
+    """Every node reports the record count and batch size it trained with; the server's accountant uses them (here
+    node 1 reports batch size 16 where the config says 32, as a node with its own data settings would): Opacus'
+    accountant on the same numbers; the checkpoint keeps the reports. A report that is not two positive integers
+    is named and the server's data module used instead."""
+    from opacus.accountants import RDPAccountant
+
+    def batch(value):
+        def tamper(reply, message):
+            reply.content[messages.REPLY]["dp-sgd-batch-size"] = value
+            return reply
+
+        return tamper
+
+    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0"]
+    with pytest.warns(UserWarning, match=r"round 1, client 2: its DP-SGD plan \(records \d+, batch size -4\) is not"):
+        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml",
+                                 LocalGrid(nodes(), tamper={1: batch(16), 3: batch(-4)}), *extra)  # fmt: skip
+    dp = trainer.local.dp_sgd
+    rows = {row["client"]: row for row in dp.report()}
+    assert dp.reported[0][1] == 16 and dp.reported[1][1] == 32 and 2 not in dp.reported
+    for client, size in ((0, 16), (1, 32), (2, 32)):
+        records = rows[client]["records"]
+        steps = -(-records // size)  # one local epoch of expected batches
+        assert rows[client]["sample_rate"] == size / records and rows[client]["steps_per_round"] == steps
+        accountant = RDPAccountant()
+        accountant.history = [(1.0, size / records, 2 * steps)]
+        assert rows[client]["epsilon"] == pytest.approx(accountant.get_epsilon(dp.delta), rel=2e-3)
+    assert got["dp_sgd"]["reported"][:, 2].tolist() == [16, 32, 32]
+
+
 def garbage(reply: Message, message: Message) -> Message:
     """A hostile node: replaces its payload bytes with junk."""
     reply.content[messages.REPLY]["payload"] = b"\x00junk" * 20

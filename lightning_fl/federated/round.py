@@ -304,6 +304,7 @@ class RoundRunner:
     def _receive(self, reply: Reply, state: State, r: int) -> tuple[Entry, State | None]:
         """A reply as an :class:`Entry`, and its decoded upload if it passed the gate (decode + checks)."""
         cid = reply.client
+        self._take_plan(reply, r)
         entry = Entry(cid, float(reply.num_samples), REJECTED, logged=reply.logged)
         entry.msg_up = -1 if reply.message_up is None else reply.message_up
         entry.msg_down = -1 if reply.message_down is None else reply.message_down
@@ -325,6 +326,7 @@ class RoundRunner:
         """A secure round's replies as entries, and the modular sum of the uploads it included: the server reads
         no upload (a deployment never shows it one; in process only their structure is checked)."""
         for reply in result.replies:
+            self._take_plan(reply, r)
             entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged)
             entry.msg_up = -1 if reply.message_up is None else reply.message_up
             entry.msg_down = -1 if reply.message_down is None else reply.message_down
@@ -343,6 +345,17 @@ class RoundRunner:
             return
         uploads.secure_total = result.total
         uploads.folded = list(result.included)
+
+    def _take_plan(self, reply: Reply, r: int) -> None:
+        """A node's own DP-SGD record count and batch size, for its client's accounting (warned about if unusable:
+        the client's epsilon then comes from the server's data module)."""
+        dp = getattr(self.local, "dp_sgd", None)
+        if dp is None or reply.dp_sgd_plan is None:
+            return
+        problem = dp.report_plan(reply.client, *reply.dp_sgd_plan, self.local)
+        if problem is not None:
+            warnings.warn(f"round {r + 1}, client {reply.client}: {problem}; its record-level epsilon is accounted "
+                          "with the server's data module", stacklevel=3)  # fmt: skip
 
     def _client_stages(self, uploads: RoundUploads, entry: Entry, row: torch.Tensor, r: int, seed: int):
         """One accepted upload through the simulated attack, the finiteness check and the absolute norm gate:

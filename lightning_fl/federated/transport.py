@@ -39,6 +39,8 @@ class Reply:
         message_down: Bytes of the transport's instruction message to this client.
         upload_bytes: The upload's bytes when ``payload`` does not hold it (a secure round on Flower: the masked
             vector went into the sum); ``None``: the payload's.
+        dp_sgd_plan: Under ``trainer.dp_sgd``, the record count and batch size the client's node trained with (a
+            node with its own data reports them for the server's accountant); ``None``: the data module's.
     """
 
     client: int
@@ -50,6 +52,7 @@ class Reply:
     message_up: int | None = None
     message_down: int | None = None
     upload_bytes: int | None = None
+    dp_sgd_plan: tuple[Any, Any] | None = None
 
 
 @dataclass

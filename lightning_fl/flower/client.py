@@ -166,7 +166,7 @@ def train(message: Message, context: Context) -> Message:
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
     secure = RECORD_KEY_CONFIGS in message.content  # (stage 2 of SecAgg+: the mod masks what this returns)
-    failure, payload, num_samples, logged = None, None, 0, {}
+    failure, payload, num_samples, logged, plan = None, None, 0, {}, None
     run_record = context.state.get(wire_msg.RUN) if wire_msg.RUN in context.state else None
     instructions = message.content.get(wire_msg.INSTRUCTIONS) if wire_msg.INSTRUCTIONS in message.content else None
     if run_record is None or instructions is None or wire_msg.STATE not in message.content:
@@ -200,15 +200,17 @@ def train(message: Message, context: Context) -> Message:
             )  # fmt: skip
             _save_codec_state(codec, context)
             failure, payload, num_samples, logged = result.failure, result.payload, result.num_samples, result.logged
+            if (dp := node.local.dp_sgd) is not None and client in dp.plans:
+                plan = (dp.plans[client].records, dp.plans[client].batch_size)
     if secure:
         if failure is not None:  # raising drops this node from the round; SecAgg+ removes its masks
             raise RuntimeError(failure)
         from lightning_fl.flower.secure import upload_content
 
         values = node.local.secure.on_grid(payload.tensors["secure"].parts["q"]).numpy()
-        records = wire_msg.reply_content(None, num_samples, None, logged)
+        records = wire_msg.reply_content(None, num_samples, None, logged, plan)
         return Message(upload_content(values, num_samples, records), reply_to=message)
-    content = wire_msg.reply_content(payload, num_samples, failure, logged)
+    content = wire_msg.reply_content(payload, num_samples, failure, logged, plan)
     return Message(content, reply_to=message)
 
 

@@ -45,9 +45,15 @@ def train_content(arrays: ArrayRecord, round: int, seed: int, client: int, finge
 
 
 def reply_content(
-    payload: Payload | None, num_samples: int, failure: str | None, logged: dict[str, tuple[float, float]]
+    payload: Payload | None,
+    num_samples: int,
+    failure: str | None,
+    logged: dict[str, tuple[float, float]],
+    dp_sgd_plan: tuple[int, int] | None = None,
 ) -> RecordDict:
     reply: dict[str, Any] = {"num-samples": int(num_samples), "failure": failure or ""}
+    if dp_sgd_plan is not None:  # the node's records and batch size: the server's DP-SGD accountant needs them
+        reply["dp-sgd-records"], reply["dp-sgd-batch-size"] = int(dp_sgd_plan[0]), int(dp_sgd_plan[1])
     reply["payload"] = wire.dumps(payload) if payload is not None else b""
     metrics: dict[str, float] = {}
     for key, (total, weight) in logged.items():
@@ -78,6 +84,16 @@ def read_reply(message: Message) -> tuple[Payload | None, int, str | None, dict[
     except wire.PayloadFormatError as err:
         return None, num_samples, f"malformed payload: {err}", logged
     return payload, num_samples, None, logged
+
+
+def read_dp_sgd_plan(message: Message) -> tuple[Any, Any] | None:
+    """The record count and batch size a node reported for DP-SGD accounting (unchecked), or ``None``."""
+    if message.has_error() or REPLY not in message.content:
+        return None
+    reply = message.content.get(REPLY)
+    if not isinstance(reply, ConfigRecord) or "dp-sgd-records" not in reply:
+        return None
+    return reply.get("dp-sgd-records"), reply.get("dp-sgd-batch-size")
 
 
 def _read_logged(record: Any) -> dict[str, tuple[float, float]]:

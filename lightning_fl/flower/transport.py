@@ -159,7 +159,8 @@ class FlowerTransport(Transport):
                 continue
             payload, num_samples, failure, logged = wire_msg.read_reply(reply)
             size = wire_msg.message_bytes(reply) if reply.has_content() else None
-            yield Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down)
+            yield Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down,
+                        dp_sgd_plan=wire_msg.read_dp_sgd_plan(reply))  # fmt: skip
 
     def secure_round(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> SecureRound:
         """A round through Flower's SecAgg+ (:mod:`lightning_fl.flower.secure`): the sampled clients' nodes train
@@ -199,16 +200,17 @@ class FlowerTransport(Transport):
                     self.client_of.pop(self.node_of.pop(cid, -1), None)
                 out.replies.append(Reply(cid, lost=True, message_up=up, message_down=down))
                 continue
-            num_samples, logged = 0, {}
+            num_samples, logged, plan = 0, {}, None
             if traffic.upload is not None:
                 _, num_samples, _, logged = wire_msg.read_reply(traffic.upload)
+                plan = wire_msg.read_dp_sgd_plan(traffic.upload)
             failure = None
             if node not in included and traffic.failure is not None:
                 failure = f"secure aggregation, {secagg.STAGES[traffic.failed_stage]} stage: {traffic.failure}"
             elif node not in included and outcome.problem is None:
                 failure = "secure aggregation left its upload out"
             reply = Reply(cid, num_samples, None, logged, failure, message_up=up, message_down=down,
-                          upload_bytes=8 * size if traffic.upload is not None else 0)  # fmt: skip
+                          upload_bytes=8 * size if traffic.upload is not None else 0, dp_sgd_plan=plan)  # fmt: skip
             out.replies.append(reply)
         if outcome.total is not None:
             out.total = torch.remainder(outcome.total, secure.M)

@@ -159,6 +159,7 @@ class DPSGD:
         self.participations: dict[int, int] = {}  # client -> rounds it has trained in
         self.plans: dict[int, ClientPlan] = {}  # client -> its plan (fixed by its size and the local settings)
         self.spent: dict[int, float] = {}  # client -> its epsilon so far (updated for the clients of each round)
+        self.reported: dict[int, tuple[int, int]] = {}  # client -> (records, batch size) its node reported
 
     # ------------------------------------------------------------------------------------------ planning
     def setup(self, rounds: int) -> None:
@@ -182,6 +183,8 @@ class DPSGD:
 
     def client_plan(self, datamodule: Any, client: int, local: Any) -> ClientPlan:
         """:meth:`plan` for ``client`` of ``datamodule`` (its ``client_num_samples`` and ``batch_size``)."""
+        if client not in self.plans and client in self.reported:  # a node's own data: what it reported
+            self.plans[client] = self.plan(*self.reported[client], local)
         if client not in self.plans:
             batch = getattr(datamodule, "batch_size", None)
             if not isinstance(batch, int):
@@ -197,6 +200,16 @@ class DPSGD:
             return 0.0
         p = self.plans[client]
         return epsilon(p.q, p.steps * k, p.z, self.delta)
+
+    def report_plan(self, client: int, records: Any, batch_size: Any, local: Any) -> str | None:
+        """Take a node's own record count and batch size for ``client``'s accounting (a node that trains on its own
+        data knows them; the server's data module may not); why not, if they are unusable."""
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v < 2**53 for v in (records, batch_size)):
+            return f"its DP-SGD plan (records {records!r}, batch size {batch_size!r}) is not two positive integers"
+        if self.reported.get(client) != (records, batch_size):
+            self.reported[client] = (records, batch_size)
+            self.plans[client] = self.plan(records, batch_size, local)
+        return None
 
     def end_round(self, trained: list[int], datamodule: Any, local: Any) -> dict[str, float]:
         """Count a participation for every client that trained this round; the worst and median epsilon so far."""
@@ -231,9 +244,11 @@ class DPSGD:
         return [self.max_grad_norm, *map(float, budget), self.delta]
 
     def state_dict(self) -> dict[str, Any]:
+        reported = [(c, records, batch) for c, (records, batch) in sorted(self.reported.items())]
         return {
             "settings": torch.tensor(self.settings(), dtype=torch.float64),
             "participations": torch.tensor(sorted(self.participations.items()), dtype=torch.int64).reshape(-1, 2),
+            "reported": torch.tensor(reported, dtype=torch.int64).reshape(-1, 3),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -247,6 +262,9 @@ class DPSGD:
                 "resume with the same trainer.dp_sgd and trainer.rounds (a calibrated noise depends on the rounds)"
             )
         self.participations = {int(c): int(k) for c, k in state["participations"].tolist()}
+        if "reported" in state:  # (checkpoints from before nodes reported their plans have none)
+            self.reported = {int(c): (int(r), int(b)) for c, r, b in state["reported"].tolist()}
+        self.plans, self.spent = {}, {}
 
     # ------------------------------------------------------------------------------------------ generators
     def generators(
