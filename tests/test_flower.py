@@ -428,6 +428,18 @@ def test_secure_rounds_on_flower_equal_in_process_bitwise(in_tmp):
     assert len(train) == 2 * 4 * 4 and all(RECORD_KEY_CONFIGS in m.content for m in train)  # rounds x stages x nodes
 
 
+def test_distributed_dp_under_secagg_on_flower_equals_in_process_bitwise(in_tmp):
+    """Each node clips its update and adds its noise share before SecAgg+ masks it: the in-process run's state and
+    budget (the server never sees a single noised update either)."""
+    extra = [*SECURE, "--trainer.privacy", "lightning_fl.privacy.DistributedDP",
+             "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5"]  # fmt: skip
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
+    trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
+    assert_same_state(got, reference)
+    eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
+    assert eps == [h["privacy/epsilon"] for h in reference["history"][1:]] and 0 < eps[0] < eps[1]
+
+
 def _absent(tmp_path) -> dict:
     """The secure run with client 2's node missing: the sum of the other three (the reference for a dropped node)."""
     grid = LocalGrid([c for c in nodes() if c["partition-id"] != 2])

@@ -82,6 +82,7 @@ class NodeRun:
     fabric: L.Fabric
     fingerprint: str | None
     data_partition: int | None
+    trainer: Any = None  # the run's trainer as configured (its plan for a client stage's noise share)
 
 
 _built: dict[str, NodeRun] = {}
@@ -134,7 +135,7 @@ def build_node(config_yaml: str, node_config: dict[str, Any]) -> NodeRun:
         fabric = L.Fabric(accelerator=args["accelerator"], devices=1, precision=args["precision"], loggers=[])
         model, hooks = prepare(fabric, run.model, run.data, "fit")
         fingerprint = hooks.factor_fingerprint() if hooks.factor_fingerprint is not None else None
-        node = NodeRun(model, run.data, trainer.codec, trainer.local, fabric, fingerprint, partition)
+        node = NodeRun(model, run.data, trainer.codec, trainer.local, fabric, fingerprint, partition, trainer)
         _built[key] = node
         return node
 
@@ -185,6 +186,8 @@ def train(message: Message, context: Context) -> Message:
             )
         elif node.local.secure is not None and not secure:
             failure = "refused: this run uploads through secure aggregation only (trainer.secure_aggregation)"
+        elif (failure := _plan_noise_share(node, instructions)) is not None:
+            pass
         else:
             client = int(instructions["client"])
             data = node.datamodule
@@ -212,6 +215,26 @@ def train(message: Message, context: Context) -> Message:
         return Message(upload_content(values, num_samples, records), reply_to=message)
     content = wire_msg.reply_content(payload, num_samples, failure, logged, plan)
     return Message(content, reply_to=message)
+
+
+def _plan_noise_share(node: NodeRun, instructions: Any) -> str | None:
+    """Set up a client stage whose noise share depends on the round's plan (DistributedDP: ``1 / m`` of the
+    central variance, ``m`` the expected clients of a federation of the server's size); why not, if it cannot."""
+    stage = node.local.upload_stage
+    if stage is None or not stage.central:
+        return None
+    num_clients = instructions.get("num-clients")
+    if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
+        return f"refused: {type(stage).__name__} needs the federation's size, and the message has {num_clients!r}"
+    trainer = node.trainer
+    with _lock:
+        if getattr(stage, "plan", None) is None or stage.plan.num_clients != num_clients:
+            count = min(trainer._clients_per_round(num_clients), num_clients)
+            try:
+                stage.setup(trainer._privacy_plan(num_clients, count, int(instructions["seed"])))
+            except UserError as err:
+                return f"refused: {err}"
+    return None
 
 
 def _load_codec_state(codec: Any, context: Context) -> None:

@@ -39,8 +39,12 @@ def hello_content(config_yaml: str) -> RecordDict:
     return RecordDict({RUN: ConfigRecord({"config": config_yaml})})
 
 
-def train_content(arrays: ArrayRecord, round: int, seed: int, client: int, fingerprint: str | None) -> RecordDict:
+def train_content(
+    arrays: ArrayRecord, round: int, seed: int, client: int, fingerprint: str | None, num_clients: int = 0
+) -> RecordDict:
     instructions = {"round": round, "seed": seed, "client": client, "fingerprint": fingerprint or ""}
+    if num_clients:  # the federation's size: a client stage that adds a share of the round's noise needs it
+        instructions["num-clients"] = num_clients
     return RecordDict({STATE: arrays, INSTRUCTIONS: ConfigRecord(instructions)})
 
 

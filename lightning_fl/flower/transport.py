@@ -133,7 +133,7 @@ class FlowerTransport(Transport):
             node = self.node_of.get(cid)
             if node is None:
                 continue
-            content = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint)
+            content = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint, self.num_clients)
             message = Message(content=content, dst_node_id=node, message_type=wire_msg.TRAIN, group_id=str(round + 1))
             out.append(message)
             targets.append(cid)
@@ -180,7 +180,7 @@ class FlowerTransport(Transport):
         for cid in clients:
             node = self.node_of.get(cid)
             if node is not None:
-                contents[node] = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint)
+                contents[node] = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint, self.num_clients)
         size = sum(t.numel() for t in state.values())
         outcome = secagg.SecAggOutcome(problem="no sampled client has a node")
         if contents:
