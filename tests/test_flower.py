@@ -241,6 +241,24 @@ def test_garbage_reply_is_rejected_and_the_run_goes_on(in_tmp):
     assert [h["fed/dropped_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
 
 
+def test_a_reply_that_makes_any_reader_raise_is_rejected_not_fatal(in_tmp, monkeypatch):
+    """Whatever reading one reply raises (here an unexpected RuntimeError) rejects that reply, names it, and the
+    run goes on: the same result as dropping client 2's upload."""
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", "--trainer.attack", "NaNUpload",
+                           "--trainer.attack.clients", "[2]")  # fmt: skip
+    read = messages.read_reply
+
+    def fragile(message):
+        if message.metadata.src_node_id == 3:
+            raise RuntimeError("a reader bug")
+        return read(message)
+
+    monkeypatch.setattr(messages, "read_reply", fragile)
+    with pytest.warns(UserWarning, match=r"round 1, client 2: upload rejected: malformed reply \(RuntimeError: a"):
+        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()))
+    assert_same_state(got, reference)
+
+
 @pytest.mark.parametrize(
     "mutate",
     [

@@ -89,8 +89,13 @@ GOOD_BODY = torch.tensor([1.0, 2.0]).numpy().tobytes()
         (forged(entry(info={"x": [1]})), "info 'x' must be a number"),
         (forged(entry(name="")), "names must have 1..256 characters"),
         (forged({"tensors": [entry()["tensors"][0]] * 2}, GOOD_BODY * 2), "appears twice"),
-        (forged(entry(parts=[{"name": "v", "dtype": "float32", "shape": [10**12, 10**12]}])), "needs"),
+        (forged(entry(parts=[{"name": "v", "dtype": "float32", "shape": [10**6, 10**6]}])), "needs"),
+        (forged(entry(parts=[{"name": "v", "dtype": "float32", "shape": [10**12, 10**12]}])), "more than 2"),
         (forged(entry(parts=[{"name": "v", "dtype": "int8"}])), "missing 'shape'"),
+        # three replies that took a server down before: deep nesting, and empty shapes too large to describe
+        (forged(b"[" * 100_000 + b"]" * 100_000), "header nests JSON too deeply"),
+        (forged(entry(shape=[0], parts=[{"name": "v", "dtype": "float32", "shape": [10**30, 0]}])), "more than 2"),
+        (forged(entry(shape=[2**62, 2**62, 0])), "describes more than 2\\^48 elements"),
     ],
 )
 def test_malformed_bytes_are_refused_with_a_reason(data, message):

@@ -44,6 +44,7 @@ _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 1 << 20
 MAX_NDIM = 8
 MAX_NAME = 256
+MAX_ELEMENTS = 1 << 48  # per tensor or part, counting a zero dimension as one (no real state comes near)
 
 
 class PayloadFormatError(PayloadError):
@@ -90,6 +91,8 @@ def loads(data: bytes) -> Payload:
         header = json.loads(data[_PREFIX.size : _PREFIX.size + length].decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as err:
         raise PayloadFormatError(f"header is not valid JSON ({err})") from None
+    except RecursionError:  # (a few bytes of "[[[[...": the parser's nesting limit, not a crash)
+        raise PayloadFormatError("header nests JSON too deeply") from None
     entries = _field(header, "tensors", list, "header")
     body, offset = memoryview(data)[_PREFIX.size + length :], 0
     tensors: dict[str, Encoded] = {}
@@ -152,8 +155,18 @@ def _name(value: str, where: str) -> str:
 
 def _shape(value: list, where: str) -> list[int]:
     if len(value) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise PayloadFormatError(f"{where}: shape must be at most {MAX_NDIM} non-negative integers, got {value!r}")
+        raise PayloadFormatError(f"{where}: shape must be at most {MAX_NDIM} non-negative integers, got "
+                                 f"{_short(value)}")  # fmt: skip
+    # checked before torch sees it: even an empty tensor's size is computed from every dimension
+    if math.prod(max(d, 1) for d in value) > MAX_ELEMENTS:
+        limit = MAX_ELEMENTS.bit_length() - 1
+        raise PayloadFormatError(f"{where}: shape {_short(value)} describes more than 2^{limit} elements")
     return value
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _dtype(value: str, where: str) -> torch.dtype:

@@ -157,7 +157,11 @@ class FlowerTransport(Transport):
                     self.client_of.pop(self.node_of.pop(cid, -1), None)
                 yield Reply(cid, lost=True, message_down=down)
                 continue
-            payload, num_samples, failure, logged = wire_msg.read_reply(reply)
+            try:  # whatever one reply holds, it is that reply's problem, never the server's
+                payload, num_samples, failure, logged = wire_msg.read_reply(reply)
+            except Exception as err:
+                payload, num_samples, logged = None, 0, {}
+                failure = f"malformed reply ({type(err).__name__}: {str(err)[:200]})"
             size = wire_msg.message_bytes(reply) if reply.has_content() else None
             yield Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down,
                         dp_sgd_plan=wire_msg.read_dp_sgd_plan(reply))  # fmt: skip
@@ -202,8 +206,11 @@ class FlowerTransport(Transport):
                 continue
             num_samples, logged, plan = 0, {}, None
             if traffic.upload is not None:
-                _, num_samples, _, logged = wire_msg.read_reply(traffic.upload)
-                plan = wire_msg.read_dp_sgd_plan(traffic.upload)
+                try:  # (its metadata only: the update went into the sum; a broken record costs only the metadata)
+                    _, num_samples, _, logged = wire_msg.read_reply(traffic.upload)
+                    plan = wire_msg.read_dp_sgd_plan(traffic.upload)
+                except Exception:
+                    num_samples, logged, plan = 0, {}, None
             failure = None
             if node not in included and traffic.failure is not None:
                 failure = f"secure aggregation, {secagg.STAGES[traffic.failed_stage]} stage: {traffic.failure}"
