@@ -255,7 +255,7 @@ def test_a_reply_that_makes_any_reader_raise_is_rejected_not_fatal(in_tmp, monke
 
     monkeypatch.setattr(messages, "read_reply", fragile)
     with pytest.warns(UserWarning, match=r"round 1, client 2: upload rejected: malformed reply \(RuntimeError: a"):
-        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()))
+        _, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()))
     assert_same_state(got, reference)
 
 
