@@ -398,6 +398,9 @@ def test_run_config_mistakes_get_one_line():
         settings({})
     with pytest.raises(ConfigError, match="'round-timeout' must be a number of seconds"):
         settings({"config": "x.yaml", "round-timeout": -1})
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="'wait-for-nodes' must be a number of seconds"):
+            settings({"config": "x.yaml", "wait-for-nodes": bad})
     assert settings({"config": "x.yaml", "round-timeout": 30})["round_timeout"] == 30.0
 
 

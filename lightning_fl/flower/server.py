@@ -13,6 +13,7 @@ is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, 
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     numbers = {}
     for key, default in (("round-timeout", 0.0), ("wait-for-nodes", 60.0)):
         value = run_config.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
             raise ConfigError(f"run config {key!r} must be a number of seconds >= 0, got {value!r}")
         numbers[key] = float(value)
     timeout, wait = numbers["round-timeout"] or None, numbers["wait-for-nodes"]
