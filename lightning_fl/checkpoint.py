@@ -188,3 +188,44 @@ def digest_tensors(tensors: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(tensors[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def content_digest(obj: Any) -> str:
+    """SHA-256 of a checkpoint's content: every tensor (dtype, shape, bytes) and plain value (type and repr), in
+    key order. What :func:`lightning_fl.federated.checkpoint.save_round` stores and ``load_round`` verifies: a
+    flipped bit anywhere in what the file holds changes it."""
+    h = hashlib.sha256()
+    _digest_into(h, obj)
+    return h.hexdigest()
+
+
+def _digest_into(h: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)}".encode())
+        for key in sorted(obj, key=repr):
+            _digest_into(h, key)
+            _digest_into(h, obj[key])
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{'L' if isinstance(obj, list) else 'U'}{len(obj)}".encode())
+        for item in obj:
+            _digest_into(h, item)
+    else:  # None, bool, int, float (repr keeps every bit, nan included), str, bytes
+        h.update(f"V{type(obj).__name__}:{obj!r};".encode())
+
+
+def zip_problem(path: str | Path) -> str | None:
+    """Why the zip archive ``torch.save`` wrote at ``path`` fails its own checks (a member's CRC), else ``None``."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as err:
+        return f"it is not an intact zip archive ({type(err).__name__}: {str(err)[:120]})"
+    except Exception as err:  # zlib.error and friends: whatever a damaged archive makes the reader raise
+        return f"it is not an intact zip archive ({type(err).__name__}: {str(err)[:120]})"
+    return None if bad is None else f"its member {bad!r} fails its CRC check (the file is corrupt)"

@@ -323,3 +323,85 @@ def test_flower_codec_memory_is_read_with_the_same_reader(tmp_path, marker):
     context.state[_CODEC_STATE] = {"state": evil_file(tmp_path / "evil.pt", marker).read_bytes()}
     with pytest.raises(CheckpointError, match=r"codec memory .* \(in-memory bytes\) could not be read safely"):
         _load_codec_state(restored, context)
+
+
+# ------------------------------------------------------------------------------ round checkpoint integrity
+ROUNDS = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--data.num_clients", "4",
+          "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+          "--model.init_args.pretraining.epochs", "2"]  # fmt: skip
+
+
+@pytest.fixture
+def round_checkpoint(in_tmp) -> Path:
+    assert run_cli("fit", *ROUNDS, "--trainer.default_root_dir", "runs", "--trainer.name", "good") == 0
+    (path,) = (in_tmp / "runs" / "good").glob("*/checkpoints/last.ckpt")
+    return path
+
+
+def resume(path: Path, good: dict) -> dict:
+    """``path`` read as the trainer reads a checkpoint to resume from (for the run that wrote ``good``)."""
+    from lightning_fl.federated import checkpoint as round_ckpt
+
+    expect = {"seed": 0, "num_clients": 4, "fingerprint": good["fingerprint"], "strategy": "FedAvg"}
+    return round_ckpt.load_round(path, expect, list(good["global_state"]), 2)
+
+
+def test_every_flipped_bit_of_a_round_checkpoint_is_refused_or_harmless(in_tmp, round_checkpoint):
+    """200 single-bit flips at random offsets: each is refused in one line, or the file still holds exactly what
+    was written (its content digest verifies; a flip in the zip's padding or headers that changes nothing)."""
+    import random
+
+    from lightning_fl.checkpoint import content_digest
+
+    data, good = round_checkpoint.read_bytes(), read_checkpoint(round_checkpoint)
+    original = content_digest(good)
+    rng, refused, harmless = random.Random(0), 0, 0
+    for i in range(200):
+        flipped = bytearray(data)
+        flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        path = in_tmp / f"flip{i}.ckpt"
+        path.write_bytes(bytes(flipped))
+        ckpt, error = None, ""
+        try:
+            ckpt = resume(path, good)
+        except CheckpointError as err:
+            error = str(err)
+        if ckpt is None:
+            assert "\n" not in error and str(path) in error
+            refused += 1
+        else:
+            assert content_digest(ckpt) == original
+            harmless += 1
+        path.unlink()
+    assert refused > 100 and refused + harmless == 200
+
+
+def test_a_round_checkpoint_with_a_nan_state_or_missing_keys_is_refused_with_exit_code_2(in_tmp, round_checkpoint,
+                                                                                        capsys):  # fmt: skip
+    """Well-formed files (their digests recomputed) whose content cannot be resumed: one line and exit code 2."""
+    from lightning_fl.checkpoint import atomic_save, content_digest
+    from lightning_fl.federated.checkpoint import DIGEST
+
+    good = read_checkpoint(round_checkpoint)
+    name = next(iter(good["global_state"]))
+    cases = {
+        "nan": (
+            {"global_state": {**good["global_state"], name: good["global_state"][name] * float("nan")}},
+            "the global state has NaN or Inf values",
+        ),
+        "no-seed": ({"seed": None}, "'seed' must be a int, it is missing"),
+        "text-round": ({"round": "2"}, "'round' must be a int, it is a str"),
+        "edited": ({}, "is corrupt: its content differs from the digest"),
+    }
+    for case, (change, message) in cases.items():
+        ckpt = {k: v for k, v in good.items() if k != DIGEST}
+        ckpt.update({k: v for k, v in change.items() if v is not None})
+        for k in [k for k, v in change.items() if v is None]:
+            del ckpt[k]
+        ckpt[DIGEST] = content_digest(ckpt) if case != "edited" else good[DIGEST]
+        if case == "edited":
+            ckpt["history"] = [*ckpt["history"][:-1], {**ckpt["history"][-1], "val/acc": 1.0}]
+        path = atomic_save(ckpt, in_tmp / f"{case}.ckpt")
+        assert run_cli("fit", *ROUNDS, "--trainer.default_root_dir", "runs", "--ckpt_path", str(path)) == 2, case
+        line = error_line(capsys)
+        assert message in line and str(path) in line, (case, line)

@@ -14,16 +14,19 @@ from typing import Any
 import torch
 
 from lightning_fl import runs
-from lightning_fl.checkpoint import atomic_save, read_checkpoint
+from lightning_fl.checkpoint import atomic_save, content_digest, read_checkpoint, zip_problem
 from lightning_fl.errors import CheckpointError
 
 FORMAT = "lightning_fl.federated"
-VERSION = 2  # 2: strategy state; version 1 files (FedAvg, no strategy state) still resume
+VERSION = 3  # 3: a content digest; 2: strategy state; version 1 and 2 files (no digest) still resume
+DIGEST = "content_sha256"
 
 
 def save_round(state: dict[str, Any], folder: Path, completed: int, every: int) -> None:
-    """Write ``last.ckpt`` (and ``round_NNNN.ckpt`` every ``every`` rounds, if ``every``)."""
+    """Write ``last.ckpt`` (and ``round_NNNN.ckpt`` every ``every`` rounds, if ``every``), with the SHA-256 of
+    everything it holds (:func:`~lightning_fl.checkpoint.content_digest`), verified when it is read."""
     payload = {"format": FORMAT, "version": VERSION, "round": completed, **state}
+    payload[DIGEST] = content_digest(payload)
     atomic_save(payload, folder / "last.ckpt")
     if every and completed % every == 0:
         atomic_save(payload, folder / f"round_{completed:04d}.ckpt")
@@ -64,9 +67,10 @@ def load_round(path: Path, expect: dict[str, Any], state_keys: list[str], rounds
 
     ``expect`` holds ``seed``, ``num_clients``, ``fingerprint`` and ``strategy`` (class name) of this run.
     """
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, "trainer checkpoint", fix=FIX)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a FederatedTrainer checkpoint (no 'format' marker)")
+    check_integrity(path, ckpt)
     problems = []
     if ckpt["seed"] != expect["seed"]:
         problems.append(f"seed {ckpt['seed']} in the checkpoint, {expect['seed']} now")
@@ -85,6 +89,40 @@ def load_round(path: Path, expect: dict[str, Any], state_keys: list[str], rounds
         raise CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
     ckpt.setdefault("strategy", {})
     return ckpt
+
+
+FIX = "resume from an earlier round_NNNN.ckpt of the run (trainer.save_every_n_rounds), or start afresh"
+
+#: What a round checkpoint must hold, and of which type (beyond ``format``).
+REQUIRED = {"round": int, "seed": int, "num_clients": int, "global_state": dict, "codec": dict, "ledger": dict,
+            "history": list}  # fmt: skip
+
+
+def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
+    """Refuse a round checkpoint that is damaged or cannot be this package's: a zip member failing its CRC, a
+    content digest that does not match, a missing key or one of the wrong type, a non-finite global state."""
+    name = f"trainer checkpoint {path}"
+    if (problem := zip_problem(path)) is not None:
+        raise CheckpointError(f"{name}: {problem}; {FIX}")
+    if DIGEST in ckpt:
+        stored = ckpt[DIGEST]
+        if stored != content_digest({k: v for k, v in ckpt.items() if k != DIGEST}):
+            raise CheckpointError(f"{name} is corrupt: its content differs from the digest written with it (a flipped "
+                                  f"bit or a damaged copy); {FIX}")  # fmt: skip
+    elif ckpt.get("version", 1) >= 3:
+        raise CheckpointError(f"{name} lacks its content digest ({DIGEST!r}); {FIX}")
+    for key, kind in REQUIRED.items():
+        value = ckpt.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            got = "missing" if key not in ckpt else f"a {type(value).__name__}"
+            raise CheckpointError(f"{name}: {key!r} must be a {kind.__name__}, it is {got}; {FIX}")
+    state = ckpt["global_state"]
+    if not state or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise CheckpointError(f"{name}: 'global_state' holds no named tensors; {FIX}")
+    bad = sorted(k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:
+        raise CheckpointError(f"{name}: the global state has NaN or Inf values in {bad[:4]} (the run diverged before "
+                              f"it was saved); {FIX}")  # fmt: skip
 
 
 def to_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
