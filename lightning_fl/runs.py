@@ -51,20 +51,31 @@ class RunLock:
         """Take the lock if no live process holds it; write our pid and host into the lock file."""
         if self._fd is not None:
             return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        if fcntl is not None:
+        for _ in range(10):  # a holder that finished may remove the file between our open and our lock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    return False
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                return False
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break  # we hold the lock of the file that is there
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:  # pragma: no cover - ten removals in a row
+            return False
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
         self._fd = fd
         return True
 
     def release(self) -> None:
+        """Remove the lock file (while still holding it: a process waiting for it then sees it is gone) and let go."""
         if self._fd is not None:
+            self.path.unlink(missing_ok=True)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 

@@ -405,3 +405,31 @@ def test_a_round_checkpoint_with_a_nan_state_or_missing_keys_is_refused_with_exi
         assert run_cli("fit", *ROUNDS, "--trainer.default_root_dir", "runs", "--ckpt_path", str(path)) == 2, case
         line = error_line(capsys)
         assert message in line and str(path) in line, (case, line)
+
+
+def test_validate_prints_its_metrics_and_refuses_files_that_do_not_fit(in_tmp, round_checkpoint, capsys):
+    """``validate --ckpt_path``: a run's checkpoint prints every metric; a bare tensor, a dict without a state dict
+    and a state dict of other shapes are one line and exit code 2, and leave no run folder behind; a finished run
+    leaves no lock file."""
+    assert not list((in_tmp / "runs").rglob(".lock"))
+    base = [*ROUNDS, "--trainer.default_root_dir", "eval"]
+    assert run_cli("validate", *base, "--ckpt_path", str(round_checkpoint)) == 0
+    out = capsys.readouterr().out
+    assert "validate: " in out and "val/acc" in out and "val/loss" in out
+    good = read_checkpoint(round_checkpoint)
+    name = next(iter(good["global_state"]))
+    bad = {
+        "tensor": (torch.ones(3), "holds no state dict of tensors"),
+        "dict": ({"weights": [1, 2]}, "holds no state dict of tensors"),
+        "shapes": ({"state_dict": {"w": torch.ones(2)}}, "its state_dict does not fit this model"),
+        "round-shapes": ({**{k: v for k, v in good.items() if k != "content_sha256"},
+                          "global_state": {name: torch.ones(3)}, "version": 2}, "its global state does not fit"),
+    }  # fmt: skip
+    folders = sorted(p.name for p in (in_tmp / "eval").rglob("version_*"))
+    for case, (obj, message) in bad.items():
+        path = in_tmp / f"{case}.ckpt"
+        torch.save(obj, path)
+        assert run_cli("validate", *base, "--ckpt_path", str(path)) == 2, case
+        line = error_line(capsys)
+        assert message in line and str(path) in line, (case, line)
+    assert sorted(p.name for p in (in_tmp / "eval").rglob("version_*")) == folders  # no empty folders left

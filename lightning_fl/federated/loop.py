@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +35,8 @@ import torch.distributed as dist
 from jsonargparse import lazy_instance
 from tqdm.auto import tqdm
 
-from lightning_fl.checkpoint import read_checkpoint, remove_stale_temps
+from lightning_fl import runs
+from lightning_fl.checkpoint import read_checkpoint, remove_stale_temps, state_mismatch, tensor_state
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.compress.client_state import import_files
 from lightning_fl.errors import CheckpointError, ConfigError
@@ -47,7 +49,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
-from lightning_fl.federated.summary import run_summary, write_client_epsilons
+from lightning_fl.federated.summary import evaluation_lines, run_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.privacy.base import Plan, Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
@@ -401,25 +403,50 @@ class FederatedTrainer(TrainerLike):
 
     def _evaluate_only(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
         self._launch()
+        folder = self.log_dir
         try:
             return self._evaluate_in_folder(model, datamodule, ckpt_path, stage)
+        except BaseException:
+            self._release()
+            if folder is not None and self.fabric.is_global_zero and not runs.holds_run(folder):
+                shutil.rmtree(folder, ignore_errors=True)  # a failed evaluation leaves no empty run folder
+            raise
         finally:
             self._release()
 
     def _evaluate_in_folder(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
         model, _ = self._prepare(model, datamodule, stage="validate" if stage == "val" else "test")
         if ckpt_path is not None:
-            ckpt = read_checkpoint(ckpt_path)
-            if "global_state" in ckpt:
-                model.load_federated_state({n: t.to(self.fabric.device) for n, t in ckpt["global_state"].items()})
-            else:
-                model.load_state_dict(ckpt["state_dict"])
-        self._write_config()
+            self._load_for_evaluation(model, Path(ckpt_path).expanduser())
         metrics = self._evaluate(model, datamodule, stage)
+        self._write_config()
         self._log(metrics, step=0)
         self.callback_metrics = metrics
         self._finish()
+        if self.fabric.is_global_zero:
+            print(evaluation_lines(metrics, "validate" if stage == "val" else "test", self.log_dir))
         return [metrics]
+
+    def _load_for_evaluation(self, model, path: Path) -> None:
+        """A round checkpoint's global state (checked as a resume checks it) or a module's ``state_dict`` (names,
+        shapes, finite values), into ``model``; anything else is one line naming the file."""
+        name, fix = f"--ckpt_path {path}", "pass a last.ckpt or round_NNNN.ckpt of a run, or a module state_dict"
+        ckpt = read_checkpoint(path, "--ckpt_path", fix=fix)
+        device = self.fabric.device
+        if isinstance(ckpt, dict) and ckpt.get("format") == round_ckpt.FORMAT:
+            round_ckpt.check_integrity(path, ckpt)
+            own = model.federated_state()
+            if (problem := state_mismatch(ckpt["global_state"], own)) is not None:
+                raise CheckpointError(f"{name}: its global state does not fit this model ({problem}); {fix}")
+            model.load_federated_state({n: t.to(device) for n, t in ckpt["global_state"].items()})
+            return
+        state = tensor_state(ckpt, name, keys=("state_dict",), fix=fix)
+        if (problem := state_mismatch(state, model.state_dict())) is not None:
+            raise CheckpointError(f"{name}: its state_dict does not fit this model ({problem}); {fix}")
+        bad = sorted(k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+        if bad:
+            raise CheckpointError(f"{name}: NaN or Inf weights in {bad[:4]}; {fix}")
+        model.load_state_dict(state)
 
     # ============================================================================ logging and checkpoints
     def _log(self, metrics: dict[str, float], step: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +68,17 @@ def write_client_epsilons(dp_sgd: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | None) -> str:
+    """What ``validate``/``test`` print: each metric on its line, and a NaN or Inf one said plainly."""
+    lines = [f"{command}: {len(metrics)} metric(s)" + (f" (logged under {log_dir})" if log_dir is not None else "")]
+    width = max((len(k) for k in metrics), default=0)
+    for key in sorted(metrics):
+        value = metrics[key]
+        lines.append(f"  {key:<{width}}  {value:.6g}")
+    bad = [k for k, v in metrics.items() if not math.isfinite(v)]
+    if bad:
+        lines.append(f"warning: {', '.join(sorted(bad))} not finite: the model's outputs are NaN or Inf "
+                     "(check the checkpoint and the data)")  # fmt: skip
+    return "\n".join(lines)
