@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from lightning_fl.errors import CheckpointError
+from lightning_fl.errors import CheckpointError, DiskFullError
 
 
 def default_cache_dir() -> Path:
@@ -47,16 +47,22 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     A reader sees either the previous file or the complete new one, also after a crash or a kill.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        _raise_if_full(err, obj, path)
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            _raise_if_full(err, obj, path)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -64,6 +70,26 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+def _raise_if_full(err: OSError, obj: Any, path: Path) -> None:
+    """A full disk (or quota) while writing ``path``: one line naming the folder and the bytes needed."""
+    import errno
+    import shutil
+
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        free = f"{shutil.disk_usage(path.parent).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    previous = f"; the previous {path.name} is intact" if path.exists() else ""
+    raise DiskFullError(
+        f"no space left to write {path} ({len(buffer.getvalue()):,} bytes needed, {free} in {path.parent})"
+        f"{previous}; free some space or point trainer.default_root_dir to another disk"
+    ) from None
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

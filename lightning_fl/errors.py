@@ -20,3 +20,7 @@ class DatasetNotFoundError(UserError, FileNotFoundError):
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, unreadable or does not match the model."""
+
+
+class DiskFullError(UserError, OSError):
+    """A file could not be written for lack of space (the previous version of it is intact)."""

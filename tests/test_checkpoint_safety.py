@@ -433,3 +433,27 @@ def test_validate_prints_its_metrics_and_refuses_files_that_do_not_fit(in_tmp, r
         line = error_line(capsys)
         assert message in line and str(path) in line, (case, line)
     assert sorted(p.name for p in (in_tmp / "eval").rglob("version_*")) == folders  # no empty folders left
+
+
+def test_a_full_disk_is_one_line_and_exit_code_2_and_the_last_checkpoint_survives(in_tmp, capsys, monkeypatch):
+    """Round 2's checkpoint meets a full disk (ENOSPC after part of the file was written): one line naming the file,
+    the bytes needed and the fix; exit code 2; round 1's last.ckpt intact and no temp file left."""
+    import errno
+
+    from lightning_fl import checkpoint
+
+    real, calls = torch.save, []
+
+    def full_disk(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("round") == 2 and not isinstance(f, io.BytesIO):  # the file, not a size
+            calls.append(obj["round"])
+            f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    assert run_cli("fit", *ROUNDS, "--trainer.default_root_dir", "runs", "--trainer.name", "full") == 2
+    line = error_line(capsys)
+    assert calls == [2] and "no space left to write" in line and "bytes needed" in line and "is intact" in line
+    (folder,) = (in_tmp / "runs" / "full").glob("*/checkpoints")
+    assert read_checkpoint(folder / "last.ckpt")["round"] == 1 and not list(folder.glob(".*.tmp"))
