@@ -76,7 +76,7 @@ def load_round(path: Path, expect: dict[str, Any], state_keys: list[str], rounds
         problems.append(f"seed {ckpt['seed']} in the checkpoint, {expect['seed']} now")
     if ckpt["num_clients"] != expect["num_clients"]:
         problems.append(f"{ckpt['num_clients']} clients in the checkpoint, {expect['num_clients']} now")
-    if ckpt["fingerprint"] != expect["fingerprint"]:
+    if ckpt.get("fingerprint") != expect["fingerprint"]:
         problems.append("the model fingerprint (factors or base) differs")
     if sorted(ckpt["global_state"]) != sorted(state_keys):
         problems.append(f"federated state keys differ ({sorted(ckpt['global_state'])} vs {sorted(state_keys)})")
