@@ -458,3 +458,16 @@ def test_threads_default_leaves_a_core_free_and_an_explicit_number_is_kept(monke
         assert "fit: threads must be a whole number >= 1 or null (the default), got 0" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
+
+
+def test_client_fraction_null_needs_clients_per_round(in_tmp, capsys):
+    """``client_fraction: null`` is one line naming the key unless ``clients_per_round`` says how many (it was a
+    TypeError about '<' before)."""
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.client_fraction", "null"]
+    assert run_cli(*args, "--trainer.rounds", "1") == 2
+    assert "trainer.client_fraction must be in (0, 1] (or null with trainer.clients_per_round set)" in \
+        capsys.readouterr().err  # fmt: skip
+    from lightning_fl.cli import build
+
+    trainer = build([*args, "--trainer.clients_per_round", "3", "--trainer.logger", "false"]).trainer
+    assert trainer._clients_per_round(10) == 3

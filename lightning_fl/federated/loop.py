@@ -63,7 +63,8 @@ class FederatedTrainer(TrainerLike):
 
     Args:
         rounds: Communication rounds R.
-        client_fraction: Share of the K clients sampled each round (at least one).
+        client_fraction: Share of the K clients sampled each round (at least one); ``null`` with
+            ``clients_per_round`` set.
         clients_per_round: Number of clients sampled each round; overrides ``client_fraction``.
         local_epochs: Local epochs E per round.
         local_steps: Local optimiser steps per round instead of epochs (cycling the client's data).
@@ -142,7 +143,7 @@ class FederatedTrainer(TrainerLike):
     def __init__(
         self,
         rounds: int = 10,
-        client_fraction: float = 1.0,
+        client_fraction: float | None = 1.0,
         clients_per_round: int | None = None,
         local_epochs: int = 1,
         local_steps: int | None = None,
@@ -181,7 +182,9 @@ class FederatedTrainer(TrainerLike):
     ) -> None:
         checks = [
             (rounds >= 1, f"trainer.rounds must be >= 1, got {rounds}"),
-            (0 < client_fraction <= 1, f"trainer.client_fraction must be in (0, 1], got {client_fraction}"),
+            (0 < client_fraction <= 1 if client_fraction is not None else clients_per_round is not None,
+             f"trainer.client_fraction must be in (0, 1] (or null with trainer.clients_per_round set), got "
+             f"{client_fraction}"),
             (clients_per_round is None or clients_per_round >= 1,
              f"trainer.clients_per_round must be >= 1 or null, got {clients_per_round}"),
             (local_epochs >= 1, f"trainer.local_epochs must be >= 1, got {local_epochs}"),
