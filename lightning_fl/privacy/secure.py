@@ -116,8 +116,8 @@ STREAM_SECURE_ROUNDING = 22
 
 
 class SecureAggregation(SecureSum):
-    """``trainer.secure_aggregation``: the server learns only the sum of the round's updates (SecAgg+ semantics,
-    in process).
+    """``trainer.secure_aggregation``: the server learns only the sum of the round's updates: Flower's SecAgg+
+    between the SuperNodes on Flower (:mod:`lightning_fl.flower.secure`), the same arithmetic in process.
 
     Every client uploads its update ``Delta = x_k - x`` (after any client stage: DistributedDP's clipping and noise
     share, LocalDP) clipped to ``[-c, c]`` per coordinate and quantised to integers in ``[0, T]`` with seeded
