@@ -183,22 +183,23 @@ class _Screen:
                     if not isinstance(value, bytes):
                         return f"{key} must be bytes"
                     bytes_to_public_key(value)  # (a key its neighbours could not use would fail them all)
-            elif stage == 1:
-                dsts, ctxts = record.get(Key.DESTINATION_LIST), record.get(Key.CIPHERTEXT_LIST)
-                if not _list_of(dsts, int) or not _list_of(ctxts, bytes) or len(dsts) != len(ctxts):
-                    return f"{Key.DESTINATION_LIST} and {Key.CIPHERTEXT_LIST} must be equally long lists of ids/bytes"
-                if not set(dsts) <= self.nodes:
-                    return "shares addressed to nodes outside the round"
+            elif stage == 1:  # encrypted shares, each addressed to a node of the round
+                return self._pairs_problem(record, Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST)
             elif stage == 2:
                 return self._upload_problem(content, record)
-            elif stage == 3:
-                nids, shares = record.get(Key.NODE_ID_LIST), record.get(Key.SHARE_LIST)
-                if not _list_of(nids, int) or not _list_of(shares, bytes) or len(nids) != len(shares):
-                    return f"{Key.NODE_ID_LIST} and {Key.SHARE_LIST} must be equally long lists of ids/bytes"
-                if not set(nids) <= self.nodes:
-                    return "shares of nodes outside the round"
+            elif stage == 3:  # the shares it holds, each of a node of the round
+                return self._pairs_problem(record, Key.NODE_ID_LIST, Key.SHARE_LIST)
         except Exception as err:  # whatever a hostile reply makes a reader raise
             return f"{type(err).__name__}: {str(err)[:200]}"
+        return None
+
+    def _pairs_problem(self, record: Any, ids_key: str, values_key: str) -> str | None:
+        """Node ids and bytes, equally many, every id a node of the round."""
+        ids, values = record.get(ids_key), record.get(values_key)
+        if not _list_of(ids, int) or not _list_of(values, bytes) or len(ids) != len(values):
+            return f"{ids_key} and {values_key} must be equally long lists of ids/bytes"
+        if not set(ids) <= self.nodes:
+            return f"{ids_key} names nodes outside the round"
         return None
 
     def _upload_problem(self, content: RecordDict, record: Any) -> str | None:
