@@ -10,6 +10,7 @@ Warnings and errors a user can act on are kept. :func:`show_progress` prints the
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
@@ -48,6 +49,15 @@ def quiet_lightning() -> None:
             logger.addFilter(_FILTER)
     for message in WARNING_NOISE:
         warnings.filterwarnings("ignore", message=message)
+    if not os.environ.get("LIGHTNING_FL_DEBUG"):  # (debugging keeps Python's file:line prefix)
+        warnings.formatwarning = one_line_warning
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as the CLI prints it: ``warning: <message>``, without the source file and line of the code that
+    raised it (which says nothing to a user); other categories keep their name."""
+    kind = "warning" if category is UserWarning else category.__name__
+    return f"{kind}: {message}\n"
 
 
 class _CurrentStderr(logging.Handler):

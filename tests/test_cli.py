@@ -471,3 +471,15 @@ def test_client_fraction_null_needs_clients_per_round(in_tmp, capsys):
 
     trainer = build([*args, "--trainer.clients_per_round", "3", "--trainer.logger", "false"]).trainer
     assert trainer._clients_per_round(10) == 3
+
+
+def test_warnings_print_as_one_line_without_a_source_path(monkeypatch):
+    import warnings
+
+    from lightning_fl.quiet import quiet_lightning
+
+    monkeypatch.delenv("LIGHTNING_FL_DEBUG", raising=False)
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    quiet_lightning()
+    assert warnings.formatwarning("round 2: lost", UserWarning, "/x/round.py", 110) == "warning: round 2: lost\n"
+    assert warnings.formatwarning("old", DeprecationWarning, "/x/a.py", 1) == "DeprecationWarning: old\n"
