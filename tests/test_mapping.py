@@ -309,3 +309,13 @@ def test_teacher_warm_start_uses_the_base_the_recipe_pretrains(tmp_path):
     assert fit.mapping.latent.any() and torch.equal(model.mapping.latent, fit.mapping.latent)
     model.prepare_base(dm)  # a second call changes nothing
     assert torch.equal(model.mapping.latent, fit.mapping.latent)
+
+
+def test_a_missing_base_checkpoint_is_named_by_its_own_key(tmp_path):
+    """``model.base_checkpoint`` of a file that is not there names that key and says to pass a file (it named
+    ``model.init_from`` and advised checking the backbone before)."""
+    from lightning_fl.errors import CheckpointError
+
+    missing = tmp_path / "missing.ckpt"
+    with pytest.raises(CheckpointError, match=f"^model.base_checkpoint={missing} does not exist; pass the path"):
+        LatentClassifier(SmallCNN(image_size=8), 10, base_checkpoint=str(missing))

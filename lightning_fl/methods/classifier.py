@@ -100,7 +100,7 @@ class Classifier(TrainingRecipe):
         self._init_digest = digest_tensors({**self.backbone.state_dict(), **self.head.state_dict()})
         self._base_ready = pretraining is None  # nothing to prepare: train from the initialisation
         if init_from is not None:
-            self.load_weights(init_from)
+            self.load_weights(init_from, self.init_from_key)
             self._base_ready = True
 
     def _hparams_ignore(self) -> list[str]:

@@ -110,7 +110,7 @@ class LanguageModel(TrainingRecipe):
         self._init_digest = digest_tensors(self.network.state_dict())
         self._base_ready = pretraining is None
         if init_from is not None:
-            self.load_weights(init_from)
+            self.load_weights(init_from, self.init_from_key)
             self._base_ready = True
 
     def _hparams_ignore(self) -> list[str]:

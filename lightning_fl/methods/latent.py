@@ -50,6 +50,9 @@ class LatentSteering:
     with the mapped weights and the federated hooks that check the averaging identity.
     """
 
+    #: The config key a base checkpoint comes from (named in errors about the file).
+    init_from_key = "model.base_checkpoint="
+
     mapping: LatentMapping
 
     @staticmethod

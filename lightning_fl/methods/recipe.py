@@ -105,6 +105,8 @@ class TrainingRecipe(L.LightningModule):
     weight_prefixes: tuple[str, ...] = ()
     #: Config keys to name when a checkpoint does not fit the model.
     weights_hint: str = "the model's architecture"
+    #: The config key ``init_from`` comes from (named in errors about the file).
+    init_from_key: str = "model.init_from="
     pretraining: Pretraining | None
     _base_ready: bool
     _init_digest: str
@@ -118,6 +120,9 @@ class TrainingRecipe(L.LightningModule):
         """Load the weights from ``path``; every weight must be present with the right shape.
 
         Errors name ``what`` (the config key, or the cache) and the file, and end with ``fix``."""
+        if not Path(path).expanduser().exists():
+            raise CheckpointError(f"{checkpoint_name(what, path)} does not exist; pass the path of a checkpoint file "
+                                  "(e.g. <run>/checkpoints/last.ckpt)")  # fmt: skip
         fix = fix or f"check that {self.weights_hint} are those the checkpoint was trained with"
         state = load_state_dict_file(path, what, fix)
         own = self.own_weights()
