@@ -259,6 +259,30 @@ def test_a_reply_that_makes_any_reader_raise_is_rejected_not_fatal(in_tmp, monke
     assert_same_state(got, reference)
 
 
+def test_a_declared_sample_count_is_capped_by_max_client_weight(in_tmp):
+    """Sample-weighted FedAvg on Flower: without a cap the run warns that declared counts are taken as given; with
+    ``trainer.max_client_weight`` a node claiming 2**62 samples weighs what a node declaring the cap weighs."""
+
+    def declare(count):
+        def tamper(reply, message):
+            reply.content[messages.REPLY]["num-samples"] = count
+            return reply
+
+        return tamper
+
+    weighted = ["--trainer.strategy.weighted", "true"]
+    with pytest.warns(UserWarning, match="takes each node's declared sample count as given"):
+        on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *weighted, name="uncapped")
+    capped = [*weighted, "--trainer.max_client_weight", "1000"]
+    with pytest.warns(UserWarning, match=r"client 2: declared 4611686018427387904 samples; its weight is capped at "
+                                         r"trainer.max_client_weight=1000"):  # fmt: skip
+        _, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes(), tamper={3: declare(2**62)}),
+                           *capped, name="liar")  # fmt: skip
+    _, reference = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes(), tamper={3: declare(1000)}),
+                             *capped, name="honest")  # fmt: skip
+    assert_same_state(got, reference)
+
+
 @pytest.mark.parametrize(
     "mutate",
     [

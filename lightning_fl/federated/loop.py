@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -79,6 +80,9 @@ class FederatedTrainer(TrainerLike):
             round's median update norm (a scaled or runaway upload); ``null``: off. With a linear strategy
             (FedAvg) the aggregate's step obeys it too. A refused upload follows ``upload_policy``; a refused
             aggregate keeps the global state and names the client with the largest update.
+        max_client_weight: The most samples a client's upload may weigh under a sample-weighted strategy: a larger
+            declared count is capped to it (warned). In process the counts are the data module's own; on Flower each
+            node declares its own, and without this a node claiming ``2**62`` samples takes nearly all the weight.
         dropout: Probability that a sampled client is unavailable in a round (seeded per client and round):
             its download is counted, its upload never arrives.
         attack: Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``,
@@ -152,6 +156,7 @@ class FederatedTrainer(TrainerLike):
         upload_policy: Literal["drop", "raise"] = "drop",
         max_update_norm: float | None = None,
         max_update_norm_ratio: float | None = 100.0,
+        max_client_weight: float | None = None,
         dropout: float = 0.0,
         attack: Attack | None = None,
         privacy: Privacy | None = None,
@@ -227,7 +232,8 @@ class FederatedTrainer(TrainerLike):
              f"trainer.dp_sgd trains in 32-bit; trainer.precision is {precision!r}: set it to 32-true or null"),
         ]  # fmt: skip
         problems = [message for ok, message in checks if not ok]
-        for key, value in (("max_update_norm", max_update_norm), ("max_update_norm_ratio", max_update_norm_ratio)):
+        for key, value in (("max_update_norm", max_update_norm), ("max_update_norm_ratio", max_update_norm_ratio),
+                           ("max_client_weight", max_client_weight)):  # fmt: skip
             if value is not None and not (math.isfinite(value) and value > 0):
                 problems.append(f"trainer.{key} must be a positive number or null, got {value}")
         if isinstance(secure_aggregation, SecureAggregation):
@@ -245,6 +251,7 @@ class FederatedTrainer(TrainerLike):
         self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
         self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
+        self.max_client_weight = max_client_weight
         self.dropout, self.attack, self.seed = dropout, attack, seed
         self.fabric_args = {"accelerator": accelerator, "devices": devices, "strategy": fabric_strategy}
         self.fabric_args["num_nodes"] = num_nodes
@@ -306,8 +313,13 @@ class FederatedTrainer(TrainerLike):
             identity, progress=self.enable_progress_bar, transport=self.transport,
             max_update_norm=self.max_update_norm, max_update_norm_ratio=self.max_update_norm_ratio,
             privacy=self.privacy, sampling=self.sampling, fold_groups=self.fold_groups,
+            max_client_weight=self.max_client_weight,
         )  # fmt: skip
         self.round_runner = runner
+        weighted = getattr(self.strategy, "weighted", False) and self.strategy.linear
+        if weighted and self.max_client_weight is None and not isinstance(self.transport, InProcess):
+            warnings.warn("trainer.strategy.weighted takes each node's declared sample count as given (a node can "
+                          "claim any number); set trainer.max_client_weight to bound it", stacklevel=2)  # fmt: skip
         self.transport.open(num_clients=datamodule.num_clients, fingerprint=fingerprint, seed=seed)
         count = self._clients_per_round(datamodule.num_clients)
         self._attach_client_state()

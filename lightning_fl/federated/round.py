@@ -141,6 +141,7 @@ class RoundRunner:
         privacy: Privacy | None = None,
         sampling: str = "fixed",
         fold_groups: int = 1,
+        max_client_weight: float | None = None,
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
         # secure aggregation: the round sees the modular sum of the uploads only
@@ -150,6 +151,7 @@ class RoundRunner:
         self.transport = transport if transport is not None else InProcess()
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
         self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
+        self.max_client_weight = max_client_weight
         world = fabric.world_size
         if self.transport.spreads_over_processes and world > fold_groups > 1:
             warnings.warn(
@@ -305,7 +307,7 @@ class RoundRunner:
         """A reply as an :class:`Entry`, and its decoded upload if it passed the gate (decode + checks)."""
         cid = reply.client
         self._take_plan(reply, r)
-        entry = Entry(cid, float(reply.num_samples), REJECTED, logged=reply.logged)
+        entry = Entry(cid, self._weight(reply, r), REJECTED, logged=reply.logged)
         entry.msg_up = -1 if reply.message_up is None else reply.message_up
         entry.msg_down = -1 if reply.message_down is None else reply.message_down
         if reply.lost:
@@ -345,6 +347,15 @@ class RoundRunner:
             return
         uploads.secure_total = result.total
         uploads.folded = list(result.included)
+
+    def _weight(self, reply: Reply, r: int) -> float:
+        """A reply's sample count, capped at ``max_client_weight`` (warned) when a weighted strategy would use it."""
+        weight, cap = float(reply.num_samples), self.max_client_weight
+        if cap is not None and weight > cap and getattr(self.strategy, "weighted", False) and not reply.lost:
+            warnings.warn(f"round {r + 1}, client {reply.client}: declared {reply.num_samples} samples; its weight "
+                          f"is capped at trainer.max_client_weight={cap:g}", stacklevel=3)  # fmt: skip
+            weight = float(cap)
+        return weight
 
     def _take_plan(self, reply: Reply, r: int) -> None:
         """A node's own DP-SGD record count and batch size, for its client's accounting (warned about if unusable:
