@@ -205,3 +205,17 @@ def test_robust_aggregates_do_not_depend_on_client_order(ups):
         a = strategy.aggregate(0, uploads[0], uploads, ones, [])[0]
         b = strategy.aggregate(0, uploads[0], flipped, ones, [])[0]
         assert torch.equal(a, b)
+
+
+def test_krum_warns_when_a_round_is_too_small_for_its_guarantee():
+    """Krum is proven for n >= 2f + 3: a plan below it is warned about (it still runs: its scores are defined for
+    n >= f + 3), a plan at it is not."""
+    import warnings
+
+    from lightning_fl.federated.setup import check_plan
+
+    with pytest.warns(UserWarning, match=r"num_malicious=3 is proven to tolerate them only with at least 9 uploads"):
+        check_plan(Krum(num_malicious=3), None, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_plan(Krum(num_malicious=3), None, 9, 9)

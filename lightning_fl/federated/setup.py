@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,8 @@ def check_plan(strategy: Any, attack: Any, num_clients: int, count: int, samplin
         )
     if problems:
         raise ConfigError("; ".join(problems))
+    if (warn := getattr(strategy, "plan_warning", None)) is not None and (message := warn(count)) is not None:
+        warnings.warn(message, stacklevel=3)
 
 
 NODE_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
