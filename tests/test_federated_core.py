@@ -349,3 +349,27 @@ def test_update_norms_in_chunks_equal_the_float64_norms_of_every_row():
     assert rows(t, [0, 1]).data_ptr() == t.data_ptr() and torch.equal(rows(t, [0, 1]), t[:2])
     assert torch.equal(rows(t, [1, 3]), t[[1, 3]]) and torch.equal(rows(t, [1, 0]), t[[1, 0]])
     assert rows(t, []).shape == (0, 3)
+
+
+def test_a_collapse_under_defaults_is_warned_once_and_repeated_in_the_summary(in_tmp, capsys):
+    """The default FedAvg and gate under a strong sign flip from 3 of 4 clients end at chance: one warning names the
+    round and the largest updates, and the run summary repeats it (before, the run said nothing)."""
+    import warnings
+
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--data.num_clients", "4",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+            "--model.init_args.pretraining.epochs", "2", "--trainer.attack", "SignFlip",
+            "--trainer.attack.clients", "[0,1,2]", "--trainer.attack.scale", "50"]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_cli(*args) == 0
+    alarms = [str(w.message) for w in caught if "the global model collapsed" in str(w.message)]
+    assert len(alarms) == 1 and alarms[0].startswith("round 1: the global model collapsed: ")
+    assert "the largest updates aggregated: client " in alarms[0]
+    assert f"warning: {alarms[0]}" in capsys.readouterr().out
+    clean = [a for a in args if a not in ("--trainer.attack", "SignFlip", "--trainer.attack.clients", "[0,1,2]",
+                                          "--trainer.attack.scale", "50")]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_cli(*clean, "--trainer.name", "clean") == 0
+    assert not [w for w in caught if "collapsed" in str(w.message)]

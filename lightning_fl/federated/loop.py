@@ -50,7 +50,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
-from lightning_fl.federated.summary import evaluation_lines, run_summary, write_client_epsilons
+from lightning_fl.federated.summary import collapse, evaluation_lines, run_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.privacy.base import Plan, Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
@@ -335,7 +335,7 @@ class FederatedTrainer(TrainerLike):
             self._log_text(hooks, step=0)
             self.history.append({"round": 0, **base_metrics})
         started = time.perf_counter()
-        self.stopped = None
+        self.stopped, self.alarm = None, None
         for r in range(start, self.rounds):
             if self.privacy is not None and (reason := self.privacy.stop_reason()) is not None:
                 self.stopped = f"stopped before round {r + 1}: {reason}"
@@ -350,6 +350,7 @@ class FederatedTrainer(TrainerLike):
                 metrics.update(self._evaluate(model, datamodule, "val"))
             metrics["time/round_s"] = time.perf_counter() - t0
             metrics["time/elapsed_s"] = time.perf_counter() - started
+            self._check_collapse(model, r, metrics, runner)
             self._log(metrics, step=r + 1)
             self._log_dropped(runner.dropped, step=r + 1)
             self.history.append({"round": r + 1, **metrics})
@@ -369,7 +370,23 @@ class FederatedTrainer(TrainerLike):
         self._finish()
         if self.dp_sgd is not None and fabric.is_global_zero:
             write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
-        fabric.print(run_summary(self.history, self.log_dir, self.use_logger, self.stopped))
+        fabric.print(run_summary(self.history, self.log_dir, self.use_logger, self.stopped, self.alarm))
+
+    def _check_collapse(self, model: L.LightningModule, r: int, metrics: dict[str, float], runner: RoundRunner) -> None:
+        """Warn once per run when the global model collapses (against round 0), naming the largest updates."""
+        start = next((h for h in self.history if h.get("round") == 0), None)
+        if self.alarm is not None or start is None:
+            return
+        hparams = getattr(model, "hparams", {})
+        num_classes = hparams.get("num_classes") if hasattr(hparams, "get") else None
+        why = collapse(start, metrics, num_classes if isinstance(num_classes, int) else None)
+        if why is None:
+            return
+        largest = ", ".join(f"client {c} (norm {n:.3g})" for n, c in runner.update_norms[:3]) or "none known"
+        self.alarm = (f"round {r + 1}: the global model collapsed: {why}; the largest updates aggregated: {largest}; "
+                      "a robust strategy (trainer.strategy Median or Krum) or a lower trainer.max_update_norm_ratio "
+                      "may hold it")  # fmt: skip
+        warnings.warn(self.alarm, stacklevel=2)
 
     def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
         return self._evaluate_only(model, datamodule, ckpt_path, "val")

@@ -163,6 +163,7 @@ class RoundRunner:
         self.dropped: list[int] = []
         #: Rows of uploads the last round held at once on this process (0: it streamed into a running sum).
         self.kept_rows = 0
+        self.update_norms: list[tuple[float, int]] = []
 
     # ============================================================================ the round
     def unavailable(self, seed: int, r: int, client: int) -> bool:
@@ -232,6 +233,9 @@ class RoundRunner:
             metrics["fed/attacked_clients"] = uploads.attacked
         aggregated = set(uploads.folded)
         self.dropped = [e.client for e in uploads.answered if e.client not in aggregated]
+        #: The aggregated clients' update norms of this round (for the collapse alarm), largest first.
+        self.update_norms = sorted(((uploads.entry(c).norm, c) for c in aggregated
+                                    if not math.isnan(uploads.entry(c).norm)), reverse=True)  # fmt: skip
         metrics["fed/dropped_clients"] = len(self.dropped)
         # what the round aggregated: the metrics and the ledger's upload bytes leave dropped clients out
         metrics.update(mean_over_clients([e.logged for e in uploads.answered if e.client in aggregated]))

@@ -19,7 +19,23 @@ def best_round(history: list[dict[str, float]], key: str) -> tuple[int, float] |
     return min(rows, key=lambda rv: rv[1] if lower else -rv[1])
 
 
-def run_summary(history: list[dict[str, float]], log_dir: Path, logger: bool, stopped: str | None = None) -> str:
+def collapse(start: dict[str, float], now: dict[str, float], num_classes: int | None) -> str | None:
+    """Why the global model looks collapsed against round 0 (``None``: it does not): accuracy at chance where it was
+    well above, or a validation loss far above its start (or not finite)."""
+    if num_classes and "val/acc" in now and "val/acc" in start:
+        chance = 1.0 / num_classes
+        if start["val/acc"] > chance + 0.1 and now["val/acc"] <= chance + 0.02:
+            return f"val/acc {now['val/acc']:.4f} is at chance (1/{num_classes}; {start['val/acc']:.4f} at round 0)"
+    if "val/loss" in now and "val/loss" in start and math.isfinite(start["val/loss"]):
+        loss, begin = now["val/loss"], start["val/loss"]
+        if not math.isfinite(loss) or loss > max(3 * begin, begin + 2):
+            return f"val/loss {loss:.4g} against {begin:.4g} at round 0"
+    return None
+
+
+def run_summary(
+    history: list[dict[str, float]], log_dir: Path, logger: bool, stopped: str | None = None, alarm: str | None = None
+) -> str:
     """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
     early (``stopped``), and where the run's files are."""
     if not history:
@@ -49,6 +65,8 @@ def run_summary(history: list[dict[str, float]], log_dir: Path, logger: bool, st
         lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
                      f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
                      "dp_sgd_clients.csv)")  # fmt: skip
+    if alarm is not None:
+        lines.append(f"  warning: {alarm}")
     if stopped is not None:
         lines.append(f"  {stopped}")
     lines.append(f"  run folder: {log_dir} (config.yaml, checkpoints/last.ckpt)")
