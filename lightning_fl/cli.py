@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, lazy_instance
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
@@ -169,7 +170,7 @@ def _attach_config(trainer: Any, config_yaml: str) -> None:
         )
 
 
-def _check_ckpt_path(path: str | None, trainer: Any = None) -> None:
+def _check_ckpt_path(path: str | None, trainer: Any = None, model: Any = None) -> None:
     """Refuse a ``ckpt_path`` that is missing, or, for ``lightning.Trainer``, one our safe reader refuses.
 
     Left to itself, Lightning loads ``ckpt_path`` with ``torch.load`` without passing ``weights_only``, so with
@@ -201,6 +202,15 @@ def _check_ckpt_path(path: str | None, trainer: Any = None) -> None:
     ckpt = read_checkpoint(path, "ckpt_path", fix=fix)
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise CheckpointError(f"ckpt_path {path} is not a Lightning checkpoint (no 'state_dict'); {fix}")
+    own = model.state_dict() if isinstance(model, torch.nn.Module) else {}
+    state = ckpt["state_dict"]
+    missing = sorted(k for k in own if k not in state)  # (keys a module makes later may be in the file only)
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+             if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape]  # fmt: skip
+    if missing or wrong:
+        details = [f"missing {missing[:4]}"] * bool(missing) + [f"shape (file vs model) {wrong[:4]}"] * bool(wrong)
+        raise CheckpointError(f"ckpt_path {path} does not fit this model ({'; '.join(details)}); pass a checkpoint "
+                              "of this model and config")  # fmt: skip
 
 
 @dataclass
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> Any:
         _fail(str(err))
     lock = None
     try:
-        _check_ckpt_path(run.ckpt_path, run.trainer)
+        _check_ckpt_path(run.ckpt_path, run.trainer, run.model)
         _attach_config(run.trainer, run.config_yaml)
         method = getattr(run.trainer, run.subcommand)
         if not isinstance(run.trainer, L.Trainer):

@@ -483,3 +483,18 @@ def test_warnings_print_as_one_line_without_a_source_path(monkeypatch):
     quiet_lightning()
     assert warnings.formatwarning("round 2: lost", UserWarning, "/x/round.py", 110) == "warning: round 2: lost\n"
     assert warnings.formatwarning("old", DeprecationWarning, "/x/a.py", 1) == "DeprecationWarning: old\n"
+
+
+def test_a_lightning_checkpoint_of_another_model_is_one_line(in_tmp, capsys):
+    """``validate --ckpt_path`` with a Lightning checkpoint whose weights do not fit the model: one line naming the
+    file and the first mismatches, exit code 2 (it was Lightning's RuntimeError traceback)."""
+    assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "1", *QUIET) == 0
+    ckpt = torch.load(in_tmp / "runs" / "pretrain_digits" / "version_0" / "checkpoints" / "last.ckpt",
+                      weights_only=True)  # fmt: skip
+    name = next(k for k, v in ckpt["state_dict"].items() if v.dim() > 1)
+    ckpt["state_dict"][name] = torch.zeros(3, 3)
+    torch.save(ckpt, in_tmp / "other.ckpt")
+    assert run_cli("validate", "--config", DIGITS, "--ckpt_path", str(in_tmp / "other.ckpt"), *QUIET) == 2
+    err = capsys.readouterr().err
+    assert f"ckpt_path {in_tmp / 'other.ckpt'} does not fit this model (shape (file vs model) ['{name} (3, 3)" in err
+    assert "Traceback" not in err
