@@ -159,12 +159,13 @@ class FlowerTransport(Transport):
                 continue
             try:  # whatever one reply holds, it is that reply's problem, never the server's
                 payload, num_samples, failure, logged = wire_msg.read_reply(reply)
+                plan = wire_msg.read_dp_sgd_plan(reply)
             except Exception as err:
-                payload, num_samples, logged = None, 0, {}
+                payload, num_samples, logged, plan = None, 0, {}, None
                 failure = f"malformed reply ({type(err).__name__}: {str(err)[:200]})"
             size = wire_msg.message_bytes(reply) if reply.has_content() else None
             yield Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down,
-                        dp_sgd_plan=wire_msg.read_dp_sgd_plan(reply))  # fmt: skip
+                        dp_sgd_plan=plan)  # fmt: skip
 
     def secure_round(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> SecureRound:
         """A round through Flower's SecAgg+ (:mod:`lightning_fl.flower.secure`): the sampled clients' nodes train
