@@ -12,7 +12,10 @@ with exit code 2 and one message naming the key and what it accepts.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -229,6 +232,26 @@ class ConfigParseError(UserError):
     """The arguments or the config file could not be parsed (the message names the key)."""
 
 
+@contextlib.contextmanager
+def _full_keys_in_class_help(argv: list[str]):
+    """``--trainer.strategy.help FedAdam`` prints the class's options under the last part of the key
+    (``--strategy.server_lr``, which the command line then refuses): print them under the whole key instead."""
+    keys = [m.group(1) for a in argv if (m := re.fullmatch(r"--([\w.]+)\.help(?:=.*)?", a))]
+    key = keys[0] if keys else None
+    if key is None or "." not in key:
+        yield
+        return
+    short = key.rsplit(".", 1)[1]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    finally:
+        text = re.sub(rf"--{re.escape(short)}\.(?=[\w])", f"--{key}.", out.getvalue())
+        text = text.replace(f"--{short}.help", f"--{key}.help")
+        sys.stdout.write(text)
+
+
 def build(argv: list[str]) -> Run:
     """Parse ``argv`` (``fit --config FILE --key value ...``), seed, and build the plug-ins; do not run.
 
@@ -240,7 +263,8 @@ def build(argv: list[str]) -> Run:
     parser, subparsers = _build()
     subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
     try:
-        cfg = parser.parse_args(list(argv))
+        with _full_keys_in_class_help(argv):
+            cfg = parser.parse_args(list(argv))
     except ArgumentError as err:
         if (bad_yaml := yaml_syntax_error(argv, err)) is not None:
             raise ConfigParseError(f"{subcommand}: {bad_yaml}" if subcommand else bad_yaml) from None

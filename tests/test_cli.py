@@ -498,3 +498,11 @@ def test_a_lightning_checkpoint_of_another_model_is_one_line(in_tmp, capsys):
     err = capsys.readouterr().err
     assert f"ckpt_path {in_tmp / 'other.ckpt'} does not fit this model (shape (file vs model) ['{name} (3, 3)" in err
     assert "Traceback" not in err
+
+
+def test_class_help_names_the_whole_key(capsys):
+    """``--trainer.strategy.help FedAdam`` lists ``--trainer.strategy.server_lr`` (jsonargparse prints
+    ``--strategy.server_lr``, which the command line then refuses)."""
+    assert run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy.help", "FedAdam") == 0
+    out = capsys.readouterr().out
+    assert "--trainer.strategy.server_lr" in out and " --strategy.server_lr" not in out and "[--strategy." not in out
