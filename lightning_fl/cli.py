@@ -150,7 +150,11 @@ def dump_config(parser: ArgumentParser, cfg: Namespace) -> str:
 
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
-    print("Run with --help for the keys, or --print_config to see the resolved config.", file=sys.stderr)
+    print(
+        "Run with --print_config to see every key and its value, or --KEY.help CLASS for the options of one "
+        "class (e.g. --trainer.strategy.help FedAdam).",
+        file=sys.stderr,
+    )
     raise SystemExit(2)
 
 

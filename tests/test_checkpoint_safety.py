@@ -77,7 +77,7 @@ def error_line(capsys) -> str:
     """The CLI's error: one line (the next one is the hint)."""
     lines = capsys.readouterr().err.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("error: "))
-    assert lines[at + 1].startswith("Run with --help"), lines[at : at + 2]
+    assert lines[at + 1].startswith("Run with --print_config"), lines[at : at + 2]
     return lines[at]
 
 
