@@ -405,6 +405,7 @@ def test_a_round_checkpoint_with_a_nan_state_or_missing_keys_is_refused_with_exi
         assert run_cli("fit", *ROUNDS, "--trainer.default_root_dir", "runs", "--ckpt_path", str(path)) == 2, case
         line = error_line(capsys)
         assert message in line and str(path) in line, (case, line)
+    assert not list((in_tmp / "runs" / "quickstart").glob("version_*"))  # the failed fits left no empty folder
 
 
 def test_validate_prints_its_metrics_and_refuses_files_that_do_not_fit(in_tmp, round_checkpoint, capsys):

@@ -288,6 +288,9 @@ class FederatedTrainer(TrainerLike):
         ckpt = self._launch(lambda: round_ckpt.find_resume(ckpt_path, self.resume, root, self.version))
         try:
             self._fit(self.fabric, model, datamodule, ckpt, known)
+        except BaseException:
+            self._discard_empty_folder()
+            raise
         finally:
             self._release()
 
@@ -435,16 +438,21 @@ class FederatedTrainer(TrainerLike):
 
     def _evaluate_only(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
         self._launch()
-        folder = self.log_dir
         try:
             return self._evaluate_in_folder(model, datamodule, ckpt_path, stage)
         except BaseException:
-            self._release()
-            if folder is not None and self.fabric.is_global_zero and not runs.holds_run(folder):
-                shutil.rmtree(folder, ignore_errors=True)  # a failed evaluation leaves no empty run folder
+            self._discard_empty_folder()
             raise
         finally:
             self._release()
+
+    def _discard_empty_folder(self) -> None:
+        """A run that failed before writing anything leaves no run folder (only its lock was there)."""
+        folder = self.log_dir
+        self._release()
+        if folder is not None and self.fabric is not None and self.fabric.is_global_zero and \
+                not runs.holds_run(folder):  # fmt: skip
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _evaluate_in_folder(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
         model, _ = self._prepare(model, datamodule, stage="validate" if stage == "val" else "test")
