@@ -237,6 +237,20 @@ def test_a_scaled_upload_is_dropped_by_the_default_norm_gate(tmp_path):
     assert latent(off).abs().max() > 1e3  # without the gate the scaled upload takes over the model
 
 
+def test_the_logged_max_ratio_is_the_tightest_gate_that_refuses_nothing(tmp_path):
+    """``fed/update_norm_max_ratio`` of a gate-free round: a ratio just under it refuses one upload, just over none."""
+    dm = make_dm(num_clients=4)
+    free = fit(make_trainer(tmp_path / "a", rounds=1, max_update_norm_ratio=None), dm=dm)
+    ratio = free.history[-1]["fed/update_norm_max_ratio"]
+    assert ratio > 1 and free.history[-1]["fed/dropped_clients"] == 0
+    over = fit(make_trainer(tmp_path / "b", rounds=1, max_update_norm_ratio=ratio * (1 + 1e-6)), dm=dm)
+    assert over.history[-1]["fed/dropped_clients"] == 0 and torch.equal(latent(over), latent(free))
+    with pytest.warns(UserWarning, match=r"upload rejected: update norm .* is more than trainer.max_update_norm_ratio"):
+        under = make_trainer(tmp_path / "c", rounds=1, max_update_norm_ratio=ratio * (1 - 1e-6))
+        under.fit(make_model(), datamodule=dm)
+    assert under.history[-1]["fed/dropped_clients"] == 1
+
+
 def test_the_absolute_bound_and_the_raise_policy(tmp_path):
     with pytest.raises(
         UploadRejectedError,

@@ -73,6 +73,7 @@ METRIC_COLUMNS = [
     "comm/cum_rejected_bytes",
     "fed/identity_error",
     "fed/update_norm_median",
+    "fed/update_norm_max_ratio",
     "privacy/epsilon",
     "privacy/clip_norm",
     "privacy/noise_multiplier",

@@ -520,7 +520,9 @@ class RoundRunner:
             warnings.warn(f"round {r + 1}: {problem}; the global state is unchanged", stacklevel=3)
         metrics["fed/round_skipped"] = float(problem is not None)
         if len(norms):  # of the accepted updates, before any clipping: what a clip bound is chosen from
-            metrics["fed/update_norm_median"] = float(norms.median())
+            metrics["fed/update_norm_median"] = median = float(norms.median())
+            if median > 0:  # the largest over the median: the gate ratio under which this round refuses nothing
+                metrics["fed/update_norm_max_ratio"] = float(norms.max()) / median
         return state, metrics
 
     # ============================================================================ bookkeeping
