@@ -245,8 +245,8 @@ def test_the_logged_max_ratio_is_the_tightest_gate_that_refuses_nothing(tmp_path
     assert ratio > 1 and free.history[-1]["fed/dropped_clients"] == 0
     over = fit(make_trainer(tmp_path / "b", rounds=1, max_update_norm_ratio=ratio * (1 + 1e-6)), dm=dm)
     assert over.history[-1]["fed/dropped_clients"] == 0 and torch.equal(latent(over), latent(free))
+    under = make_trainer(tmp_path / "c", rounds=1, max_update_norm_ratio=ratio * (1 - 1e-6))
     with pytest.warns(UserWarning, match=r"upload rejected: update norm .* is more than trainer.max_update_norm_ratio"):
-        under = make_trainer(tmp_path / "c", rounds=1, max_update_norm_ratio=ratio * (1 - 1e-6))
         under.fit(make_model(), datamodule=dm)
     assert under.history[-1]["fed/dropped_clients"] == 1
 

@@ -80,6 +80,7 @@ METRIC_COLUMNS = [
     "privacy/unclipped_fraction",
     "privacy/record_epsilon_max",
     "privacy/record_noise_multiplier_max",
+    "fed/clients",
     "fed/dropped_clients",
     "fed/attacked_clients",
     "fed/unavailable_clients",
