@@ -36,6 +36,7 @@ figures:
 
     python tools/report.py REPORT.yaml              # prints the tables, writes the figures
     python tools/report.py REPORT.yaml --markdown FILE   # also writes the tables to FILE
+    python tools/report.py REPORT.yaml --markdown FILE --no-figures   # the tables only
 
 Kinds: ``pareto`` plots val/acc against cumulative bytes per client (both directions, MB, log scale) round by
 round, one curve per label (mean over seeds); ``sweep`` plots the final ``metric`` against a numeric tag, one
@@ -326,22 +327,36 @@ def figure(rows: list[dict], spec: dict):
     return fig
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("report", type=Path)
-    parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this file")
-    args = parser.parse_args()
-    spec = yaml.safe_load(args.report.read_text())
+def spec_rows(spec: dict) -> list[dict]:
+    """The rows of a report spec's CSV file or files (paths relative to the working directory)."""
     files = spec["csv"] if isinstance(spec["csv"], list) else [spec["csv"]]
     rows = [r for f in files for r in read(Path(f))]
     if not rows:
         raise SystemExit(f"error: {spec['csv']} has no rows; run tools/sweep.py first")
+    return rows
+
+
+def markdown(spec: dict, rows: list[dict]) -> str:
+    """Every table of a report spec, as ``--markdown`` writes them (less the final newline)."""
     kinds = {"methods": method_table, "pivot": pivot_table}
     render = [next((f for key, f in kinds.items() if key in t), table) for t in spec.get("tables", [])]
-    tables = "\n\n".join(f(rows, t) for f, t in zip(render, spec.get("tables", []), strict=True))
+    return "\n\n".join(f(rows, t) for f, t in zip(render, spec.get("tables", []), strict=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report", type=Path)
+    parser.add_argument("--markdown", type=Path, default=None, help="write the tables to this file")
+    parser.add_argument("--no-figures", action="store_true", help="tables only: write no figure and no TensorBoard log")
+    args = parser.parse_args(argv)
+    spec = yaml.safe_load(args.report.read_text())
+    rows = spec_rows(spec)
+    tables = markdown(spec, rows)
     print(tables)
     if args.markdown is not None:
         args.markdown.write_text(tables + "\n")
+    if args.no_figures:
+        return
     out = Path(spec.get("figures_dir", "docs/figures"))
     out.mkdir(parents=True, exist_ok=True)
     writer = None

@@ -1,0 +1,103 @@
+"""The numbers in the docs come from the CSVs in docs/results/: every table file regenerates byte for byte from
+its CSV, and every averaging-identity bound quoted in the prose is what tools/identity_bounds.py prints."""
+
+import re
+import shlex
+
+import pytest
+import yaml
+
+from conftest import REPO, tool_module
+
+DOCS = REPO / "docs"
+TABLE_FILES = sorted(DOCS.glob("*_tables.md"))
+REPORT_SPECS = sorted((REPO / "tools" / "sweeps").glob("*_report.yaml"))
+
+
+def writers() -> dict[str, list]:
+    """Each docs/*_tables.md file named by a report spec's command line (``--markdown docs/...``): its specs."""
+    found: dict[str, list] = {}
+    for spec in REPORT_SPECS:
+        for name in set(re.findall(r"--markdown (docs/\S+_tables\.md)", spec.read_text())):
+            found.setdefault(name, []).append(spec)
+    return found
+
+
+def test_every_table_file_has_one_report_spec():
+    named = writers()
+    for path in TABLE_FILES:
+        name = str(path.relative_to(REPO))
+        assert len(named.get(name, [])) == 1, f"{name}: written by {named.get(name)} (want one report spec)"
+        spec = yaml.safe_load(named[name][0].read_text())
+        files = spec["csv"] if isinstance(spec["csv"], list) else [spec["csv"]]
+        assert all(f.startswith("docs/results/") and (REPO / f).is_file() for f in files), (name, files)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # std over inf (DP tables)
+@pytest.mark.parametrize("path", TABLE_FILES, ids=lambda p: p.name)
+def test_table_file_regenerates_from_its_csv(path, tmp_path, monkeypatch, capsys):
+    """``python tools/report.py SPEC --markdown FILE`` gives the committed file byte for byte."""
+    spec = writers()[str(path.relative_to(REPO))][0]
+    monkeypatch.chdir(REPO)  # the specs name their CSVs from the repository root
+    out = tmp_path / path.name
+    tool_module("report").main([str(spec), "--markdown", str(out), "--no-figures"])
+    capsys.readouterr()
+    assert out.read_bytes() == path.read_bytes(), (
+        f"{path.name} differs from what its CSV gives: "
+        f"python tools/report.py {spec.relative_to(REPO)} --markdown {path.relative_to(REPO)}"
+    )
+
+
+def test_report_without_figures_writes_none(tmp_path, monkeypatch, capsys):
+    report = tool_module("report")
+    (tmp_path / "r.csv").write_text("sweep,label,seed,round,final,val/acc\ns,a,0,1,1,0.5\n")
+    spec = {
+        "csv": "r.csv",
+        "figures_dir": "figs",
+        "tensorboard": "tb",
+        "tables": [{"title": "t", "columns": ["val/acc"]}],
+        "figures": [{"name": "f", "kind": "bars", "labels": ["a"], "metric": "val/acc"}],
+    }
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.chdir(tmp_path)
+    report.main(["r.yaml", "--markdown", "t.md", "--no-figures"])
+    capsys.readouterr()
+    assert "| a | 1 | 0.5000 +/- 0.0000 |" in (tmp_path / "t.md").read_text()
+    assert not (tmp_path / "figs").exists() and not (tmp_path / "tb").exists()
+
+
+# A bound, then (without another number in scientific notation between them) the command that prints it.
+BOUND = re.compile(r"(\d\.\de-\d+)((?:(?!\d\.\de-\d).){0,120}?)`python tools/identity_bounds\.py([^`]*)`", re.DOTALL)
+# How many quoted bounds each file holds: a bound that loses its command (or a command its bound) fails the count.
+QUOTED = {"README.md": 3, "docs/results.md": 4, "configs/quickstart.yaml": 1}
+
+
+def quoted_bounds(name: str) -> list[tuple[str, list[str]]]:
+    text = (REPO / name).read_text()
+    found = [(m.group(1), shlex.split(m.group(3))) for m in BOUND.finditer(text)]
+    assert len(found) == text.count("tools/identity_bounds.py") == QUOTED[name], (name, found)
+    return found
+
+
+def test_identity_bounds_script_finds_every_csv_with_the_column():
+    bounds = tool_module("identity_bounds")
+    found = bounds.maxima()
+    assert len(found) >= 10 and all(p.parent == DOCS / "results" for p in found)
+    assert bounds.quoted(8.344650268554688e-07) == "8.4e-7" and bounds.quoted(2.4e-7) == "2.4e-7"
+    assert bounds.quoted(9.96e-5) == "1.0e-4"
+    top = bounds.overall(found)
+    assert top[1] == max(value for value, _ in found.values())
+
+
+@pytest.mark.parametrize("name", sorted(QUOTED))
+def test_identity_bounds_in_prose_are_the_maxima_over_the_csvs(name, monkeypatch):
+    """Each quoted bound is the maximum its command prints, rounded up to two significant digits: at least every
+    value in the CSVs, and not looser than the rounding."""
+    bounds = tool_module("identity_bounds")
+    monkeypatch.chdir(REPO)  # the quoted commands name CSVs from the repository root
+    for text, args in quoted_bounds(name):
+        top = bounds.overall(bounds.compute(bounds.parse_args(args)))
+        assert top is not None, (name, args)
+        path, value, row = top
+        assert float(text) >= value, f"{name}: {text} is below {value:.3e} ({path.name}, {row['label']})"
+        assert text == bounds.quoted(value), f"{name}: quotes {text} where `{shlex.join(args)}` gives {value:.3e}"
