@@ -155,7 +155,7 @@ class FederatedTrainer(TrainerLike):
         codec: Codec = lazy_instance(FP32),
         upload_policy: Literal["drop", "raise"] = "drop",
         max_update_norm: float | None = None,
-        max_update_norm_ratio: float | None = 100.0,
+        max_update_norm_ratio: float | None = 10.0,
         max_client_weight: float | None = None,
         dropout: float = 0.0,
         attack: Attack | None = None,
