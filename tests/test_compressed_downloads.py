@@ -101,6 +101,8 @@ def test_every_client_holds_the_servers_state_bit_for_bit_and_downloads_the_broa
     want = torch.tensor([clients.expected_down.get(c, 0) for c in range(4)])
     assert torch.equal(trainer.ledger.down, want)
     assert [h["comm/broadcast_bytes"] for h in trainer.history[1:]] == clients.sizes
+    # the same codec and layout as an upload: a broadcast has exactly an upload's bytes
+    assert clients.sizes == [h["comm/client_up_bytes"] for h in trainer.history[1:]]
 
 
 def test_the_server_keeps_what_compression_left_out_and_sends_it_later():
