@@ -9,7 +9,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS, REPO, make_dm, make_model, make_trainer, run_cli
-from lightning_fl.checkpoint import atomic_save
+from lightning_fl.checkpoint import atomic_save, content_digest
 from lightning_fl.compress import FP32, Quantize
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import FactorMismatchError, FedAvg, FederatedTrainer, UploadRejectedError
@@ -315,6 +315,7 @@ def assert_same_residuals(a: dict, b: dict) -> None:
     [
         pytest.param([], id="fedavg"),
         pytest.param(ERROR_FEEDBACK, id="topk_error_feedback"),
+        pytest.param([*ERROR_FEEDBACK, "--trainer.compressed_downloads", "true"], id="topk_compressed_downloads"),
         pytest.param(EXTRAS, id="fedadam_dropout_attack", marks=pytest.mark.slow),
         pytest.param(PRIVATE, id="central_dp_streamed_vs_rows"),
         pytest.param([*PRIVATE, "--trainer.fold_groups", "4"], id="central_dp_fold_groups_both_stream"),
@@ -331,6 +332,9 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
         assert [h["fed/kept_rows"] for h in one["history"] + two["history"] if "fed/kept_rows" in h] == [0.0] * 4
     assert torch.equal(one["global_state"]["mapping.latent"], two["global_state"]["mapping.latent"])
     assert torch.equal(one["ledger"]["up"], two["ledger"]["up"])
+    assert torch.equal(one["ledger"]["down"], two["ledger"]["down"])
+    assert ("downlink" in one) == ("--trainer.compressed_downloads" in extra) == ("downlink" in two)
+    assert content_digest(one.get("downlink")) == content_digest(two.get("downlink"))  # the server's broadcast memory
     assert [h.get("val/acc") for h in one["history"]] == [h.get("val/acc") for h in two["history"]]
     assert [h.get("train/loss") for h in one["history"]] == [h.get("train/loss") for h in two["history"]]
     assert one["strategy"].keys() == two["strategy"].keys()

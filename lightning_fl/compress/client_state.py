@@ -88,6 +88,14 @@ class ClientStateStore(MutableMapping):
         self.folder, self.budget = Path(folder), int(budget_bytes)
         self._evict()
 
+    def detach(self) -> None:
+        """Forget the folder and the budget and every entry: an empty store held in memory (a copy of a store that
+        must not share its files, such as the server's downlink memory, :mod:`lightning_fl.compress.downlink`)."""
+        self.folder, self.budget = None, None
+        self.load_state_dict({})
+        self._pinned.clear()
+        self._serial = 0
+
     @property
     def file_backed(self) -> bool:
         return self.folder is not None

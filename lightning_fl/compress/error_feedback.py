@@ -50,6 +50,13 @@ class UpdateCompressor(Codec):
     def encode(self, state: State, reference: State, client: int) -> Payload:
         update = {n: state[n].detach().to("cpu", torch.float32) - reference[n].detach().to("cpu", torch.float32)
                   for n in sorted(state)}  # fmt: skip
+        return self.encode_update(update, client)
+
+    def encode_update(self, update: State, client: int) -> Payload:
+        """Compress ``update`` (float32 CPU tensors) for ``client``, with its error feedback: what :meth:`encode`
+        sends for ``state - reference``, and what the server's compressed broadcast sends for its own step
+        (:class:`~lightning_fl.compress.downlink.Downlink`)."""
+        update = {n: update[n] for n in sorted(update)}
         if self.error_feedback and client in self.residuals:
             residual = self.residuals[client]
             update = {n: u + residual[n] for n, u in update.items()}

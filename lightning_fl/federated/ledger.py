@@ -16,6 +16,10 @@ class ByteLedger:
     "Communication accounting"); ``comm/cum_client_bytes`` is that number averaged over clients. It counts the
     codec's payloads, whatever carries them. A network transport (Flower) also reports the size of the messages
     that carried them (:meth:`record_message`), logged as ``comm/msg_*`` so the transport's overhead shows.
+
+    A download is the global state in float32, or with ``trainer.compressed_downloads`` the payloads of the server's
+    broadcasts that the client missed (or the float32 state, if fewer bytes): what
+    :meth:`~lightning_fl.compress.downlink.Downlink.download` says; each broadcast's size is ``comm/broadcast_bytes``.
     """
 
     def __init__(self, num_clients: int) -> None:

@@ -11,7 +11,9 @@ the same LightningModule trains centrally and federated. One round:
 3. the server decodes each payload and the gate rejects malformed or non-finite uploads (``upload_policy``);
    in simulation an ``attack`` may then forge the hostile clients' uploads, which pass the gate again;
 4. the ``strategy`` turns the accepted uploads into the next global state (a round with fewer than its
-   ``min_clients`` uploads, or an unusable aggregate, keeps the state), and the global model is evaluated.
+   ``min_clients`` uploads, or an unusable aggregate, keeps the state), and the global model is evaluated;
+   with ``compressed_downloads`` the server broadcasts its step compressed, and the next global state is the one
+   every client rebuilds from that broadcast (:mod:`lightning_fl.compress.downlink`).
 
 Clients are spread over Fabric processes (``devices``); every client's randomness derives from
 ``(seed, round, client)`` and the server aggregates uploads in client order in float64, so the global
@@ -40,6 +42,8 @@ from lightning_fl import runs
 from lightning_fl.checkpoint import read_checkpoint, remove_stale_temps, state_mismatch, tensor_state
 from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.compress.client_state import import_files
+from lightning_fl.compress.downlink import Downlink
+from lightning_fl.compress.error_feedback import UpdateCompressor
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import setup
@@ -71,7 +75,13 @@ class FederatedTrainer(TrainerLike):
         local_steps: Local optimiser steps per round instead of epochs (cycling the client's data).
         strategy: Server algorithm: which clients train and how uploads are aggregated (``FedAvg``,
             ``FedAvgM``, ``FedAdagrad``, ``FedAdam``, ``FedYogi``, ``Median``, ``TrimmedMean``, ``Krum``, or yours).
-        codec: Upload codec (``FP32``, ``Quantize``, or a compressor); downloads are always float32.
+        codec: Upload codec (``FP32``, ``Quantize``, or a compressor); downloads are float32 states unless
+            ``compressed_downloads``.
+        compressed_downloads: The server broadcasts each round's step compressed by a copy of the codec (``TopK`` or
+            ``PowerSGD``, the same settings) with its own error feedback, and clients apply it to the state they
+            hold: they hold the server's state bit for bit. Each sampled client is charged the broadcasts it missed
+            (or the float32 state, if fewer bytes; the first time, the state). ``false``: every sampled client
+            downloads the float32 state. In process only; see :mod:`lightning_fl.compress.downlink`.
         upload_policy: What the gate does with a malformed or non-finite upload (or a client whose training
             diverges): ``drop`` it from the round (logged) or ``raise`` an error naming client and round.
         max_update_norm: The gate refuses an upload whose change to the global state (L2 norm over the whole
@@ -153,6 +163,7 @@ class FederatedTrainer(TrainerLike):
         local_steps: int | None = None,
         strategy: Strategy = lazy_instance(FedAvg),
         codec: Codec = lazy_instance(FP32),
+        compressed_downloads: bool = False,
         upload_policy: Literal["drop", "raise"] = "drop",
         max_update_norm: float | None = None,
         max_update_norm_ratio: float | None = 10.0,
@@ -238,6 +249,7 @@ class FederatedTrainer(TrainerLike):
                 problems.append(f"trainer.{key} must be a positive number or null, got {value}")
         if isinstance(secure_aggregation, SecureAggregation):
             problems += secure_aggregation.problems(strategy, privacy, codec, max_update_norm_ratio, attack)
+        problems += downlink_problems(compressed_downloads, codec, secure_aggregation)
         if problems:
             raise ConfigError("; ".join(problems))
         self.rounds, self.client_fraction, self.clients_per_round = rounds, client_fraction, clients_per_round
@@ -250,6 +262,9 @@ class FederatedTrainer(TrainerLike):
             dp_sgd.setup(rounds)
         self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
         self.strategy, self.codec, self.upload_policy = strategy, codec, upload_policy
+        self.compressed_downloads = compressed_downloads
+        #: The server's compressed broadcast (``compressed_downloads``); ``None``: clients download full states.
+        self.downlink = Downlink(codec) if compressed_downloads else None
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
         self.max_client_weight = max_client_weight
         self.dropout, self.attack, self.seed = dropout, attack, seed
@@ -311,12 +326,19 @@ class FederatedTrainer(TrainerLike):
                     "trainer.secure_aggregation runs in one process or on Flower (SecAgg+), not over several "
                     "processes: set trainer.devices 1 and trainer.num_nodes 1, or remove the key"
                 )
+        if self.downlink is not None:
+            if not isinstance(self.transport, InProcess):
+                raise ConfigError(
+                    "trainer.compressed_downloads is simulated in process: on Flower each node is sent the full global "
+                    "state every round and keeps none between rounds to apply a broadcast to; remove the key"
+                )
+            self.downlink.start(datamodule.num_clients)
         runner = RoundRunner(
             fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
             identity, progress=self.enable_progress_bar, transport=self.transport,
             max_update_norm=self.max_update_norm, max_update_norm_ratio=self.max_update_norm_ratio,
             privacy=self.privacy, sampling=self.sampling, fold_groups=self.fold_groups,
-            max_client_weight=self.max_client_weight,
+            max_client_weight=self.max_client_weight, downlink=self.downlink,
         )  # fmt: skip
         self.round_runner = runner
         weighted = getattr(self.strategy, "weighted", False) and self.strategy.linear
@@ -552,6 +574,25 @@ class FederatedTrainer(TrainerLike):
                 state[name] = {c: entry for part in everyone for c, entry in part.items()}
         return state
 
+    def _restore_downlink(self, path: Path, ckpt: dict) -> None:
+        """The server's downlink memory and what each client holds, from a checkpoint of the same kind of run."""
+        if self.downlink is None:
+            if "downlink" in ckpt:
+                raise CheckpointError(
+                    f"cannot resume from {path}: it was written with trainer.compressed_downloads (its clients hold "
+                    "the broadcasts' state, the server a downlink memory); set trainer.compressed_downloads true"
+                )
+            return
+        if "downlink" not in ckpt:
+            raise CheckpointError(
+                f"cannot resume from {path}: it was written without trainer.compressed_downloads (no downlink memory "
+                "to continue); remove the key, or start afresh"
+            )
+        try:
+            self.downlink.load_state_dict(ckpt["downlink"], int(ckpt["round"]))
+        except (ValueError, TypeError, KeyError) as err:
+            raise CheckpointError(f"cannot resume from {path}: {err}") from None
+
     def _save_checkpoint(self, completed: int, seed: int, fingerprint: str | None, num_clients: int) -> None:
         codec_state = self._codec_state()
         kept = bool(self.save_every_n_rounds) and completed % self.save_every_n_rounds == 0
@@ -569,6 +610,8 @@ class FederatedTrainer(TrainerLike):
                 "ledger": self.ledger.state_dict(),
                 "history": [{k: float(v) for k, v in h.items()} for h in self.history],
             }
+            if self.downlink is not None:  # its memory and which state each client holds
+                state["downlink"] = self.downlink.state_dict()
             round_ckpt.save_round(state, self.log_dir / "checkpoints", completed, self.save_every_n_rounds)
         for store in self.codec.client_stores().values():
             store.committed(pin=kept)  # files the saved checkpoint superseded can go
@@ -604,6 +647,7 @@ class FederatedTrainer(TrainerLike):
         for store in stores.values() if world > 1 else ():  # each process keeps the clients it trains
             store.retain(lambda c: self.round_runner.process_of(c, world) == rank)
         self.ledger.load_state_dict(ckpt["ledger"])
+        self._restore_downlink(path, ckpt)
         if self.privacy is not None:
             self.privacy.load_state_dict(ckpt.get("privacy", {}))
         elif ckpt.get("privacy"):
@@ -622,3 +666,22 @@ class FederatedTrainer(TrainerLike):
         if self.fabric.is_global_zero:
             remove_stale_temps(path.parent)
         return int(ckpt["round"])
+
+
+def downlink_problems(compressed_downloads: object, codec: object, secure_aggregation: object) -> list[str]:
+    """What makes ``trainer.compressed_downloads`` impossible with the other settings (one line each)."""
+    if compressed_downloads is False:
+        return []
+    if compressed_downloads is not True:
+        return [f"trainer.compressed_downloads must be true or false, got {compressed_downloads!r}"]
+    if secure_aggregation is not None:
+        return ["trainer.compressed_downloads compresses the broadcast with the codec's compressor, but "
+                "trainer.secure_aggregation uploads with none (codec FP32): remove one of the two keys"]  # fmt: skip
+    if not isinstance(codec, UpdateCompressor):
+        name = next(
+            c.__name__ for c in type(codec).__mro__ if not c.__name__.startswith(("LazyInstance_", "_LazyInit"))
+        )
+        return [f"trainer.compressed_downloads compresses the broadcast with the codec's compressor and error "
+                f"feedback, and trainer.codec {name} is not a compressor: set trainer.codec TopK or PowerSGD, or "
+                "remove the key"]  # fmt: skip
+    return []

@@ -7,6 +7,7 @@ privacy, ledger) and turns a global state into the next one. The round's uploads
     per client   decode + gate  ->  simulated attack  ->  finiteness  ->  norm gate  ->  clip (central DP)  ->  fold
     per round                                                               (relative bound: every norm first)
     server       aggregate (running sum, or rows)  ->  noise (central DP)  ->  strategy step  ->  aggregate check
+                 ->  compressed broadcast (``trainer.compressed_downloads``: :mod:`lightning_fl.compress.downlink`)
 
 **Streaming.** A linear strategy (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad) only needs the round's mean: each
 upload is folded into a float64 running sum as soon as its stages pass, in client-id order, and dropped, so a
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from lightning_fl.compress.base import FP32, Codec
+from lightning_fl.compress.downlink import Downlink
 from lightning_fl.federated.attacks import Attack
 from lightning_fl.federated.client import LocalTraining
 from lightning_fl.federated.gate import UploadRejectedError, non_finite_rows, screen_upload, upload_nbytes
@@ -142,6 +144,7 @@ class RoundRunner:
         sampling: str = "fixed",
         fold_groups: int = 1,
         max_client_weight: float | None = None,
+        downlink: Downlink | None = None,
     ) -> None:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
         # secure aggregation: the round sees the modular sum of the uploads only
@@ -152,6 +155,8 @@ class RoundRunner:
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
         self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
         self.max_client_weight = max_client_weight
+        #: Compressed downloads (``trainer.compressed_downloads``): the server's broadcast; ``None``: full states.
+        self.downlink = downlink
         world = fabric.world_size
         if self.transport.spreads_over_processes and world > fold_groups > 1:
             warnings.warn(
@@ -239,7 +244,7 @@ class RoundRunner:
         metrics["fed/dropped_clients"] = len(self.dropped)
         # what the round aggregated: the metrics and the ledger's upload bytes leave dropped clients out
         metrics.update(mean_over_clients([e.logged for e in uploads.answered if e.client in aggregated]))
-        self._record_bytes(state, uploads, away, aggregated)
+        self._record_bytes(state, uploads, away, aggregated, r)
         state, outcome = self._aggregate(r, state, names, uploads)
         metrics.update(outcome)
         if self.privacy is not None:
@@ -505,7 +510,12 @@ class RoundRunner:
             elif too_far := [why for limit, why in limits if step > limit]:
                 problem = f"aggregate refused: {name}'s step has norm {step:.4g}, which " + "; ".join(too_far)
             else:
-                new_state = unflatten(new_flat, state, names)
+                if self.downlink is None:
+                    new_state = unflatten(new_flat, state, names)
+                else:  # the step, compressed with the server's error feedback: what every client applies
+                    delta = (new_flat.to(torch.float64) - current.to(torch.float64)).to(torch.float32)
+                    new_state, payload = self.downlink.broadcast(split(delta, state, names), state)
+                    metrics["comm/broadcast_bytes"] = float(payload.nbytes)
                 if self.identity is not None and self.fabric.is_global_zero and len(folded):
                     metrics["fed/identity_error"] = self.identity([unflatten(u, state, names) for u in uploads.rows])
                 metrics.update({f"strategy/{k}": float(v) for k, v in extra.items()})
@@ -518,6 +528,9 @@ class RoundRunner:
                 )
         if problem is not None:
             warnings.warn(f"round {r + 1}: {problem}; the global state is unchanged", stacklevel=3)
+            if self.downlink is not None:  # nothing changed: nothing to broadcast
+                self.downlink.skip()
+                metrics["comm/broadcast_bytes"] = 0.0
         metrics["fed/round_skipped"] = float(problem is not None)
         if len(norms):  # of the accepted updates, before any clipping: what a clip bound is chosen from
             metrics["fed/update_norm_median"] = median = float(norms.median())
@@ -526,19 +539,24 @@ class RoundRunner:
         return state, metrics
 
     # ============================================================================ bookkeeping
-    def _record_bytes(self, state: State, uploads: RoundUploads, away: list[int], aggregated: set[int]) -> None:
-        """Count the round's traffic: downloads to every sampled client, uploads aggregated or rejected."""
-        down = FP32().encode(state, state, -1).nbytes
+    def _record_bytes(self, state: State, uploads: RoundUploads, away: list[int], aggregated: set[int], r: int) -> None:
+        """Count the round's traffic: downloads to every sampled client (the float32 state, or with compressed
+        downloads the broadcasts it missed, :meth:`Downlink.download`), uploads aggregated or rejected."""
+        full = FP32().encode(state, state, -1).nbytes
+
+        def down(client: int) -> int:
+            return full if self.downlink is None else self.downlink.download(client, r, full)
+
         self.ledger.start_round()
         for e in uploads.in_order:
-            self.ledger.record(e.client, "down", down)
+            self.ledger.record(e.client, "down", down(e.client))
             if e.status != LOST:
                 self.ledger.record(e.client, "up" if e.client in aggregated else "rejected", e.up)
             for direction, size in (("up", e.msg_up), ("down", e.msg_down)):
                 if size >= 0:
                     self.ledger.record_message(e.client, direction, size)
         for c in away:
-            self.ledger.record(c, "down", down)
+            self.ledger.record(c, "down", down(c))
 
     def _gather_rows(self, uploads: RoundUploads) -> None:
         """Every process's entries and decoded rows, on every process, in client order."""
@@ -598,6 +616,15 @@ class RoundRunner:
 def rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     """``t[index]``, without copying when ``index`` is the first ``len(index)`` rows in order (the usual round)."""
     return t[: len(index)] if index == list(range(len(index))) else t[index]
+
+
+def split(flat: torch.Tensor, like: State, names: list[str]) -> State:
+    """Split ``flat`` into CPU tensors shaped like ``like``'s, keeping ``flat``'s dtype (unlike :func:`unflatten`)."""
+    out, offset = {}, 0
+    for n in names:
+        out[n] = flat[offset : offset + like[n].numel()].view(like[n].shape)
+        offset += like[n].numel()
+    return out
 
 
 def update_norms(uploads: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
