@@ -101,3 +101,18 @@ def test_identity_bounds_in_prose_are_the_maxima_over_the_csvs(name, monkeypatch
         path, value, row = top
         assert float(text) >= value, f"{name}: {text} is below {value:.3e} ({path.name}, {row['label']})"
         assert text == bounds.quoted(value), f"{name}: quotes {text} where `{shlex.join(args)}` gives {value:.3e}"
+
+
+def test_the_gate_study_regenerates_and_results_md_quotes_it(tmp_path):
+    """``tools/gate_study.py`` on the committed CSVs gives docs/results/gate_study.md byte for byte, and every
+    table row of it appears verbatim in docs/results.md (a number edited by hand in either fails)."""
+    results = DOCS / "results"
+    out = tmp_path / "gate_study.md"
+    tool_module("gate_study").main(
+        [str(results / "gate_honest.csv"), str(results / "gate_attacks.csv"), "--markdown", str(out)]
+    )
+    committed = (results / "gate_study.md").read_text()
+    assert out.read_text() == committed
+    prose = (DOCS / "results.md").read_text()
+    rows = [line for line in committed.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 20 and [r for r in rows if r not in prose] == []

@@ -123,13 +123,13 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ({std:.3f})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("honest", type=Path, help="CSV of tools/sweeps/gate_honest.yaml")
     parser.add_argument("attacks", type=Path, nargs="?", help="CSV of tools/sweeps/gate_attacks.yaml")
     parser.add_argument("--margin", type=float, default=0.02, help="'stops': within this of the clean accuracy")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     honest = read(args.honest)
     lines = ["**Honest clients, gate off: each round's largest update norm over its median**", "",
              *honest_table(honest)]  # fmt: skip
@@ -141,6 +141,7 @@ def main() -> None:
     print(text)
     if args.markdown is not None:
         args.markdown.write_text(text)
+    return text
 
 
 if __name__ == "__main__":
