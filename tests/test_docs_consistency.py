@@ -7,7 +7,7 @@ import shlex
 import pytest
 import yaml
 
-from conftest import REPO, tool_module
+from conftest import REPO, run_cli, tool_module
 
 DOCS = REPO / "docs"
 TABLE_FILES = sorted(DOCS.glob("*_tables.md"))
@@ -116,3 +116,49 @@ def test_the_gate_study_regenerates_and_results_md_quotes_it(tmp_path):
     prose = (DOCS / "results.md").read_text()
     rows = [line for line in committed.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) > 20 and [r for r in rows if r not in prose] == []
+
+
+def _written(pattern: str, text: str, where: str) -> tuple[str, ...]:
+    found = re.search(pattern, text)
+    assert found, f"{where}: no match for {pattern!r}"
+    return found.groups()
+
+
+def _same(value: float, written: str) -> bool:
+    """``value`` printed with as many decimals as ``written`` has is ``written``."""
+    decimals = len(written.split(".")[1]) if "." in written else 0
+    return f"{value:.{decimals}f}" == written
+
+
+def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_md_state(tmp_path, monkeypatch):
+    """One run of ``fit --config configs/quickstart.yaml``: accuracy (base, final, best), bytes per client and the
+    identity bound as README's configs table, the config's header and results.md write them."""
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
+    config = REPO / "configs" / "quickstart.yaml"
+    args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "runs"),
+            "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    assert run_cli(*args) == 0
+    import torch
+
+    ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
+    history = torch.load(ckpt, map_location="cpu", weights_only=True)["history"]
+    acc = {int(h["round"]): h["val/acc"] for h in history}
+    base, final, best = acc[0], acc[max(acc)], max(v for r, v in acc.items() if r > 0)
+    cum_bytes = history[-1]["comm/cum_client_bytes"]
+    identity = max(h.get("fed/identity_error", 0.0) for h in history)
+
+    readme = (REPO / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `quickstart.yaml`"))
+    readme_pattern = r"base (0\.\d+) -> (0\.\d+) test accuracy, ([\d,]+) B per client"
+    r_base, r_final, r_bytes = _written(readme_pattern, row, "README")
+    header = config.read_text()
+    c_base, c_final = _written(r"(0\.\d+) for the base \(round 0\) -> (0\.\d+) after 30 rounds", header, "config")
+    c_bytes, c_bound = _written(r"= ([\d,]+) bytes, fed/identity_error at most (\S+) over", header, "config")
+    results = (DOCS / "results.md").read_text()
+    results_pattern = r"Test accuracy\s+(0\.\d+) \(base, round 0\) -> (0\.\d+) after 30 rounds \(best (0\.\d+)\)"
+    m_base, m_final, m_best = _written(results_pattern, results, "results.md")
+    for value, written in ((base, r_base), (base, c_base), (base, m_base), (final, r_final), (final, c_final),
+                           (final, m_final), (best, m_best)):  # fmt: skip
+        assert _same(value, written), (value, written)
+    assert {int(r_bytes.replace(",", "")), int(c_bytes.replace(",", ""))} == {int(cum_bytes)}
+    assert 0 < identity <= float(c_bound)
