@@ -428,6 +428,77 @@ def test_run_config_mistakes_get_one_line():
     assert settings({"config": "x.yaml", "round-timeout": 30})["round_timeout"] == 30.0
 
 
+def test_every_wait_is_a_validated_run_config_key():
+    got = settings({"config": "x.yaml", "hello-timeout": 300, "max-silent-rounds": 0})
+    assert (got["hello_timeout"], got["max_silent_rounds"]) == (300.0, None)
+    assert settings({"config": "x.yaml"})["max_silent_rounds"] == 3
+    for bad in (float("nan"), -1, 0, "60"):
+        with pytest.raises(ConfigError, match="'hello-timeout' must be a number of seconds"):
+            settings({"config": "x.yaml", "hello-timeout": bad})
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="'max-silent-rounds' must be a whole number of rounds >= 0"):
+            settings({"config": "x.yaml", "max-silent-rounds": bad})
+
+
+def test_a_run_without_replies_stops_with_an_error_naming_the_nodes(in_tmp):
+    """Rounds in which no sampled client replies (SuperNodes gone, e.g. after a SuperLink restart) do not end as a
+    completed run: after ``max-silent-rounds`` of them the run stops with one error, its checkpoint saved."""
+    from lightning_fl.errors import UserError
+
+    silent = LocalGrid(nodes(), tamper={n: lambda reply, message: None for n in range(1, 5)})
+    overrides = [*SMALL, "--trainer.rounds", "5", "--trainer.default_root_dir", str(in_tmp / "runs"),
+                 "--trainer.name", "silent"]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-2; "
+                           r"SuperNodes known: \[1, 2, 3, 4\]\).*'max-silent-rounds'"):  # fmt: skip
+            serve(silent, str(CONFIGS / "quickstart.yaml"), overrides, wait_for_nodes=0, max_silent_rounds=2)
+        assert final(in_tmp / "runs", "silent")["round"] == 2  # saved: it resumes once nodes are back
+        done = serve(LocalGrid(nodes(), tamper={n: lambda reply, message: None for n in range(1, 5)}),
+                     str(CONFIGS / "quickstart.yaml"), [*overrides[:-1], "quiet"], wait_for_nodes=0,
+                     max_silent_rounds=None)  # fmt: skip
+    assert len(done.history) == 6 and all(h["fed/lost_clients"] == 4 for h in done.history[1:])
+
+
+def test_a_timed_out_round_says_so_and_a_late_reply_is_never_another_rounds(in_tmp):
+    """Node 2's round-1 reply is late: round 1 warns that it timed out, and when the stale reply comes back in
+    round 2 in place of the real one, it is not taken as round 2's (the client is lost that round too)."""
+    kept = {}
+
+    def late(reply, message):
+        if message.metadata.group_id == "1":
+            kept["stale"] = reply
+            return None
+        return kept.pop("stale", reply)
+
+    grid = LocalGrid(nodes(), tamper={2: late})
+    overrides = [*SMALL, "--trainer.default_root_dir", str(in_tmp / "runs"), "--trainer.name", "late"]
+    with pytest.warns(UserWarning, match=r"round 1: client\(s\) \[1\] did not reply: timed out after 1e-09 s; "
+                      r"raise run config 'round-timeout'"):  # fmt: skip
+        trainer = serve(grid, str(CONFIGS / "quickstart.yaml"), overrides, round_timeout=1e-9, wait_for_nodes=0)
+    assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
+
+
+def test_a_node_slow_to_say_hello_is_named_as_such_and_asked_again(in_tmp):
+    class SlowHello(LocalGrid):
+        def send_and_receive(self, messages_, *, timeout=None):
+            replies = super().send_and_receive(messages_, timeout=timeout)
+            if (
+                not getattr(self, "greeted", False)
+                and messages_
+                and messages_[0].metadata.message_type == messages.HELLO
+            ):
+                self.greeted = True  # node 1 answers its first hello too late
+                replies = [r for r in replies if r.metadata.src_node_id != 1]
+            return replies
+
+    grid = SlowHello(nodes())
+    with pytest.warns(UserWarning, match=r"client\(s\) \[0\] have no SuperNode yet: 1 connected SuperNode\(s\) "
+                      r"did not say which client they serve within run config 'hello-timeout' \(60 s"):  # fmt: skip
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
+    assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [0.0, 0.0]  # asked again before round 1
+
+
 def test_server_refuses_a_non_federated_trainer(in_tmp):
     with pytest.raises(ConfigError, match="trainer.devices must be 1 on Flower"):
         serve(LocalGrid(nodes()), str(CONFIGS / "quickstart.yaml"), ["--trainer.devices", "2"])
@@ -488,7 +559,7 @@ def test_distributed_dp_under_secagg_on_flower_equals_in_process_bitwise(in_tmp)
 def _absent(tmp_path) -> dict:
     """The secure run with client 2's node missing: the sum of the other three (the reference for a dropped node)."""
     grid = LocalGrid([c for c in nodes() if c["partition-id"] != 2])
-    with pytest.warns(UserWarning, match="no SuperNode serves client"):
+    with pytest.warns(UserWarning, match=r"client\(s\) \[2\] have no SuperNode yet: no SuperNode answered for them"):
         return on_flower(tmp_path, CONFIGS / "quickstart.yaml", grid, *SECURE, name="absent")[1]
 
 
@@ -594,3 +665,14 @@ def _yaml(tmp_path, *extra) -> str:
 
     args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *SMALL, "--trainer.default_root_dir", str(tmp_path)]
     return build([*args, *extra]).config_yaml
+
+
+@pytest.mark.parametrize("flag", ["--hello-timeout", "--round-timeout"])
+def test_the_simulation_entry_refuses_a_bad_wait_in_one_line(flag, capsys):
+    from lightning_fl.flower.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(CONFIGS / "quickstart.yaml"), flag, "nan"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{flag} must be a finite number of seconds" in err

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--supernodes", type=int, default=None, help="Virtual SuperNodes (default: data.num_clients).")
     parser.add_argument("--cpus-per-client", type=float, default=1.0, help="Ray CPUs per ClientApp (default 1).")
     parser.add_argument("--round-timeout", type=float, default=0.0, help="Seconds to wait for replies (0: all).")
+    parser.add_argument("--hello-timeout", type=float, default=60.0, help="Seconds a new node has to say its client.")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         from flwr.simulation import run_simulation
@@ -31,9 +32,18 @@ def main(argv: list[str] | None = None) -> None:
         supernodes = args.supernodes if args.supernodes is not None else int(run.data.num_clients)
         if supernodes < 1 or args.cpus_per_client <= 0:
             raise UserError("--supernodes must be >= 1 and --cpus-per-client > 0")
+        for name in ("round_timeout", "hello_timeout"):
+            value = getattr(args, name)
+            if not 0 <= value < float("inf") or (name == "hello_timeout" and value == 0):
+                raise UserError(f"--{name.replace('_', '-')} must be a finite number of seconds "
+                                f"{'> 0' if name == 'hello_timeout' else '>= 0'}, got {value}")  # fmt: skip
         outcome: dict = {}
         server = server_app(
-            config=args.config, overrides=overrides, round_timeout=args.round_timeout or None, outcome=outcome
+            config=args.config,
+            overrides=overrides,
+            round_timeout=args.round_timeout or None,
+            outcome=outcome,
+            hello_timeout=args.hello_timeout,
         )
         resources = {"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}}
         run_simulation(server_app=server, client_app=client_app, num_supernodes=supernodes, backend_config=resources)

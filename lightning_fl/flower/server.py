@@ -7,7 +7,10 @@ YAML and the usual dotted overrides::
 
 Keys: ``config`` (a YAML path, relative to the app folder or absolute), ``overrides`` (CLI arguments, as
 after ``python -m lightning_fl fit``), ``round-timeout`` (seconds to wait for a round's replies; 0 waits
-for all), ``wait-for-nodes`` (seconds to wait before round 1 until every client has a node). The trainer
+for all), ``wait-for-nodes`` (seconds to wait before round 1 until every client has a node), ``hello-timeout``
+(seconds a new node has to say which client it serves; default 60: raise it on a busy machine, where a ClientApp
+process takes long to import) and ``max-silent-rounds`` (stop with an error after this many rounds in a row
+without one reply; default 3, 0: never). The trainer
 is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, resume and TensorBoard logs.
 """
 
@@ -36,6 +39,8 @@ def serve(
     round_timeout: float | None = None,
     wait_for_nodes: float = 60.0,
     app_dir: str | Path | None = None,
+    hello_timeout: float = 60.0,
+    max_silent_rounds: int | None = 3,
 ) -> FederatedTrainer:
     """Build the run from ``config`` and ``overrides`` and fit it with clients reached through ``grid``."""
     from lightning_fl.cli import build
@@ -54,7 +59,14 @@ def serve(
         raise ConfigError(
             f"trainer.devices must be 1 on Flower (clients run on the SuperNodes), got {trainer.fabric_args['devices']}"
         )
-    trainer.transport = FlowerTransport(grid, run.config_yaml, round_timeout, wait_for_nodes=wait_for_nodes)
+    trainer.transport = FlowerTransport(
+        grid,
+        run.config_yaml,
+        round_timeout,
+        hello_timeout=hello_timeout,
+        wait_for_nodes=wait_for_nodes,
+        max_silent_rounds=max_silent_rounds,
+    )
     trainer.log_config(run.config_yaml)
     trainer.fit(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
     return trainer
@@ -62,7 +74,7 @@ def serve(
 
 def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     """:func:`serve`'s keyword arguments from a Flower run config (checked: one line per mistake)."""
-    known = {"config", "overrides", "round-timeout", "wait-for-nodes"}
+    known = {"config", "overrides", "round-timeout", "wait-for-nodes", "hello-timeout", "max-silent-rounds"}
     unknown = sorted(set(run_config) - known)
     if unknown:
         raise ConfigError(f"unknown run config key(s) {unknown}; accepted: {sorted(known)}")
@@ -73,13 +85,19 @@ def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(overrides, str):
         raise ConfigError(f"run config 'overrides' must be a string of CLI arguments, got {overrides!r}")
     numbers = {}
-    for key, default in (("round-timeout", 0.0), ("wait-for-nodes", 60.0)):
+    for key, default in (("round-timeout", 0.0), ("wait-for-nodes", 60.0), ("hello-timeout", 60.0)):
         value = run_config.get(key, default)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
             raise ConfigError(f"run config {key!r} must be a number of seconds >= 0, got {value!r}")
         numbers[key] = float(value)
+    if numbers["hello-timeout"] <= 0:
+        raise ConfigError("run config 'hello-timeout' must be a number of seconds > 0, got 0")
+    silent = run_config.get("max-silent-rounds", 3)
+    if not isinstance(silent, int) or isinstance(silent, bool) or silent < 0:
+        raise ConfigError(f"run config 'max-silent-rounds' must be a whole number of rounds >= 0, got {silent!r}")
     timeout, wait = numbers["round-timeout"] or None, numbers["wait-for-nodes"]
-    return {"config": config, "overrides": overrides, "round_timeout": timeout, "wait_for_nodes": wait}
+    return {"config": config, "overrides": overrides, "round_timeout": timeout, "wait_for_nodes": wait,
+            "hello_timeout": numbers["hello-timeout"], "max_silent_rounds": silent or None}  # fmt: skip
 
 
 def server_app(outcome: dict | None = None, **kwargs: Any) -> ServerApp:

@@ -19,7 +19,7 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from lightning_fl.errors import ConfigError
+from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.transport import Reply, SecureRound, Transport
 from lightning_fl.flower import messages as wire_msg
 
@@ -33,9 +33,13 @@ class FlowerTransport(Transport):
     Args:
         grid: The ServerApp's grid.
         config_yaml: The run's resolved config, sent once to every node so it builds the same run.
-        round_timeout: Seconds to wait for a round's replies (``None``: until every reply arrives).
-        hello_timeout: Seconds to wait for new nodes to say which client they are.
+        round_timeout: Seconds to wait for a round's replies (``None``: until every reply arrives). A round whose
+            replies do not all arrive in time says so; replies that come later are never matched to another round.
+        hello_timeout: Seconds to wait for new nodes to say which client they are (a node whose ClientApp is
+            still importing on a busy machine needs more).
         wait_for_nodes: Seconds to wait, before the first round, until a node answers for every client.
+        max_silent_rounds: Stop the run with an error (after saving the round's checkpoint, so it resumes) when
+            this many rounds in a row get no reply from any sampled client; ``None`` or 0: never stop.
     """
 
     spreads_over_processes = False
@@ -48,9 +52,13 @@ class FlowerTransport(Transport):
         round_timeout: float | None = None,
         hello_timeout: float = 60.0,
         wait_for_nodes: float = 60.0,
+        max_silent_rounds: int | None = 3,
     ) -> None:
         self.grid, self.config_yaml = grid, config_yaml
         self.round_timeout, self.hello_timeout, self.wait_for_nodes = round_timeout, hello_timeout, wait_for_nodes
+        self.max_silent_rounds = max_silent_rounds or None
+        self.silent_rounds = 0  # rounds in a row in which no sampled client replied
+        self.unanswered: set[int] = set()  # nodes asked which client they are that have not answered yet
         self.node_of: dict[int, int] = {}  # client id -> node id
         self.client_of: dict[int, int] = {}  # node id -> client id
         self.refused: set[int] = set()  # nodes that could not serve (asked once; a fixed node rejoins under a new id)
@@ -68,7 +76,12 @@ class FlowerTransport(Transport):
             time.sleep(0.5)
         if len(self.node_of) < num_clients:
             missing = sorted(set(range(num_clients)) - set(self.node_of))
-            warnings.warn(f"no SuperNode serves client(s) {missing}; they miss rounds until one joins", stacklevel=2)
+            why = (f"{len(self.unanswered)} connected SuperNode(s) did not say which client they serve within "
+                   f"run config 'hello-timeout' ({self.hello_timeout:g} s; they are asked again each round)"
+                   if self.unanswered else f"no SuperNode answered for them within run config 'wait-for-nodes' "
+                   f"({self.wait_for_nodes:g} s)")  # fmt: skip
+            warnings.warn(f"client(s) {missing} have no SuperNode yet: {why}; until one answers they miss rounds",
+                          stacklevel=2)  # fmt: skip
 
     def introduce(self) -> None:
         """Forget nodes that left; ask new ones which client they are (and give them the run's config)."""
@@ -82,8 +95,10 @@ class FlowerTransport(Transport):
             Message(content=wire_msg.hello_content(self.config_yaml), dst_node_id=n, message_type=wire_msg.HELLO)
             for n in new
         ]
+        self.unanswered = set(new)
         for reply in self.grid.send_and_receive(hello, timeout=self.hello_timeout):
             node = reply.metadata.src_node_id
+            self.unanswered.discard(node)
             client, problem = self._read_hello(reply)
             if problem is not None:
                 self.refused.add(node)
@@ -121,6 +136,16 @@ class FlowerTransport(Transport):
             payload, message = metrics["comm/client_up_bytes"], metrics["comm/msg_client_up_bytes"]
             parts.append(f"upload {payload:.0f} B payload in a {message:.0f} B message per client")
         log(INFO, "%s", "; ".join(parts))
+        self.silent_rounds = self.silent_rounds + 1 if metrics["fed/clients"] > 0 and answered == 0 else 0
+        if self.max_silent_rounds is not None and self.silent_rounds >= self.max_silent_rounds:
+            nodes = sorted(self.client_of) or "none"
+            raise UserError(
+                f"no sampled client replied in {self.silent_rounds} rounds in a row (rounds "
+                f"{round + 2 - self.silent_rounds}-{round + 1}; SuperNodes known: {nodes}): check that the SuperNodes "
+                "run and reach this SuperLink (after a SuperLink restart, restart them too), then resume the run "
+                "(its checkpoint is saved); run config 'max-silent-rounds' sets how many rounds to allow "
+                "(0: never stop)"
+            )
 
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
         self.introduce()
@@ -140,15 +165,20 @@ class FlowerTransport(Transport):
             sent[cid] = (node, wire_msg.message_bytes(message, sizes))
         answers: dict[int, Any] = {}
         if out:
+            started = time.monotonic()
             replies = list(self.grid.send_and_receive(out, timeout=self.round_timeout))
-            # match replies to what was sent (the SuperLink answers for a vanished node under its own id)
+            # match replies to what was sent; a reply to another round's message is never this round's (the
+            # SuperLink answers for a vanished node under its own id, with no message to reply to)
             by_id = {m.metadata.message_id: c for m, c in zip(out, targets, strict=True) if m.metadata.message_id}
             for reply in replies:
-                client = by_id.get(reply.metadata.reply_to_message_id or None)
-                if client is None:
-                    client = self.client_of.get(reply.metadata.src_node_id)
+                to = reply.metadata.reply_to_message_id or None
+                client = by_id.get(to) if to is not None else self.client_of.get(reply.metadata.src_node_id)
                 if client is not None and client in sent and client not in answers:
                     answers[client] = reply
+            late = sorted(set(targets) - set(answers))
+            if late and self.round_timeout is not None and time.monotonic() - started >= self.round_timeout:
+                warnings.warn(f"round {round + 1}: client(s) {late} did not reply: timed out after "
+                              f"{self.round_timeout:g} s; raise run config 'round-timeout'", stacklevel=2)  # fmt: skip
         for cid in clients:
             down = sent[cid][1] if cid in sent else None
             reply = answers.get(cid)
