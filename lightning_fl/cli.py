@@ -321,4 +321,15 @@ def main(argv: list[str] | None = None) -> Any:
     finally:
         if lock is not None:
             lock.release()
+        _close_process_group()
     return None
+
+
+def _close_process_group() -> None:
+    """Tear down torch.distributed (several processes) before the interpreter exits: a process group left to
+    interpreter shutdown can abort it with ``terminate called without an active exception``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # (the run's own outcome, success or error, is what matters)
+            dist.destroy_process_group()
