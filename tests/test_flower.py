@@ -676,3 +676,22 @@ def test_the_simulation_entry_refuses_a_bad_wait_in_one_line(flag, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{flag} must be a finite number of seconds" in err
+
+
+def test_rounds_whose_clients_were_all_unavailable_are_not_silent():
+    """Simulated dropout asks nobody: such a round neither counts towards ``max-silent-rounds`` nor resets it."""
+    from lightning_fl.errors import UserError
+    from lightning_fl.flower.transport import FlowerTransport
+
+    transport = FlowerTransport(LocalGrid(nodes()), "", max_silent_rounds=2)
+
+    def round_(r, unavailable, lost):
+        metrics = {"fed/clients": 4.0, "fed/unavailable_clients": unavailable, "fed/lost_clients": lost,
+                   "fed/dropped_clients": 0.0}  # fmt: skip
+        transport.finished_round(r, metrics)
+
+    round_(0, 0.0, 4.0)  # silent
+    for r in range(1, 6):
+        round_(r, 4.0, 0.0)  # nobody asked
+    with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-7"):
+        round_(6, 1.0, 3.0)

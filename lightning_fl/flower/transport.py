@@ -58,6 +58,7 @@ class FlowerTransport(Transport):
         self.round_timeout, self.hello_timeout, self.wait_for_nodes = round_timeout, hello_timeout, wait_for_nodes
         self.max_silent_rounds = max_silent_rounds or None
         self.silent_rounds = 0  # rounds in a row in which no sampled client replied
+        self.first_silent = 0  # the first of them (1-based)
         self.unanswered: set[int] = set()  # nodes asked which client they are that have not answered yet
         self.node_of: dict[int, int] = {}  # client id -> node id
         self.client_of: dict[int, int] = {}  # node id -> client id
@@ -136,12 +137,15 @@ class FlowerTransport(Transport):
             payload, message = metrics["comm/client_up_bytes"], metrics["comm/msg_client_up_bytes"]
             parts.append(f"upload {payload:.0f} B payload in a {message:.0f} B message per client")
         log(INFO, "%s", "; ".join(parts))
-        self.silent_rounds = self.silent_rounds + 1 if metrics["fed/clients"] > 0 and answered == 0 else 0
+        asked = metrics["fed/clients"] - metrics["fed/unavailable_clients"]  # (simulated dropout asks nobody)
+        if asked > 0:
+            self.silent_rounds = self.silent_rounds + 1 if answered == 0 else 0
+            self.first_silent = round + 1 if self.silent_rounds == 1 else self.first_silent
         if self.max_silent_rounds is not None and self.silent_rounds >= self.max_silent_rounds:
             nodes = sorted(self.client_of) or "none"
             raise UserError(
                 f"no sampled client replied in {self.silent_rounds} rounds in a row (rounds "
-                f"{round + 2 - self.silent_rounds}-{round + 1}; SuperNodes known: {nodes}): check that the SuperNodes "
+                f"{self.first_silent}-{round + 1}; SuperNodes known: {nodes}): check that the SuperNodes "
                 "run and reach this SuperLink (after a SuperLink restart, restart them too), then resume the run "
                 "(its checkpoint is saved); run config 'max-silent-rounds' sets how many rounds to allow "
                 "(0: never stop)"
