@@ -54,6 +54,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.strategies import FedAvg, Strategy
+from lightning_fl.federated.strategies.base import configured_name
 from lightning_fl.federated.summary import collapse, evaluation_lines, run_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess, Transport
 from lightning_fl.privacy.base import Plan, Privacy
@@ -678,10 +679,7 @@ def downlink_problems(compressed_downloads: object, codec: object, secure_aggreg
         return ["trainer.compressed_downloads compresses the broadcast with the codec's compressor, but "
                 "trainer.secure_aggregation uploads with none (codec FP32): remove one of the two keys"]  # fmt: skip
     if not isinstance(codec, UpdateCompressor):
-        name = next(
-            c.__name__ for c in type(codec).__mro__ if not c.__name__.startswith(("LazyInstance_", "_LazyInit"))
-        )
         return [f"trainer.compressed_downloads compresses the broadcast with the codec's compressor and error "
-                f"feedback, and trainer.codec {name} is not a compressor: set trainer.codec TopK or PowerSGD, or "
-                "remove the key"]  # fmt: skip
+                f"feedback, and trainer.codec {configured_name(codec)} is not a compressor: set trainer.codec TopK "
+                "or PowerSGD, or remove the key"]  # fmt: skip
     return []

@@ -514,7 +514,7 @@ class RoundRunner:
                     new_state = unflatten(new_flat, state, names)
                 else:  # the step, compressed with the server's error feedback: what every client applies
                     delta = (new_flat.to(torch.float64) - current.to(torch.float64)).to(torch.float32)
-                    new_state, payload = self.downlink.broadcast(split(delta, state, names), state)
+                    new_state, payload = self.downlink.broadcast(unflatten(delta, state, names, typed=False), state)
                     metrics["comm/broadcast_bytes"] = float(payload.nbytes)
                 if self.identity is not None and self.fabric.is_global_zero and len(folded):
                     metrics["fed/identity_error"] = self.identity([unflatten(u, state, names) for u in uploads.rows])
@@ -616,15 +616,6 @@ class RoundRunner:
 def rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     """``t[index]``, without copying when ``index`` is the first ``len(index)`` rows in order (the usual round)."""
     return t[: len(index)] if index == list(range(len(index))) else t[index]
-
-
-def split(flat: torch.Tensor, like: State, names: list[str]) -> State:
-    """Split ``flat`` into CPU tensors shaped like ``like``'s, keeping ``flat``'s dtype (unlike :func:`unflatten`)."""
-    out, offset = {}, 0
-    for n in names:
-        out[n] = flat[offset : offset + like[n].numel()].view(like[n].shape)
-        offset += like[n].numel()
-    return out
 
 
 def update_norms(uploads: torch.Tensor, current: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,13 @@ def flatten(state: State, names: Sequence[str], out: torch.Tensor | None = None)
     return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
-def unflatten(flat: torch.Tensor, like: State, names: Sequence[str]) -> State:
-    """Split ``flat`` back into tensors shaped (and typed) like ``like``."""
+def unflatten(flat: torch.Tensor, like: State, names: Sequence[str], *, typed: bool = True) -> State:
+    """Split ``flat`` back into tensors shaped (and, with ``typed``, typed) like ``like``; ``typed=False`` keeps
+    ``flat``'s dtype (views of it)."""
     out, offset = {}, 0
     for n in names:
         t = like[n]
-        out[n] = flat[offset : offset + t.numel()].view(t.shape).to(t.dtype)
+        part = flat[offset : offset + t.numel()].view(t.shape)
+        out[n] = part.to(t.dtype) if typed else part
         offset += t.numel()
     return out

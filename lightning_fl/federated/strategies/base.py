@@ -130,11 +130,17 @@ class Strategy:
     @property
     def name(self) -> str:
         """The class name (of the configured class, also for a config default built lazily by jsonargparse)."""
-        lazy = ("LazyInstance_", "_LazyInit")  # jsonargparse's wrappers of a lazily built default
-        return next(c.__name__ for c in type(self).__mro__ if not c.__name__.startswith(lazy))
+        return configured_name(self)
 
     def __repr__(self) -> str:
         return f"{self.name}()"
+
+
+def configured_name(obj: object) -> str:
+    """``obj``'s class name as the config names it, also for a default built lazily by jsonargparse (which wraps
+    the class in a subclass of its own)."""
+    lazy = ("LazyInstance_", "_LazyInit")  # jsonargparse's wrappers of a lazily built default
+    return next(c.__name__ for c in type(obj).__mro__ if not c.__name__.startswith(lazy))
 
 
 def mean_of_uploads(uploads: torch.Tensor, num_samples: torch.Tensor, weighted: bool) -> torch.Tensor:
