@@ -119,7 +119,9 @@ def _subcommand_parser(name: str) -> ArgumentParser:
 
 
 def _build() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
-    import lightning_fl  # noqa: F401  (imports every plug-in so short class names resolve)
+    from lightning_fl import load_plugins
+
+    load_plugins()  # every plug-in imported, so short class names resolve
 
     root = ArgumentParser(
         prog="python -m lightning_fl",

@@ -345,7 +345,9 @@ def test_cli_short_names_resolve(corpus):
     import lightning as L
     from jsonargparse import ArgumentParser
 
-    import lightning_fl  # noqa: F401  (registers the plug-ins)
+    from lightning_fl import load_plugins
+
+    load_plugins()  # registers the plug-ins
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--data", type=L.LightningDataModule)
