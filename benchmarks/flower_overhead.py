@@ -287,7 +287,7 @@ def record(result: Result, rounds: list[dict[str, float]], run: Sample) -> None:
 REBUILD = r"""
 import json, sys, time
 t0 = time.time()
-from lightning_fl.flower.client import build_node
+from lightning_fl.flower.node import build_node
 t1 = time.time()
 build_node(open(sys.argv[1], encoding="utf-8").read(), {"partition-id": 0})
 t2 = time.time()

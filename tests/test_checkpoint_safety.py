@@ -312,7 +312,7 @@ def test_init_from_is_refused_and_a_bad_base_cache_is_pretrained_again(tmp_path,
 # ------------------------------------------------------------------------------ bytes: a Flower node's codec memory
 def test_flower_codec_memory_is_read_with_the_same_reader(tmp_path, marker):
     from lightning_fl.compress import TopK
-    from lightning_fl.flower.client import _CODEC_STATE, _load_codec_state, _save_codec_state
+    from lightning_fl.flower.node import _CODEC_STATE, _load_codec_state, _save_codec_state
 
     codec, context = TopK(density=0.5), SimpleNamespace(state={})
     codec.residuals[3] = {"w": torch.arange(4.0)}

@@ -28,6 +28,7 @@ from lightning_fl.errors import ConfigError  # noqa: E402
 from lightning_fl.federated import UploadRejectedError  # noqa: E402
 from lightning_fl.flower import client as flower_client  # noqa: E402
 from lightning_fl.flower import messages  # noqa: E402
+from lightning_fl.flower import node as flower_node  # noqa: E402
 from lightning_fl.flower.server import serve, settings  # noqa: E402
 
 SMALL = [
@@ -61,6 +62,8 @@ class LocalGrid(Grid):
         }
         self.tamper = tamper or {}
         self.sent: list[Message] = []
+        self.store: dict[str, Message] = {}  # replies not pulled yet, by the id of the message they answer
+        self.pulls = 0
         self._ids = itertools.count()
 
     def set_run(self, run_id):  # pragma: no cover - not used by our transport
@@ -76,17 +79,27 @@ class LocalGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Deliver at once; the replies wait in the SuperLink's store (keyed by the message answered) until pulled."""
+        messages = list(messages)
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"  # as the SuperLink does on push
+        for reply in self.deliver(messages):
+            self.store[reply.metadata.reply_to_message_id] = reply
+        return [m.metadata.message_id for m in messages]
 
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        self.pulls += 1
+        return [self.store.pop(i) for i in message_ids if i in self.store]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        return list(self.pull_messages(self.push_messages(messages)))
+
+    def deliver(self, messages: list[Message]) -> list[Message]:
+        """Each message to its node's ClientApp; the replies (a node's reply dropped by ``tamper`` never comes)."""
         replies = []
         for message in messages:
             self.sent.append(message)
-            message.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"  # as the SuperLink does on push
             node = message.metadata.dst_node_id
             if node not in self.contexts:
                 continue
@@ -132,9 +145,14 @@ def in_process(tmp_path, config, *extra) -> dict:
     return final(tmp_path / "runs", "inproc")
 
 
+# a LocalGrid answers while it takes the messages, so every reply that comes is there at the first pull: a
+# dropped one need not be waited for long
+QUICK = {"round_timeout": 0.05, "hello_timeout": 0.05}
+
+
 def on_flower(tmp_path, config, grid, *extra, name="flower"):
     overrides = [*SMALL, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.name", name, *extra]
-    trainer = serve(grid, str(config), overrides, wait_for_nodes=0)
+    trainer = serve(grid, str(config), overrides, wait_for_nodes=0, **QUICK)
     return trainer, final(tmp_path / "runs", name)
 
 
@@ -368,11 +386,11 @@ def test_node_trains_only_as_its_own_client(in_tmp):
     """A server (or a bug) asking node 1 (client 0) to train client 2 gets a refusal, not another client's update."""
 
     class Misrouting(LocalGrid):
-        def send_and_receive(self, messages_, *, timeout=None):
+        def deliver(self, messages_):
             for message in messages_:
                 if messages.INSTRUCTIONS in message.content and message.metadata.dst_node_id == 1:
                     message.content[messages.INSTRUCTIONS]["client"] = 2
-            return super().send_and_receive(messages_, timeout=timeout)
+            return super().deliver(messages_)
 
     with pytest.warns(UserWarning, match=r"client 0: upload rejected: refused: asked to train client 2, but this node"):
         trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", Misrouting(nodes()), "--trainer.rounds", "1")
@@ -452,11 +470,11 @@ def test_a_run_without_replies_stops_with_an_error_naming_the_nodes(in_tmp):
         warnings.simplefilter("ignore", UserWarning)
         with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-2; "
                            r"SuperNodes known: \[1, 2, 3, 4\]\).*'max-silent-rounds'"):  # fmt: skip
-            serve(silent, str(CONFIGS / "quickstart.yaml"), overrides, wait_for_nodes=0, max_silent_rounds=2)
+            serve(silent, str(CONFIGS / "quickstart.yaml"), overrides, wait_for_nodes=0, max_silent_rounds=2, **QUICK)
         assert final(in_tmp / "runs", "silent")["round"] == 2  # saved: it resumes once nodes are back
         done = serve(LocalGrid(nodes(), tamper={n: lambda reply, message: None for n in range(1, 5)}),
                      str(CONFIGS / "quickstart.yaml"), [*overrides[:-1], "quiet"], wait_for_nodes=0,
-                     max_silent_rounds=None)  # fmt: skip
+                     max_silent_rounds=None, **QUICK)  # fmt: skip
     assert len(done.history) == 6 and all(h["fed/lost_clients"] == 4 for h in done.history[1:])
 
 
@@ -481,8 +499,8 @@ def test_a_timed_out_round_says_so_and_a_late_reply_is_never_another_rounds(in_t
 
 def test_a_node_slow_to_say_hello_is_named_as_such_and_asked_again(in_tmp):
     class SlowHello(LocalGrid):
-        def send_and_receive(self, messages_, *, timeout=None):
-            replies = super().send_and_receive(messages_, timeout=timeout)
+        def deliver(self, messages_):
+            replies = super().deliver(messages_)
             if (
                 not getattr(self, "greeted", False)
                 and messages_
@@ -494,7 +512,7 @@ def test_a_node_slow_to_say_hello_is_named_as_such_and_asked_again(in_tmp):
 
     grid = SlowHello(nodes())
     with pytest.warns(UserWarning, match=r"client\(s\) \[0\] have no SuperNode yet: 1 connected SuperNode\(s\) "
-                      r"did not say which client they serve within run config 'hello-timeout' \(60 s"):  # fmt: skip
+                      r"did not say which client they serve within run config 'hello-timeout' \(0.05 s"):  # fmt: skip
         trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
     assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [0.0, 0.0]  # asked again before round 1
 
@@ -507,7 +525,7 @@ def test_server_refuses_a_non_federated_trainer(in_tmp):
 # ------------------------------------------------------------------------------------------ secure aggregation
 SECURE = [
     "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
-    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "30",
+    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "0.5",
     "--trainer.max_update_norm_ratio", "null",
 ]  # fmt: skip
 
@@ -651,7 +669,7 @@ def test_nodes_refuse_what_their_own_run_does_not_ask_for(in_tmp):
     # a node whose run is secure, asked for a plain round, refuses (a server may not switch secure aggregation off)
     grid, config = LocalGrid(nodes()), _yaml(in_tmp, *SECURE)
     grid.send_and_receive([Message(messages.hello_content(config), dst_node_id=1, message_type=messages.HELLO)])
-    node = flower_client.build_node(config, grid.contexts[1].node_config)
+    node = flower_node.build_node(config, grid.contexts[1].node_config)
     state = messages.state_to_record(node.model.federated_state())
     train = Message(messages.train_content(state, 0, 0, 0, node.fingerprint), dst_node_id=1,
                     message_type=messages.TRAIN)  # fmt: skip
@@ -695,3 +713,244 @@ def test_rounds_whose_clients_were_all_unavailable_are_not_silent():
         round_(r, 4.0, 0.0)  # nobody asked
     with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-7"):
         round_(6, 1.0, 3.0)
+
+
+# ------------------------------------------------------------------------------------------ pushing and pulling
+class Clock:
+    """A virtual clock for :func:`exchange`: sleeping moves it, and replies arrive at set times."""
+
+    def __init__(self, arrivals: dict[str, float]) -> None:
+        self.now, self.arrivals, self.sleeps, self.pulled = 0.0, arrivals, [], []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def push_messages(self, out):
+        return [m.metadata.message_id or None for m in out]
+
+    def pull_messages(self, ids):
+        self.pulled.append(sorted(ids))
+        ready = [i for i in ids if self.arrivals.get(i, float("inf")) <= self.now]
+        for i in ready:
+            del self.arrivals[i]
+        return [reply_to(i) for i in ready]
+
+
+def reply_to(to: str) -> Message:
+    reply = Message(RecordDict(), dst_node_id=1, message_type=messages.TRAIN)
+    reply.metadata.__dict__["_reply_to_message_id"] = to
+    return reply
+
+
+def sent(*ids: str | None) -> list[Message]:
+    out = []
+    for i in ids:
+        message = Message(RecordDict(), dst_node_id=1, message_type=messages.TRAIN)
+        message.metadata.__dict__["_message_id"] = i or ""
+        out.append(message)
+    return out
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from lightning_fl.flower import transport
+
+    made = Clock({})
+    monkeypatch.setattr(transport.time, "sleep", made.sleep)
+    monkeypatch.setattr(transport.time, "monotonic", lambda: made.now)
+    return made
+
+
+def test_replies_are_pulled_within_a_fifth_of_a_second_not_flowers_three(clock):
+    """The first pull follows the push at once, then every 10 ms doubling to 200 ms; a message the SuperLink did
+    not take is not waited for; a round ends when its last reply is in."""
+    from lightning_fl.flower.transport import exchange
+
+    clock.arrivals.update({"a": 0.0, "b": 1.0})
+    replies = exchange(clock, sent("a", "b", None), timeout=None)
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == ["a", "b"]
+    assert clock.sleeps[:5] == pytest.approx([0.01, 0.02, 0.04, 0.08, 0.16]) and max(clock.sleeps) == 0.2
+    assert clock.pulled[0] == ["a", "b"] and clock.pulled[1:] == [["b"]] * (len(clock.pulled) - 1)
+    assert 1.0 <= clock.now < 1.2  # b came at 1 s and was pulled within one longest poll
+
+
+def test_an_exchange_ends_at_its_timeout_with_what_came(clock):
+    from lightning_fl.flower.transport import exchange
+
+    clock.arrivals.update({"a": 0.5})
+    replies = exchange(clock, sent("a", "b"), timeout=2.0)
+    assert [r.metadata.reply_to_message_id for r in replies] == ["a"]
+    assert clock.now == pytest.approx(2.0)  # the last sleep is cut to the deadline
+    assert exchange(clock, [], timeout=None) == [] and exchange(clock, sent(None), timeout=None) == []
+
+
+# ------------------------------------------------------------------------------------------ warm workers
+@pytest.fixture
+def workers():
+    """Start warm workers (threads of this process, on real Unix sockets in a short private folder); stop them."""
+    import tempfile
+    import threading
+
+    from lightning_fl.flower.worker import Worker
+
+    folder = tempfile.mkdtemp(prefix="lfl-", dir="/tmp")
+    started = []
+
+    def start(name: str = "node", **kwargs) -> Worker:
+        worker = Worker(f"{folder}/{name}.sock", **kwargs)
+        thread = threading.Thread(target=worker.serve_forever, daemon=True)
+        thread.start()
+        started.append((worker, thread))
+        return worker
+
+    yield start
+    for worker, thread in started:
+        worker.close()
+        thread.join(timeout=10)
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_proxy_clientapp_imports_no_torch():
+    """What Flower starts per message imports Flower and our proxy only: no torch, no Lightning."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, lightning_fl.flower.client, lightning_fl.flower.worker; "
+             "print(sorted(m for m in ('torch', 'lightning', 'numpy.linalg', 'lightning_fl.flower.node') "
+             "if m in sys.modules and m != 'numpy.linalg'))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_run_through_warm_workers_equals_in_process_bitwise(in_tmp, workers):
+    """Each node's messages go through the proxy ClientApp to its own worker (real sockets, Flower's protobuf
+    encoding both ways, the context's state sent back): the same global state and bytes as one process."""
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml")
+    configs = nodes()
+    served = []
+    for config in configs:
+        served.append(workers(f"node{config['partition-id']}"))
+        config["worker"] = served[-1].path
+    _, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs))
+    assert_same_state(reference, got)
+    assert torch.equal(reference["ledger"]["up"], got["ledger"]["up"])
+    assert [w.served for w in served] == [3, 3, 3, 3]  # a hello and two rounds each
+
+
+def test_the_codec_memory_lives_in_the_nodes_context_across_workers(in_tmp, workers):
+    """Error feedback (top-k's residual) is kept in Flower's context, not in the worker: a node whose worker is
+    replaced between rounds ends where a node without a worker does."""
+    extra = ["--trainer.codec", "lightning_fl.compress.TopK", "--trainer.codec.density", "0.05"]
+    reference = in_process(in_tmp, CONFIGS / "fedavg_digits.yaml", *extra)
+    configs = nodes()
+    first = {c["partition-id"]: workers(f"a{c['partition-id']}") for c in configs}
+    for config in configs:
+        config["worker"] = first[config["partition-id"]].path
+
+    class Replaced(LocalGrid):
+        def deliver(self, messages_):
+            if messages_ and messages_[0].metadata.group_id == "2":  # new workers (empty caches) for round 2
+                for context in self.contexts.values():
+                    part = context.node_config["partition-id"]
+                    context.node_config["worker"] = workers(f"b{part}").path
+            return super().deliver(messages_)
+
+    grid = Replaced(configs)
+    _, got = on_flower(in_tmp, CONFIGS / "fedavg_digits.yaml", grid, *extra)
+    assert_same_state(reference, got)
+    assert all(w.served == 2 for w in first.values())  # the hello and round 1; round 2 went to the new ones
+    assert any("lightning_fl.codec" in c.state for c in grid.contexts.values())
+
+
+def test_a_worker_serves_its_own_user_only_and_survives_bad_requests(workers, monkeypatch):
+    import os
+    import socket
+    import stat
+
+    from lightning_fl.flower import worker as w
+
+    calls = []
+
+    def echo(message, context):
+        calls.append(message.metadata.message_type)
+        context.state["seen"] = flwr.app.ConfigRecord({"n": len(calls)})
+        if message.metadata.group_id == "boom":
+            raise RuntimeError("refused: not this round")
+        return Message(RecordDict({"r": flwr.app.ConfigRecord({"ok": 1})}), reply_to=message)
+
+    worker = workers(app=echo, max_frame=1 << 20)
+    assert stat.S_IMODE(os.stat(worker.path).st_mode) == 0o600
+
+    def request(group="1"):
+        message = sent("m1")[0]
+        message.metadata.__dict__["_group_id"] = group
+        context = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+        return message, context
+
+    message, context = request()
+    reply = w.forward(worker.path, message, context)
+    assert reply.content["r"]["ok"] == 1 and reply.metadata.reply_to_message_id == "m1"
+    assert context.state["seen"]["n"] == 1  # the state the app left comes back
+    # the app's exception is raised in the proxy (Flower turns it into the node's error reply)
+    with pytest.raises(w.WorkerError, match="RuntimeError: refused: not this round"):
+        w.forward(worker.path, *request("boom"))
+    # garbage, another protocol, an oversized frame, a peer that hangs up: answered or dropped; serving goes on
+    for frames in ([b"nope", b"x", b"y"], [w.VERSION, b"\xff\xff", b""], [w.VERSION, b"x" * (2 << 20), b""]):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(worker.path)
+            try:
+                w.send_frames(conn, *frames)
+                (status,) = w.read_frames(conn, 1)
+            except OSError:  # (the oversized frame: the worker answers and closes before reading it all)
+                continue
+            assert status == w.ERROR
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(worker.path)
+        conn.sendall(w.HEADER.pack(100) + b"cut")
+    assert w.forward(worker.path, *request()).content["r"]["ok"] == 1
+    # another user's process gets nothing
+    with monkeypatch.context() as patch:
+        patch.setattr(w, "_peer_uid", lambda conn: os.getuid() + 1)
+        with pytest.raises(w.WorkerError, match="stopped answering"):
+            w.forward(worker.path, *request())
+    assert w.forward(worker.path, *request()).content["r"]["ok"] == 1
+    assert worker.served == 3 and calls == ["train"] * 4
+
+
+def test_the_proxy_talks_only_to_its_own_users_worker_and_says_how_to_start_one(workers, monkeypatch, tmp_path):
+    import os
+
+    from lightning_fl.flower import worker as w
+
+    message = sent("m1")[0]
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(w.WorkerError, match=r"no worker socket there.*python -m lightning_fl.flower.worker "
+                       r"--socket /nowhere/x.sock"):  # fmt: skip
+        w.forward("/nowhere/x.sock", message, context)
+    worker = workers(app=lambda m, c: Message(RecordDict(), reply_to=m))
+    with monkeypatch.context() as patch:
+        other = os.getuid() + 1
+        patch.setattr(w.os, "getuid", lambda: other)
+        with pytest.raises(w.WorkerError, match="not a socket owned by this node's user"):
+            w.forward(worker.path, message, context)
+    # a live worker's socket is not taken over; a regular file is not replaced
+    with pytest.raises(w.WorkerError, match="another worker already serves"):
+        w.Worker(worker.path, app=lambda m, c: m)
+    (tmp_path / "f.sock").write_text("mine")
+    with pytest.raises(w.WorkerError, match="exists and is not a socket"):
+        w.Worker(str(tmp_path / "f.sock"), app=lambda m, c: m)
+
+
+def test_a_node_whose_worker_is_missing_is_named_and_left_out(in_tmp):
+    configs = nodes()
+    configs[1]["worker"] = "/nowhere/node1.sock"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs))
+    refusals = [str(w.message) for w in caught if "is not used" in str(w.message)]
+    assert len(refusals) == 1 and "SuperNode 2 is not used: it failed to start" in refusals[0]
+    assert "node config worker='/nowhere/node1.sock'" in refusals[0]
+    assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [1.0, 1.0]

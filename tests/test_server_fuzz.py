@@ -125,17 +125,22 @@ class FuzzGrid:
 
     def __init__(self, clients: int, replies: Replies) -> None:
         self.clients, self.replies, self.sent = clients, replies, 0
+        self.store = {}  # replies not pulled yet, by the id of the message they answer
 
     def get_node_ids(self):
         return list(range(1, self.clients + 1))
 
-    def send_and_receive(self, out, *, timeout=None):
-        answers = []
+    def push_messages(self, out):
+        ids = []
         for message in out:
             self.sent += 1
-            message.metadata.__dict__["_message_id"] = f"m{self.sent}"
-            answers.append(self.replies.reply(message))
-        return answers
+            ids.append(f"m{self.sent}")
+            message.metadata.__dict__["_message_id"] = ids[-1]
+            self.store[ids[-1]] = self.replies.reply(message)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.store.pop(i) for i in ids if i in self.store]
 
 
 def fuzz(total: int, clients: int, codec, seed: int = 0) -> dict[str, int]:

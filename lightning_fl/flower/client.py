@@ -1,256 +1,38 @@
-"""The ClientApp: a SuperNode trains its client with :func:`~lightning_fl.federated.client.run_client`.
+"""The ClientApp Flower starts for each message a SuperNode receives (``lightning_fl.flower.client:app``).
 
-A node's ``--node-config`` says who it is and where its data lives:
-
-- ``partition-id`` (required): its client id in the federation (0..K-1); the simulation engine sets it.
-- ``data-root`` (optional): a local folder for ``data.source.root`` (a silo's own data).
-- ``data-partition`` (optional): which client of the *local* data module to train (default ``partition-id``);
-  a silo that holds exactly its own data sets ``overrides="--data.num_clients 1"`` and ``data-partition=0``.
-- ``overrides`` (optional): more dotted overrides applied on this node only (e.g. ``--data.batch_size 16``).
-
-The node builds the run from the YAML the server sends (so model, codec and local training match the
-server's), plus the node's own data settings, refuses to train when its model fingerprint differs from the
-server's, and replies with the payload encoded in our wire format. Nothing it receives is unpickled.
+With ``worker`` in the node's ``--node-config`` (a Unix socket path), it is a thin proxy: it imports no torch and
+hands the message and the node's context to that node's warm worker (:mod:`lightning_fl.flower.worker`), which
+runs the node's app and keeps torch, Lightning and the built run loaded between messages. Without it, it runs
+the node's app (:mod:`lightning_fl.flower.node`, where the node config's other keys are described) in this
+process, rebuilding the run for every message as Flower's per-message process requires.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import io
-import shlex
-import threading
-from dataclasses import dataclass
-from typing import Any
-
-import lightning as L
-import numpy as np
-import torch
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from lightning_fl.checkpoint import read_checkpoint
-from lightning_fl.errors import UserError
-from lightning_fl.federated.client import run_client
-from lightning_fl.federated.setup import prepare
-from lightning_fl.flower import messages as wire_msg
-
-
-def _secure_aggregation_if_asked(message: Message, context: Context, call_next):
-    """Flower's ``secaggplus_mod`` for the train messages of a SecAgg+ round (they carry its config record), our
-    app for the rest. The node takes part only if its own run asks for secure aggregation with the same
-    quantisation as the server's setup, and NumPy's global generator (which Flower's rounding draws from)
-    comes out as it went in."""
-    from flwr.client.mod import secaggplus_mod
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-
-    if message.metadata.message_type != wire_msg.TRAIN or RECORD_KEY_CONFIGS not in message.content:
-        return call_next(message, context)
-    run_record = context.state.get(wire_msg.RUN) if wire_msg.RUN in context.state else None
-    if run_record is None:
-        raise RuntimeError("refused: the node was not introduced to this run")
-    node = build_node(run_record["config"], dict(context.node_config))
-    if node.local.secure is None:
-        raise RuntimeError("refused: the server asks for secure aggregation, which this run does not set "
-                           "(trainer.secure_aggregation)")  # fmt: skip
-    configs = message.content.config_records[RECORD_KEY_CONFIGS]
-    if configs.get(Key.STAGE) == Stage.SETUP:
-        from lightning_fl.flower.secure import check_setup
-
-        if (refusal := check_setup(configs, node.local.secure)) is not None:
-            raise RuntimeError(refusal)
-    generator = np.random.get_state()
-    try:
-        return secaggplus_mod(message, context, call_next)
-    finally:
-        np.random.set_state(generator)
-
-
-app = ClientApp(mods=[_secure_aggregation_if_asked])
-
-_CODEC_STATE = "lightning_fl.codec"  # context.state key: this node's codec memory (error feedback), local only
-
-
-@dataclass
-class NodeRun:
-    """What a node built from the server's config: module, data, codec, local training, Fabric."""
-
-    model: L.LightningModule
-    datamodule: Any
-    codec: Any
-    local: Any
-    fabric: L.Fabric
-    fingerprint: str | None
-    data_partition: int | None
-    trainer: Any = None  # the run's trainer as configured (its plan for a client stage's noise share)
-
-
-_built: dict[str, NodeRun] = {}
-_lock = threading.Lock()
-
-
-class LocalClient:
-    """The node's data module seen as the federation's client ``client``: its ``data_partition`` trains."""
-
-    def __init__(self, datamodule: Any, data_partition: int) -> None:
-        self.datamodule, self.data_partition = datamodule, data_partition
-
-    def client_dataloader(self, client: int, seed: int | None = None):
-        return self.datamodule.client_dataloader(self.data_partition, seed=seed)
-
-    def client_num_samples(self, client: int) -> int:
-        return self.datamodule.client_num_samples(self.data_partition)
-
-    @property
-    def batch_size(self) -> Any:
-        """The node's batch size (DP-SGD's expected Poisson batch)."""
-        return getattr(self.datamodule, "batch_size", None)
-
-
-def node_arguments(node_config: dict[str, Any]) -> tuple[list[str], int | None]:
-    """CLI arguments a node adds to the server's config, and its local data partition (``None``: its client id)."""
-    args: list[str] = []
-    if (root := node_config.get("data-root")) not in (None, ""):
-        args += ["--data.source.root", str(root)]
-    if (more := node_config.get("overrides")) not in (None, ""):
-        args += shlex.split(str(more))
-    partition = node_config.get("data-partition")
-    if partition is not None and (not isinstance(partition, int) or isinstance(partition, bool) or partition < 0):
-        raise UserError(f"node config data-partition must be a non-negative integer, got {partition!r}")
-    return args, partition
-
-
-def build_node(config_yaml: str, node_config: dict[str, Any]) -> NodeRun:
-    """Build (once per process) the run a node trains: the server's config plus the node's data settings."""
-    from lightning_fl.cli import build
-
-    extra, partition = node_arguments(node_config)
-    key = hashlib.sha256("\0".join([config_yaml, *extra, str(partition)]).encode()).hexdigest()
-    with _lock:
-        if key in _built:
-            return _built[key]
-        run = build(["fit", "--config", config_yaml, *extra])
-        trainer = run.trainer
-        args = trainer.fabric_args
-        fabric = L.Fabric(accelerator=args["accelerator"], devices=1, precision=args["precision"], loggers=[])
-        model, hooks = prepare(fabric, run.model, run.data, "fit")
-        fingerprint = hooks.factor_fingerprint() if hooks.factor_fingerprint is not None else None
-        node = NodeRun(model, run.data, trainer.codec, trainer.local, fabric, fingerprint, partition, trainer)
-        _built[key] = node
-        return node
+app = ClientApp()
 
 
 @app.query()
-def hello(message: Message, context: Context) -> Message:
-    """The server introduces the run: keep its config; answer with this node's client id (or why it cannot)."""
-    record = message.content.get(wire_msg.RUN) if wire_msg.RUN in message.content else None
-    config_yaml = record.get("config") if record is not None else None
-    partition = context.node_config.get("partition-id")
-    refusal = ""
-    if not isinstance(config_yaml, str):
-        refusal = "the server's hello holds no config"
-    elif not isinstance(partition, int) or isinstance(partition, bool):
-        refusal = f"node config partition-id must be an integer, got {partition!r}"
-    else:
-        context.state[wire_msg.RUN] = ConfigRecord({"config": config_yaml})
-        try:
-            build_node(config_yaml, dict(context.node_config))
-        except (UserError, ValueError, TypeError, OSError) as err:
-            refusal = f"could not build the run on this node: {err}"
-    answer = {"partition-id": partition if isinstance(partition, int) else -1, "refusal": refusal}
-    return Message(RecordDict({wire_msg.RUN: ConfigRecord(answer)}), reply_to=message)
+def query(message: Message, context: Context) -> Message:
+    """The server's hello (which client this node serves), through the worker if the node has one."""
+    return handle(message, context)
 
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    """One round: load the global state, check the fingerprint, train, reply with the encoded payload."""
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-
-    secure = RECORD_KEY_CONFIGS in message.content  # (stage 2 of SecAgg+: the mod masks what this returns)
-    failure, payload, num_samples, logged, plan = None, None, 0, {}, None
-    run_record = context.state.get(wire_msg.RUN) if wire_msg.RUN in context.state else None
-    instructions = message.content.get(wire_msg.INSTRUCTIONS) if wire_msg.INSTRUCTIONS in message.content else None
-    if run_record is None or instructions is None or wire_msg.STATE not in message.content:
-        failure = "refused: the node was not introduced to this run, or the message lacks state or instructions"
-    else:
-        node = build_node(run_record["config"], dict(context.node_config))
-        expected = instructions["fingerprint"] or None
-        mine = context.node_config.get("partition-id")
-        if instructions["client"] != mine:  # a node trains as its own client only, never on another's behalf
-            failure = f"refused: asked to train client {instructions['client']!r}, but this node is client {mine!r}"
-        elif node.fingerprint != expected:
-            failure = (
-                f"refused: model fingerprint {node.fingerprint} differs from the server's {expected} (projection "
-                "factors or pretrained base differ); use the server's model.factor_seed, layers, latent_dim, rank "
-                "and base on this node"
-            )
-        elif node.local.secure is not None and not secure:
-            failure = "refused: this run uploads through secure aggregation only (trainer.secure_aggregation)"
-        elif (failure := _plan_noise_share(node, instructions)) is not None:
-            pass
-        else:
-            client = int(instructions["client"])
-            data = node.datamodule
-            if node.data_partition is not None:
-                data = LocalClient(node.datamodule, node.data_partition)
-            received = wire_msg.record_to_state(message.content[wire_msg.STATE])
-            state = {n: t.to(node.fabric.device) for n, t in received.items()}
-            codec = copy.deepcopy(node.codec)  # this node's own codec memory only, even if nodes share a process
-            _load_codec_state(codec, context)
-            result = run_client(
-                node.model, data, state, client, int(instructions["round"]), int(instructions["seed"]),
-                codec=codec, local=node.local, fabric=node.fabric,
-            )  # fmt: skip
-            _save_codec_state(codec, context)
-            failure, payload, num_samples, logged = result.failure, result.payload, result.num_samples, result.logged
-            if (dp := node.local.dp_sgd) is not None and client in dp.plans:
-                plan = (dp.plans[client].records, dp.plans[client].batch_size)
-    if secure:
-        if failure is not None:  # raising drops this node from the round; SecAgg+ removes its masks
-            raise RuntimeError(failure)
-        from lightning_fl.flower.secure import upload_content
-
-        values = node.local.secure.on_grid(payload.tensors["secure"].parts["q"]).numpy()
-        records = wire_msg.reply_content(None, num_samples, None, logged, plan)
-        return Message(upload_content(values, num_samples, records), reply_to=message)
-    content = wire_msg.reply_content(payload, num_samples, failure, logged, plan)
-    return Message(content, reply_to=message)
+    """A round's training (and SecAgg+'s stages), through the worker if the node has one."""
+    return handle(message, context)
 
 
-def _plan_noise_share(node: NodeRun, instructions: Any) -> str | None:
-    """Set up a client stage whose noise share depends on the round's plan (DistributedDP: ``1 / m`` of the
-    central variance, ``m`` the expected clients of a federation of the server's size); why not, if it cannot."""
-    stage = node.local.upload_stage
-    if stage is None or not stage.central:
-        return None
-    num_clients = instructions.get("num-clients")
-    if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
-        return f"refused: {type(stage).__name__} needs the federation's size, and the message has {num_clients!r}"
-    trainer = node.trainer
-    with _lock:
-        if getattr(stage, "plan", None) is None or stage.plan.num_clients != num_clients:
-            count = min(trainer._clients_per_round(num_clients), num_clients)
-            try:
-                stage.setup(trainer._privacy_plan(num_clients, count, int(instructions["seed"])))
-            except UserError as err:
-                return f"refused: {err}"
-    return None
+def handle(message: Message, context: Context) -> Message:
+    path = context.node_config.get("worker")
+    if path in (None, ""):
+        from lightning_fl.flower.node import app as node_app
 
+        return node_app(message, context)
+    from lightning_fl.flower.worker import forward
 
-def _load_codec_state(codec: Any, context: Context) -> None:
-    """Restore this node's codec memory (error-feedback residuals); it never leaves the node."""
-    record = context.state.get(_CODEC_STATE) if _CODEC_STATE in context.state else None
-    if record is None:
-        return
-    what = f"this node's codec memory (context.state[{_CODEC_STATE!r}])"
-    state = read_checkpoint(record["state"], what, fix="restart the node to start its codec memory afresh")
-    codec.load_state_dict(state)
-
-
-def _save_codec_state(codec: Any, context: Context) -> None:
-    state = codec.state_dict()
-    if not state:
-        return
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    context.state[_CODEC_STATE] = ConfigRecord({"state": buffer.getvalue()})
+    return forward(str(path), message, context)

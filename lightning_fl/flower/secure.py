@@ -41,6 +41,8 @@ from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 
+from lightning_fl.flower.transport import exchange
+
 STAGES = ("setup", "share keys", "masked upload", "unmask")
 MAX_MODULUS = 2**48  # the server dequantises in float64: sums of n T < 2^48 come back exactly (see recover_sum)
 
@@ -140,7 +142,7 @@ class _Screen:
             self.traffic[node].messages_down += 1
             self.traffic[node].bytes_down += self.count_bytes(message, sizes)
         replies, seen = [], set()
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeouts[min(stage, 3)]):
+        for reply in exchange(self.grid, messages, self.timeouts[min(stage, 3)]):
             node = reply.metadata.src_node_id
             if node not in sent or node in seen:  # not asked in this stage, or a second answer
                 continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +25,31 @@ from lightning_fl.flower import messages as wire_msg
 
 NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
 INFO = 20  # logging.INFO
+FIRST_POLL, LONGEST_POLL = 0.01, 0.2  # seconds between pulls for replies: doubling from the first to the longest
+
+
+def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None) -> list[Message]:
+    """Push ``messages``, then pull their replies until all are in or ``timeout`` seconds have passed (``None``:
+    until all are in; the SuperLink answers for a node that left). The first pull follows the push at once, then
+    every 10 ms doubling to 200 ms: a reply waits at most that long, where Flower's ``Grid.send_and_receive``
+    sleeps 3 s between pulls. A message the SuperLink did not take (its id ``None``) gets no reply."""
+    messages = list(messages)
+    if not messages:
+        return []
+    started = time.monotonic()
+    waiting = {i for i in grid.push_messages(messages) if i}
+    replies: list[Message] = []
+    delay = FIRST_POLL
+    while waiting:
+        got = list(grid.pull_messages(sorted(waiting)))
+        replies += got
+        waiting -= {reply.metadata.reply_to_message_id for reply in got}
+        left = None if timeout is None else timeout - (time.monotonic() - started)
+        if not waiting or (left is not None and left <= 0):
+            break
+        time.sleep(delay if left is None else min(delay, left))
+        delay = min(2 * delay, LONGEST_POLL)
+    return replies
 
 
 class FlowerTransport(Transport):
@@ -97,7 +122,7 @@ class FlowerTransport(Transport):
             for n in new
         ]
         self.unanswered = set(new)
-        for reply in self.grid.send_and_receive(hello, timeout=self.hello_timeout):
+        for reply in exchange(self.grid, hello, self.hello_timeout):
             node = reply.metadata.src_node_id
             self.unanswered.discard(node)
             client, problem = self._read_hello(reply)
@@ -170,7 +195,7 @@ class FlowerTransport(Transport):
         answers: dict[int, Any] = {}
         if out:
             started = time.monotonic()
-            replies = list(self.grid.send_and_receive(out, timeout=self.round_timeout))
+            replies = exchange(self.grid, out, self.round_timeout)
             # match replies to what was sent; a reply to another round's message is never this round's (the
             # SuperLink answers for a vanished node under its own id, with no message to reply to)
             by_id = {m.metadata.message_id: c for m, c in zip(out, targets, strict=True) if m.metadata.message_id}
