@@ -59,6 +59,7 @@ the rows and every run's wall and CPU time, with the torch thread count and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -91,10 +92,15 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 import deployment  # noqa: E402  (tests/deployment.py: the SuperLink/SuperNode harness)
 
-SIDES = ("in-process", "flower")
-POLLS = "SuperNode 3 s (idle), SuperExec 1 s, ServerApp 3 s"
+SIDES = ("in-process", "flower", "flower-warm")
+FLOWER_SIDES = SIDES[1:]
+POLLS = (
+    "SuperNode 3 s when idle (Flower's, fixed), SuperExec 0.05 s (FLWR_SUPEREXEC_TASK_POLL_INTERVAL, as "
+    "tests/deployment.py sets it; Flower's default 1 s), ServerApp 10 ms doubling to 200 ms (ours)"
+)
 NODE = ("node_between_s", "node_pickup_s", "node_clientapp_s")
 COLD = ("cold_interpreter_s", "cold_imports_s", "cold_build_s", "cold_total_s")
+PROXY = ("proxy_process_cpu_s", "proxy_imports_cpu_s")
 BYTES = ("comm/client_up_bytes", "comm/client_down_bytes", "comm/msg_client_up_bytes", "comm/msg_client_down_bytes")
 
 
@@ -302,6 +308,28 @@ open(sys.argv[1], "w", encoding="utf-8").write(run.config_yaml)
 """
 
 
+PROXY_IMPORT = r"""
+import json, time
+t0 = time.process_time()
+import lightning_fl.flower.client, lightning_fl.flower.worker
+print(json.dumps({"proxy_imports_cpu_s": time.process_time() - t0}))
+"""
+
+
+def proxy_times(work: Path, times: int = 3) -> dict[str, float]:
+    """The proxy ClientApp's start (what Flower's per-message process imports of ours when a node has a worker):
+    CPU seconds of a fresh interpreter importing it, whole process and the imports alone (median of 3)."""
+    rows = []
+    for _ in range(times):
+        cpu = children_cpu_seconds()
+        out = subprocess.run([sys.executable, "-c", PROXY_IMPORT], cwd=work, env=environment(work),
+                             capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row["proxy_process_cpu_s"] = children_cpu_seconds() - cpu
+        rows.append(row)
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
 def rebuild_times(w: Workload, args, work: Path, root: Path, times: int = 3) -> dict[str, float]:
     """A cold ClientApp's start: a fresh interpreter imports the ClientApp module and builds the run (median of 3)."""
     yaml = work / f"{w.name}-resolved.yaml"
@@ -378,8 +406,8 @@ def summarise(results: dict[str, dict[str, Result]], extra: dict[str, dict[str, 
     rows = []
     for wname, sides in results.items():
         base = sides["in-process"]
-        runs = {side: sides[side].runs for side in SIDES}
-        for side in SIDES:
+        runs = {side: sides[side].runs for side in sides}
+        for side in sides:
             r = sides[side]
             wall, cpu = spread(s.wall for s in r.runs), spread(s.cpu for s in r.runs)
             per_repeat = ratios(runs, side, "in-process")  # flower / in-process, repeat by repeat
@@ -406,8 +434,8 @@ def summarise(results: dict[str, dict[str, Result]], extra: dict[str, dict[str, 
             for d in ("up", "down"):
                 msg, pay = row[f"msg_{d}_bytes"], row[f"payload_{d}_bytes"]
                 row[f"msg_overhead_{d}"] = msg / pay if msg and pay else None
-            if side == "flower":
-                row.update(extra[wname])
+            if side in FLOWER_SIDES:
+                row.update(extra[(wname, side)])
             rows.append(row)
     return rows
 
@@ -470,17 +498,22 @@ def tables(rows: list[dict], args) -> str:
         "started -> reply sending (a fresh process: interpreter, imports, rebuild from the config, training). "
         "Cold start, timed apart in a fresh process (3 times, median): interpreter start and exit, imports of "
         "`lightning_fl.flower.client`, `build_node` of the server's resolved config. Training per client: the "
-        f"in-process round median / {args.clients}. Poll intervals: {POLLS}.",
+        f"in-process round median / {args.clients}. Poll intervals: {POLLS}. With warm workers (flower-warm) the "
+        "ClientApp is the proxy: its process imports Flower and our proxy only and hands the message to the node's "
+        "worker, which trains; proxy start = CPU seconds of a fresh interpreter importing the proxy (median of 3), "
+        "the whole process and the imports alone.",
         "",
-        "| workload | Flower round | between | pick-up | ClientApp | cold: interpreter | cold: imports "
-        "| cold: build_node | cold: total | training per client |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| workload | side | Flower round | between | pick-up | ClientApp | cold: interpreter | cold: imports "
+        "| cold: build_node | cold: total | proxy start: process CPU | proxy start: imports CPU "
+        "| training per client |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     by = {(r["workload"], r["side"]): r for r in rows}
-    for wname in dict.fromkeys(r["workload"] for r in rows):
-        f, i = by[(wname, "flower")], by[(wname, "in-process")]
-        cells = [f["round_median_s"], *(f[k] for k in NODE), *(f[k] for k in COLD)]
-        out.append(f"| {wname} | " + " | ".join(fmt(c) for c in [*cells, i["round_median_s"] / args.clients]) + " |")
+    for wname, side in [(r["workload"], r["side"]) for r in rows if r["side"] in FLOWER_SIDES]:
+        f, i = by[(wname, side)], by[(wname, "in-process")]
+        cells = [f["round_median_s"], *(f[k] for k in NODE), *(f.get(k) for k in (*COLD, *PROXY))]
+        cells.append(i["round_median_s"] / args.clients)
+        out.append(f"| {wname} | {side} | " + " | ".join(fmt(c) for c in cells) + " |")
     return "\n".join(out)
 
 
@@ -488,6 +521,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["quickstart", "fedavg_fmnist"])
     parser.add_argument("--clients", type=int, default=2, help="clients = SuperNodes (default 2)")
+    parser.add_argument("--sides", nargs="+", choices=SIDES[1:], default=list(SIDES[1:]),
+                        help="Flower sides to time against in-process: flower (a fresh ClientApp process per message) "
+                        "and flower-warm (a warm worker beside each SuperNode); default both")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default 5; round 1 is warm-up)")
     add_arguments(parser, repeats=3)  # --repeats: runs per side and workload, alternated; --json
     parser.add_argument("--round-timeout", type=float, default=300.0, help="Flower run config round-timeout (s)")
@@ -511,33 +547,45 @@ def main() -> None:
     try:
         for wname in args.workloads:
             w = WORKLOADS[wname]
-            results[wname] = {side: Result() for side in SIDES}
+            sides = ["in-process", *args.sides]
+            results[wname] = {side: Result() for side in sides}
             root = work / "runs"
             env = environment(work)
             keep = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE", "PYTHONPATH", "TQDM_DISABLE")}
-            d = TimedDeployment(work / f"flower-{wname}", num_supernodes=args.clients, extra_env=keep)
-            with d:
+            with contextlib.ExitStack() as stack:  # one deployment per Flower side, up for the whole workload
+                deployments = {
+                    side: stack.enter_context(TimedDeployment(work / f"{side}-{wname}", num_supernodes=args.clients,
+                                                              extra_env=keep, workers=side == "flower-warm"))
+                    for side in args.sides
+                }  # fmt: skip
                 for i in range(args.repeats):
-                    for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-                        name = f"{wname}-{'inproc' if side == 'in-process' else 'flower'}-{i}"
+                    for side in sides if i % 2 == 0 else sides[::-1]:
+                        name = f"{wname}-{side}-{i}"
                         t = time.perf_counter()
                         if side == "in-process":
                             run = run_in_process(w, args, work, root, name)
                         else:
-                            run = run_flower(w, args, d, root, name)
+                            run = run_flower(w, args, deployments[side], root, name)
                         hist = history(root, name)
                         record(results[wname][side], hist, run)
                         times = ", ".join(f"{h['time/clients_and_server_s']:.2f}" for h in hist)
                         print(f"[{time.perf_counter() - started:6.0f} s] {name}: rounds {times} s "
                               f"(run {time.perf_counter() - t:.1f} s, CPU {run.cpu:.1f} s)", flush=True)  # fmt: skip
-                logs = [d.logs[n] for n in d.logs if n.startswith("supernode")]
-            spans = node_timings(logs)
-            messages = spans.pop("train_messages")  # per SuperNode, over every Flower run of this workload
-            extra[wname] = {k: statistics.median(v) if v else None for k, v in spans.items()}
-            runs = args.clients * args.rounds * args.repeats
-            extra[wname]["train_messages_per_client_round"] = sum(messages) / runs
-            extra[wname].update(rebuild_times(w, args, work, root))
-            print(f"[{time.perf_counter() - started:6.0f} s] {wname}: cold ClientApp start {extra[wname]}", flush=True)
+                logs = {
+                    side: [d.logs[n] for n in d.logs if n.startswith("supernode")] for side, d in deployments.items()
+                }
+            for side in args.sides:
+                spans = node_timings(logs[side])
+                messages = spans.pop("train_messages")  # per SuperNode, over every Flower run of this workload
+                extra[(wname, side)] = {k: statistics.median(v) if v else None for k, v in spans.items()}
+                runs = args.clients * args.rounds * args.repeats
+                extra[(wname, side)]["train_messages_per_client_round"] = sum(messages) / runs
+            if "flower" in args.sides:
+                extra[(wname, "flower")].update(rebuild_times(w, args, work, root))
+            if "flower-warm" in args.sides:
+                extra[(wname, "flower-warm")].update(proxy_times(work))
+            print(f"[{time.perf_counter() - started:6.0f} s] {wname}: starts "
+                  f"{ {side: extra[(wname, side)] for side in args.sides} }", flush=True)  # fmt: skip
     finally:
         deployment.reap_orphans()
         left = [p for p in deployment.descendants(os.getpid()) if deployment._alive(p)]
@@ -564,7 +612,8 @@ def main() -> None:
         f"Produced by `{command}` on {date}; machine: {args.machine}; total {total / 60:.1f} min.",
         "",
         f"Every process with OMP_NUM_THREADS=1, the configs' seeds, {args.clients} clients = {args.clients} "
-        f"SuperNodes on 127.0.0.1 (one deployment per workload, reused for every repeat), {args.rounds} rounds, "
+        f"SuperNodes on 127.0.0.1 (one deployment per workload and Flower side, all up for the whole workload and "
+        f"reused for every repeat; flower-warm: a warm worker beside each SuperNode), {args.rounds} rounds, "
         f"{args.repeats} run(s) per side, alternated. Workloads: {settings}. Both sides add "
         f"`--data.num_clients {args.clients} --trainer.rounds {args.rounds} --trainer.logger false "
         "--trainer.enable_progress_bar false`.",

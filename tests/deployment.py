@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -157,6 +159,7 @@ class FlowerDeployment:
     workdir: Path
     num_supernodes: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
+    workers: bool = False  # a warm worker (python -m lightning_fl.flower.worker) beside each SuperNode
     superlink_cwd: Path | None = None  # ServerApp inherits this cwd
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
@@ -187,6 +190,8 @@ class FlowerDeployment:
             # `flwr-serverapp` / `flwr-clientapp` BY NAME -> venv bin must be on PATH
             PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
             PYTHONUNBUFFERED="1",
+            # the SuperExec's poll for tasks (Flower's default 1 s; 0.01-60 allowed): part of every message's wait
+            FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.05",
         )
         # these would re-enable legacy gRPC Fleet/Control servers on FIXED ports 9092/9093
         env.pop("FLWR_INTERNAL_GRPC_FLEET_API", None)
@@ -229,9 +234,27 @@ class FlowerDeployment:
         )
         wait_http_ok(f"http://{self.address}/health", timeout)
 
+    def start_worker(self, idx: int, timeout: float = 120.0) -> str:
+        """Start node ``idx``'s warm worker; its socket path once it listens (in a short private folder: a Unix
+        socket's path has at most 107 bytes)."""
+        if not hasattr(self, "socket_dir"):
+            self.socket_dir = Path(tempfile.mkdtemp(prefix="lfl-", dir="/tmp"))
+        path = self.socket_dir / f"w{idx}.sock"
+        self._spawn(f"worker{idx}", [sys.executable, "-m", "lightning_fl.flower.worker", "--socket", str(path)],
+                    home=self.workdir / f"home-worker{idx}", cwd=self.workdir)  # fmt: skip
+        deadline = time.time() + timeout
+        while not path.exists():
+            if self.procs[f"worker{idx}"].poll() is not None or time.time() > deadline:
+                raise TimeoutError(f"worker {idx} did not listen on {path}: {self.logs[f'worker{idx}'].read_text()}")
+            time.sleep(0.1)
+        return str(path)
+
     def start_supernode(self, idx: int, timeout: float = 30.0) -> int:
         port = free_port()  # SuperNode Runtime (ClientAppIo) HTTP API
         name = f"supernode{idx}"
+        node_config = f"partition-id={idx} num-partitions={self.num_supernodes}"
+        if self.workers:
+            node_config += f" worker='{self.start_worker(idx)}'"
         self._spawn(
             name,
             [
@@ -244,7 +267,7 @@ class FlowerDeployment:
                 "--port",
                 str(port),
                 "--node-config",
-                f"partition-id={idx} num-partitions={self.num_supernodes}",
+                node_config,
             ],
             home=self.workdir / f"home-{name}",  # separate FLWR_HOME per node (FAB install race)
             cwd=self.workdir,
@@ -357,6 +380,8 @@ class FlowerDeployment:
             if _alive(pid) and _starttime(pid) == start:  # same process, not a reused PID
                 kill_tree(pid, grace=2.0)
         reap_orphans()
+        if hasattr(self, "socket_dir"):
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def __enter__(self) -> FlowerDeployment:
         try:

@@ -88,6 +88,20 @@ def deployment(tmp_path):
     assert not left, "processes left running: " + ", ".join(map(str, left))
 
 
+@pytest.fixture
+def warm_deployment(tmp_path):
+    """The same, with a warm worker beside each SuperNode (node config ``worker``)."""
+    import deployment as fd
+
+    fd.enable_subreaper()
+    env = environment(tmp_path)
+    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=2, extra_env=extra, workers=True) as d:
+        yield d
+    left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
+    assert not left, "processes left running: " + ", ".join(map(str, left))
+
+
 def submit(deployment, tmp_path, name: str, *extra: str, timeout: str = "120") -> int:
     overrides = " ".join(
         [*DEPLOY, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.name", name, *extra]
@@ -116,6 +130,27 @@ def test_deployment_engine_equals_in_process(tmp_path, deployment):
         assert torch.equal(a["global_state"][name], b["global_state"][name]), name
     assert torch.equal(a["ledger"]["up"], b["ledger"]["up"]) and torch.equal(a["ledger"]["down"], b["ledger"]["down"])
     assert (b["ledger"]["msg_up"] > b["ledger"]["up"]).all() and (b["ledger"]["msg_down"] > b["ledger"]["down"]).all()
+
+
+def test_deployment_with_warm_workers_equals_in_process(tmp_path, warm_deployment):
+    """flwr run of the quickstart with a warm worker beside each SuperNode: every message goes through the proxy
+    ClientApp to the node's worker, and the run ends where the in-process one does."""
+    common = [
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        *DEPLOY,
+        "--trainer.default_root_dir",
+        str(tmp_path / "runs"),
+    ]
+    run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc"], tmp_path)
+    finish(warm_deployment, submit(warm_deployment, tmp_path, "warm"))
+    a, b = final_state(tmp_path, "inproc"), final_state(tmp_path, "warm")
+    for name in a["global_state"]:
+        assert torch.equal(a["global_state"][name], b["global_state"][name]), name
+    assert torch.equal(a["ledger"]["up"], b["ledger"]["up"])
+    for idx in range(2):  # each worker served its node's hello and both rounds
+        log = warm_deployment.logs[f"worker{idx}"].read_text()
+        assert log.count("served in") == 3 and "query (round -)" in log and "train (round 2)" in log, log
 
 
 def test_killed_supernode_misses_a_round_and_rejoins(tmp_path, deployment):
