@@ -160,6 +160,7 @@ class FlowerDeployment:
     num_supernodes: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
     workers: bool = False  # a warm worker (python -m lightning_fl.flower.worker) beside each SuperNode
+    superlink_args: list[str] = field(default_factory=list)  # more flower-superlink options (e.g. --database)
     superlink_cwd: Path | None = None  # ServerApp inherits this cwd
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
@@ -228,6 +229,7 @@ class FlowerDeployment:
                 "--port",
                 str(self.port),
                 "--disable-runtime-dependency-installation",
+                *self.superlink_args,
             ],  # else each ServerApp runs `uv sync`
             home=self.workdir / "home-superlink",
             cwd=self.superlink_cwd or self.workdir,
@@ -361,6 +363,18 @@ class FlowerDeployment:
         tree = [p.pid, *descendants(p.pid)]
         self._remember(tree)
         os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=5)
+        return tree
+
+    def crash_superlink(self) -> list[int]:
+        """SIGKILL the SuperLink and everything it started (its ServerApp): a server machine's crash. Returns
+        the tree; :meth:`start_superlink` starts it again on the same port."""
+        p = self.procs.pop("superlink")
+        tree = [p.pid, *descendants(p.pid)]
+        self._remember(tree)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         p.wait(timeout=5)
         return tree
 

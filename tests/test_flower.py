@@ -446,6 +446,18 @@ def test_run_config_mistakes_get_one_line():
     assert settings({"config": "x.yaml", "round-timeout": 30})["round_timeout"] == 30.0
 
 
+def test_the_app_declares_every_run_config_key_with_the_servers_default():
+    """Flower refuses a `flwr run --run-config` key the app's pyproject.toml does not declare: every key the
+    ServerApp reads is declared there, with the default the ServerApp uses when it is absent."""
+    import tomllib
+
+    from lightning_fl.flower.server import RUN_CONFIG
+
+    declared = tomllib.loads((CONFIGS.parent / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert declared == RUN_CONFIG
+    assert settings(declared) == settings({"config": RUN_CONFIG["config"]})
+
+
 def test_every_wait_is_a_validated_run_config_key():
     got = settings({"config": "x.yaml", "hello-timeout": 300, "max-silent-rounds": 0})
     assert (got["hello_timeout"], got["max_silent_rounds"]) == (300.0, None)

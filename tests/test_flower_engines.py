@@ -172,6 +172,54 @@ def test_killed_supernode_misses_a_round_and_rejoins(tmp_path, deployment):
     assert all(torch.isfinite(t).all() for t in final_state(tmp_path, "killed")["global_state"].values())
 
 
+@pytest.mark.parametrize("database", [True, False], ids=["with-database", "in-memory"])
+def test_a_superlink_crash_and_restart(tmp_path, database):
+    """kill -9 of the SuperLink (and its ServerApp) after round 2, then the same SuperLink started again and the
+    run resubmitted with ``--trainer.resume auto``. With ``--database`` (Flower keeps the nodes' registrations)
+    the SuperNodes reconnect by themselves and the resumed run ends where an uninterrupted one does, bit for
+    bit; without it the SuperNodes are refused (401) and exit, and the resumed run fails with our error naming
+    the fix instead of finishing untrained."""
+    import time
+
+    import deployment as fd
+
+    fd.enable_subreaper()
+    env = environment(tmp_path)
+    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
+    args = ["--database", str(tmp_path / "superlink.db")] if database else []
+    common = [*DEPLOY[2:], "--trainer.rounds", "4", "--trainer.default_root_dir", str(tmp_path / "runs")]
+    overrides = " ".join([*common, "--trainer.name", "restarted"])
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=2, extra_env=extra, superlink_args=args) as d:
+        d.run_app(REPO, f'config="configs/quickstart.yaml" overrides="{overrides}" round-timeout=60')
+        deadline = time.monotonic() + 300
+        runs = tmp_path / "runs" / "restarted"
+        while not any(read_checkpoint(p)["round"] >= 2 for p in runs.glob("**/checkpoints/last.ckpt")):
+            assert time.monotonic() < deadline, "round 2 did not finish in time"
+            time.sleep(0.2)
+        d.crash_superlink()
+        d.start_superlink()
+        resumed = f'config="configs/quickstart.yaml" overrides="{overrides} --trainer.resume auto" round-timeout=60 ' \
+                  "wait-for-nodes=10 max-silent-rounds=2"  # fmt: skip
+        if database:
+            d.wait_nodes(2, timeout=60)
+            finish(d, d.run_app(REPO, resumed))
+        else:
+            run_id = d.run_app(REPO, resumed)
+            assert d.wait_run(run_id, timeout=300)["status"] == "finished:failed"
+            assert "no sampled client replied in 2 rounds in a row" in d.run_logs(run_id)
+            assert all(d.procs[f"supernode{i}"].poll() is not None for i in range(2))  # refused, they exited
+    got = final_state(tmp_path, "restarted")
+    if not database:
+        assert [h["fed/lost_clients"] for h in got["history"][-2:]] == [2.0, 2.0]  # then it stopped, loudly
+        return
+    run(["-m", "lightning_fl", "fit", "--config", str(CONFIGS / "quickstart.yaml"), *common, "--trainer.name",
+         "straight", "--trainer.logger", "false"], tmp_path)  # fmt: skip
+    reference = final_state(tmp_path, "straight")
+    assert got["round"] == 4 and all(h["fed/lost_clients"] == 0.0 for h in got["history"][1:])
+    for name in reference["global_state"]:
+        assert torch.equal(reference["global_state"][name], got["global_state"][name]), name
+
+
 # ------------------------------------------------------------------------------------------------ SecAgg+
 SECURE = [
     "--trainer.rounds", "1", "--data.num_clients", "3", "--trainer.enable_progress_bar", "false",

@@ -72,9 +72,15 @@ def serve(
     return trainer
 
 
+# the run config keys and their defaults; pyproject.toml's [tool.flwr.app.config] declares the same (Flower refuses
+# a `flwr run --run-config` key the app does not declare)
+RUN_CONFIG = {"config": "configs/quickstart.yaml", "overrides": "", "round-timeout": 0.0, "wait-for-nodes": 60.0,
+              "hello-timeout": 60.0, "max-silent-rounds": 3}  # fmt: skip
+
+
 def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     """:func:`serve`'s keyword arguments from a Flower run config (checked: one line per mistake)."""
-    known = {"config", "overrides", "round-timeout", "wait-for-nodes", "hello-timeout", "max-silent-rounds"}
+    known = set(RUN_CONFIG)
     unknown = sorted(set(run_config) - known)
     if unknown:
         raise ConfigError(f"unknown run config key(s) {unknown}; accepted: {sorted(known)}")
@@ -85,14 +91,14 @@ def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(overrides, str):
         raise ConfigError(f"run config 'overrides' must be a string of CLI arguments, got {overrides!r}")
     numbers = {}
-    for key, default in (("round-timeout", 0.0), ("wait-for-nodes", 60.0), ("hello-timeout", 60.0)):
-        value = run_config.get(key, default)
+    for key in ("round-timeout", "wait-for-nodes", "hello-timeout"):
+        value = run_config.get(key, RUN_CONFIG[key])
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
             raise ConfigError(f"run config {key!r} must be a number of seconds >= 0, got {value!r}")
         numbers[key] = float(value)
     if numbers["hello-timeout"] <= 0:
         raise ConfigError("run config 'hello-timeout' must be a number of seconds > 0, got 0")
-    silent = run_config.get("max-silent-rounds", 3)
+    silent = run_config.get("max-silent-rounds", RUN_CONFIG["max-silent-rounds"])
     if not isinstance(silent, int) or isinstance(silent, bool) or silent < 0:
         raise ConfigError(f"run config 'max-silent-rounds' must be a whole number of rounds >= 0, got {silent!r}")
     timeout, wait = numbers["round-timeout"] or None, numbers["wait-for-nodes"]
