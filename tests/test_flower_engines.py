@@ -102,11 +102,12 @@ def warm_deployment(tmp_path):
     assert not left, "processes left running: " + ", ".join(map(str, left))
 
 
-def submit(deployment, tmp_path, name: str, *extra: str, timeout: str = "120") -> int:
+def submit(deployment, tmp_path, name: str, *extra: str, timeout: str = "120", run_config: str = "") -> int:
     overrides = " ".join(
         [*DEPLOY, "--trainer.default_root_dir", str(tmp_path / "runs"), "--trainer.name", name, *extra]
     )
-    return deployment.run_app(REPO, f'config="configs/quickstart.yaml" overrides="{overrides}" round-timeout={timeout}')
+    config = f'config="configs/quickstart.yaml" overrides="{overrides}" round-timeout={timeout} {run_config}'
+    return deployment.run_app(REPO, config.strip())
 
 
 def finish(deployment, run_id: int, timeout: float = 300) -> None:
@@ -151,6 +152,21 @@ def test_deployment_with_warm_workers_equals_in_process(tmp_path, warm_deploymen
     for idx in range(2):  # each worker served its node's hello and both rounds
         log = warm_deployment.logs[f"worker{idx}"].read_text()
         assert log.count("served in") == 3 and "query (round -)" in log and "train (round 2)" in log, log
+
+
+def test_deployment_beside_a_cpu_heavy_neighbour_completes_with_a_raised_hello_timeout(tmp_path, deployment):
+    """Four busy loops on this machine's cores while the run starts and trains (each ClientApp process then takes
+    far longer to import and build): with run config hello-timeout raised, every round has both clients."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        finish(deployment, submit(deployment, tmp_path, "busy", timeout="600", run_config="hello-timeout=600"),
+               timeout=900)  # fmt: skip
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait(timeout=10)
+    history = final_state(tmp_path, "busy")["history"]
+    assert [h["fed/lost_clients"] for h in history[1:]] == [0.0, 0.0]
 
 
 def test_killed_supernode_misses_a_round_and_rejoins(tmp_path, deployment):
