@@ -24,7 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, lazy_instance
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
@@ -42,7 +42,7 @@ from lightning_fl.cli_errors import (
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
 from lightning_fl.threads import set_threads
-from lightning_fl.trainer_api import TrainerLike, write_config
+from lightning_fl.trainer_api import TrainerLike, lazy_instance, write_config
 
 TrainerType = L.Trainer | TrainerLike
 
