@@ -15,12 +15,12 @@ the operating system keeps of the files):
   each must exit with code 2.
 
 For each: wall and CPU seconds of the whole process (min and median) and its peak resident memory over the whole
-process (``ru_maxrss`` of that child, from ``wait4``: interpreter shutdown included, which adds about 130 MiB
-once torch is loaded); for the import sides also the peak resident memory right after the import (the child's
-own ``RUSAGE_SELF``, "after imports"). The difference between ``lightning_fl`` and ``lightning`` is what this package
-adds, and between ``fit --help`` and ``lightning.pytorch`` what the CLI adds to the floor. For the import sides
-it also reports which optional heavy modules the import leaves loaded (POT, matplotlib, Flower, scikit-learn,
-TensorBoard's writer), which should be none of ours.
+process (``ru_maxrss`` from ``wait4``, started from a small launcher so that it is the process's own: interpreter
+shutdown included, which adds about 130 MiB once torch is loaded); for the import sides also the peak resident
+memory right after the import (the process's own ``RUSAGE_SELF``, "after imports"). The difference between
+``lightning_fl`` and ``lightning`` is what this package adds, and between ``fit --help`` and ``lightning.pytorch``
+what the CLI adds to the floor. For the import sides it also reports which optional heavy modules the import
+leaves loaded (POT, matplotlib, Flower, scikit-learn, TensorBoard's writer), which should be none of ours.
 
     python benchmarks/startup.py
     python benchmarks/startup.py --repeats 5 --json docs/results/startup.json
@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from _harness import Sample, add_arguments, fmt, machine, report, spread
@@ -51,20 +49,35 @@ MISTAKES = {
 SIDES = [*IMPORTS, "fit --help", *MISTAKES]
 
 
+# Starts the measured process and reports its rusage. Linux carries a process's peak RSS across exec from the
+# memory of the process that forked it, so a child forked from this script (torch imported: 500 MiB) could never
+# report less; forked from this small launcher (``python -S``, about 10 MiB), it reports its own.
+LAUNCHER = """
+import json, os, sys, time
+report, args = sys.argv[1], sys.argv[2:]
+wall = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execv(args[0], args)
+_, status, usage = os.wait4(pid, 0)
+wall = time.perf_counter() - wall
+with open(report, "w") as f:
+    json.dump([wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss, os.waitstatus_to_exitcode(status)], f)
+"""
+
+
 def run(args: list[str], expect: int = 0) -> tuple[Sample, float, str]:
-    """Run ``python args`` to the end; its wall and CPU seconds, its peak RSS in MiB (that child's own, from
-    ``wait4``) and its stdout."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        wall = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)  # (not proc.wait(): wait4 also returns this child's rusage)
-        wall = time.perf_counter() - wall
-        proc.returncode = code = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if code != expect:
-        raise SystemExit(f"python {' '.join(args)} exited with {code}, not {expect}:\n{stderr[-2000:]}")
-    return Sample(wall, usage.ru_utime + usage.ru_stime), usage.ru_maxrss / 1024, stdout  # Linux: KiB
+    """Run ``python args`` to the end; its wall and CPU seconds, its peak RSS in MiB (that process's own, from
+    ``wait4`` in :data:`LAUNCHER`) and its stdout."""
+    with tempfile.TemporaryDirectory() as folder:
+        report, out, err = (Path(folder) / name for name in ("report.json", "out", "err"))
+        with out.open("w") as stdout, err.open("w") as stderr:
+            launcher = [sys.executable, "-S", "-c", LAUNCHER, str(report), sys.executable, *args]
+            subprocess.run(launcher, stdout=stdout, stderr=stderr, check=True)
+        wall, cpu, kib, code = json.loads(report.read_text())
+        if code != expect:
+            raise SystemExit(f"python {' '.join(args)} exited with {code}, not {expect}:\n{err.read_text()[-2000:]}")
+        return Sample(wall, cpu), kib / 1024, out.read_text()  # Linux reports KiB
 
 
 def side_args(name: str, folder: Path) -> list[str]:
