@@ -5,11 +5,12 @@ Sides, alternated ``--repeats`` times, each a new ``python`` process (so nothing
 the operating system keeps of the files):
 
 - ``torch``: ``import torch``;
-- ``lightning.pytorch``: ``import lightning.pytorch`` (the floor any ``LightningCLI`` pays before it parses);
 - ``lightning``: ``import lightning`` (torch, Lightning, torchmetrics: what every run needs);
 - ``lightning_fl``: ``import lightning_fl; lightning_fl.load_plugins()`` (all of the above, and every plug-in, so
   short class names resolve: what the CLI imports; a bare ``import lightning_fl`` imports nothing heavy);
-- ``fit --help``: ``python -m lightning_fl fit --help``;
+- ``lightning.pytorch``: ``import lightning.pytorch`` (the floor any ``LightningCLI`` pays before it parses);
+- ``fit --help``: ``python -m lightning_fl fit --help`` (placed right after ``lightning.pytorch`` in each repeat, and
+  reported also as the per-repeat difference to it, min and median);
 - ``missing config``, ``YAML syntax error``, ``unknown key``: ``python -m lightning_fl fit --config FILE`` with a
   file that does not exist, one that breaks YAML's syntax, and one with a misspelt top-level key (``modle``);
   each must exit with code 2.
@@ -39,7 +40,7 @@ from _harness import Sample, add_arguments, fmt, machine, report, spread
 
 HEAVY = ["ot", "matplotlib", "flwr", "sklearn", "torch.utils.tensorboard"]
 PROBE = "import sys, json; print(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
-IMPORTS = ["torch", "lightning.pytorch", "lightning", "lightning_fl"]
+IMPORTS = ["torch", "lightning", "lightning_fl", "lightning.pytorch"]
 # The config mistakes: the file's text (None: no file), each run as ``fit --config FILE``.
 MISTAKES = {
     "missing config": None,
@@ -47,6 +48,8 @@ MISTAKES = {
     "unknown key": "modle:\n  class_path: Classifier\n",
 }
 SIDES = [*IMPORTS, "fit --help", *MISTAKES]
+# What one side adds to another, per repeat: the CLI to the floor a LightningCLI pays, the package to Lightning.
+PAIRS = [("fit --help", "lightning.pytorch"), ("lightning_fl", "lightning")]
 
 
 # Starts the measured process and reports its rusage. Linux carries a process's peak RSS across exec from the
@@ -128,6 +131,17 @@ def main() -> None:
             text += "; optional heavy modules loaded: " + (", ".join(loaded[name]) or "none")
         results["sides"][name] = entry
         print(text)
+    results["over"] = {}
+    for name, floor in PAIRS:  # per repeat, the two ran one after the other: a neighbour's load falls on both
+        if name in samples and floor in samples:
+            pairs = list(zip(samples[name], samples[floor], strict=True))
+            over = {
+                "wall_s": spread(a.wall - b.wall for a, b in pairs),
+                "cpu_s": spread(a.cpu - b.cpu for a, b in pairs),
+            }
+            results["over"][f"{name} - {floor}"] = over
+            wall, cpu = fmt(over["wall_s"], " s", 1, 2), fmt(over["cpu_s"], " s", 1, 2)
+            print(f"{name} over {floor}, per repeat: wall {wall}; CPU {cpu}")
     report("startup", before, results, args.json)
 
 
