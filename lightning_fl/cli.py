@@ -24,13 +24,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace, lazy_instance
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
 from lightning_fl.cli_errors import (
-    SUBCOMMANDS,
     FailedBuild,
     build_error,
     format_parse_error,
@@ -39,10 +38,11 @@ from lightning_fl.cli_errors import (
     quoted_argument,
     yaml_syntax_error,
 )
+from lightning_fl.cli_precheck import SUBCOMMANDS, TOP_KEYS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
 from lightning_fl.threads import set_threads
-from lightning_fl.trainer_api import TrainerLike, write_config
+from lightning_fl.trainer_api import TrainerLike, lazy_instance, write_config
 
 TrainerType = L.Trainer | TrainerLike
 
@@ -91,30 +91,23 @@ def lightning_summary(trainer: L.Trainer, log_dir: str | None) -> str:
 
 # --------------------------------------------------------------------------------------- parser
 def _subcommand_parser(name: str) -> ArgumentParser:
+    """One subcommand's parser. Its keys are those of :data:`~lightning_fl.cli_precheck.TOP_KEYS` (with their
+    help), which the pre-check that runs before torch is imported accepts; a key added here must be added there."""
+    arguments = {  # each top-level key's type and default
+        "config": {"action": ActionConfigFile},
+        "seed_everything": {"type": bool | int, "default": True},
+        "trainer": {"type": TrainerType, "default": lazy_instance(L.Trainer)},
+        "model": {"type": L.LightningModule, "required": True},
+        "data": {"type": L.LightningDataModule, "required": True},
+        "ckpt_path": {"type": str | None, "default": None},
+        "threads": {"type": int | None, "default": None},
+    }
+    if arguments.keys() != TOP_KEYS.keys():
+        raise AssertionError(f"the CLI's keys {list(arguments)} are not cli_precheck.TOP_KEYS {list(TOP_KEYS)}")
     parser = ArgumentParser(exit_on_error=False, description=SUBCOMMANDS[name])
-    parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a YAML config file.")
-    parser.add_argument(
-        "--seed_everything",
-        type=bool | int,
-        default=True,
-        help="Global seed; true picks one (0 unless PL_GLOBAL_SEED is set) and records it in the saved config.",
-    )
-    parser.add_argument(
-        "--trainer",
-        type=TrainerType,
-        default=lazy_instance(L.Trainer),
-        help="lightning.Trainer, or any class with fit/validate/test(model, datamodule=, ckpt_path=).",
-    )
-    parser.add_argument("--model", type=L.LightningModule, required=True, help="The LightningModule to run.")
-    parser.add_argument("--data", type=L.LightningDataModule, required=True, help="The LightningDataModule.")
-    parser.add_argument("--ckpt_path", type=str | None, default=None, help="Checkpoint to resume (fit) or evaluate.")
-    parser.add_argument(
-        "--threads",
-        type=int | None,
-        default=None,
-        help="CPU threads per process for torch; null: one fewer than the cores (at least 1), shared among a "
-        "node's processes. More threads than free cores slow small models down when the machine is shared.",
-    )
+    for key, kwargs in arguments.items():
+        flags = ["-c", "--config"] if key == "config" else [f"--{key}"]
+        parser.add_argument(*flags, help=TOP_KEYS[key], **kwargs)
     return parser
 
 
@@ -150,14 +143,7 @@ def dump_config(parser: ArgumentParser, cfg: Namespace) -> str:
         return parser.dump(cfg, skip_none=False)
 
 
-def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    print(
-        "Run with --print_config to see every key and its value, or --KEY.help CLASS for the options of one "
-        "class (e.g. --trainer.strategy.help FedAdam).",
-        file=sys.stderr,
-    )
-    raise SystemExit(2)
+_fail = fail  # (error: ..., the hint, exit code 2)
 
 
 # --------------------------------------------------------------------------------------- running
@@ -299,8 +285,10 @@ def build(argv: list[str]) -> Run:
 
 def main(argv: list[str] | None = None) -> Any:
     """Parse, seed, build the four plug-ins, save the resolved config, and run the subcommand."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    precheck(argv)  # (``python -m lightning_fl`` has run it already, before importing this module)
     try:
-        run = build(sys.argv[1:] if argv is None else list(argv))
+        run = build(argv)
     except ConfigParseError as err:
         _fail(str(err))
     lock = None

@@ -23,14 +23,14 @@ import lightning as L
 import yaml
 from jsonargparse import ArgumentParser, Namespace
 
+from lightning_fl.cli_precheck import (
+    TOP_KEYS,
+    missing_config,
+    unknown_subcommand,
+    unknown_top_key,
+    yaml_syntax,
+)
 from lightning_fl.trainer_api import TrainerLike
-
-# The subcommands, with their help: the CLI builds one parser each from this, and messages cite them.
-SUBCOMMANDS = {
-    "fit": "Train the model (resume with --ckpt_path).",
-    "validate": "Evaluate on the validation split (weights from --ckpt_path).",
-    "test": "Evaluate on the test split (weights from --ckpt_path).",
-}
 
 
 def _public_subclasses(base: type) -> list[str]:
@@ -104,7 +104,6 @@ RENAMED = {
 FABRIC_STRATEGIES = {"auto", "ddp", "ddp_spawn", "dp", "fsdp", "deepspeed", "single_device", "xla"}
 # What jsonargparse names as the class of a key whose class was not chosen yet.
 BASE_CLASS_PATHS = {"lightning.LightningModule", "lightning.LightningDataModule"}
-TOP_KEYS = ["seed_everything", "trainer", "model", "data", "ckpt_path", "threads", "config"]
 
 # jsonargparse reports a failure as an indented tree: 'Parser key "k":' and "Problem with given class_path 'X':"
 # open a level; a Union lists each member's failure as "- ..." items under "Errors:", then the value given.
@@ -252,12 +251,7 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
     if match := re.search(r"does not accept option '([^']+)'", message) or re.search(
         r"Unrecognized arguments: (\S+)", message
     ):
-        option = match.group(1).lstrip("-")
-        if option.split(".")[0] not in TOP_KEYS:
-            option = option.split(".")[0]
-        close = difflib.get_close_matches(option, TOP_KEYS, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        return f"{prefix}unknown key '{option}'.{hint} Accepted top-level keys: {', '.join(TOP_KEYS)}."
+        return prefix + unknown_top_key(match.group(1).lstrip("-"))
 
     # A Union's report leaves the value out of its members' "Import path ... does not ..." (it is "Given value").
     wrong_base = re.search(rf"Import path (?:([\w.]+) )?{_NOT_A_SUBCLASS}(\w+)", message)
@@ -286,7 +280,7 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         return f"{prefix}{key}: {problem}; give {full_path}."
 
     if match := re.search(r"File does not exist: '?([^'\n]+)'?", message):
-        return f"{prefix}config file {match.group(1)} does not exist; check the path given to --config."
+        return prefix + missing_config(match.group(1))
 
     if match := re.search(r"the following arguments are required: (.+)", message):
         missing = match.group(1).replace(f"{subcommand}.", "") if subcommand else match.group(1)
@@ -295,9 +289,7 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         )
 
     if match := re.search(r"invalid choice: '([^']+)'", message):
-        close = difflib.get_close_matches(match.group(1), list(SUBCOMMANDS), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        return f"unknown subcommand '{match.group(1)}'.{hint} Accepted: {', '.join(SUBCOMMANDS)}."
+        return unknown_subcommand(match.group(1))
 
     expected = re.findall(r"Expected an? (.+?)(?:\. Got value: (.+)|$)", message, flags=re.M)
     if expected:
@@ -451,15 +443,6 @@ def yaml_syntax_error(argv: list[str], err: BaseException) -> str | None:
             yaml.safe_load(Path(path).read_text())
         except OSError:
             continue
-        except yaml.MarkedYAMLError as bad:
-            mark = bad.problem_mark or bad.context_mark
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            opened = bad.context_mark if bad.context and bad.context_mark is not mark else None
-            context = f" ({bad.context} at line {opened.line + 1})" if opened is not None else ""
-            return (
-                f"config file {path}: YAML syntax error{where}: {bad.problem or bad.context}{context}; "
-                "check the indentation, the ':' after each key and the closing brackets there."
-            )
         except yaml.YAMLError as bad:
-            return f"config file {path}: YAML syntax error: {bad}"
+            return yaml_syntax(path, bad)
     return None

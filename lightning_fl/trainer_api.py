@@ -1,13 +1,16 @@
-"""What the CLI asks of a trainer, and how a run folder records the config that made it.
+"""What the CLI asks of a trainer, how a run folder records the config that made it, and cheap lazy defaults.
 
 Kept apart from the CLI so trainers (``FederatedTrainer``, a user's own) never import the CLI.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+T = TypeVar("T")
 
 #: The resolved config is written under this name in every run folder.
 CONFIG_FILENAME = "config.yaml"
@@ -38,3 +41,31 @@ def write_config(folder: str | Path, config_yaml: str, experiments: Iterable[Any
         if hasattr(experiment, "add_text"):
             experiment.add_text("config", text)
     return path
+
+
+def lazy_instance(class_type: type[T], **kwargs: Any) -> T:
+    """A default of ``class_type(**kwargs)`` built when first used, that the CLI prints as its class and arguments:
+    jsonargparse's ``lazy_instance`` without its ``inspect.stack()``.
+
+    jsonargparse finds the caller's module with ``inspect.stack()``, which reads the source of every frame on the
+    stack and walks ``sys.modules`` for each: 0.1-0.15 s a call once torch and Lightning are loaded, and each
+    default of a plug-in is one call at import. This makes the same class (``LazyInstance_<name>``, set on and
+    reused from the caller's module) and the same instance; with a jsonargparse that lacks the private base it
+    builds on, it calls jsonargparse's own.
+    """
+    from jsonargparse import typing as jsonargparse_typing
+
+    base = getattr(jsonargparse_typing, "_LazyInitBaseClass", None)
+    if base is None:
+        return jsonargparse_typing.lazy_instance(class_type, **kwargs)
+    caller = sys.modules.get(sys._getframe(1).f_globals.get("__name__", ""))
+    name = f"LazyInstance_{class_type.__name__}"
+    lazy_class = getattr(caller, name, None)
+    if lazy_class is None:
+        lazy_class = type(name, (base, class_type), {"__doc__": f"Class for lazy instances of {class_type}"})
+        if caller is not None:
+            lazy_class.__module__ = caller.__name__
+            setattr(caller, name, lazy_class)
+    elif not (issubclass(lazy_class, base) and issubclass(lazy_class, class_type)):
+        raise TypeError(f"{caller.__name__}.{name} is not a lazy {class_type.__name__}")
+    return lazy_class(class_type, kwargs)

@@ -15,7 +15,7 @@ LAYERS = [
     {"methods"},
     {"federated"},
     {"oneshot"},
-    {"cli", "cli_errors", "__main__"},
+    {"cli", "cli_errors", "cli_precheck", "__main__"},
     {"flower"},
 ]
 

@@ -8,12 +8,12 @@ from typing import Literal
 import lightning as L
 import numpy as np
 import torch
-from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fl.data.partition import IID, ClientPartition, Partitioner, label_histograms
 from lightning_fl.data.sources import DataSource, ImageTransform, LabeledImages, TensorImages
 from lightning_fl.errors import ConfigError
+from lightning_fl.trainer_api import lazy_instance
 
 
 class TransformedSubset(Dataset):

