@@ -35,7 +35,6 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.distributed as dist
-from jsonargparse import lazy_instance
 from tqdm.auto import tqdm
 
 from lightning_fl import runs
@@ -61,7 +60,7 @@ from lightning_fl.privacy.base import Plan, Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
 from lightning_fl.privacy.secure import SecureAggregation
 from lightning_fl.runs import RunLock
-from lightning_fl.trainer_api import TrainerLike, write_config
+from lightning_fl.trainer_api import TrainerLike, lazy_instance, write_config
 
 
 class FederatedTrainer(TrainerLike):
