@@ -557,13 +557,20 @@ def secagg_reply(key: str, change: Callable) -> Callable:
     return tamper
 
 
-def test_secure_rounds_on_flower_equal_in_process_bitwise(in_tmp):
+@pytest.mark.parametrize("through", ["clientapp", "warm-workers"])
+def test_secure_rounds_on_flower_equal_in_process_bitwise(in_tmp, through, request):
     """Flower's SecAgg+ between 4 nodes: the in-process secure run's state, budget of bytes and logged metrics; no
-    upload crosses unmasked (every train reply is a SecAgg+ message with an empty payload)."""
+    upload crosses unmasked (every train reply is a SecAgg+ message with an empty payload). Through warm
+    workers too: SecAgg+'s state between its stages lives in the node's context, which the worker sends back."""
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *SECURE)
-    grid = LocalGrid(nodes())
+    configs = nodes()
+    if through == "warm-workers":
+        start = request.getfixturevalue("workers")
+        for config in configs:
+            config["worker"] = start(f"s{config['partition-id']}").path
+    grid = LocalGrid(configs)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE)
     assert_same_state(got, reference)
     assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
