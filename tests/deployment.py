@@ -381,12 +381,13 @@ class FlowerDeployment:
         self.node_ids[idx] = int(payload["node-id"])
         return self.node_ids[idx]
 
-    def start_supernode(self, idx: int, timeout: float = 30.0, register: bool = True, trust_ca: bool = True,
-                        wait: bool = True) -> int:  # fmt: skip
+    def start_supernode(self, idx: int, timeout: float = 30.0, register: bool = True, key: bool = True,
+                        trust_ca: bool = True, wait: bool = True) -> int:  # fmt: skip
         """Start SuperNode ``idx``; its Runtime API port. Under ``node_auth`` its key is registered first unless
-        ``register=False``, and it is started with its private key; ``trust_ca=False`` starts it without the test's
-        CA (it then trusts the system's), and ``wait=False`` returns without waiting for its Runtime API (a node
-        that is to be refused may exit before that answers)."""
+        ``register=False``, and it is started with its private key unless ``key=False`` (it then makes a key of its
+        own and asks to register it, which ``--enable-supernode-auth`` forbids); ``trust_ca=False`` starts it
+        without the test's CA (it then trusts the system's), and ``wait=False`` returns without waiting for its
+        Runtime API (a node that is to be refused may exit before that answers)."""
         port = free_port()  # SuperNode Runtime (ClientAppIo) HTTP API
         name = f"supernode{idx}"
         node_config = f"partition-id={idx} num-partitions={self.num_supernodes}"
@@ -395,7 +396,7 @@ class FlowerDeployment:
         security = ["--insecure"]
         if self.tls:
             security = ["--root-certificates", str(self.tls.ca)] if trust_ca else []
-        if self.node_auth:
+        if self.node_auth and key:
             if register and idx not in self.node_ids:
                 self.register(idx)
             security += ["--auth-supernode-private-key", str(self.node_key(idx)[0])]

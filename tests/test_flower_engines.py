@@ -223,9 +223,11 @@ def test_a_superlink_crash_and_restart(tmp_path, database):
 def test_tls_and_supernode_authentication(tmp_path):
     """docs/deploy.md's TLS and node authentication on 127.0.0.1, with a CA, a server certificate and node keys made
     here: the SuperLink over HTTPS with ``--enable-supernode-auth``, two SuperNodes whose keys ``flwr supernode
-    register`` registered run the quickstart to the in-process run's state, bit for bit. A node whose key is not
-    registered is refused (Flower's 412, ``[code: 2004] Failed to activate SuperNode``, and the node exits), and so
-    is a registered node that does not trust the CA (certificate verify failed); neither is ever online."""
+    register`` registered run the quickstart to the in-process run's state, bit for bit. Refused, each with a 412
+    or a TLS error, and each exits: a node whose key is not registered (``[code: 2004] Failed to activate
+    SuperNode``), a node with no key (it asks to register itself: ``[code: 2001]``, what
+    ``--enable-supernode-auth`` forbids), and a registered node that does not trust the CA (certificate verify
+    failed). None of them is ever online."""
     import time
 
     import deployment as fd
@@ -246,14 +248,16 @@ def test_tls_and_supernode_authentication(tmp_path):
         assert len(registered) == 2 and set(d.online_nodes()) == registered
         d.start_supernode(2, register=False, wait=False)  # its key pair exists, the SuperLink never saw it
         d.start_supernode(3, trust_ca=False, wait=False)  # registered, but trusts only the system's CAs
+        d.start_supernode(4, key=False, wait=False)  # no key: Flower makes one and asks to register it
         run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc", "--trainer.logger", "false"], tmp_path)
         deadline = time.monotonic() + 60
-        while any(d.procs[f"supernode{i}"].poll() is None for i in (2, 3)):
+        while any(d.procs[f"supernode{i}"].poll() is None for i in (2, 3, 4)):
             assert time.monotonic() < deadline, "a refused SuperNode is still running after 60 s"
             time.sleep(0.2)
-        unregistered, untrusting = (d.logs[f"supernode{i}"].read_text() for i in (2, 3))
+        unregistered, untrusting, keyless = (d.logs[f"supernode{i}"].read_text() for i in (2, 3, 4))
         assert d.procs["supernode2"].returncode != 0 and "[code: 2004] Failed to activate SuperNode." in unregistered
         assert d.procs["supernode3"].returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusting
+        assert d.procs["supernode4"].returncode != 0 and "[code: 2001] SuperNode authentication is enabled." in keyless
         assert "No SuperNode found with the given public key" in d.logs["superlink"].read_text()
         assert set(d.online_nodes()) == registered
         finish(d, submit(d, tmp_path, "deployed"))
