@@ -79,6 +79,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def homed_under(folder: Path) -> list[int]:
+    """Live processes (other than this one) whose ``FLWR_HOME`` lies under ``folder``: everything a deployment
+    started, its SuperExecs and app processes included, as they inherit the environment."""
+    prefix = f"FLWR_HOME={Path(folder)}{os.sep}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if any(v.startswith(prefix) for v in f.read().split(b"\0")) and _alive(int(d)):
+                    found.append(int(d))
+        except OSError:
+            continue
+    return found
+
+
 def kill_tree(pid: int, grace: float = 5.0) -> None:
     """SIGTERM pid + all descendants (collected first), then SIGKILL survivors."""
     pids = [pid, *descendants(pid)]
@@ -537,6 +554,10 @@ class FlowerDeployment:
         for pid, start in self.seen_pids.items():  # orphans (re-parented to PID 1 or to us)
             if _alive(pid) and _starttime(pid) == start:  # same process, not a reused PID
                 kill_tree(pid, grace=2.0)
+        # a node that exited by itself (e.g. refused by the SuperLink) before any snapshot left its SuperExec
+        # without a parent we knew: found by its FLWR_HOME
+        for pid in homed_under(self.workdir):
+            kill_tree(pid, grace=2.0)
         reap_orphans()
         if hasattr(self, "socket_dir"):
             shutil.rmtree(self.socket_dir, ignore_errors=True)
