@@ -4,6 +4,10 @@ flwr 1.42's SuperLink serves its Fleet, Control and ServerAppIo APIs over HTTP o
 serves its ClientAppIo API on another. Every port is free (bound to 0 first), every wait is bounded, each
 process gets its own ``FLWR_HOME`` under the test's folder, and teardown stops every process started here
 and its descendants by PID (found through /proc; orphans are reaped, as this process is a subreaper).
+
+Insecure by default; ``tls=make_tls(folder)`` serves the SuperLink over HTTPS (the SuperNodes and the ``flwr``
+CLI trust the test's CA) and ``node_auth=True`` adds ``--enable-supernode-auth``: each SuperNode gets an EC key
+pair (OpenSSH format, :func:`make_node_key`), registered with ``flwr supernode register`` before it starts.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -72,6 +77,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def homed_under(folder: Path) -> list[int]:
+    """Live processes (other than this one) whose ``FLWR_HOME`` lies under ``folder``: everything a deployment
+    started, its SuperExecs and app processes included, as they inherit the environment."""
+    prefix = f"FLWR_HOME={Path(folder)}{os.sep}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if any(v.startswith(prefix) for v in f.read().split(b"\0")) and _alive(int(d)):
+                    found.append(int(d))
+        except OSError:
+            continue
+    return found
 
 
 def kill_tree(pid: int, grace: float = 5.0) -> None:
@@ -140,12 +162,104 @@ def reap_orphans(timeout: float = 3.0) -> None:
         time.sleep(0.05)
 
 
-def wait_http_ok(url: str, timeout: float) -> None:
+@dataclass(frozen=True)
+class TLS:
+    """PEM files: the CA's certificate, and the SuperLink's certificate (signed by that CA) and private key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TLS:
+    """A throwaway CA and a server certificate for ``hosts`` (IP addresses and DNS names in its SAN), EC P-256,
+    valid for a day, written under ``folder`` as ``ca.crt``, ``server.pem`` and ``server.key``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lightning-fl test CA")])
+    ca_usage = x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                             key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+                             decipher_only=False)  # fmt: skip
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(ca_usage, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    tls = TLS(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    tls.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    tls.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    tls.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))  # fmt: skip
+    tls.key.chmod(0o600)
+    return tls
+
+
+def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's key pair as Flower 1.42 reads it: an EC key on a NIST curve (here P-384, as Flower's docs
+    use) in OpenSSH format, the private key unencrypted (``flower-supernode --auth-supernode-private-key``) and
+    the public key as one ``ecdsa-sha2-nistp384 ...`` line (``flwr supernode register``). What ``ssh-keygen -t
+    ecdsa -b 384 -N '' -f name`` writes."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = folder / name, folder / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()))  # fmt: skip
+    private.chmod(0o600)
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+                       + f" {name}\n".encode())  # fmt: skip
+    return private, public
+
+
+def wait_http_ok(url: str, timeout: float, cafile: Path | None = None) -> None:
+    """Poll ``url`` until it answers 200; an ``https://`` URL is verified against ``cafile``."""
+    context = ssl.create_default_context(cafile=str(cafile)) if cafile else None
     deadline = time.time() + timeout
     last = None
     while time.time() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as r:
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as r:
                 if r.status == 200:
                     return
         except Exception as e:
@@ -162,6 +276,9 @@ class FlowerDeployment:
     workers: bool = False  # a warm worker (python -m lightning_fl.flower.worker) beside each SuperNode
     superlink_args: list[str] = field(default_factory=list)  # more flower-superlink options (e.g. --database)
     superlink_cwd: Path | None = None  # ServerApp inherits this cwd
+    tls: TLS | None = None  # HTTPS with these files instead of --insecure (make_tls)
+    node_auth: bool = False  # --enable-supernode-auth; each SuperNode's key registered before it starts (needs tls)
+    node_ids: dict[int, int] = field(default_factory=dict)  # node idx -> node id given at registration
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
     # every PID ever seen in one of our trees (orphans of a killed node live on!)
@@ -174,9 +291,12 @@ class FlowerDeployment:
         self.address = f"127.0.0.1:{self.port}"
         self.cli_home = self.workdir / "home-cli"
         self.cli_home.mkdir(exist_ok=True)
+        if self.node_auth and self.tls is None:
+            raise ValueError("SuperNode authentication needs TLS (Flower refuses a node key over --insecure)")
+        # the CLI reads root-certificates relative to its working directory: an absolute path
+        trust = f'root-certificates = "{Path(self.tls.ca).resolve()}"' if self.tls else "insecure = true"
         (self.cli_home / "config.toml").write_text(
-            '[superlink]\ndefault = "local-test"\n\n'
-            f'[superlink.local-test]\naddress = "{self.address}"\ninsecure = true\n',
+            f'[superlink]\ndefault = "local-test"\n\n[superlink.local-test]\naddress = "{self.address}"\n{trust}\n',
             encoding="utf-8",
         )
 
@@ -219,11 +339,18 @@ class FlowerDeployment:
 
     # ------------------------------------------------------------ start
     def start_superlink(self, timeout: float = 30.0) -> None:
+        if self.tls:
+            security = ["--ssl-ca-certfile", str(self.tls.ca), "--ssl-certfile", str(self.tls.cert),
+                        "--ssl-keyfile", str(self.tls.key)]  # fmt: skip
+        else:
+            security = ["--insecure"]
+        if self.node_auth:
+            security.append("--enable-supernode-auth")
         self._spawn(
             "superlink",
             [
                 str(BIN / "flower-superlink"),
-                "--insecure",
+                *security,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -234,7 +361,8 @@ class FlowerDeployment:
             home=self.workdir / "home-superlink",
             cwd=self.superlink_cwd or self.workdir,
         )
-        wait_http_ok(f"http://{self.address}/health", timeout)
+        scheme = "https" if self.tls else "http"
+        wait_http_ok(f"{scheme}://{self.address}/health", timeout, cafile=self.tls.ca if self.tls else None)
 
     def start_worker(self, idx: int, timeout: float = 120.0) -> str:
         """Start node ``idx``'s warm worker; its socket path once it listens (in a short private folder: a Unix
@@ -251,17 +379,49 @@ class FlowerDeployment:
             time.sleep(0.1)
         return str(path)
 
-    def start_supernode(self, idx: int, timeout: float = 30.0) -> int:
+    def node_key(self, idx: int) -> tuple[Path, Path]:
+        """Node ``idx``'s key pair (private, public), made on first use."""
+        private = self.workdir / "keys" / f"supernode{idx}"
+        if not private.exists():
+            return make_node_key(private.parent, private.name)
+        return private, private.with_name(f"{private.name}.pub")
+
+    def register(self, idx: int) -> int:
+        """``flwr supernode register`` node ``idx``'s public key; the node id the SuperLink gave it."""
+        cp = self.flwr("supernode", "register", str(self.node_key(idx)[1]), "local-test", "--format", "json")
+        try:
+            payload = json.loads(cp.stdout[cp.stdout.index("{") :])
+        except ValueError:
+            payload = {}
+        if cp.returncode != 0 or not payload.get("success"):
+            raise RuntimeError(f"flwr supernode register failed: {cp.stdout}\n{cp.stderr}")
+        self.node_ids[idx] = int(payload["node-id"])
+        return self.node_ids[idx]
+
+    def start_supernode(self, idx: int, timeout: float = 30.0, register: bool = True, key: bool = True,
+                        trust_ca: bool = True, wait: bool = True) -> int:  # fmt: skip
+        """Start SuperNode ``idx``; its Runtime API port. Under ``node_auth`` its key is registered first unless
+        ``register=False``, and it is started with its private key unless ``key=False`` (it then makes a key of its
+        own and asks to register it, which ``--enable-supernode-auth`` forbids); ``trust_ca=False`` starts it
+        without the test's CA (it then trusts the system's), and ``wait=False`` returns without waiting for its
+        Runtime API (a node that is to be refused may exit before that answers)."""
         port = free_port()  # SuperNode Runtime (ClientAppIo) HTTP API
         name = f"supernode{idx}"
         node_config = f"partition-id={idx} num-partitions={self.num_supernodes}"
         if self.workers:
             node_config += f" worker='{self.start_worker(idx)}'"
+        security = ["--insecure"]
+        if self.tls:
+            security = ["--root-certificates", str(self.tls.ca)] if trust_ca else []
+        if self.node_auth and key:
+            if register and idx not in self.node_ids:
+                self.register(idx)
+            security += ["--auth-supernode-private-key", str(self.node_key(idx)[0])]
         self._spawn(
             name,
             [
                 str(BIN / "flower-supernode"),
-                "--insecure",
+                *security,
                 "--superlink",
                 self.address,
                 "--host",
@@ -274,7 +434,8 @@ class FlowerDeployment:
             home=self.workdir / f"home-{name}",  # separate FLWR_HOME per node (FAB install race)
             cwd=self.workdir,
         )
-        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout)
+        if wait:  # the node's own Runtime API: plain HTTP on 127.0.0.1 (no --ssl-certfile), also under TLS
+            wait_http_ok(f"http://127.0.0.1:{port}/health", timeout)
         return port
 
     def start(self) -> None:
@@ -393,6 +554,10 @@ class FlowerDeployment:
         for pid, start in self.seen_pids.items():  # orphans (re-parented to PID 1 or to us)
             if _alive(pid) and _starttime(pid) == start:  # same process, not a reused PID
                 kill_tree(pid, grace=2.0)
+        # a node that exited by itself (e.g. refused by the SuperLink) before any snapshot left its SuperExec
+        # without a parent we knew: found by its FLWR_HOME
+        for pid in homed_under(self.workdir):
+            kill_tree(pid, grace=2.0)
         reap_orphans()
         if hasattr(self, "socket_dir"):
             shutil.rmtree(self.socket_dir, ignore_errors=True)

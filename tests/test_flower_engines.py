@@ -236,6 +236,56 @@ def test_a_superlink_crash_and_restart(tmp_path, database):
         assert torch.equal(reference["global_state"][name], got["global_state"][name]), name
 
 
+def test_tls_and_supernode_authentication(tmp_path):
+    """docs/deploy.md's TLS and node authentication on 127.0.0.1, with a CA, a server certificate and node keys made
+    here: the SuperLink over HTTPS with ``--enable-supernode-auth``, two SuperNodes whose keys ``flwr supernode
+    register`` registered run the quickstart to the in-process run's state, bit for bit. Refused, each with a 412
+    or a TLS error, and each exits: a node whose key is not registered (``[code: 2004] Failed to activate
+    SuperNode``), a node with no key (it asks to register itself: ``[code: 2001]``, what
+    ``--enable-supernode-auth`` forbids), and a registered node that does not trust the CA (certificate verify
+    failed). None of them is ever online."""
+    import time
+
+    import deployment as fd
+
+    fd.enable_subreaper()
+    env = environment(tmp_path)
+    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
+    tls = fd.make_tls(tmp_path / "tls")
+    common = [
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        *DEPLOY,
+        "--trainer.default_root_dir",
+        str(tmp_path / "runs"),
+    ]
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=2, extra_env=extra, tls=tls, node_auth=True) as d:
+        registered = set(d.node_ids.values())
+        assert len(registered) == 2 and set(d.online_nodes()) == registered
+        d.start_supernode(2, register=False, wait=False)  # its key pair exists, the SuperLink never saw it
+        d.start_supernode(3, trust_ca=False, wait=False)  # registered, but trusts only the system's CAs
+        d.start_supernode(4, key=False, wait=False)  # no key: Flower makes one and asks to register it
+        run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc", "--trainer.logger", "false"], tmp_path)
+        deadline = time.monotonic() + 60
+        while any(d.procs[f"supernode{i}"].poll() is None for i in (2, 3, 4)):
+            assert time.monotonic() < deadline, "a refused SuperNode is still running after 60 s"
+            time.sleep(0.2)
+        unregistered, untrusting, keyless = (d.logs[f"supernode{i}"].read_text() for i in (2, 3, 4))
+        assert d.procs["supernode2"].returncode != 0 and "[code: 2004] Failed to activate SuperNode." in unregistered
+        assert d.procs["supernode3"].returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusting
+        assert d.procs["supernode4"].returncode != 0 and "[code: 2001] SuperNode authentication is enabled." in keyless
+        assert "No SuperNode found with the given public key" in d.logs["superlink"].read_text()
+        assert set(d.online_nodes()) == registered
+        finish(d, submit(d, tmp_path, "deployed"))
+        assert set(d.online_nodes()) == registered
+    left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
+    assert not left, "processes left running: " + ", ".join(map(str, left))
+    a, b = final_state(tmp_path, "inproc"), final_state(tmp_path, "deployed")
+    for name in a["global_state"]:
+        assert torch.equal(a["global_state"][name], b["global_state"][name]), name
+    assert torch.equal(a["ledger"]["up"], b["ledger"]["up"]) and torch.equal(a["ledger"]["down"], b["ledger"]["down"])
+
+
 # ------------------------------------------------------------------------------------------------ SecAgg+
 SECURE = [
     "--trainer.rounds", "1", "--data.num_clients", "3", "--trainer.enable_progress_bar", "false",
