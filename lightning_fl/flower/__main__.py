@@ -3,11 +3,13 @@
 Runs the same ServerApp and ClientApp that ``flwr run`` deploys, on Flower's simulation engine (Ray) on this
 machine: one virtual SuperNode per client (``partition-id`` 0..N-1). Anything after the options is passed
 on as overrides, e.g. ``--trainer.rounds 5``. Exit code 2 and one line for a mistake in the arguments.
+Ray's processes listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lightning_fl.errors import UserError
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
             hello_timeout=args.hello_timeout,
         )
         resources = {"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}}
+        # Ray's servers (GCS, raylet, workers, runtime-env agent) listen on all interfaces unless Ray's node IP is
+        # the loopback, and on Linux Ray turns even `_node_ip_address="127.0.0.1"` into the routable address unless
+        # this is 0 (its default on macOS and Windows). Ray reads it when imported, i.e. inside run_simulation.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         run_simulation(server_app=server, client_app=client_app, num_supernodes=supernodes, backend_config=resources)
         if "error" in outcome:
             raise outcome["error"]
