@@ -122,15 +122,17 @@ def run_watching_sockets(args: list[str], tmp_path, timeout: float = 420) -> tup
 def test_simulation_engine_equals_in_process_bitwise(tmp_path, config):
     """Latent and full-weight FedAvg, 2 rounds, 4 clients, same seeds: Ray's virtual SuperNodes == one process.
 
-    While it runs, Ray's processes (GCS, raylet, workers, the driver) listen on the loopback only.
+    While it runs, Ray's processes (GCS, raylet, workers, the driver) listen on the loopback only, and the
+    output carries no deprecation notice.
     """
     common = ["--config", str(CONFIGS / config), *SMALL, "--trainer.default_root_dir", str(tmp_path / "runs")]
     run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc", "--trainer.logger", "false"], tmp_path)
-    _, sockets = run_watching_sockets(["-m", "lightning_fl.flower", "--supernodes", "4", *common, "--trainer.name",
-                                         "sim"], tmp_path)  # fmt: skip
+    sim = ["-m", "lightning_fl.flower", "--supernodes", "4", *common, "--trainer.name", "sim"]
+    out, sockets = run_watching_sockets(sim, tmp_path)
     assert {"gcs_server", "raylet"} <= set(sockets.values()), sockets  # the sampling saw Ray running
     exposed = {a: name for a, name in sockets.items() if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback}
     assert not exposed, f"Ray listens beyond the loopback: {exposed}"
+    assert "DEPRECATED" not in out and "FutureWarning" not in out, out[-4000:]
     a, b = final_state(tmp_path, "inproc"), final_state(tmp_path, "sim")
     for name in a["global_state"]:
         assert torch.equal(a["global_state"][name], b["global_state"][name]), name
