@@ -8,9 +8,11 @@ sums depend on how many threads split them, and Ray gives each ClientApp one CPU
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -53,12 +55,84 @@ def final_state(tmp_path, name) -> dict:
     return read_checkpoint(path)
 
 
+def listening_sockets(pids) -> dict[str, str]:
+    """``{"address:port": process name}`` for the TCP sockets these processes listen on (from /proc)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes[link[8:-1]] = pid
+    found = {}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}", encoding="ascii") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        for row in rows:
+            if row[3] != "0A" or row[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = row[1].split(":")
+            words = [bytes.fromhex(hex_ip[i : i + 8])[::-1] for i in range(0, len(hex_ip), 8)]  # little-endian words
+            ip = ipaddress.ip_address(b"".join(words))
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+                ip = ip.ipv4_mapped
+            with contextlib.suppress(OSError), open(f"/proc/{inodes[row[9]]}/comm", encoding="utf-8") as f:
+                found[f"{ip}:{int(hex_port, 16)}"] = f.read().strip()
+    return found
+
+
+def run_watching_sockets(args: list[str], tmp_path, timeout: float = 420) -> tuple[str, dict[str, str]]:
+    """:func:`run`, sampling what its processes listen on; returns the output and every socket seen.
+
+    Stops everything it started by PID: on timeout the whole tree, and afterwards any Ray process left behind
+    (found as this process's adopted orphans), which fails the test.
+    """
+    import deployment as fd
+
+    fd.enable_subreaper()
+    seen: dict[str, str] = {}
+    log = tmp_path / "simulation.log"
+    with (
+        open(log, "w", encoding="utf-8") as out,
+        subprocess.Popen(
+            [sys.executable, *args], cwd=tmp_path, env=environment(tmp_path), stdout=out, stderr=subprocess.STDOUT
+        ) as process,
+    ):
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            seen.update(listening_sockets([process.pid, *fd.descendants(process.pid)]))
+            time.sleep(0.2)
+        if process.poll() is None:
+            fd.kill_tree(process.pid)
+            pytest.fail(f"still running after {timeout} s: {log.read_text()[-4000:]}")
+    text = log.read_text()
+    assert process.returncode == 0, text[-4000:]
+    deadline = time.monotonic() + 30  # Ray's processes end shortly after the driver
+    while (left := [p for p in fd.descendants(os.getpid()) if fd._alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        fd.kill_tree(pid, grace=2.0)
+    fd.reap_orphans()
+    assert not left, f"processes left running after the simulation: {left}"
+    return text, seen
+
+
 @pytest.mark.parametrize("config", ["quickstart.yaml", "fedavg_digits.yaml"])
 def test_simulation_engine_equals_in_process_bitwise(tmp_path, config):
-    """Latent and full-weight FedAvg, 2 rounds, 4 clients, same seeds: Ray's virtual SuperNodes == one process."""
+    """Latent and full-weight FedAvg, 2 rounds, 4 clients, same seeds: Ray's virtual SuperNodes == one process.
+
+    While it runs, Ray's processes (GCS, raylet, workers, the driver) listen on the loopback only, and the
+    output carries no deprecation notice.
+    """
     common = ["--config", str(CONFIGS / config), *SMALL, "--trainer.default_root_dir", str(tmp_path / "runs")]
     run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc", "--trainer.logger", "false"], tmp_path)
-    run(["-m", "lightning_fl.flower", "--supernodes", "4", *common, "--trainer.name", "sim"], tmp_path)
+    sim = ["-m", "lightning_fl.flower", "--supernodes", "4", *common, "--trainer.name", "sim"]
+    out, sockets = run_watching_sockets(sim, tmp_path)
+    assert {"gcs_server", "raylet"} <= set(sockets.values()), sockets  # the sampling saw Ray running
+    exposed = {a: name for a, name in sockets.items() if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback}
+    assert not exposed, f"Ray listens beyond the loopback: {exposed}"
+    assert "DEPRECATED" not in out and "FutureWarning" not in out, out[-4000:]
     a, b = final_state(tmp_path, "inproc"), final_state(tmp_path, "sim")
     for name in a["global_state"]:
         assert torch.equal(a["global_state"][name], b["global_state"][name]), name

@@ -3,12 +3,17 @@
 Runs the same ServerApp and ClientApp that ``flwr run`` deploys, on Flower's simulation engine (Ray) on this
 machine: one virtual SuperNode per client (``partition-id`` 0..N-1). Anything after the options is passed
 on as overrides, e.g. ``--trainer.rounds 5``. Exit code 2 and one line for a mistake in the arguments.
+Ray's processes listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
+import warnings
 
 from lightning_fl.errors import UserError
 
@@ -46,7 +51,13 @@ def main(argv: list[str] | None = None) -> None:
             hello_timeout=args.hello_timeout,
         )
         resources = {"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}}
-        run_simulation(server_app=server, client_app=client_app, num_supernodes=supernodes, backend_config=resources)
+        # Ray's servers (GCS, raylet, workers, runtime-env agent) listen on all interfaces unless Ray's node IP is
+        # the loopback, and on Linux Ray turns even `_node_ip_address="127.0.0.1"` into the routable address unless
+        # this is 0 (its default on macOS and Windows). Ray reads it when imported, i.e. inside run_simulation.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        with _without_deprecation_notices():
+            run_simulation(server_app=server, client_app=client_app, num_supernodes=supernodes,
+                           backend_config=resources)  # fmt: skip
         if "error" in outcome:
             raise outcome["error"]
         if "trainer" not in outcome:
@@ -55,6 +66,30 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _not_the_run_simulation_notice(record: logging.LogRecord) -> bool:
+    return "`run_simulation` function is deprecated" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_deprecation_notices():
+    """Hide two notices addressed to us, not to whoever runs this command (docs/deploy.md, simulation engine).
+
+    flwr 1.42 logs that ``run_simulation`` is deprecated in favour of ``flwr run``; its only replacement runs a
+    packaged copy of the app (installed under ``FLWR_HOME``) on a SuperLink in simulation mode, in another
+    process, without our exit codes or our ServerApp's outcome, so this command stays on ``run_simulation``
+    (``flwr run . <superlink>`` remains the way to deploy). Ray warns that it will stop hiding GPUs from a
+    ClientApp that asks for none; until then it hides them, as we want.
+    """
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addFilter(_not_the_run_simulation_notice)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+            yield
+    finally:
+        flwr_logger.removeFilter(_not_the_run_simulation_notice)
 
 
 if __name__ == "__main__":
