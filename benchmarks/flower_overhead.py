@@ -67,6 +67,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -542,6 +543,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     started, date = time.perf_counter(), datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     deployment.enable_subreaper()  # adopt what the SuperNodes start, so the harness can reap it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-up below: no deployment left
     results: dict[str, dict[str, Result]] = {}
     extra: dict[str, dict[str, float]] = {}
     try:
