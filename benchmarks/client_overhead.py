@@ -1,8 +1,14 @@
 """What a client costs under FederatedTrainer beyond its own training steps: trainer CPU per client vs the floor.
 
-The model is the quickstart's (a 2-layer GroupNorm CNN on 8x8 images; FLITE's latent over conv+linear
-layers at d=64, or full weights), the data Synthetic 8x8 images split IID over ``--population`` clients
-with ``--per-client`` samples each, ``--clients`` clients per round, one local epoch, batch ``--batch``.
+The model is the quickstart's network (SmallCNN: two 3x3 conv stages of 32 and 64 channels with GroupNorm, a
+128-feature linear layer, a linear head; FLITE's latent over conv+linear layers at d=64, or full weights) on
+``--image-size`` Synthetic images split IID over ``--population`` clients with ``--per-client`` samples each,
+``--clients`` clients per round, one local epoch, batch ``--batch``. Two workloads set these together
+(``--workload``; any option given explicitly wins):
+
+- ``quickstart`` (the default): 8x8 images, 200 clients of 64, 100 per round, batch 32 (2 steps per client).
+- ``cross-device``: 28x28 images (the Fashion-MNIST CNN, 421,738 values), 1,000 clients of 60, 50 per round,
+  batch 20 (3 local steps per client), full weights only.
 
 - **trainer**: ``FederatedTrainer.fit`` with ``--rounds`` rounds, no evaluation, no logger, no progress bar:
   everything a round does (sampling, broadcast, the client runner, encoding, the gate, aggregation, the
@@ -24,6 +30,7 @@ module's ``configure_optimizers`` and Fabric's wrapper, as each client does) aga
 
     python benchmarks/client_overhead.py                      # latent and full weights, 100 clients per round
     python benchmarks/client_overhead.py --json docs/results/client_overhead.json
+    python benchmarks/client_overhead.py --workload cross-device --rounds 4 --repeats 7
 """
 
 from __future__ import annotations
@@ -44,10 +51,17 @@ from lightning_fl.federated.client import _cpu_fabric, configure_optimizer
 from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import SmallCNN
 
+WORKLOADS = {
+    "quickstart": {"kinds": ["latent", "full"], "image_size": 8, "population": 200, "per_client": 64,
+                   "clients": 100, "batch": 32},
+    "cross-device": {"kinds": ["full"], "image_size": 28, "population": 1000, "per_client": 60, "clients": 50,
+                     "batch": 20},
+}  # fmt: skip
 
-def make_module(kind: str) -> Classifier:
+
+def make_module(kind: str, image_size: int) -> Classifier:
     torch.manual_seed(0)
-    backbone = SmallCNN(in_channels=1, image_size=8, channels=[32, 64], feature_dim=128, norm_groups=8)
+    backbone = SmallCNN(in_channels=1, image_size=image_size, channels=[32, 64], feature_dim=128, norm_groups=8)
     if kind == "latent":
         return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
     return Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
@@ -55,7 +69,7 @@ def make_module(kind: str) -> Classifier:
 
 def make_data(args: argparse.Namespace) -> FederatedDataModule:
     n = args.population * args.per_client
-    source = Synthetic(image_size=8, channels=1, train_size=n, test_size=64)
+    source = Synthetic(image_size=args.image_size, channels=1, train_size=n, test_size=64)
     dm = FederatedDataModule(source, num_clients=args.population, batch_size=args.batch, seed=0)
     dm.prepare_data()
     dm.setup("fit")
@@ -125,15 +139,20 @@ def optimizer_sides(module: Classifier, times: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=["latent", "full"], choices=["latent", "full"])
-    parser.add_argument("--clients", type=int, default=100, help="clients per round (default 100)")
-    parser.add_argument("--population", type=int, default=200, help="clients in all (default 200)")
-    parser.add_argument("--per-client", type=int, default=64, help="samples per client (default 64)")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--workload", default="quickstart", choices=sorted(WORKLOADS), help="the defaults below")
+    parser.add_argument("--kinds", nargs="+", choices=["latent", "full"])
+    parser.add_argument("--image-size", type=int, help="image height and width")
+    parser.add_argument("--clients", type=int, help="clients per round")
+    parser.add_argument("--population", type=int, help="clients in all")
+    parser.add_argument("--per-client", type=int, help="samples per client")
+    parser.add_argument("--batch", type=int)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the long run (default 3; the short: 1)")
     parser.add_argument("--threads", type=int, default=1)
     add_arguments(parser, repeats=5)
     args = parser.parse_args()
+    for key, value in WORKLOADS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning_fl").setLevel(logging.ERROR)
@@ -141,7 +160,7 @@ def main() -> None:
     dm = make_data(args)
     results = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
     for kind in args.kinds:
-        module = make_module(kind)
+        module = make_module(kind, args.image_size)
         with tempfile.TemporaryDirectory() as root:
             extra_clients = (args.rounds - 1) * args.clients
             batches = client_batches(dm, extra_clients)
