@@ -1,14 +1,16 @@
 """What a client costs under FederatedTrainer beyond its own training steps: trainer CPU per client vs the floor.
 
-The model is the quickstart's network (SmallCNN: two 3x3 conv stages of 32 and 64 channels with GroupNorm, a
-128-feature linear layer, a linear head; FLITE's latent over conv+linear layers at d=64, or full weights) on
-``--image-size`` Synthetic images split IID over ``--population`` clients with ``--per-client`` samples each,
-``--clients`` clients per round, one local epoch, batch ``--batch``. Two workloads set these together
-(``--workload``; any option given explicitly wins):
+The network (``--backbone``) is the quickstart's SmallCNN (two 3x3 conv stages of 32 and 64 channels with
+GroupNorm, a 128-feature linear layer, a linear head) or ``plain``, the same without GroupNorm and with conv
+biases (the CNN of the cross-device comparison in issue 39: 421,642 values on 28x28 images); FLITE's latent over
+conv+linear layers at d=64, or full weights. The data are ``--image-size`` Synthetic images split IID over
+``--population`` clients with ``--per-client`` samples each, ``--clients`` clients per round, one local epoch,
+batch ``--batch``, Adam at lr 0.01. Two workloads set these together (``--workload``; an option given wins):
 
-- ``quickstart`` (the default): 8x8 images, 200 clients of 64, 100 per round, batch 32 (2 steps per client).
-- ``cross-device``: 28x28 images (the Fashion-MNIST CNN, 421,738 values), 1,000 clients of 60, 50 per round,
-  batch 20 (3 local steps per client), full weights only.
+- ``quickstart`` (the default): SmallCNN on 8x8 images, 200 clients of 64, 100 per round, batch 32 (2 steps
+  per client), latent and full weights.
+- ``cross-device``: the plain CNN on 28x28 images, 1,000 clients of 60, 50 per round, batch 20 (3 local steps
+  per client), full weights.
 
 - **trainer**: ``FederatedTrainer.fit`` with ``--rounds`` rounds, no evaluation, no logger, no progress bar:
   everything a round does (sampling, broadcast, the client runner, encoding, the gate, aggregation, the
@@ -44,24 +46,46 @@ import warnings
 
 import torch
 from _harness import Sample, add_arguments, alternate, fmt, machine, ratios, report, summarise
+from torch import nn
 
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated import FederatedTrainer
 from lightning_fl.federated.client import _cpu_fabric, configure_optimizer
 from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import SmallCNN
+from lightning_fl.models.backbone import Backbone
 
 WORKLOADS = {
-    "quickstart": {"kinds": ["latent", "full"], "image_size": 8, "population": 200, "per_client": 64,
-                   "clients": 100, "batch": 32},
-    "cross-device": {"kinds": ["full"], "image_size": 28, "population": 1000, "per_client": 60, "clients": 50,
-                     "batch": 20},
+    "quickstart": {"backbone": "smallcnn", "kinds": ["latent", "full"], "image_size": 8, "population": 200,
+                   "per_client": 64, "clients": 100, "batch": 32},
+    "cross-device": {"backbone": "plain", "kinds": ["full"], "image_size": 28, "population": 1000, "per_client": 60,
+                     "clients": 50, "batch": 20},
 }  # fmt: skip
 
 
-def make_module(kind: str, image_size: int) -> Classifier:
+class PlainCNN(Backbone):
+    """Two 3x3 conv stages (32 and 64 channels, with biases, ReLU, 2x2 max-pool) and a 128-feature linear layer."""
+
+    def __init__(self, image_size: int) -> None:
+        super().__init__()
+        self.in_channels, self.out_features = 1, 128
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.fc = nn.Linear(64 * (image_size // 4) ** 2, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(torch.flatten(self.features(x), 1)))
+
+
+def make_module(kind: str, args: argparse.Namespace) -> Classifier:
     torch.manual_seed(0)
-    backbone = SmallCNN(in_channels=1, image_size=image_size, channels=[32, 64], feature_dim=128, norm_groups=8)
+    if args.backbone == "plain":
+        backbone = PlainCNN(args.image_size)
+    else:
+        backbone = SmallCNN(in_channels=1, image_size=args.image_size, channels=[32, 64], feature_dim=128,
+                            norm_groups=8)  # fmt: skip
     if kind == "latent":
         return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
     return Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
@@ -140,6 +164,7 @@ def optimizer_sides(module: Classifier, times: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="quickstart", choices=sorted(WORKLOADS), help="the defaults below")
+    parser.add_argument("--backbone", choices=["smallcnn", "plain"])
     parser.add_argument("--kinds", nargs="+", choices=["latent", "full"])
     parser.add_argument("--image-size", type=int, help="image height and width")
     parser.add_argument("--clients", type=int, help="clients per round")
@@ -160,7 +185,7 @@ def main() -> None:
     dm = make_data(args)
     results = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
     for kind in args.kinds:
-        module = make_module(kind, args.image_size)
+        module = make_module(kind, args)
         with tempfile.TemporaryDirectory() as root:
             extra_clients = (args.rounds - 1) * args.clients
             batches = client_batches(dm, extra_clients)
