@@ -1,22 +1,34 @@
 """What a client costs under FederatedTrainer beyond its own training steps: trainer CPU per client vs the floor.
 
-The model is the quickstart's (a 2-layer GroupNorm CNN on 8x8 images; FLITE's latent over conv+linear
-layers at d=64, or full weights), the data Synthetic 8x8 images split IID over ``--population`` clients
-with ``--per-client`` samples each, ``--clients`` clients per round, one local epoch, batch ``--batch``.
+The network (``--backbone``) is the quickstart's SmallCNN (two 3x3 conv stages of 32 and 64 channels with
+GroupNorm, a 128-feature linear layer, a linear head) or ``plain``, the same without GroupNorm and with conv
+biases (the CNN of the cross-device comparison in issue 39: 421,642 values on 28x28 images); FLITE's latent over
+conv+linear layers at d=64, or full weights. The data are ``--image-size`` Synthetic images split IID over
+``--population`` clients with ``--per-client`` samples each, ``--clients`` clients per round, one local epoch,
+batch ``--batch``, Adam at lr 0.01. Two workloads set these together (``--workload``; an option given wins):
+
+- ``quickstart`` (the default): SmallCNN on 8x8 images, 200 clients of 64, 100 per round, batch 32 (2 steps
+  per client), latent and full weights.
+- ``cross-device``: the plain CNN on 28x28 images, 1,000 clients of 60, 50 per round, batch 20 (3 local steps
+  per client), full weights.
 
 - **trainer**: ``FederatedTrainer.fit`` with ``--rounds`` rounds, no evaluation, no logger, no progress bar:
   everything a round does (sampling, broadcast, the client runner, encoding, the gate, aggregation, the
-  ledger, the round checkpoint). Per client: the difference between a run of ``--rounds`` rounds and a run of
-  one round, divided by the clients of the extra rounds, so set-up (building the model, the base, the
-  factors) is not counted.
+  ledger, the round checkpoint). Each round is timed from the end of the previous one to its own end (the
+  transport's ``finished_round``), so set-up (building the model, the base, the factors) and round 1 are not
+  counted.
 - **floor**: as many clients' steps with nothing around them: for each client, copy the global state into
   the module, build its optimiser, and run its batches (transformed before any timing) through
   ``training_step``, backward, gradient clipping where the module asks for it, and the optimiser step; then
   read its state.
 
-Both sides alternate ``--repeats`` times in one process; the report gives CPU and wall milliseconds per
-client (min and median) and the per-repeat ratio trainer / floor. Goal (ours): trainer CPU per client
-<= 1.2x the floor at 100 clients per round.
+The sides alternate round by round in one process: after each round but the last, outside both rounds' time,
+the floor trains as many clients as a round has (the trainer's clients load the global state again, so this
+changes nothing in the fit). A neighbour's load thus falls on a round and on the floor next to it alike.
+``--repeats`` fits of ``--rounds`` rounds give ``repeats x (rounds - 1)`` pairs; the report gives CPU and wall
+milliseconds per client (min and median over the pairs) and the per-pair ratio trainer / floor. Goal (ours):
+trainer CPU per client <= 1.2x the floor at 100 clients per round (quickstart); issue 39: <= 1.15x on the
+cross-device workload.
 
 It also prices the one thing a client rebuilds that an optimiser could keep: **optimiser build** (the
 module's ``configure_optimizers`` and Fabric's wrapper, as each client does) against **optimiser reset**
@@ -24,30 +36,64 @@ module's ``configure_optimizers`` and Fabric's wrapper, as each client does) aga
 
     python benchmarks/client_overhead.py                      # latent and full weights, 100 clients per round
     python benchmarks/client_overhead.py --json docs/results/client_overhead.json
+    python benchmarks/client_overhead.py --workload cross-device --rounds 8 --repeats 4
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import logging
 import tempfile
+import time
 import warnings
+from collections.abc import Callable
 
 import torch
-from _harness import Sample, add_arguments, alternate, fmt, machine, ratios, report, summarise
+from _harness import Sample, add_arguments, alternate, cpu_seconds, fmt, machine, measure, ratios, report, summarise
+from torch import nn
 
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated import FederatedTrainer
 from lightning_fl.federated.client import _cpu_fabric, configure_optimizer
+from lightning_fl.federated.transport import InProcess
 from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import SmallCNN
+from lightning_fl.models.backbone import Backbone
+
+WORKLOADS = {
+    "quickstart": {"backbone": "smallcnn", "kinds": ["latent", "full"], "image_size": 8, "population": 200,
+                   "per_client": 64, "clients": 100, "batch": 32},
+    "cross-device": {"backbone": "plain", "kinds": ["full"], "image_size": 28, "population": 1000, "per_client": 60,
+                     "clients": 50, "batch": 20},
+}  # fmt: skip
 
 
-def make_module(kind: str) -> Classifier:
+class PlainCNN(Backbone):
+    """Two 3x3 conv stages (32 and 64 channels, with biases, ReLU, 2x2 max-pool) and a 128-feature linear layer."""
+
+    def __init__(self, image_size: int) -> None:
+        super().__init__()
+        self.in_channels, self.out_features = 1, 128
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.fc = nn.Linear(64 * (image_size // 4) ** 2, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(torch.flatten(self.features(x), 1)))
+
+
+def make_module(kind: str, args: argparse.Namespace) -> Classifier:
     torch.manual_seed(0)
-    backbone = SmallCNN(in_channels=1, image_size=8, channels=[32, 64], feature_dim=128, norm_groups=8)
+    if args.backbone == "plain":
+        backbone = PlainCNN(args.image_size)
+    else:
+        backbone = SmallCNN(in_channels=1, image_size=args.image_size, channels=[32, 64], feature_dim=128,
+                            norm_groups=8)  # fmt: skip
     if kind == "latent":
         return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
     return Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
@@ -55,20 +101,44 @@ def make_module(kind: str) -> Classifier:
 
 def make_data(args: argparse.Namespace) -> FederatedDataModule:
     n = args.population * args.per_client
-    source = Synthetic(image_size=8, channels=1, train_size=n, test_size=64)
+    source = Synthetic(image_size=args.image_size, channels=1, train_size=n, test_size=64)
     dm = FederatedDataModule(source, num_clients=args.population, batch_size=args.batch, seed=0)
     dm.prepare_data()
     dm.setup("fit")
     return dm
 
 
-def trainer_run(module: Classifier, dm: FederatedDataModule, rounds: int, clients: int, root: str) -> None:
+class FloorBetweenRounds(InProcess):
+    """The in-process transport, timing every round after the first (from the end of the previous round to the end
+    of this one) and running ``floor`` between rounds, outside those times."""
+
+    def __init__(self, floor: Callable[[], None], rounds: int) -> None:
+        super().__init__()
+        self.floor, self.last = floor, rounds - 1
+        self.rounds: list[Sample] = []
+        self.floors: list[Sample] = []
+        self.mark: tuple[float, float] | None = None
+
+    def finished_round(self, round: int, metrics: dict[str, float]) -> None:
+        wall, cpu = time.perf_counter(), cpu_seconds()
+        if self.mark is not None:
+            self.rounds.append(Sample(wall - self.mark[0], cpu - self.mark[1]))
+        if round < self.last:
+            self.floors.append(measure(self.floor)[1])
+            self.mark = time.perf_counter(), cpu_seconds()
+
+
+def trainer_run(module: Classifier, dm: FederatedDataModule, rounds: int, clients: int, root: str,
+                floor: Callable[[], None] = lambda: None) -> FloorBetweenRounds:  # fmt: skip
+    """One fit; its transport holds the round and floor timings."""
     trainer = FederatedTrainer(
         rounds=rounds, clients_per_round=clients, accelerator="cpu", logger=False, enable_progress_bar=False,
         limit_val_batches=0, check_identity=False, default_root_dir=root, name="bench", seed=0,
     )  # fmt: skip
+    trainer.transport = timed = FloorBetweenRounds(floor, rounds)
     with contextlib.redirect_stdout(io.StringIO()):  # the run's end-of-run summary
         trainer.fit(module, datamodule=dm)
+    return timed
 
 
 def client_batches(dm: FederatedDataModule, clients: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -125,15 +195,21 @@ def optimizer_sides(module: Classifier, times: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", nargs="+", default=["latent", "full"], choices=["latent", "full"])
-    parser.add_argument("--clients", type=int, default=100, help="clients per round (default 100)")
-    parser.add_argument("--population", type=int, default=200, help="clients in all (default 200)")
-    parser.add_argument("--per-client", type=int, default=64, help="samples per client (default 64)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the long run (default 3; the short: 1)")
+    parser.add_argument("--workload", default="quickstart", choices=sorted(WORKLOADS), help="the defaults below")
+    parser.add_argument("--backbone", choices=["smallcnn", "plain"])
+    parser.add_argument("--kinds", nargs="+", choices=["latent", "full"])
+    parser.add_argument("--image-size", type=int, help="image height and width")
+    parser.add_argument("--clients", type=int, help="clients per round")
+    parser.add_argument("--population", type=int, help="clients in all")
+    parser.add_argument("--per-client", type=int, help="samples per client")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per fit (default 3: 2 timed)")
     parser.add_argument("--threads", type=int, default=1)
-    add_arguments(parser, repeats=5)
+    add_arguments(parser, repeats=5)  # --repeats: fits
     args = parser.parse_args()
+    for key, value in WORKLOADS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning_fl").setLevel(logging.ERROR)
@@ -141,24 +217,14 @@ def main() -> None:
     dm = make_data(args)
     results = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
     for kind in args.kinds:
-        module = make_module(kind)
+        module = make_module(kind, args)
         with tempfile.TemporaryDirectory() as root:
-            extra_clients = (args.rounds - 1) * args.clients
-            batches = client_batches(dm, extra_clients)
-            sides = {
-                "trainer_long": lambda m=module, r=root: trainer_run(m, dm, args.rounds, args.clients, r),
-                "trainer_short": lambda m=module, r=root: trainer_run(m, dm, 1, args.clients, r),
-                "floor": lambda m=module, b=batches: floor_run(m, b),
-            }
+            batches = client_batches(dm, args.clients)
             trainer_run(module, dm, 1, args.clients, root)  # warm-up: imports, caches, first-call costs
-            samples = alternate(sides, args.repeats)
-        # Trainer per client: the long run minus the short one, per extra client (repeat by repeat).
-        per_client = [
-            Sample(long.wall - short.wall, long.cpu - short.cpu)
-            for long, short in zip(samples["trainer_long"], samples["trainer_short"], strict=True)
-        ]
-        paired = {"trainer": per_client, "floor": samples["floor"]}
-        summary = summarise(paired, per=extra_clients)
+            floor = functools.partial(floor_run, module, batches)
+            fits = [trainer_run(module, dm, args.rounds, args.clients, root, floor) for _ in range(args.repeats)]
+        paired = {"trainer": [s for fit in fits for s in fit.rounds], "floor": [s for fit in fits for s in fit.floors]}
+        summary = summarise(paired, per=args.clients)
         ratio = ratios(paired, "trainer", "floor")
         optimizer = summarise(alternate(optimizer_sides(module, 1000), args.repeats), per=1000)
         results[kind] = {"per_client_seconds": summary, "trainer_over_floor": ratio, "optimizer_seconds": optimizer}

@@ -157,6 +157,20 @@ def test_benchmark_runs_at_a_tiny_size(script, tmp_path):
         assert numbers and all(math.isfinite(x) for x in numbers), last
 
 
+def test_client_overhead_pairs_every_timed_round_with_a_floor_on_the_cross_device_network(tmp_path):
+    """The cross-device workload (issue 39's plain CNN on 28x28 images) at a tiny size: 2 fits of 3 rounds give
+    4 timed rounds and 4 floors, every number finite."""
+    args = ["--workload", "cross-device", "--population", "4", "--per-client", "4", "--clients", "2", "--batch", "2",
+            "--rounds", "3", "--repeats", "2", "--json", "co.json"]  # fmt: skip
+    proc = run_script("client_overhead.py", args, tmp_path, 180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "co.json").read_text())["results"]
+    assert results["settings"]["backbone"] == "plain" and "latent" not in results
+    seconds = results["full"]["per_client_seconds"]
+    assert seconds["trainer"]["cpu"]["n"] == seconds["floor"]["cpu"]["n"] == 4
+    assert all(math.isfinite(x) and x > 0 for x in _numbers(seconds))
+
+
 def _numbers(value):
     if isinstance(value, bool):
         return

@@ -71,6 +71,15 @@ def test_non_finite_names_every_bad_tensor_and_never_flags_finite_values():
     nan[1, 2] = math.nan
     assert non_finite({"n": nan, "i": torch.tensor([1, 2]), "e": torch.zeros(0)}) == {"n": 1}
     assert non_finite({"a": torch.ones(3), "b": torch.tensor([0.0, -math.inf])}) == {"b": 1}
+    # large tensors are summed where they lie, small ones together: a bad value is found in either
+    from lightning_fl.compress.base import SUM_IN_PLACE
+
+    large, small = torch.ones(SUM_IN_PLACE), torch.ones(7)
+    assert non_finite({"l": large, "l16": large.half() * 60000, "s": small, "t": small}) == {}
+    for bad in ("l", "s"):
+        state = {"l": large.clone(), "m": large.clone(), "s": small.clone(), "t": small.clone()}
+        state[bad][3] = math.nan
+        assert non_finite(state) == {bad: 1}
 
 
 def test_update_quantisation_codes_the_difference_from_the_broadcast_state():

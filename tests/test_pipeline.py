@@ -153,6 +153,22 @@ def test_server_optimisers_stream_and_equal_their_all_rows_result(strategy):
     assert a.kept_rows == 0 and b.kept_rows == 8 and torch.equal(flat(sa), flat(sb))
 
 
+def test_a_linear_strategy_reuses_one_rows_buffer_and_a_robust_one_gets_a_new_one_each_round():
+    """Rows a linear strategy keeps (here for the relative gate) are folded and never leave the round: one buffer
+    serves every round. A robust strategy may return a view of a row as the global state: its rows are new."""
+    update = updates()
+    kept, population = make(update, 6, max_update_norm_ratio=1e30)
+    run_rounds(kept, population)
+    buffer = kept._rows
+    run_rounds(kept, population, rounds=3)
+    assert buffer is not None and kept._rows is buffer and kept.kept_rows == 6
+    median, population = make(update, 5, strategy=Median())
+    one, _ = run_rounds(median, population)
+    before = flat(one).clone()
+    run_rounds(median, population, state=one)
+    assert median._rows is None and torch.equal(flat(one), before)
+
+
 def test_robust_strategies_and_per_client_attacks_keep_what_they_need():
     update = updates()
     median, population = make(update, 5, strategy=Median())

@@ -38,6 +38,23 @@ def test_fedavg_unweighted_and_weighted_by_hand():
     assert agg(FedAvg(weighted=True), ups, num_samples=[1, 2, 1]) == pytest.approx([3.75, 3.0])
 
 
+def test_a_running_sum_in_chunks_is_the_one_step_fold_bit_for_bit():
+    """RunningSum adds FOLD_CHUNK values at a time: the same float64 additions as ``total += w * x.double()``
+    over the whole vector, for weights 1 (no multiplication) and others, float32 and float64 uploads."""
+    from lightning_fl.federated.strategies.base import FOLD_CHUNK, RunningSum
+
+    g = torch.Generator().manual_seed(0)
+    size = 2 * FOLD_CHUNK + 5  # three chunks, the last a short one
+    acc, want = RunningSum(size), torch.zeros(size, dtype=torch.float64)
+    for w, dtype in ((1.0, torch.float32), (60.0, torch.float32), (0.37, torch.float64), (1.0, torch.float64)):
+        x = (torch.randn(size, generator=g) * 1e3).to(dtype)
+        acc.add(x, w)
+        want += w * x.to(torch.float64)
+    assert torch.equal(acc.total, want) and acc.weight == 62.37 and acc.count == 4
+    with pytest.raises(ValueError, match="shape"):
+        acc.add(torch.zeros(1, size))
+
+
 def test_median_of_three_and_four_vectors_by_hand():
     assert agg(Median(), [[1.0, 5.0, 3.0], [2.0, 0.0, 9.0], [10.0, 4.0, -1.0]]) == [2.0, 4.0, 3.0]
     # even count: mean of the two middle values, as numpy.median

@@ -153,23 +153,37 @@ def check_layout_of(payload: Payload, expected: dict[str, Layout]) -> list[str]:
     return problems
 
 
+#: Tensors of at least this many values are summed where they lie by :func:`non_finite`; smaller ones are
+#: concatenated first (one call for many small tensors costs less than one call each).
+SUM_IN_PLACE = 2**14
+
+
 def non_finite(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     """How many NaN or infinite values each floating-point tensor of ``tensors`` holds (only those with any).
 
-    One sum over all of them at once (small tensors cost far more per call than per value; a sum is several times
-    cheaper than ``isfinite``), then, only if the sum is not finite, one count per tensor to name them. A sum is
-    finite only if every value is (a NaN or an infinity propagates, ``inf - inf`` is NaN); a sum of finite values
-    that overflows only sends the check to the exact per-tensor count, which then finds nothing.
+    One pass of sums (a sum is several times cheaper than ``isfinite``, :func:`_total`), then, only if the total
+    is not finite, one count per tensor to name them. A sum is finite only if every value is (a NaN or an
+    infinity propagates, ``inf - inf`` is NaN); a sum of finite values that overflows only sends the check to the
+    exact per-tensor count, which then finds nothing.
     """
     floats = {n: t for n, t in tensors.items() if t.is_floating_point() and t.numel()}
-    if not floats:
-        return {}
-    flat = [t.detach().reshape(-1) for t in floats.values()]
-    values = torch.cat(flat) if len(flat) > 1 else flat[0]
-    if bool(torch.isfinite(values.sum(dtype=torch.float64 if values.dtype == torch.float64 else torch.float32))):
+    if not floats or bool(torch.isfinite(_total(list(floats.values())))):
         return {}
     counts = {n: int((~torch.isfinite(t.detach())).sum()) for n, t in floats.items()}
     return {n: c for n, c in counts.items() if c}
+
+
+def _total(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The float64 sum of the sums of ``tensors``: the small ones concatenated and summed at once (they cost far
+    more per call than per value), each large one summed where it lies (copying it would cost more than summing
+    it), each sum in float32 (float64 for float64 values: half-precision values do not overflow); one scalar, so
+    reading it is one device synchronisation."""
+    small = [t.detach().reshape(-1) for t in tensors if t.numel() < SUM_IN_PLACE]
+    parts = [t.detach() for t in tensors if t.numel() >= SUM_IN_PLACE]
+    if small:
+        parts.append(torch.cat(small) if len(small) > 1 else small[0])
+    sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in parts]
+    return torch.stack([s.to(torch.float64) for s in sums]).sum()
 
 
 def _is_count(value: object) -> bool:

@@ -17,7 +17,8 @@ round costs O(D) memory whatever the number of clients (local DP happens on the 
 only when every upload has arrived), an attack that forges from the whole round (ALIE), the averaging identity
 check (FLITE latents, a few thousand floats each), or clients spread over several processes with one running
 sum (the fold must visit clients in client-id order to stay independent of their placement; each process decodes
-its own share and the rows are gathered). Either way the same operations run in the same order, so a streamed
+its own share and the rows are gathered). For a linear strategy the rows never leave the round, so one such matrix
+serves every round of a run. Either way the same operations run in the same order, so a streamed
 FedAvg equals the all-rows mean bit for bit.
 
 **Several processes stream** with ``fold_groups`` G > 1: client ``c`` is folded into running sum ``c % G`` (each
@@ -32,6 +33,7 @@ its groups), so the global state does not depend on how clients are placed.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -103,6 +105,11 @@ class RoundUploads:
     def entry(self, client: int) -> Entry:
         return self.entries[client]
 
+    @functools.cached_property
+    def current64(self) -> torch.Tensor:
+        """``current`` in float64, converted once per round (update norms, central DP's updates)."""
+        return self.current.double()
+
     @property
     def in_order(self) -> list[Entry]:
         """Every entry, in client order."""
@@ -169,6 +176,7 @@ class RoundRunner:
         #: Rows of uploads the last round held at once on this process (0: it streamed into a running sum).
         self.kept_rows = 0
         self.update_norms: list[tuple[float, int]] = []
+        self._rows: torch.Tensor | None = None  # the rows buffer a linear strategy reuses (:meth:`_row_buffer`)
 
     # ============================================================================ the round
     def unavailable(self, seed: int, r: int, client: int) -> bool:
@@ -268,7 +276,7 @@ class RoundRunner:
         share = [c for c in available if self.process_of(c, world) == fabric.global_rank] if spread else available
         if not uploads.streaming:
             slots = max(1, max(sum(1 for c in available if self.process_of(c, world) == k) for k in range(world)))
-            uploads.rows = torch.zeros(slots, len(uploads.current), dtype=torch.float32)
+            uploads.rows = self._row_buffer(slots, len(uploads.current))
         show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
         if self.secure is not None:  # (one process: checked when the fit starts)
             result = self.transport.secure_round(
@@ -305,6 +313,21 @@ class RoundRunner:
             self._gather_rows(uploads)
         elif spread and fabric.world_size > 1:
             self._combine_groups(uploads)
+
+    def _row_buffer(self, slots: int, size: int) -> torch.Tensor:
+        """Room for ``slots`` uploads of ``size`` values, not initialised: a row is written before it is read,
+        and only the written ones are read (:attr:`RoundUploads.row_clients`).
+
+        A linear strategy's rows never leave the round (they are folded into a running sum), so one buffer
+        serves every round (no ``(n, D)`` matrix allocated and its pages faulted in, or zeroed, per round); a
+        robust strategy may return a view of a row as the next global state, so it gets a new one each round.
+        """
+        if not self.strategy.streams:
+            return torch.empty(slots, size, dtype=torch.float32)
+        kept = self._rows
+        if kept is None or len(kept) < slots or kept.shape[1] != size:
+            kept = self._rows = torch.empty(slots, size, dtype=torch.float32)
+        return kept[:slots]
 
     def process_of(self, client: int, world: int) -> int:
         """The process that trains ``client`` among ``world``: the one holding its fold group (``client %
@@ -388,7 +411,7 @@ class RoundRunner:
             if not bool(torch.isfinite(row).all()):
                 self._refuse(r, entry, ["non-finite values"])
                 return None
-        entry.norm = float(update_norms(row.unsqueeze(0), uploads.current)[0])
+        entry.norm = float(update_norms(row.unsqueeze(0), uploads.current64)[0])
         problems = [f"update norm {entry.norm:.4g} {why}" for limit, why in self.norm_limits() if entry.norm > limit]
         if problems:
             self._refuse(r, entry, problems)
@@ -403,7 +426,7 @@ class RoundRunner:
         """Add one upload to the running sum: as it is (weighted by its sample count for a weighted strategy), or
         under central DP its clipped update."""
         if self.privacy is not None and self.privacy.central:
-            clipped, _, within = self.privacy.clip(row.double() - uploads.current.double(), uploads.layers)
+            clipped, _, within = self.privacy.clip(row.double() - uploads.current64, uploads.layers)
             uploads.sums.add(entry.client, clipped, 1.0)
             uploads.unclipped += int(within)
         else:
@@ -425,7 +448,7 @@ class RoundRunner:
                 self._refuse(r, uploads.entry(clients[i]), ["non-finite values"])
             good = [i for i in range(len(clients)) if i not in bad]
             clients, rows_ = [clients[i] for i in good], rows(rows_, good)
-        norms = update_norms(rows_, current)
+        norms = update_norms(rows_, uploads.current64)
         limits = self.norm_limits(norms)
         good = []
         for i, client in enumerate(clients):
@@ -622,11 +645,18 @@ def update_norms(uploads: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     """The L2 norm of each upload's change to the global state (one upload per row), in float64.
 
     A few rows at a time (about 2**19 values), so the float64 copies stay in cache instead of doubling the
-    round's uploads in memory.
+    round's uploads in memory; every chunk is converted and differenced in place in one float64 work buffer
+    (the values of ``uploads.double() - current.double()``, chunk for chunk, without two new tensors per chunk).
+    ``current`` may be given in float64 already (:attr:`RoundUploads.current64`), saving its conversion.
     """
-    here = current.double().unsqueeze(0)
+    here = current.to(torch.float64).unsqueeze(0)
     rows = max(1, 2**19 // max(1, uploads.shape[1]))
-    parts = [(uploads[i : i + rows].double() - here).norm(dim=1) for i in range(0, len(uploads), rows)]
+    work = torch.empty(min(rows, len(uploads)), uploads.shape[1], dtype=torch.float64)
+    parts = []
+    for i in range(0, len(uploads), rows):
+        chunk = uploads[i : i + rows]
+        diff = work[: len(chunk)]
+        parts.append(diff.copy_(chunk).sub_(here).norm(dim=1))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
