@@ -39,10 +39,11 @@ the rows and every run's wall and CPU time, with the torch thread count and the 
 
 - round time: min and median over rounds 2..R of every repeat (round 1 is warm-up, shown apart), and the
   ratio flower / in-process (min over min, median over median). On Flower a round includes the SuperNode's
-  poll for work (every 3 s when idle), the SuperExec's poll for tasks (1 s), a fresh ``flwr-clientapp``
-  process per message that imports torch and rebuilds the run from the config, and the ServerApp's poll for
-  replies (every 3 s), so Flower's round times come in steps of about 3 s. With K=2 on 2 cores the two
-  clients train in parallel on Flower but one after the other in process;
+  poll for work (3 s when idle, fixed in Flower), the SuperExec's poll for tasks (0.05 s here), a fresh
+  ``flwr-clientapp`` process per message (on ``flower``: it imports torch and rebuilds the run from the
+  config; on ``flower-warm``: a proxy that hands the message to the node's warm worker), the SuperNode's check
+  for the reply (every 0.5 s, fixed) and the ServerApp's poll for replies (ours: 10 ms doubling to 200 ms).
+  With K=2 on 2 cores the two clients train in parallel on Flower but one after the other in process;
 - run time, wall and CPU: min and median over the repeats of each whole run (start to finished), and the
   per-repeat ratio flower / in-process (min and median). CPU is user + system: in process, that of the
   ``lightning_fl fit`` process (waited for); on Flower, that of every process of the deployment (SuperLink,
