@@ -17,8 +17,14 @@ second layer for ``--clients`` clients (16 images of 32 x 14 x 14 each, 64 filte
 one convolution per client, against ``conv_grouped``, the one grouped convolution (groups = clients) that
 ``vmap`` runs instead, forward only.
 
+With ``--grid`` it measures instead the rule by which the trainer declines cohorts on CPU (their activations
+outgrow the caches; ``cohort_too_large`` in lightning_fl/federated/cohort.py): the SmallCNN, latent and full
+weights, on images of 8 to 28 pixels and batches of 16 and 32, each cohort size against one client at a time,
+with each point's activations and what the rule decides.
+
     python benchmarks/cohort.py
     python benchmarks/cohort.py --models digits --json docs/results/cohort.json
+    python benchmarks/cohort.py --grid --clients 64 --cohorts 8 32 --json docs/results/cohort_rule.json
 """
 
 from __future__ import annotations
@@ -33,18 +39,24 @@ from _harness import add_arguments, alternate, fmt, machine, ratios, report, sum
 from lightning_fl.compress import FP32
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
-from lightning_fl.federated.cohort import run_cohort
-from lightning_fl.methods import LatentClassifier
+from lightning_fl.federated.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION, largest_activation, run_cohort
+from lightning_fl.methods import Classifier, LatentClassifier
 from lightning_fl.models import SmallCNN
 
 IMAGE_SIZE = {"digits": 8, "fmnist": 28}
 
 
-def make(model: str, clients: int, per_client: int, batch: int):
+def make(model: str | int, clients: int, per_client: int, batch: int, kind: str = "latent"):
+    """The SmallCNN on ``model``'s images (or images of ``model`` x ``model`` pixels): FLITE's latent
+    (``kind='latent'``) or every weight trained (``'full'``, Adam, as configs/fedavg_*.yaml)."""
     torch.manual_seed(0)
-    size = IMAGE_SIZE[model]
+    size = IMAGE_SIZE[model] if isinstance(model, str) else model
     backbone = SmallCNN(in_channels=1, image_size=size, channels=[32, 64], feature_dim=128, norm_groups=8)
-    module = LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
+    if kind == "full":
+        module = Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0,
+                            schedule="constant")  # fmt: skip
+    else:
+        module = LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
     source = Synthetic(image_size=size, channels=1, train_size=clients * per_client, test_size=16)
     dm = FederatedDataModule(source, num_clients=clients, batch_size=batch, augment=False, seed=0)
     dm.prepare_data()
@@ -84,6 +96,35 @@ def conv_sides(clients: int) -> dict:
     return {"conv_loop": loop, "conv_grouped": grouped}
 
 
+GRID = [(kind, size, batch) for kind in ("latent", "full") for size, batch in
+        ((8, 16), (12, 16), (16, 16), (20, 16), (28, 16), (8, 32), (10, 32))]  # fmt: skip
+
+
+def grid(args: argparse.Namespace) -> dict:
+    """The measurements behind the CPU rule that declines cohorts (``MAX_CLIENT_ACTIVATION``,
+    ``MAX_COHORT_ACTIVATION`` in lightning_fl/federated/cohort.py): for each model kind, image size and batch, the
+    largest activation per client and per cohort, whether the rule lets the cohort run, and its speed-up over one
+    client at a time (CPU time per repeat, min and median)."""
+    rows = []
+    for kind, size, batch in [point for point in GRID if args.grid_images is None or point[1] in args.grid_images]:
+        module, dm = make(size, args.clients, 2 * batch, batch, kind)
+        per_client = largest_activation(module, next(iter(dm.client_dataloader(0)))[0])
+        runs = sides(module, dm, args.clients, args.cohorts)
+        for run in runs.values():
+            run()
+        samples = alternate(runs, args.repeats)
+        for k in args.cohorts:
+            speedup = ratios(samples, "sequential", f"cohort{k}")["cpu"]
+            runs_as_cohort = per_client <= MAX_CLIENT_ACTIVATION and per_client * k <= MAX_COHORT_ACTIVATION
+            rows.append({"kind": kind, "image": size, "batch": batch, "cohort": k, "client_activation": per_client,
+                         "cohort_activation": per_client * k, "rule_runs_cohort": runs_as_cohort,
+                         "speedup_cpu": speedup})  # fmt: skip
+            print(f"[grid] {kind} {size}x{size} batch {batch} cohort {k}: activation {per_client:,} per client, "
+                  f"{per_client * k:,} per cohort, rule: {'cohort' if runs_as_cohort else 'one at a time'}; "
+                  f"speed-up {fmt(speedup, 'x', 1, 2)}", flush=True)  # fmt: skip
+    return {"limits": {"client": MAX_CLIENT_ACTIVATION, "cohort": MAX_COHORT_ACTIVATION}, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["digits", "fmnist"], choices=sorted(IMAGE_SIZE))
@@ -92,12 +133,22 @@ def main() -> None:
     parser.add_argument("--per-client", type=int, default=32, help="samples per client (default 32)")
     parser.add_argument("--batch", type=int, default=16, help="batch size (default 16: 2 steps per client)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="measure the rule that declines cohorts on CPU instead "
+        "(SmallCNN, latent and full, several image sizes and batches; 2 local steps per client)",
+    )
+    parser.add_argument("--grid-images", type=int, nargs="+", help="with --grid: only these image sizes")
     add_arguments(parser, repeats=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning_fl").setLevel(logging.ERROR)
     before = machine()
+    if args.grid:
+        report("cohort", before, {"args": vars(args), "grid": grid(args)}, args.json)
+        return
     results = {}
     for model in args.models:
         module, dm = make(model, args.clients, args.per_client, args.batch)

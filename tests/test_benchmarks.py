@@ -71,6 +71,11 @@ CASES = {
         "[cohort] wrote c.json",
         outputs=["c.json"],
     ),
+    "latent_step.py": Case(
+        ["--models", "quickstart", "--steps", "1", "--repeats", "1", "--json", "ls.json"],
+        "[latent_step] wrote ls.json",
+        outputs=["ls.json"],
+    ),
     "dp_sgd.py": Case(
         ["--clients", "2", "--steps", "1", "--batch", "4", "--repeats", "1", "--json", "dp.json"],
         "[dp_sgd] wrote dp.json",
@@ -169,6 +174,25 @@ def test_client_overhead_pairs_every_timed_round_with_a_floor_on_the_cross_devic
     seconds = results["full"]["per_client_seconds"]
     assert seconds["trainer"]["cpu"]["n"] == seconds["floor"]["cpu"]["n"] == 4
     assert all(math.isfinite(x) and x > 0 for x in _numbers(seconds))
+
+
+def test_the_cohort_rule_grid_reports_each_point_with_the_rules_decision(tmp_path):
+    """benchmarks/cohort.py --grid at a tiny size: every point's activations are the network's (8x8 images: the
+    first convolution's 32 channels x 64 pixels per image) and its decision is the trainer's rule."""
+    from lightning_fl.federated.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION
+
+    args = ["--grid", "--grid-images", "8", "--clients", "4", "--cohorts", "2", "4", "--repeats", "1", "--json",
+            "g.json"]  # fmt: skip
+    proc = run_script("cohort.py", args, tmp_path, 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "g.json").read_text())["results"]["grid"]["rows"]
+    assert [(r["kind"], r["batch"], r["cohort"]) for r in rows] == [
+        (kind, batch, k) for kind in ("latent", "full") for batch in (16, 32) for k in (2, 4)]  # fmt: skip
+    for r in rows:
+        assert r["client_activation"] == r["batch"] * 32 * 8 * 8
+        within = r["client_activation"] <= MAX_CLIENT_ACTIVATION and r["cohort_activation"] <= MAX_COHORT_ACTIVATION
+        assert r["rule_runs_cohort"] == within
+        assert math.isfinite(r["speedup_cpu"]["median"]) and r["speedup_cpu"]["median"] > 0
 
 
 def _numbers(value):

@@ -130,6 +130,52 @@ def test_what_cannot_be_vectorised_trains_one_at_a_time_with_a_warning(tmp_path)
     assert torch.equal(fallback.global_state["mapping.latent"], sequential.global_state["mapping.latent"])
 
 
+def test_cohorts_whose_activations_outgrow_the_measured_limits_train_one_at_a_time(tmp_path, monkeypatch):
+    """The CPU rule (cohorts slower than sequential beyond the limits): the activation measured on a client's first
+    batch, per client and per cohort, against each limit; the run then trains one at a time with one line why."""
+    from lightning_fl.federated import cohort
+
+    fabric, dm = _cpu_fabric(), make_dm(num_clients=8, batch_size=8)
+    dm.setup()
+    # make_model's first convolution: 8 images x 8 channels x 8 x 8 pixels, its largest output
+    assert cohort.largest_activation(make_model(), torch.zeros(8, 1, 8, 8)) == 8 * 8 * 8 * 8
+    assert cohort.cohort_too_large(make_model(), dm, 0, 0, 0, 8, fabric) is None
+    monkeypatch.setattr(cohort, "MAX_CLIENT_ACTIVATION", 4095)
+    assert "largest activation is 4,096 values (32,768 for a cohort of 8" in cohort.cohort_too_large(
+        make_model(), dm, 0, 0, 0, 8, fabric)  # fmt: skip
+    monkeypatch.setattr(cohort, "MAX_CLIENT_ACTIVATION", 4096)
+    assert cohort.cohort_too_large(make_model(), dm, 0, 0, 0, 8, fabric) is None
+    monkeypatch.setattr(cohort, "MAX_COHORT_ACTIVATION", 32_767)
+    assert "4,096 values (32,768 for a cohort of 8" in cohort.cohort_too_large(make_model(), dm, 0, 0, 0, 8, fabric)
+    declined = fit(tmp_path, "declined", "vmap", rounds=1)
+    assert sum("largest activation is 4,096 values" in w and "one at a time" in w for w in declined.caught) == 1
+    sequential = fit(tmp_path, "seq", "sequential", rounds=1)
+    assert torch.equal(declined.global_state["mapping.latent"], sequential.global_state["mapping.latent"])
+
+
+def test_the_activation_probe_leaves_random_state_and_modes_as_it_found_them():
+    import random
+
+    import numpy as np
+
+    from lightning_fl.federated.cohort import cohort_too_large
+
+    dm = make_dm(num_clients=4, batch_size=8, augment=True)
+    dm.setup()
+    model = make_model()
+    model.train()
+    model.head.eval()
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+    assert cohort_too_large(model, dm, 0, 0, 0, 8, _cpu_fabric()) is None
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+    assert model.training and model.backbone.training and not model.head.training
+
+
 def test_a_diverging_client_fails_alone_with_the_sequential_message(tmp_path):
     dm = make_dm(num_clients=4, batch_size=8)
     dm.setup()

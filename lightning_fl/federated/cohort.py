@@ -22,9 +22,11 @@ randomness in its forward pass (dropout), and, for FLITE, ``stored`` or ``dense`
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
@@ -69,6 +71,59 @@ def cohort_problem(module: L.LightningModule, fabric: L.Fabric) -> str | None:
     if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
         return "its optimiser uses maximize, amsgrad or differentiable (not supported in a cohort)"
     return None
+
+
+# On CPU a cohort trains slower than its clients one at a time once its activations outgrow the caches: each
+# operation of the batched step then streams every client's activations through memory, where one client's stay
+# in cache. Measured on this project's 2-core machine (python benchmarks/cohort.py --grid; docs/results.md,
+# "Vectorised cohorts"): every cohort within both limits trained at least 1.08x faster than one client at a time,
+# and every measured cohort slower than that was outside them.
+MAX_CLIENT_ACTIVATION = 110_000  # floats: the largest output of any layer for one client's batch
+MAX_COHORT_ACTIVATION = 2_200_000  # floats: the same times the cohort's size
+
+
+def largest_activation(module: L.LightningModule, x: torch.Tensor) -> int:
+    """The most values any submodule of ``module`` outputs on the input ``x`` (without gradients; every
+    submodule's mode left as it was)."""
+    sizes = [x.numel()]
+
+    def hook(_module, _inputs, output) -> None:
+        if isinstance(output, torch.Tensor):
+            sizes.append(output.numel())
+
+    modes = {m: m.training for m in module.modules()}
+    handles = [m.register_forward_hook(hook) for m in module.modules() if m is not module]
+    try:
+        module.eval()  # the same shapes; no statistics updated
+        with torch.no_grad():
+            module(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, training in modes.items():
+            m.training = training
+    return max(sizes)
+
+
+def cohort_too_large(module, datamodule, client: int, round: int, seed: int, cohort_size: int, fabric) -> str | None:
+    """Why cohorts of ``cohort_size`` would train ``module``'s clients slower than one at a time on this CPU
+    (``None``: they would not, or the device is not a CPU, where the rule was not measured): the largest
+    activation of ``client``'s first batch, per client and per cohort, against the measured limits."""
+    if fabric.device.type != "cpu":
+        return None
+    state = random.getstate(), np.random.get_state()  # the probe leaves the run's random state as it found it
+    try:
+        with torch.random.fork_rng(devices=[]):
+            x = next(iter(client_loader(datamodule, client, round, seed)))[0]
+            per_client = largest_activation(module, x.to(fabric.device))
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+    if per_client <= MAX_CLIENT_ACTIVATION and per_client * cohort_size <= MAX_COHORT_ACTIVATION:
+        return None
+    return (f"a client's largest activation is {per_client:,} values ({per_client * cohort_size:,} for a cohort of "
+            f"{cohort_size}; limits {MAX_CLIENT_ACTIVATION:,} and {MAX_COHORT_ACTIVATION:,}), where cohorts train "
+            "slower on CPU than one client at a time (docs/results.md, 'Vectorised cohorts')")  # fmt: skip
 
 
 def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: LocalTraining):

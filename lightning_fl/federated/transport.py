@@ -20,7 +20,7 @@ import torch
 
 from lightning_fl.compress.base import Codec, Payload
 from lightning_fl.federated.client import LocalTraining, run_client
-from lightning_fl.federated.cohort import cohort_problem, run_cohort
+from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
 from lightning_fl.federated.state import State
 
 
@@ -130,7 +130,7 @@ class InProcess(Transport):
         self._checked: dict[int, str | None] = {}  # id(module) -> why it cannot train as a cohort
 
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
-        if self.cohort_size > 0 and self._cohorts_possible(model, fabric):
+        if self.cohort_size > 0 and self._cohorts_possible(model, datamodule, clients[0], round, seed, fabric):
             for start in range(0, len(clients), self.cohort_size):
                 cohort = list(clients[start : start + self.cohort_size])
                 results = run_cohort(model, datamodule, state, cohort, round, seed, codec=codec, local=local,
@@ -159,9 +159,13 @@ class InProcess(Transport):
             out.replies.append(reply)
         return out
 
-    def _cohorts_possible(self, model, fabric) -> bool:
+    def _cohorts_possible(self, model, datamodule, client: int, round: int, seed: int, fabric) -> bool:
+        """Whether ``model``'s clients train as cohorts: decided once per model, from what it is
+        (:func:`cohort_problem`) and from its activations on ``client``'s first batch (:func:`cohort_too_large`)."""
         if id(model) not in self._checked:
-            problem = self._checked[id(model)] = cohort_problem(model, fabric)
+            problem = cohort_problem(model, fabric) or cohort_too_large(
+                model, datamodule, client, round, seed, self.cohort_size, fabric)  # fmt: skip
+            self._checked[id(model)] = problem
             if problem is not None:
                 warnings.warn(
                     f"trainer.client_batching is 'vmap' but {problem}: its clients train one at a time",
