@@ -151,26 +151,22 @@ DEPLOY = [
 @pytest.fixture
 def deployment(tmp_path):
     """A SuperLink and 2 SuperNodes on 127.0.0.1 (one intra-op thread each, sharing the base cache)."""
-    import deployment as fd
-
-    fd.enable_subreaper()
-    env = environment(tmp_path)
-    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
-    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=2, extra_env=extra) as d:
-        yield d
-    left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
-    assert not left, "processes left running: " + ", ".join(map(str, left))
+    yield from _deployment(tmp_path, workers=False)
 
 
 @pytest.fixture
 def warm_deployment(tmp_path):
     """The same, with a warm worker beside each SuperNode (node config ``worker``)."""
+    yield from _deployment(tmp_path, workers=True)
+
+
+def _deployment(tmp_path, workers: bool):
     import deployment as fd
 
     fd.enable_subreaper()
     env = environment(tmp_path)
     extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
-    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=2, extra_env=extra, workers=True) as d:
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=2, extra_env=extra, workers=workers) as d:
         yield d
     left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
     assert not left, "processes left running: " + ", ".join(map(str, left))
