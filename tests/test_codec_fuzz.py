@@ -21,7 +21,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from lightning_fl.compress import FP32, Codec, PayloadDecodeError, PowerSGD, Quantize, TopK, wire
-from lightning_fl.compress.base import Encoded, Payload
+from lightning_fl.compress.base import Encoded, Payload, non_finite_parts
 from lightning_fl.federated.gate import UploadRejectedError, check_layout, decode_upload, screen_upload
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.round import RoundRunner
@@ -346,8 +346,10 @@ def test_malformed_uploads_are_refused_and_change_nothing(name, data):
     assert not any(p.startswith(("could not be decoded", "structure could not be checked")) for p in problems)
     if must_reject:
         assert problems and decoded is None, f"{kind} was accepted"
-        # the codec's own structure check (or the codec-independent layout check) found it, before decoding
-        assert check_layout(candidate, reference) or codec.check_payload(candidate, reference)
+        # found before decoding: by the codec-independent layout check, the codec's own structure check or the
+        # float parts' finiteness
+        assert (check_layout(candidate, reference) or codec.check_payload(candidate, reference)
+                or non_finite_parts(candidate))  # fmt: skip
     event("refused by the gate" if problems else "accepted (values changed, structure intact)")
     if not problems:
         assert all(torch.isfinite(decoded[n]).all() and decoded[n].shape == reference[n].shape for n in reference)
@@ -444,6 +446,43 @@ def test_a_nan_meant_for_an_integer_tensor_is_refused_before_a_cast_hides_it(cod
     part.view(-1)[0] = float("nan")
     decoded, problems = screen_upload(payload, codec, reference, 0)
     assert decoded is None and any("non-finite values" in p for p in problems)
+
+
+@pytest.mark.parametrize(("codec", "summed"), [(FP32(), 110), (Quantize(8), 2 * 2 + 110)], ids=repr)
+def test_the_server_sums_each_value_of_an_upload_once_for_finiteness(codec, summed, monkeypatch):
+    """FP32's decoded tensors are views of its parts: checked before decoding, not summed again after; 8-bit
+    uploads have their float parameters (2 per tensor) checked before decoding and the decoded floats after."""
+    import lightning_fl.compress.base as base
+    import lightning_fl.federated.gate as gate
+
+    seen = []
+
+    def counting(tensors):
+        seen.append(sum(t.numel() for t in tensors.values() if t.is_floating_point()))
+        return base.non_finite.__wrapped__(tensors)
+
+    counting.__wrapped__ = base.non_finite
+    monkeypatch.setattr(base, "non_finite", counting)
+    monkeypatch.setattr(gate, "non_finite", counting)
+    reference = {"w": torch.zeros(10, 10), "b": torch.zeros(10)}
+    payload = codec.encode({"w": torch.ones(10, 10), "b": torch.ones(10)}, reference, 0)
+    decoded, problems = screen_upload(payload, codec, reference, 0)
+    assert problems == [] and decoded is not None
+    assert sum(seen) == summed
+
+
+class _DecodesInPlace(FP32):
+    """A codec whose decoding changes its parts in place (here into infinities) and returns views of them."""
+
+    def decode_tensor(self, encoded: Encoded) -> torch.Tensor:
+        return encoded.parts["values"].mul_(float("inf")).reshape(encoded.shape)
+
+
+def test_a_part_changed_by_decoding_is_checked_again():
+    reference = {"w": torch.zeros(4)}
+    codec = _DecodesInPlace()
+    decoded, problems = screen_upload(codec.encode({"w": torch.ones(4)}, reference, 0), codec, reference, 0)
+    assert decoded is None and problems == ["w: 4 non-finite values"]
 
 
 @pytest.mark.parametrize(("key", "value"), [("numel", 6.0), ("numel", "6"), ("bits", 8.0), ("bits", None)])

@@ -148,6 +148,15 @@ def test_a_client_refuses_a_broadcast_that_does_not_fit_its_state():
         apply_broadcast(TopK(density=0.5), {"w": torch.zeros(5)}, payload)
 
 
+def test_a_client_refuses_a_broadcast_with_a_non_finite_value():
+    downlink = Downlink(TopK(density=0.5))
+    downlink.start(num_clients=1)
+    _, payload = downlink.broadcast({"w": torch.tensor([1.0, -2.0, 0.5, 0.0])}, {"w": torch.zeros(4)})
+    next(t for e in payload.tensors.values() for t in e.parts.values() if t.is_floating_point())[0] = float("nan")
+    with pytest.raises(PayloadError, match="broadcast refused: .*1 non-finite values"):
+        apply_broadcast(TopK(density=0.5), {"w": torch.zeros(4)}, payload)
+
+
 def test_downloads_are_charged_by_the_broadcasts_a_client_missed_or_the_full_state():
     downlink = Downlink(TopK(density=0.5))
     downlink.start(num_clients=3)

@@ -119,14 +119,14 @@ def check_containers(payload: object) -> list[str]:
 def check_layout_of(payload: Payload, expected: dict[str, Layout]) -> list[str]:
     """Problems of a payload whose containers are sound (:func:`check_containers`) against the ``expected``
     structure: the same tensor names, and for each the declared shape, dtype and info, and exactly the expected
-    parts, each a strided CPU tensor of the expected dtype and shape, finite if it holds floats.
+    parts, each a strided CPU tensor of the expected dtype and shape. Whether float parts are finite is
+    :func:`non_finite_parts`' question, asked by whoever decodes (the upload gate, a client applying a broadcast).
     """
     problems = []
     got = payload.tensors
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     if missing or extra:
         problems.append(f"tensors differ (missing {_few(missing)}, unexpected {_few(extra)})")
-    checked: dict[str, torch.Tensor] = {}  # float parts of the right dtype and shape, checked for finiteness at once
     for name in sorted(set(expected) & set(got)):
         want, enc, at = expected[name], got[name], _label(name)
         if tuple(enc.shape) != tuple(want.shape):
@@ -146,11 +146,20 @@ def check_layout_of(payload: Payload, expected: dict[str, Layout]) -> list[str]:
                 problems.append(f"{where}: expected dtype {dtype}, got {t.dtype}")
             elif tuple(t.shape) != tuple(shape):
                 problems.append(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-            else:
-                checked[where] = t
-    # caught here, not only after decoding: cast to an integer state tensor a NaN would pass as a number
-    problems += [f"{where}: {count} non-finite values" for where, count in non_finite(checked).items()]
     return problems
+
+
+def non_finite_parts(payload: Payload) -> list[str]:
+    """How many NaN or infinite values each float part of ``payload`` (its containers sound:
+    :func:`check_containers`) holds, as problems, in one pass (:func:`non_finite`). Asked before decoding: cast
+    to an integer state tensor a NaN would pass as a number."""
+    parts = {
+        f"{_label(name)}.{_label(part)}": t
+        for name, enc in sorted(payload.tensors.items())
+        for part, t in sorted(enc.parts.items())
+        if t.layout == torch.strided
+    }
+    return [f"{where}: {count} non-finite values" for where, count in non_finite(parts).items()]
 
 
 #: Tensors of at least this many values are summed where they lie by :func:`non_finite`; smaller ones are

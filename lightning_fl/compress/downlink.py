@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lightning_fl.compress.base import Payload, PayloadError
+from lightning_fl.compress.base import Payload, PayloadError, non_finite_parts
 from lightning_fl.compress.error_feedback import State, UpdateCompressor
 
 #: The key of the server's own memory in the downlink compressor's stores.
@@ -47,6 +47,7 @@ def apply_broadcast(codec: UpdateCompressor, held: State, payload: Payload) -> S
     :class:`~lightning_fl.compress.base.PayloadError`.
     """
     problems = codec.check_payload(payload, held)
+    problems = problems or non_finite_parts(payload)
     if problems:
         raise PayloadError(f"broadcast refused: {'; '.join(problems)}")
     return codec.decode(payload, held, SERVER)

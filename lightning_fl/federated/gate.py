@@ -8,10 +8,19 @@ attack rewrote in simulation are checked again with :func:`non_finite_rows`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from lightning_fl.compress.base import Codec, Encoded, Payload, PayloadDecodeError, check_containers, non_finite
+from lightning_fl.compress.base import (
+    Codec,
+    Encoded,
+    Payload,
+    PayloadDecodeError,
+    check_containers,
+    non_finite,
+    non_finite_parts,
+)
 from lightning_fl.errors import UserError
 from lightning_fl.federated.state import State
 
@@ -20,11 +29,16 @@ class UploadRejectedError(UserError):
     """A client's upload failed the gate and the policy is ``raise``."""
 
 
-def check_upload(decoded: State, reference: State, payload: Payload) -> list[str]:
+def check_upload(
+    decoded: State, reference: State, payload: Payload, finite: Sequence[tuple[torch.Tensor, int]] = ()
+) -> list[str]:
     """Problems that keep an upload out of the aggregate: keys, shape, dtype, size, non-finite values.
 
     ``reference`` is the global state the client started from: the upload must match its layout.
     The payload may not be larger than sending the reference in float32 (plus 64 bytes per tensor).
+    ``finite``: tensors already found finite, each with its version counter then; a decoded tensor that lies in
+    the memory of one of them, unchanged since (FP32's decoded tensors are views of its parts), is not summed
+    again, so each value of an upload is checked once.
     """
     problems = []
     missing, extra = sorted(set(reference) - set(decoded)), sorted(set(decoded) - set(reference))
@@ -39,11 +53,29 @@ def check_upload(decoded: State, reference: State, payload: Payload) -> list[str
             problems.append(f"{name}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}")
         elif got.dtype != want.dtype:
             problems.append(f"{name}: expected dtype {want.dtype}, got {got.dtype}")
-        else:
+        elif not _within(got, finite):
             fitting[name] = got
     problems += [f"{name}: {count} non-finite values" for name, count in non_finite(fitting).items()]
     problems += size_problems(payload, reference)
     return problems
+
+
+def _within(t: torch.Tensor, finite: Sequence[tuple[torch.Tensor, int]]) -> bool:
+    """Whether every value of ``t`` is a value of one of the ``finite`` tensors, not modified since: ``t``
+    contiguous inside the contiguous memory of one of them, of the same dtype and device, whose version counter
+    (shared by its views, bumped by every in-place change) is still the recorded one."""
+    if not t.is_contiguous() or not finite:
+        return False
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return any(
+        part._version == version
+        and part.is_contiguous()
+        and part.dtype == t.dtype
+        and part.device == t.device
+        and part.data_ptr() <= start
+        and end <= part.data_ptr() + part.numel() * part.element_size()
+        for part, version in finite
+    )
 
 
 def size_problems(payload: Payload, reference: State) -> list[str]:
@@ -79,9 +111,11 @@ def screen_upload(
     """What the server does with one client's payload: the decoded upload, or ``None`` and why it was refused.
 
     In order: :func:`check_layout`, the size cap of :func:`check_upload`, the codec's own structure check
-    (:meth:`~lightning_fl.compress.base.Codec.check_payload`), decoding (:func:`decode_upload`) and
-    :func:`check_upload`. Never raises for a malformed payload, and changes neither ``reference`` nor the
-    codec's state: a refused upload leaves no trace.
+    (:meth:`~lightning_fl.compress.base.Codec.check_payload`), the float parts' finiteness
+    (:func:`~lightning_fl.compress.base.non_finite_parts`), decoding (:func:`decode_upload`) and
+    :func:`check_upload` (which does not sum again what decoding left in the checked parts' memory). Never raises
+    for a malformed payload, and changes neither ``reference`` nor the codec's state: a refused upload leaves no
+    trace.
     """
     if payload is None:
         return None, ["no payload"]
@@ -93,13 +127,20 @@ def screen_upload(
         problems += codec.check_payload(payload, reference)
     except Exception as err:  # a codec's own check must not take the server down either
         problems.append(f"structure could not be checked ({type(err).__name__}: {err})")
+    problems = problems or non_finite_parts(payload)
     if problems:
         return None, problems
+    finite = [
+        (t, t._version)
+        for enc in payload.tensors.values()
+        for t in enc.parts.values()
+        if t.layout == torch.strided and t.is_floating_point()
+    ]
     try:
         decoded = decode_upload(payload, codec, reference, client)
     except PayloadDecodeError as err:
         return None, [str(err)]
-    problems = check_upload(decoded, reference, payload)
+    problems = check_upload(decoded, reference, payload, finite)
     return (None, problems) if problems else (decoded, [])
 
 
