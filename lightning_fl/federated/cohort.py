@@ -114,11 +114,13 @@ def cohort_too_large(module, datamodule, client: int, round: int, seed: int, coh
     state = random.getstate(), np.random.get_state()  # the probe leaves the run's random state as it found it
     try:
         with torch.random.fork_rng(devices=[]):
-            x = next(iter(client_loader(datamodule, client, round, seed)))[0]
-            per_client = largest_activation(module, x.to(fabric.device))
+            batch = next(iter(client_loader(datamodule, client, round, seed)), None)
+            per_client = None if batch is None else largest_activation(module, batch[0].to(fabric.device))
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
+    if per_client is None:  # no batch: the cohort says so in its own words
+        return None
     if per_client <= MAX_CLIENT_ACTIVATION and per_client * cohort_size <= MAX_COHORT_ACTIVATION:
         return None
     return (f"a client's largest activation is {per_client:,} values ({per_client * cohort_size:,} for a cohort of "
