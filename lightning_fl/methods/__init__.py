@@ -4,6 +4,7 @@ from lightning_fl.methods.classifier import Classifier, TrainingDivergedError, l
 from lightning_fl.methods.fedprox import FedProx
 from lightning_fl.methods.language import LM_PRETRAINING, LanguageModel, LatentLanguageModel
 from lightning_fl.methods.latent import LatentClassifier
+from lightning_fl.methods.lora import LoRAClassifier
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.schedules import warmup_cosine_factor
 
@@ -14,6 +15,7 @@ __all__ = [
     "LanguageModel",
     "LatentClassifier",
     "LatentLanguageModel",
+    "LoRAClassifier",
     "Pretraining",
     "TrainingDivergedError",
     "load_state_dict_file",

@@ -120,11 +120,15 @@ class Classifier(TrainingRecipe):
             "head": self.hparams.head,
         }
 
+    def base_backbone(self) -> nn.Module:
+        """The backbone as a base is trained (here the backbone itself; a method that wraps it says otherwise)."""
+        return self.backbone
+
     def pretraining_module(self) -> Classifier:
         """A classifier with a copy of this backbone and the same frozen head that trains with the recipe."""
         p = self.pretraining
         pre = Classifier(
-            backbone=copy.deepcopy(self.backbone).requires_grad_(True),
+            backbone=copy.deepcopy(self.base_backbone()).requires_grad_(True),
             num_classes=self.num_classes,
             head=self.hparams.head,
             optimizer=p.optimizer,

@@ -140,7 +140,11 @@ class TrainingRecipe(L.LightningModule):
             raise CheckpointError(
                 f"{checkpoint_name(what, path)} does not match this model: {'; '.join(details)}; {fix}"
             )
-        self.load_state_dict({k: state[k] for k in own}, strict=False)
+        self.load_own_weights({k: state[k] for k in own})
+
+    def load_own_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Put ``weights`` (keys as :meth:`own_weights` names them, every one of them) into the module."""
+        self.load_state_dict(weights, strict=False)
 
     # ----------------------------------------------------------------------------------- base
     def base_cache_key(self, datamodule: object) -> dict[str, object]:
