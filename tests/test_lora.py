@@ -127,3 +127,24 @@ def test_federated_lora_trains_logs_its_aggregation_error_and_resumes_bit_for_bi
     resumed.fit(lora(variant=variant), datamodule=dm(), ckpt_path=str(first.log_dir / "checkpoints" / "last.ckpt"))
     for name, value in full.global_state.items():
         assert torch.equal(value, resumed.global_state[name]), name
+
+
+def test_lora_trains_in_vectorised_cohorts_as_one_at_a_time_and_with_int8_uploads(tmp_path):
+    import warnings
+
+    from lightning_fl.compress import Quantize
+
+    states = {}
+    for batching in ("sequential", "vmap"):
+        trainer = make_trainer(tmp_path, rounds=1, name=batching, client_batching=batching, cohort_size=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(lora(), datamodule=make_dm(num_clients=4, batch_size=8))
+        assert not any("one at a time" in str(w.message) for w in caught)
+        states[batching] = trainer.global_state
+    for name, value in states["sequential"].items():
+        torch.testing.assert_close(states["vmap"][name], value, rtol=0, atol=1e-5)
+    int8 = make_trainer(tmp_path, rounds=1, name="int8", codec=Quantize(8))
+    int8.fit(lora(), datamodule=make_dm(num_clients=4, batch_size=8))
+    fp32_bytes = FP32().encode(lora().federated_state(), lora().federated_state(), 0).nbytes
+    assert 0 < int8.history[-1]["comm/client_up_bytes"] < fp32_bytes / 3
