@@ -281,3 +281,32 @@ def test_a_wrong_vocab_size_exits_2_naming_the_key(corpus, in_tmp, monkeypatch, 
     assert run_cli("fit", "--config", str(CONFIGS / "flite_shakespeare.yaml"), *args, *FEDERATED) == 2
     err = capsys.readouterr().err
     assert f"--model.network.vocab_size {text_dm(corpus).vocab_size}" in err
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+@pytest.mark.parametrize("variant", ["lora", "ffa"])
+def test_lora_on_tinygpt_shares_the_base_starts_exactly_there_and_sends_its_adapters(corpus, tmp_path, variant):
+    pytest.importorskip("peft")
+    from lightning_fl.methods import LoRALanguageModel
+
+    dm = text_dm(corpus)
+    recipe = Pretraining(epochs=1, optimizer="adamw", lr=1e-2, warmup_epochs=0, cache_dir=str(tmp_path / "cache"))
+    full = LanguageModel(network(dm.vocab_size), pretraining=recipe)
+    lora = LoRALanguageModel(network(dm.vocab_size), pretraining=recipe, variant=variant, rank=2, sample_tokens=0)
+    full.check_data(dm)
+    lora.check_data(dm)
+    assert lora.base_cache_path(dm) == full.base_cache_path(dm)
+    full.prepare_base(dm)
+    lora.prepare_base(dm, allow_training=False)  # FLITE's and FedAvg's cached base, read through the plain names
+    x = dm.client_dataloader(0, seed=0).__iter__().__next__()[0]
+    assert torch.equal(lora(x), full(x))
+    linears = {n: m for n, m in lora.base_network().named_modules() if isinstance(m, torch.nn.Linear)}
+    assert sorted(lora.adapted) == sorted(linears)
+    values = sum(2 * (m.in_features if variant == "lora" else 0) + 2 * m.out_features for m in linears.values())
+    assert sum(t.numel() for t in lora.federated_state().values()) == values
+
+    t = trainer(tmp_path, rounds=2, name=variant)
+    t.fit(lora, datamodule=text_dm(corpus))
+    errors = [h["fed/identity_error"] for h in t.history[1:]]
+    assert all(e > 1e-9 for e in errors) if variant == "lora" else all(e < 1e-15 for e in errors)
+    assert all(h["comm/client_up_bytes"] == 4 * values for h in t.history[1:])

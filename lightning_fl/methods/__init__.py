@@ -4,7 +4,7 @@ from lightning_fl.methods.classifier import Classifier, TrainingDivergedError, l
 from lightning_fl.methods.fedprox import FedProx
 from lightning_fl.methods.language import LM_PRETRAINING, LanguageModel, LatentLanguageModel
 from lightning_fl.methods.latent import LatentClassifier
-from lightning_fl.methods.lora import LoRAClassifier
+from lightning_fl.methods.lora import LoRAClassifier, LoRALanguageModel
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.schedules import warmup_cosine_factor
 
@@ -16,6 +16,7 @@ __all__ = [
     "LatentClassifier",
     "LatentLanguageModel",
     "LoRAClassifier",
+    "LoRALanguageModel",
     "Pretraining",
     "TrainingDivergedError",
     "load_state_dict_file",

@@ -223,11 +223,15 @@ class LanguageModel(TrainingRecipe):
             self.check_data(datamodule)
         super().prepare_base(datamodule, allow_training)
 
+    def base_network(self) -> nn.Module:
+        """The network as a base is trained (here the network itself; a method that wraps it says otherwise)."""
+        return self.network
+
     def pretraining_module(self) -> LanguageModel:
         """A language model with a trainable copy of this network that trains with the pretraining recipe."""
         p = self.pretraining
         pre = LanguageModel(
-            network=copy.deepcopy(self.network).requires_grad_(True),
+            network=copy.deepcopy(self.base_network()).requires_grad_(True),
             optimizer=p.optimizer,
             lr=p.lr,
             momentum=p.momentum,

@@ -31,6 +31,7 @@ from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import LayerSelection, select_weights
 from lightning_fl.methods.classifier import Classifier, OptimizerName
+from lightning_fl.methods.language import LM_PRETRAINING, LanguageModel
 from lightning_fl.methods.latent import LatentSteering
 from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining
 from lightning_fl.methods.schedules import Schedule
@@ -48,7 +49,89 @@ def target_modules(network: nn.Module, layers: LayerSelection | list[str]) -> li
     return [name.removesuffix(".weight") for name in select_weights(network, layers)]
 
 
-class LoRAClassifier(Classifier):
+class LoRAAdapters:
+    """LoRA's per-module part, shared by the classifier and the language model: the host keeps its network under
+    ``adapted_attr`` (``backbone``, ``network``) and calls :meth:`adapt` at the end of its constructor."""
+
+    #: The attribute of the network that gets adapters (its state-dict prefix too).
+    adapted_attr: str
+    adapted: list[str]
+
+    def adapt(self, layers: LayerSelection | list[str], variant: str, rank: int, alpha: float | None, seed: int):
+        """Freeze the network, keep a copy of it as bases are trained, and inject the adapters."""
+        problems = []
+        if variant not in ("lora", "ffa"):
+            problems.append(f"model.variant must be 'lora' or 'ffa', got {variant!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            problems.append(f"model.rank must be an integer >= 1, got {rank!r}")
+        if alpha is not None and not alpha > 0:
+            problems.append(f"model.alpha must be > 0 (or null: alpha = rank), got {alpha!r}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        network = getattr(self, self.adapted_attr)
+        targets = target_modules(network, layers)  # a selection of nothing is refused there, named
+        # the base as it is pretrained: the network before PEFT wraps it (kept out of the module's state)
+        object.__setattr__(self, "_plain_network", copy.deepcopy(network))
+        self.adapted = targets
+        network.requires_grad_(False)
+        inject(network, targets, rank, alpha if alpha is not None else rank, seed)
+        if variant == "ffa":
+            for name, p in network.named_parameters():
+                if ".lora_A." in name:
+                    p.requires_grad_(False)
+
+    # ----------------------------------------------------------------------------------- base weights
+    def own_weights(self) -> dict[str, torch.Tensor]:
+        """The base's weights under their plain names (PEFT's ``base_layer`` removed, adapters left out)."""
+        return {
+            plain_name(k): v
+            for k, v in self.state_dict().items()
+            if k.startswith(self.weight_prefixes) and ".lora_" not in k
+        }
+
+    def load_own_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        real = {plain_name(k): k for k in self.state_dict() if ".lora_" not in k}
+        result = self.load_state_dict({real[k]: v for k, v in weights.items()}, strict=False)
+        if result.unexpected_keys:  # cannot happen for keys own_weights names; refuse rather than drop silently
+            raise ConfigError(f"base weights {result.unexpected_keys[:3]} have no place in {type(self).__name__}")
+
+    # ----------------------------------------------------------------------------------- adapters
+    def adapters(self) -> dict[str, tuple[str, str, float]]:
+        """Per adapted module: the state-dict names of its ``A`` and ``B`` and its scale ``alpha / r``."""
+        network, prefix = getattr(self, self.adapted_attr), self.adapted_attr
+        return {
+            name: (
+                f"{prefix}.{name}.lora_A.{ADAPTER}.weight",
+                f"{prefix}.{name}.lora_B.{ADAPTER}.weight",
+                float(network.get_submodule(name).scaling[ADAPTER]),
+            )
+            for name in self.adapted
+        }
+
+    def factor_fingerprint(self) -> str:
+        """The digest of every frozen tensor (the base, the head and, for FFA-LoRA, ``A``): clients refuse to train
+        when theirs differs."""
+        trained = set(self.trainable_parameters())
+        frozen = {k: v for k, v in self.state_dict().items() if k.startswith(self.weight_prefixes) and k not in trained}
+        return f"lora:{self.hparams.variant}:r{self.hparams.rank}:{digest_tensors(frozen)}"
+
+    @torch.no_grad()
+    def averaging_identity_error(self, states: list[dict[str, torch.Tensor]]) -> float:
+        """``max |mean_k(s B_k A_k) - s mean_k(B_k) mean_k(A_k)|`` over the adapted weights, in float64: the error
+        of averaging LoRA's factors instead of its products (for FFA-LoRA, whose ``A`` is shared, zero but for
+        float64 rounding: about 1e-18)."""
+        own = self.state_dict()
+        worst = 0.0
+        for name_a, name_b, scale in self.adapters().values():
+            a = [s.get(name_a, own[name_a]).double().flatten(1) for s in states]  # (r, in * kh * kw) each
+            b = [s[name_b].double().flatten(1) for s in states]  # (out, r) each
+            mean_of_products = sum(bk @ ak for ak, bk in zip(a, b, strict=True)) / len(states)
+            product_of_means = (sum(b) / len(states)) @ (sum(a) / len(states))
+            worst = max(worst, scale * (mean_of_products - product_of_means).abs().max().item())
+        return worst
+
+
+class LoRAClassifier(LoRAAdapters, Classifier):
     """LoRA or FFA-LoRA adapters (PEFT) on a frozen (pretrained) backbone and head; the adapters are the federated
     state.
 
@@ -72,6 +155,8 @@ class LoRAClassifier(Classifier):
             default).
     """
 
+    adapted_attr = "backbone"
+
     def __init__(
         self,
         backbone: Backbone,
@@ -94,15 +179,6 @@ class LoRAClassifier(Classifier):
         label_smoothing: float = 0.0,
         grad_clip: float | None = 1.0,
     ) -> None:
-        problems = []
-        if variant not in ("lora", "ffa"):
-            problems.append(f"model.variant must be 'lora' or 'ffa', got {variant!r}")
-        if not isinstance(rank, int) or rank < 1:
-            problems.append(f"model.rank must be an integer >= 1, got {rank!r}")
-        if alpha is not None and not alpha > 0:
-            problems.append(f"model.alpha must be > 0 (or null: alpha = rank), got {alpha!r}")
-        if problems:
-            raise ConfigError("; ".join(problems))
         source = LatentSteering.base_source(base, base_checkpoint, pretraining)
         super().__init__(
             backbone=backbone,
@@ -118,69 +194,71 @@ class LoRAClassifier(Classifier):
             grad_clip=grad_clip,
             **source,
         )
-        targets = target_modules(self.backbone, layers)  # a selection of nothing is refused there, named
-        # the base as it is pretrained: this backbone before PEFT wraps it (kept out of the module's state)
-        object.__setattr__(self, "_plain_backbone", copy.deepcopy(self.backbone))
-        self.adapted = targets
-        self.backbone.requires_grad_(False)
-        inject(self.backbone, targets, rank, alpha if alpha is not None else rank, adapter_seed)
-        if variant == "ffa":
-            for name, p in self.backbone.named_parameters():
-                if ".lora_A." in name:
-                    p.requires_grad_(False)
+        self.adapt(layers, variant, rank, alpha, adapter_seed)
 
-    # ----------------------------------------------------------------------------------- base weights
     def base_backbone(self) -> nn.Module:
-        return self._plain_backbone
+        return self._plain_network
 
-    def own_weights(self) -> dict[str, torch.Tensor]:
-        """The base's weights under their plain names (PEFT's ``base_layer`` removed, adapters left out)."""
-        return {
-            plain_name(k): v
-            for k, v in self.state_dict().items()
-            if k.startswith(self.weight_prefixes) and ".lora_" not in k
-        }
 
-    def load_own_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        real = {plain_name(k): k for k in self.state_dict() if ".lora_" not in k}
-        result = self.load_state_dict({real[k]: v for k, v in weights.items()}, strict=False)
-        if result.unexpected_keys:  # cannot happen for keys own_weights names; refuse rather than drop silently
-            raise ConfigError(f"base weights {result.unexpected_keys[:3]} have no place in {type(self).__name__}")
+class LoRALanguageModel(LoRAAdapters, LanguageModel):
+    """LoRA or FFA-LoRA adapters (PEFT) on a frozen (pretrained) language model, e.g. TinyGPT's projections (as
+    :class:`~lightning_fl.methods.LatentLanguageModel` maps them); the adapters are the federated state.
 
-    # ----------------------------------------------------------------------------------- adapters
-    def adapters(self) -> dict[str, tuple[str, str, float]]:
-        """Per adapted module: the state-dict names of its ``A`` and ``B`` and its scale ``alpha / r``."""
-        out = {}
-        for name in self.adapted:
-            layer = self.backbone.get_submodule(name)
-            out[name] = (
-                f"backbone.{name}.lora_A.{ADAPTER}.weight",
-                f"backbone.{name}.lora_B.{ADAPTER}.weight",
-                float(layer.scaling[ADAPTER]),
-            )
-        return out
+    Args:
+        network: The network architecture (weights come from the base).
+        base, base_checkpoint, pretraining: as for :class:`~lightning_fl.methods.LatentLanguageModel` (the same
+            cached base).
+        variant, rank, alpha, adapter_seed: as for :class:`LoRAClassifier`.
+        layers: Which network weights get adapters: ``linear`` (every projection) or a list of name patterns.
+        optimizer, lr, momentum, weight_decay, warmup_epochs, schedule, grad_clip, sample_prompt, sample_tokens,
+            sample_top_k, sample_seed: as for :class:`~lightning_fl.methods.LatentLanguageModel`.
+    """
 
-    def factor_fingerprint(self) -> str:
-        """The digest of every frozen tensor (the base, the head and, for FFA-LoRA, ``A``): clients refuse to train
-        when theirs differs."""
-        trained = set(self.trainable_parameters())
-        frozen = {k: v for k, v in self.state_dict().items() if k.startswith(self.weight_prefixes) and k not in trained}
-        return f"lora:{self.hparams.variant}:r{self.hparams.rank}:{digest_tensors(frozen)}"
+    adapted_attr = "network"
 
-    @torch.no_grad()
-    def averaging_identity_error(self, states: list[dict[str, torch.Tensor]]) -> float:
-        """``max |mean_k(s B_k A_k) - s mean_k(B_k) mean_k(A_k)|`` over the adapted weights, in float64: the error
-        of averaging LoRA's factors instead of its products (for FFA-LoRA, whose ``A`` is shared, zero but for
-        float64 rounding: about 1e-18)."""
-        own = self.state_dict()
-        worst = 0.0
-        for name_a, name_b, scale in self.adapters().values():
-            a = [s.get(name_a, own[name_a]).double().flatten(1) for s in states]  # (r, in * kh * kw) each
-            b = [s[name_b].double().flatten(1) for s in states]  # (out, r) each
-            mean_of_products = sum(bk @ ak for ak, bk in zip(a, b, strict=True)) / len(states)
-            product_of_means = (sum(b) / len(states)) @ (sum(a) / len(states))
-            worst = max(worst, scale * (mean_of_products - product_of_means).abs().max().item())
-        return worst
+    def __init__(
+        self,
+        network: nn.Module,
+        base: Literal["pretrained", "scratch"] = "pretrained",
+        base_checkpoint: str | None = None,
+        pretraining: Pretraining = LM_PRETRAINING,
+        variant: Variant = "lora",
+        rank: int = 4,
+        alpha: float | None = None,
+        layers: LayerSelection | list[str] = "linear",
+        adapter_seed: int = 0,
+        optimizer: OptimizerName = "adam",
+        lr: float = 1e-2,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        warmup_epochs: float = 0.0,
+        schedule: Schedule = "constant",
+        grad_clip: float | None = 1.0,
+        sample_prompt: str = "To be, or not to be",
+        sample_tokens: int = 200,
+        sample_top_k: int | None = None,
+        sample_seed: int = 0,
+    ) -> None:
+        source = LatentSteering.base_source(base, base_checkpoint, pretraining)
+        super().__init__(
+            network=network,
+            optimizer=optimizer,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            warmup_epochs=warmup_epochs,
+            schedule=schedule,
+            grad_clip=grad_clip,
+            **source,
+            sample_prompt=sample_prompt,
+            sample_tokens=sample_tokens,
+            sample_top_k=sample_top_k,
+            sample_seed=sample_seed,
+        )
+        self.adapt(layers, variant, rank, alpha, adapter_seed)
+
+    def base_network(self) -> nn.Module:
+        return self._plain_network
 
 
 def plain_name(key: str) -> str:
