@@ -188,6 +188,26 @@ def test_method_table_means_over_labels():
     assert lines["m"].endswith("| 0.7500 | 0.1000 |") and lines["n"].endswith("| - | - |")
 
 
+def test_method_table_can_show_the_standard_error_over_seeds():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    rows = [
+        {"label": "a", "seed": "0", "final": 1, "test/m/acc": 0.5},
+        {"label": "a", "seed": "1", "final": 1, "test/m/acc": 0.7},
+        {"label": "a", "seed": "2", "final": 1, "test/m/acc": 0.9},
+    ]
+    sem = report.method_table(rows, {"methods": ["m"], "labels": ["a"], "metrics": ["acc"], "spread": "sem"})
+    std = report.method_table(rows, {"methods": ["m"], "labels": ["a"], "metrics": ["acc"]})
+    # std 0.2 over 3 seeds, standard error 0.2 / sqrt(3) = 0.1155
+    assert "(mean +/- standard error over seeds)" in sem and "| m | 0.7000 +/- 0.1155 |" in sem
+    assert "(mean +/- std over seeds)" in std and "| m | 0.7000 +/- 0.2000 |" in std
+    with pytest.raises(SystemExit, match="spread must be std or sem"):
+        report.method_table(rows, {"methods": ["m"], "labels": ["a"], "spread": "var"})
+
+
 def test_best_table_takes_each_runs_best_round_in_the_metrics_direction():
     sys.path.insert(0, str(REPO / "tools"))
     try:
