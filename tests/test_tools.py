@@ -188,6 +188,26 @@ def test_method_table_means_over_labels():
     assert lines["m"].endswith("| 0.7500 | 0.1000 |") and lines["n"].endswith("| - | - |")
 
 
+def test_method_table_can_show_the_standard_error_over_seeds():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    rows = [
+        {"label": "a", "seed": "0", "final": 1, "test/m/acc": 0.5},
+        {"label": "a", "seed": "1", "final": 1, "test/m/acc": 0.7},
+        {"label": "a", "seed": "2", "final": 1, "test/m/acc": 0.9},
+    ]
+    sem = report.method_table(rows, {"methods": ["m"], "labels": ["a"], "metrics": ["acc"], "spread": "sem"})
+    std = report.method_table(rows, {"methods": ["m"], "labels": ["a"], "metrics": ["acc"]})
+    # std 0.2 over 3 seeds, standard error 0.2 / sqrt(3) = 0.1155
+    assert "(mean +/- standard error over seeds)" in sem and "| m | 0.7000 +/- 0.1155 |" in sem
+    assert "(mean +/- std over seeds)" in std and "| m | 0.7000 +/- 0.2000 |" in std
+    with pytest.raises(SystemExit, match="spread must be std or sem"):
+        report.method_table(rows, {"methods": ["m"], "labels": ["a"], "spread": "var"})
+
+
 def test_best_table_takes_each_runs_best_round_in_the_metrics_direction():
     sys.path.insert(0, str(REPO / "tools"))
     try:
@@ -405,3 +425,50 @@ def test_report_label_tables_take_a_where_filter():
     assert "| a | 1 | 0.5000 +/- 0.0000 |" in seed0
     best = report.table(rows, {"labels": ["a"], "columns": ["val/acc"], "where": {"seed": 2}, "best": True})
     assert "| a | 1 | 0.9000 +/- 0.0000 |" in best
+
+
+def test_fmp_claims_checks_each_claim_in_its_own_column():
+    """tools/fmp_claims.py: Table I's claims on the iid run alone, Fig. 2's at each alpha, ties by standard errors."""
+    claims = tool_module("fmp_claims")
+
+    def run(label, seed, **values):
+        row = {"label": label, "seed": str(seed), "final": "1"}
+        row.update({f"test/{key.replace('__', '/')}": str(v) for key, v in values.items()})
+        return row
+
+    rows = []
+    for seed, wiggle in enumerate((-0.001, 0.0, 0.001)):
+        # iid: FMP lowest ECE, but CFMP 0.1 pp ahead in accuracy (tied: 0.001 / sqrt(2 * (0.001/sqrt(3))^2) < 2 SE)
+        base = dict.fromkeys(("cann", "cbnn", "fedlpa", "bpc"), (0.9, 0.05))
+        base.update(
+            cfmp=(0.911, 0.04), fmp=(0.910, 0.02), mp=(0.92, 0.01), fmp_random=(0.9, 0.03), fmp_mean=(0.9, 0.01)
+        )
+        rows.append(
+            run(
+                "iid",
+                seed,
+                **{f"{m}__{k}": v + wiggle for m, (a, e) in base.items() for k, v in (("acc", a), ("ece", e))},
+            )
+        )
+        # alpha 1: FMP ahead by 1 pp; alpha 0.1: ahead by 5 pp; ECE: FMP behind CANN at alpha 1
+        for label, fmp_acc, cann_ece in (("dir1.0", 0.86, 0.01), ("dir0.1", 0.80, 0.20)):
+            vals = {f"{m}__acc": 0.85 - (0.1 if label == "dir0.1" else 0) + wiggle for m in claims.ONE_SHOT}
+            vals.update(
+                {f"{m}__ece": 0.1 for m in claims.ONE_SHOT},
+                fmp__acc=fmp_acc + wiggle,
+                fmp__ece=0.05,
+                cann__ece=cann_ece,
+            )
+            rows.append(run(label, seed, **vals))
+    text = "\n".join(claims.claims(rows))
+    assert "- lowest mean ECE among one-shot methods: held: FMP 0.0200 +/- 0.0006" in text
+    assert "- highest or tied-highest mean accuracy among one-shot methods: held: FMP 0.9100 +/- 0.0006" in text
+    assert "FMP 0.9100 +/- 0.0006, tied with cfmp (1.2 SE behind)" in text
+    assert "- close to centralised MP (accuracy gap <= 1.66 pp): held" in text and "(+1.00 pp below MP)" in text
+    assert "PMA beats random selection and mean pooling in accuracy and ECE: not held" in text  # mean pooling's ECE
+    assert "- highest mean accuracy at every alpha: held" in text
+    assert "- lowest mean ECE at every alpha: not held (held at alpha 0.1 only)" in text
+    assert "largest acc advantage over the best other one-shot method at the smallest alpha: held: " in text
+    assert "held: alpha 1: +1.00 pp, alpha 0.1: +5.00 pp" in text
+    strict = claims.claims(rows, tie=0.5)[3]
+    assert strict.startswith("- highest or tied-highest mean accuracy among one-shot methods: not held")

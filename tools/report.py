@@ -23,7 +23,8 @@ tables:
     metrics: [acc, ece]
     comm: "comm/{method}/kb_per_client"  # optional last column (mean over the labels that have it)
     mean: true                          # optional: a "mean <metric>" column, the mean over labels of the
-                                        # per-label means (the paper's "mean ECE" across partitions)
+                                        # per-label means
+    spread: sem                         # optional: cells are mean +/- standard error over seeds (default: std)
 figures:
   - {name: pareto, kind: pareto, labels: [latent_d64, fedavg, powersgd_r2]}   # acc vs cumulative MB (log x)
   - {name: latent_dim, kind: sweep, x: d, where: {method: latent}, metric: val/acc}  # final metric vs a tag
@@ -213,7 +214,11 @@ def method_table(rows: list[dict], spec: dict) -> str:
     header = [f"{label} {metric}" for label in labels for metric in metrics]
     header += [f"mean {metric}" for metric in metrics] if spec.get("mean") else []
     header += ["KB per client"] if spec.get("comm") else []
-    lines = [f"**{spec.get('title', 'Methods')}** (mean +/- std over seeds)", ""]
+    sem = spec.get("spread", "std") == "sem"  # the standard error of the mean over seeds instead of the std
+    if spec.get("spread", "std") not in ("std", "sem"):
+        raise SystemExit(f"error: table {spec.get('title')!r}: spread must be std or sem, not {spec['spread']!r}")
+    spread = "standard error" if sem else "std"
+    lines = [f"**{spec.get('title', 'Methods')}** (mean +/- {spread} over seeds)", ""]
     lines.append("| method | " + " | ".join(header) + " |")
     lines.append("| --- | " + " | ".join("---" for _ in header) + " |")
     for method in spec["methods"]:
@@ -221,7 +226,10 @@ def method_table(rows: list[dict], spec: dict) -> str:
         for label in labels:
             for metric in metrics:
                 column = template.format(method=method, metric=metric)
-                mean, std = mean_std([r.get(column, "") for r in groups.get(label, [])])
+                values = [r.get(column, "") for r in groups.get(label, [])]
+                mean, std = mean_std(values)
+                if sem and not math.isnan(std):
+                    std /= math.sqrt(sum(v != "" and not (isinstance(v, float) and math.isnan(v)) for v in values))
                 cells.append(fmt(column, mean, std))
                 per_label[metric].append(mean)
         if spec.get("mean"):  # a mean over every label, or "-" when one is missing
