@@ -87,7 +87,9 @@ class PlainCNN(Backbone):
         return torch.relu(self.fc(torch.flatten(self.features(x), 1)))
 
 
-def make_module(kind: str, args: argparse.Namespace) -> Classifier:
+def make_module(kind: str, args: argparse.Namespace, factors: str = "stored") -> Classifier:
+    """The ``latent`` (FLITE over conv+linear at d=64, r=32, with ``factors``) or ``full`` module on ``args.backbone``
+    and ``args.image_size``, from seed 0."""
     torch.manual_seed(0)
     if args.backbone == "plain":
         backbone = PlainCNN(args.image_size)
@@ -95,7 +97,8 @@ def make_module(kind: str, args: argparse.Namespace) -> Classifier:
         backbone = SmallCNN(in_channels=1, image_size=args.image_size, channels=[32, 64], feature_dim=128,
                             norm_groups=8)  # fmt: skip
     if kind == "latent":
-        return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
+        return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear",
+                                factors=factors)  # fmt: skip
     return Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
 
 

@@ -34,29 +34,19 @@ from collections.abc import Callable
 
 import torch
 from _harness import add_arguments, alternate, fmt, machine, ratios, report, summarise
-from client_overhead import PlainCNN
+from client_overhead import make_module
 
 from lightning_fl.federated.client import LocalTraining, configure_optimizer, gradient_clip
-from lightning_fl.methods import Classifier, LatentClassifier
-from lightning_fl.models import SmallCNN
 
 MODELS = {"cross-device": (28, 20), "quickstart": (8, 32)}  # image size, batch
 
 
-def backbone(model: str):
-    size = MODELS[model][0]
-    torch.manual_seed(0)
-    if model == "cross-device":
-        return PlainCNN(size)
-    return SmallCNN(in_channels=1, image_size=size, channels=[32, 64], feature_dim=128, norm_groups=8)
-
-
 def module(model: str, kind: str):
+    """``full``, ``latent-stored`` or ``latent-kronecker`` on ``model``'s network (client_overhead.py's modules)."""
+    args = argparse.Namespace(backbone="plain" if model == "cross-device" else "smallcnn", image_size=MODELS[model][0])
     if kind == "full":
-        return Classifier(backbone(model), 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0,
-                          schedule="constant")  # fmt: skip
-    return LatentClassifier(backbone(model), 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear",
-                            factors=kind.removeprefix("latent-"))  # fmt: skip
+        return make_module("full", args)
+    return make_module("latent", args, factors=kind.removeprefix("latent-"))
 
 
 def client_step(m, x: torch.Tensor, y: torch.Tensor, steps: int) -> Callable[[], None]:

@@ -189,11 +189,7 @@ def test_method_table_means_over_labels():
 
 
 def test_method_table_can_show_the_standard_error_over_seeds():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import report
-    finally:
-        sys.path.pop(0)
+    report = tool_module("report")
     rows = [
         {"label": "a", "seed": "0", "final": 1, "test/m/acc": 0.5},
         {"label": "a", "seed": "1", "final": 1, "test/m/acc": 0.7},
