@@ -9,6 +9,7 @@ import torch
 
 from conftest import FMP_SHRINK, C, D, context, generator, pool
 from lightning_fl.compress import FP32, Quantize
+from lightning_fl.errors import ConfigError
 from lightning_fl.federated.gate import UploadRejectedError
 from lightning_fl.oneshot import (
     ANN,
@@ -450,6 +451,28 @@ def test_warmup_steps_match_k_means_centres_before_the_theta_distance(tmp_path):
     warm = fit(3)
     assert "train/warmup_chamfer" in warm and "train/theta_dist" not in warm
     assert "train/theta_dist" in fit(4)
+
+
+@pytest.mark.parametrize("label_weight", [None, 1.0, 2.5])
+def test_warmup_weighs_the_label_parts_as_set(tmp_path, monkeypatch, label_weight):
+    """The warm-up's Chamfer distance compares the k-means centres with their D features at weight 1 and their C
+    label parts at ``warmup_label_weight`` (``None``: sqrt(D))."""
+    import lightning_fl.oneshot.meta_learner as meta
+
+    seen = {}
+    kmeans, chamfer = meta.kmeans_centres, meta.chamfer
+    monkeypatch.setattr(meta, "kmeans_centres", lambda *a, **k: seen.setdefault("centres", kmeans(*a, **k)))
+    monkeypatch.setattr(meta, "chamfer", lambda a, b: seen.setdefault("weighted", b) is b and chamfer(a, b))
+    model = learner(cache_dir=str(tmp_path), warmup_steps=1, warmup_label_weight=label_weight)
+    quiet_trainer(tmp_path, max_steps=1).fit(model, datamodule=small_tasks())
+    D, C = model.generator.feature_dim, model.generator.num_classes
+    centres, weighted = seen["centres"], seen["weighted"]
+    assert centres.shape[-1] == D + C
+    torch.testing.assert_close(weighted[..., :D], centres[..., :D], rtol=0, atol=0)
+    w = D**0.5 if label_weight is None else label_weight
+    torch.testing.assert_close(weighted[..., D:], centres[..., D:] * w)
+    with pytest.raises(ConfigError, match="warmup_label_weight must be > 0 or null"):
+        learner(warmup_label_weight=0.0)
 
 
 @pytest.mark.parametrize(

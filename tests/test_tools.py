@@ -468,3 +468,51 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
     assert "held: alpha 1: +1.00 pp, alpha 0.1: +5.00 pp" in text
     strict = claims.claims(rows, tie=0.5)[3]
     assert strict.startswith("- highest or tied-highest mean accuracy among one-shot methods: not held")
+
+
+def _events(folder, steps, name=None):
+    """Write scalars through TensorBoard's writer: ``steps`` is ``{step: {tag: value}}``."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder), filename_suffix=name or "")
+    for step, values in steps.items():
+        for tag, value in values.items():
+            writer.add_scalar(tag, value, step)
+    writer.close()
+
+
+def test_run_table_prints_rounds_epochs_and_a_summary(tmp_path, capsys):
+    """Per step, per 1-based epoch through the logged ``epoch`` scalar, and first/last/max/min with their steps;
+    a later event file (a resumed run) overrides a step logged again."""
+    run_table = tool_module("run_table")
+    run = tmp_path / "version_0"
+    _events(run, {0: {"val/acc": 0.5}, 1: {"val/acc": 0.75, "comm/cum_client_bytes": 1536.0},
+                  2: {"val/acc": 0.625, "comm/cum_client_bytes": 3072.0, "fed/identity_error": 3.6e-7}})  # fmt: skip
+    assert run_table.main([str(run), "--tags", "val/acc", "comm/cum_client_bytes", "fed/identity_error"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "| step | 0 | 1 | 2 |",
+        "| --- | --- | --- | --- |",
+        "| val/acc | 0.5000 | 0.7500 | 0.6250 |",
+        "| comm/cum_client_bytes | - | 1,536 | 3,072 |",
+        "| fed/identity_error | - | - | 3.6e-07 |",
+    ]
+    assert run_table.main([str(run), "--summary", "--tags", "val/acc"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "val/acc: first 0.5000 (step 0), last 0.6250 (step 2), max 0.7500 (step 1), min 0.5000 (step 0); 3 values"
+    )
+    pretraining = tmp_path / "pretraining"
+    _events(pretraining, {49: {"epoch": 0.0, "val/acc": 0.25}, 99: {"epoch": 1.0, "val/acc": 0.375}}, ".a")
+    _events(pretraining, {99: {"epoch": 1.0, "val/acc": 0.875}}, ".b")  # written later: the resumed run's value
+    assert run_table.main([str(pretraining), "--tags", "val/acc", "--by", "epoch"]) == 0
+    assert capsys.readouterr().out.splitlines()[::2] == ["| epoch | 1 | 2 |", "| val/acc | 0.2500 | 0.8750 |"]
+
+
+def test_run_table_refuses_what_it_cannot_read_with_exit_2(tmp_path, capsys):
+    run_table = tool_module("run_table")
+    assert run_table.main([str(tmp_path / "missing")]) == 2
+    assert "no TensorBoard event files under" in capsys.readouterr().err
+    _events(tmp_path / "run", {0: {"val/acc": 0.5}})
+    assert run_table.main([str(tmp_path / "run"), "--tags", "val/ac"]) == 2
+    assert "--tags val/ac: not logged by this run; it logged val/acc" in capsys.readouterr().err
+    assert run_table.main([str(tmp_path / "run"), "--by", "epoch"]) == 2
+    assert "needs the run's 'epoch' scalar" in capsys.readouterr().err

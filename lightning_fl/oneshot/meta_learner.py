@@ -80,6 +80,9 @@ class FMPMetaLearner(L.LightningModule):
             its points (Chamfer distance, label parts weighted by ``sqrt(D)``;
             :func:`~lightning_fl.oneshot.summarize.kmeans_centres`) before the theta distance takes over: a start
             for a read-out that begins as noise (``readout: linear``).
+        warmup_label_weight: The warm-up's weight on each summary point's label parts (its features weigh 1);
+            ``None``: ``sqrt(D)``, so that a label counts as much as the ``D`` standardised features; ``1.0``:
+            unweighted, the ablation in which the linear read-out's labels stay uniform.
     """
 
     def __init__(
@@ -99,9 +102,12 @@ class FMPMetaLearner(L.LightningModule):
         methods: list[OneShotMethod] | None = None,
         cache_dir: str | None = None,
         warmup_steps: int = 0,
+        warmup_label_weight: float | None = None,
     ) -> None:
         super().__init__()
         problems = [f"warmup_steps must be >= 0, got {warmup_steps}"] if warmup_steps < 0 else []
+        if warmup_label_weight is not None and not warmup_label_weight > 0:
+            problems.append(f"warmup_label_weight must be > 0 or null (sqrt(D)), got {warmup_label_weight}")
         problems += [
             f"{k} must be > 0, got {v}" for k, v in [("l2", l2), ("lr", lr), ("erm_tol", erm_tol)] if not v > 0
         ]
@@ -127,7 +133,7 @@ class FMPMetaLearner(L.LightningModule):
         self.codec = codec if codec is not None else FP32()
         self.methods = list(methods) if methods is not None else [MP(), ANN(), CANN()]
         self.cache_dir = cache_dir
-        self.warmup_steps = warmup_steps
+        self.warmup_steps, self.warmup_label_weight = warmup_steps, warmup_label_weight
         self.register_buffer("generator_ready", torch.zeros((), dtype=torch.bool))
         self.generator_report: dict = {}
         self._configured = False
@@ -309,10 +315,13 @@ class FMPMetaLearner(L.LightningModule):
             clients = batch.reshape(B * M, n, P)
             g = torch.Generator().manual_seed(int(self.global_step))
             centres = kmeans_centres(clients, self.summariser.num_points, generator=g)
-            # label parts weighted by sqrt(D): a label (a unit vector at most) then counts as much as the D
-            # standardised features; unweighted, a read-out that keeps its labels uniform loses almost nothing
+            # label parts weighted by sqrt(D) by default: a label (a unit vector at most) then counts as much as the
+            # D standardised features; unweighted, a read-out that keeps its labels uniform loses almost nothing
+            label_weight = self.warmup_label_weight
             weight = torch.ones(P, device=batch.device)
-            weight[-self.generator.num_classes :] = self.generator.feature_dim**0.5
+            weight[-self.generator.num_classes :] = (
+                self.generator.feature_dim**0.5 if label_weight is None else label_weight
+            )
             loss = chamfer(self.summariser(clients) * weight, centres * weight)
             self.log("train/warmup_chamfer", loss, prog_bar=True, batch_size=B)
             return loss
