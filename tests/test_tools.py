@@ -364,6 +364,18 @@ def test_a_run_may_have_its_own_seeds():
     assert ids == ["all__seed0", "all__seed1", "all__seed2", "check_1__seed0", "check_2__seed0"]
 
 
+def test_seeds_option_runs_only_those_seeds(tmp_path):
+    """``--seeds 1``: only the seed-1 runs are started (here printed by --dry-run), in the sweep's order."""
+    runs = [{"label": "a", "config": "c.yaml"}, {"label": "b", "config": "c.yaml", "seeds": [0, 1]}]
+    spec = {"name": "s", "out": str(tmp_path / "out"), "seeds": [0, 1, 2], "runs": runs}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    done = tool(REPO / "tools" / "sweep.py", path, "--dry-run", "--seeds", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    started = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("[")]
+    assert started == ["a__seed1:", "b__seed1:"]
+
+
 def test_dp_noise_probe_shares_against_closed_forms():
     """Isotropic noise puts k / D of its energy in a k-dimensional input subspace; a weight built in it puts all."""
     probe = tool_module("dp_noise_probe")

@@ -22,6 +22,7 @@ runs:
     python tools/sweep.py SWEEP.yaml            # run what is missing, resume what is unfinished, collect
     python tools/sweep.py SWEEP.yaml --collect  # only (re)build the CSV from the finished checkpoints
     python tools/sweep.py SWEEP.yaml --dry-run  # print the commands
+    python tools/sweep.py SWEEP.yaml --seeds 0  # only seed 0 now (the other seeds on a later call)
 
 A run is finished when its ``last.ckpt`` has done all ``trainer.rounds``; unfinished runs continue from
 it (``--trainer.resume auto``). When a run fails, the sweep goes on with the others, collects what finished,
@@ -289,13 +290,15 @@ def main() -> None:
     parser.add_argument("--collect", action="store_true", help="only rebuild the CSV")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--only", default=None, help="run only labels containing this text")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="run only these seeds (e.g. 0 first)")
     args = parser.parse_args()
     spec = yaml.safe_load(args.sweep.read_text())
     out = Path(spec.get("out", f"runs/sweeps/{spec['name']}"))
     runs = expand(spec)
     failed = []
     if not args.collect:
-        todo = [r for r in runs if args.only is None or args.only in r["label"]]
+        todo = [r for r in runs if (args.only is None or args.only in r["label"])
+                and (args.seeds is None or r["seed"] in args.seeds)]  # fmt: skip
         for i, run in enumerate(todo, 1):
             state, _ = status(spec, out, run)
             if state == "done":
