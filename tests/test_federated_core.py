@@ -266,6 +266,23 @@ def test_self_log_in_training_step_works_under_both_trainers(tmp_path):
     assert central.callback_metrics["train/custom"] == pytest.approx(2.0)  # no client: client_id is absent
 
 
+def test_client_metrics_are_sample_weighted_over_unequal_clients(tmp_path):
+    """Clients of unequal sizes (Dirichlet) log 2 + their id at every step: the round's value is the mean weighted
+    by each client's samples, neither the mean over clients nor over batches."""
+    from lightning_fl.data import Dirichlet
+
+    torch.manual_seed(0)
+    model = LogsItsOwn(make_model().backbone, 10, base="scratch", latent_dim=8, rank=4, layers="conv+linear")
+    dm = make_dm(partition=Dirichlet(alpha=0.5, min_partition_size=5, balance=False), seed=1)
+    trainer = quiet_fit(make_trainer(tmp_path, rounds=1, logger=False), model, dm)
+    sizes = [dm.client_num_samples(k) for k in range(4)]
+    batches = [-(-n // 16) for n in sizes]
+    expected = sum(n * (2 + k) for k, n in enumerate(sizes)) / sum(sizes)
+    per_batch = sum(b * (2 + k) for k, b in enumerate(batches)) / sum(batches)
+    assert min(abs(expected - 3.5), abs(expected - per_batch)) > 0.01, (sizes, batches)  # the case tells them apart
+    assert trainer.history[-1]["train/custom"] == pytest.approx(expected, rel=1e-12)
+
+
 def test_strategy_and_attack_from_the_command_line(in_tmp, monkeypatch):
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     args = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--model.pretraining.epochs", "1"]

@@ -126,6 +126,23 @@ def test_averaging_identity_error_is_at_float_round_off():
     assert 0 <= error <= 1e-6
 
 
+def test_averaging_identity_error_measures_a_real_cancellation():
+    """Two clients with huge opposite latents: float32 rounding of each client's weights does not cancel, so the
+    identity error is positive; it equals the same maximum taken over the forward pass's own weights."""
+    torch.manual_seed(0)
+    model = LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
+                             latent_dim=16, rank=8)  # fmt: skip
+    big = 1e6 * torch.randn(model.mapping.latent_size)
+    z1, z2 = big, -big + torch.randn(model.mapping.latent_size)
+    error = model.averaging_identity_error([{"mapping.latent": z1}, {"mapping.latent": z2}])
+    base = model.mapped_base()
+    w1, w2 = model.mapping.weights(base, z1), model.mapping.weights(base, z2)
+    of_mean = model.mapping.weights(base, (z1 + z2) / 2)
+    expected = max((((w1[n] + w2[n]) / 2) - of_mean[n]).abs().max().item() for n in of_mean)
+    assert expected > 1e-3  # float32 weights of magnitude ~1e6 round at ~0.06
+    assert error == expected
+
+
 def test_memory_report_for_resnet18_r32_d64():
     report = memory_report(ResNet18(), latent_dim=64, rank=32)
     assert (report.layers, report.mapped_weights, report.latent_size) == (20, 11_159_232, 1280)
