@@ -1,10 +1,10 @@
 """How many CPU threads each process's torch uses: a default that does not collapse when cores are shared.
 
 torch starts one intra-op thread per core. Its OpenMP threads wait for each other at every parallel region,
-so when another busy process holds one of the cores, every small operation waits for a descheduled thread:
-on 2 cores with one busy neighbour, quickstart rounds slowed from about 0.15 s to seconds (docs/results.md,
-"Threads"). The models federated here are small, so the default leaves one core free: ``cores - 1`` threads
-(at least 1) per process, divided among the processes a node starts (``devices``) when they share its cores.
+so when another busy process holds one of the cores, every small operation waits for a descheduled thread
+(measured in docs/results.md, "Threads"). The models federated here are small, so the default leaves one core
+free: ``cores - 1`` threads (at least 1) per process, divided among the processes a node starts (``devices``)
+when they share its cores.
 
 The setting is ``threads`` in every config (``--threads N``; ``null``: that default). An explicit value is per
 process. The CLI applies it before anything is built (every Fabric process runs the CLI, so each applies it)

@@ -201,7 +201,7 @@ class FederatedDataModule(L.LightningDataModule):
             "max_train_samples": self.max_train_samples,
             "batch_size": self.batch_size,
             "augment": self.augment,
-            # only when set, so that every base cached before this option existed keeps its key
+            # only when set: a key without it names a base pretrained on the whole public fraction
             **({"public_samples": self.public_samples} if self.public_samples is not None else {}),
         }
 

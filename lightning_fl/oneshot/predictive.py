@@ -16,10 +16,8 @@ generated labels as soft targets. ``labels`` chooses where ``p'`` comes from:
   same draws. This is predictive resampling as in Fong et al.'s martingale posterior (a new label is
   drawn from the current predictive), with the features from the set transformer.
 
-Measured (docs/results.md, ``benchmarks/generator.py``): with ``learned`` the trained generator emits
-near-uniform labels (entropy close to log C) that act as a regulariser of the refit: held-out NLL
-beats naive resampling, but MP becomes under-confident. ``sampled`` and ``predictive`` keep labels
-informative but did not beat plain ERM on held-out NLL in our runs.
+How the label modes compare on held-out NLL, and the trained generator's label entropy, are measured in
+docs/results.md (section "FMP", the claim on naive resampling).
 
 Training (the paper leaves it open; this is our reading): the generator must be trained before it is
 frozen. :func:`generator_loss` is our objective, on tasks from the meta-training corpus with a
