@@ -236,3 +236,49 @@ def test_krum_warns_when_a_round_is_too_small_for_its_guarantee():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_plan(Krum(num_malicious=3), None, 9, 9)
+
+
+def _flower_results(uploads: torch.Tensor, num_samples: list[int]):
+    """Our ``(n, D)`` uploads as Flower's ``results``: per client two layers (a split of the flat vector), float64."""
+    import numpy as np
+
+    split = uploads.shape[1] // 3
+    rows = uploads.to(torch.float64).numpy()
+    return [([np.array(r[:split]), np.array(r[split:])], int(k)) for r, k in zip(rows, num_samples, strict=True)]
+
+
+def _flat(layers) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.concatenate([np.ravel(layer) for layer in layers]))
+
+
+@pytest.mark.parametrize("n", [5, 8, 11])
+def test_strategies_agree_with_flowers_aggregation_functions(n):
+    """FedAvg (sample-weighted), Median, TrimmedMean and (Multi-)Krum against Flower 1.42's own aggregate,
+    aggregate_median, aggregate_trimmed_avg and aggregate_krum on the same random uploads (float64 inside both)."""
+    flower = pytest.importorskip("flwr.server.strategy.aggregate")
+    g = torch.Generator().manual_seed(n)
+    uploads = torch.randn(n, 13, generator=g) * torch.linspace(0.1, 10, 13)
+    uploads[: n // 4] += 30.0  # a few outliers, so that trimming and Krum's choice matter
+    samples = torch.randint(1, 50, (n,), generator=g).tolist()
+    equal = [1] * n
+    current = torch.zeros(13)
+
+    def ours(strategy, weights):
+        n_samples = torch.tensor(weights, dtype=torch.float64)
+        return strategy.aggregate(0, current, uploads, n_samples, list(range(n)))[0]
+
+    torch.testing.assert_close(
+        ours(FedAvg(weighted=True), samples), _flat(flower.aggregate(_flower_results(uploads, samples))),
+        rtol=1e-12, atol=1e-12,
+    )  # fmt: skip
+    assert torch.equal(ours(Median(), samples), _flat(flower.aggregate_median(_flower_results(uploads, samples))))
+    for beta in (0.1, 0.2, 0.3):
+        theirs = flower.aggregate_trimmed_avg(_flower_results(uploads, samples), proportiontocut=beta)
+        torch.testing.assert_close(ours(TrimmedMean(beta=beta), samples), _flat(theirs), rtol=1e-12, atol=1e-12)
+    for f in (1, 2):
+        theirs = flower.aggregate_krum(_flower_results(uploads, equal), num_malicious=f, to_keep=0)
+        assert torch.equal(ours(Krum(num_malicious=f), equal), _flat(theirs))
+        theirs = flower.aggregate_krum(_flower_results(uploads, equal), num_malicious=f, to_keep=3)
+        torch.testing.assert_close(ours(Krum(num_malicious=f, multi=3), equal), _flat(theirs), rtol=1e-12, atol=1e-12)
