@@ -528,3 +528,23 @@ def test_run_table_refuses_what_it_cannot_read_with_exit_2(tmp_path, capsys):
     assert "--tags val/ac: not logged by this run; it logged val/acc" in capsys.readouterr().err
     assert run_table.main([str(tmp_path / "run"), "--by", "epoch"]) == 2
     assert "needs the run's 'epoch' scalar" in capsys.readouterr().err
+
+
+def test_latent_probe_trains_on_the_pooled_clients_from_the_public_base(tmp_path, monkeypatch, capsys):
+    """The probe prepares the federated run's base (one cached base, pretrained on the public split) and then
+    trains on the clients' pooled data: 288 of the 320 images, ceil(288 / 64) = 5 steps an epoch."""
+    import json
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
+    probe = tool_module("latent_probe")
+    out = tmp_path / "probe.json"
+    config = str(CONFIGS / "flite_fashion_mnist.yaml")
+    args = ["--epochs", "1", "--dims", "4:2", "--json", str(out), "fit", "--config", config, *SHRINK]
+    assert probe.main(args) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["latent_dim"], run["rank"], run["steps"]) == (4, 2, 5)
+    assert [e["epoch"] for e in run["epochs"]] == [0, 1] and all(0 <= e["val/acc"] <= 1 for e in run["epochs"])
+    assert len(list((tmp_path / "cache" / "bases").iterdir())) == 1
+    assert "| 4, 2 | " in capsys.readouterr().out
+    assert probe.main(["--dims", "4", "fit"]) == 2
+    assert "give latent_dim:rank pairs" in capsys.readouterr().err
