@@ -13,6 +13,23 @@ import torch
 
 MASK64 = (1 << 64) - 1
 
+# Random-stream ids: the last part of every ``derive_seed`` tuple, one per use, so that no two uses of a seed draw
+# the same numbers. They are part of every run's results: changing one changes what a seed draws.
+STREAM_U, STREAM_V, STREAM_DENSE = 1, 2, 3  # a mapped layer's factors: (seed, layer, stream, chunk)
+STREAM_KRON_A, STREAM_KRON_B, STREAM_KRON_SIGNS = 4, 5, 6  # kronecker factors' parts, the same tuple
+STREAM_SAMPLING = 11  # a round's clients, fixed count: (seed, round, stream)
+STREAM_CLIENT, STREAM_LOADER = 12, 13  # a client's torch seed and its loader's order: (seed, round, client, stream)
+STREAM_ATTACK = 14  # a hostile client's draws: (seed, round, client, stream)
+STREAM_DROPOUT = 15  # whether a client drops out: (seed, round, client, stream)
+STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE = 16, 17  # central DP: (noise_seed, seed, round, stream)
+STREAM_LOCAL_NOISE = 18  # local DP: (noise_seed, seed, round, client, stream)
+STREAM_POISSON = 19  # a round's clients, Poisson: (seed, round, stream)
+# DP-SGD's sampling shares 19 with Poisson sampling in a five-part tuple (noise_seed, seed, round, client, stream),
+# which never equals Poisson's three-part one; kept so that recorded DP-SGD runs rerun bit for bit.
+STREAM_DPSGD_SAMPLING, STREAM_DPSGD_NOISE = 19, 20
+STREAM_DISTRIBUTED_NOISE = 21  # distributed DP: (noise_seed, seed, round, client, stream)
+STREAM_SECURE_ROUNDING = 22  # secure aggregation's rounding: (rounding_seed, seed, round, client, stream)
+
 
 def splitmix64(x: int) -> int:
     """One step of SplitMix64 (Steele et al. 2014): a bijective 64-bit mixer."""

@@ -41,3 +41,19 @@ def test_quiet_seeding_seeds_cuda_once_it_is_initialised():
     a = torch.rand(4, device="cuda")
     torch.manual_seed(11)
     assert torch.equal(a, torch.rand(4, device="cuda"))
+
+
+def test_stream_ids_are_defined_in_one_place_and_distinct():
+    """Every STREAM_* id lives in lightning_fl.seeding; no two share a value except Poisson sampling and DP-SGD's
+    sampling, whose derive_seed tuples differ in length (said where they are defined)."""
+    import collections
+    import re
+
+    from conftest import REPO
+
+    ids = {k: v for k, v in vars(seeding).items() if k.startswith("STREAM_")}
+    counts = collections.Counter(ids.values())
+    assert {k for k, v in ids.items() if counts[v] > 1} == {"STREAM_POISSON", "STREAM_DPSGD_SAMPLING"}
+    for path in (REPO / "lightning_fl").rglob("*.py"):
+        if path.name != "seeding.py":
+            assert not re.search(r"^STREAM_\w+\s*[,=]", path.read_text(), re.M), f"{path} defines a stream id"

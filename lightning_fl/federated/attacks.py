@@ -19,9 +19,7 @@ from typing import ClassVar
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.seeding import derive_seed
-
-STREAM_ATTACK = 14
+from lightning_fl.seeding import STREAM_ATTACK, derive_seed
 
 
 class Attack:

@@ -20,9 +20,7 @@ from lightning_fl.compress.base import Codec, Payload, non_finite
 from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.state import State
-from lightning_fl.seeding import derive_seed, seed_everything_quietly
-
-STREAM_CLIENT, STREAM_LOADER = 12, 13
+from lightning_fl.seeding import STREAM_CLIENT, STREAM_LOADER, derive_seed, seed_everything_quietly
 
 
 @dataclass(frozen=True)

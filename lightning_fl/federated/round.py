@@ -58,9 +58,8 @@ from lightning_fl.federated.strategies import Strategy
 from lightning_fl.federated.strategies.base import GroupedSums, RunningSum
 from lightning_fl.federated.transport import InProcess, Reply, SecureRound, Transport
 from lightning_fl.privacy.base import Privacy, layer_slices
-from lightning_fl.seeding import derive_seed
+from lightning_fl.seeding import STREAM_DROPOUT, derive_seed
 
-STREAM_DROPOUT = 15
 REJECTED, ACCEPTED, LOST = 0, 1, 2  # what became of a client's reply
 
 

@@ -22,14 +22,15 @@ import math
 
 import torch
 
-from lightning_fl.seeding import derive_seed
+from lightning_fl.seeding import (
+    STREAM_KRON_A,
+    STREAM_KRON_B,
+    STREAM_KRON_SIGNS,
+    derive_seed,
+)
 
 #: Rows per generated chunk. Part of the factor definition (chunk seeds depend on it), so not configurable.
 CHUNK_ROWS = 8192
-
-# Stream ids keep the factors of a layer independent of each other.
-STREAM_U, STREAM_V, STREAM_DENSE = 1, 2, 3
-STREAM_KRON_A, STREAM_KRON_B, STREAM_KRON_SIGNS = 4, 5, 6
 
 
 def chunk_bounds(rows: int) -> list[tuple[int, int]]:

@@ -42,9 +42,6 @@ from torch import nn
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.factors import (
     CHUNK_ROWS,
-    STREAM_DENSE,
-    STREAM_U,
-    STREAM_V,
     KroneckerFactor,
     OrthonormalFactor,
     kronecker_projection,
@@ -52,6 +49,7 @@ from lightning_fl.mapping.factors import (
     regenerated_projection,
     streamed_projection,
 )
+from lightning_fl.seeding import STREAM_DENSE, STREAM_U, STREAM_V
 
 FactorMode = Literal["stored", "regenerate", "streamed", "dense", "kronecker"]
 LayerSelection = Literal["conv", "linear", "conv+linear"]

@@ -25,8 +25,6 @@ import torch
 from lightning_fl.errors import ConfigError
 from lightning_fl.seeding import derive_seed
 
-STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE, STREAM_LOCAL_NOISE = 16, 17, 18
-
 
 @dataclass(frozen=True)
 class Plan:

@@ -30,8 +30,6 @@ import torch
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import Accountant, RoundEvent, update_noise_multiplier
 from lightning_fl.privacy.base import (
-    STREAM_CENTRAL_NOISE,
-    STREAM_COUNT_NOISE,
     Plan,
     Privacy,
     check_noise_seed,
@@ -39,6 +37,7 @@ from lightning_fl.privacy.base import (
     noise_generator,
     positive,
 )
+from lightning_fl.seeding import STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE
 
 
 class AdaptiveClipping:

@@ -39,8 +39,7 @@ from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import RoundEvent
 from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, noise_generator
 from lightning_fl.privacy.central import CentralDP
-
-STREAM_DISTRIBUTED_NOISE = 21
+from lightning_fl.seeding import STREAM_DISTRIBUTED_NOISE
 
 
 class DistributedDP(CentralDP):

@@ -48,9 +48,9 @@ import torch
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import dp_accounting
 from lightning_fl.privacy.base import check_noise_seed, noise_generator, positive
+from lightning_fl.seeding import STREAM_DPSGD_NOISE, STREAM_DPSGD_SAMPLING
 
 Engine = Literal["auto", "opacus", "functorch"]
-STREAM_DPSGD_SAMPLING, STREAM_DPSGD_NOISE = 19, 20
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import torch
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import gaussian_epsilon_closed_form, gaussian_noise_multiplier
 from lightning_fl.privacy.base import (
-    STREAM_LOCAL_NOISE,
     Privacy,
     apply_update,
     check_noise_seed,
@@ -36,6 +35,7 @@ from lightning_fl.privacy.base import (
     noise_generator,
     positive,
 )
+from lightning_fl.seeding import STREAM_LOCAL_NOISE
 
 
 class LocalDP(Privacy):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from lightning_fl.errors import ConfigError
+from lightning_fl.seeding import STREAM_SECURE_ROUNDING
 
 
 def _power_of_two(value: float) -> bool:
@@ -110,9 +111,6 @@ class SecureSum:
 
     def __repr__(self) -> str:
         return f"SecureSum(clipping_range={self.c}, quantization_range={self.T}, modulus_range={self.M})"
-
-
-STREAM_SECURE_ROUNDING = 22
 
 
 class SecureAggregation(SecureSum):

@@ -28,9 +28,7 @@ import numpy as np
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.seeding import derive_seed
-
-STREAM_SAMPLING, STREAM_POISSON = 11, 19
+from lightning_fl.seeding import STREAM_POISSON, STREAM_SAMPLING, derive_seed
 
 
 class Strategy:
