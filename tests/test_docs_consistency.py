@@ -10,12 +10,12 @@ import yaml
 from conftest import REPO, run_cli, tool_module
 
 DOCS = REPO / "docs"
-TABLE_FILES = sorted(DOCS.glob("*_tables.md"))
+TABLE_FILES = sorted((DOCS / "results").glob("*_tables.md"))
 REPORT_SPECS = sorted((REPO / "tools" / "sweeps").glob("*_report.yaml"))
 
 
 def writers() -> dict[str, list]:
-    """Each docs/*_tables.md file named by a report spec's command line (``--markdown docs/...``): its specs."""
+    """Each docs/results/*_tables.md file named by a report spec's command line (``--markdown docs/results/...``)."""
     found: dict[str, list] = {}
     for spec in REPORT_SPECS:
         for name in set(re.findall(r"--markdown (docs/\S+_tables\.md)", spec.read_text())):
