@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import time
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -936,6 +937,9 @@ def test_a_worker_serves_its_own_user_only_and_survives_bad_requests(workers, mo
         with pytest.raises(w.WorkerError, match="stopped answering"):
             w.forward(worker.path, *request())
     assert w.forward(worker.path, *request()).content["r"]["ok"] == 1
+    deadline = time.monotonic() + 10  # the worker counts a reply after sending it: wait for its thread
+    while worker.served < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert worker.served == 3 and calls == ["train"] * 4
 
 
