@@ -29,8 +29,8 @@ def read_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every scalar tag under ``run_dir`` (its event files, recursively) as ``{tag: {step: value}}``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    files = sorted(run_dir.rglob("events.out.tfevents.*"), key=lambda p: (p.name, str(p)))
-    if not run_dir.is_dir() or not files:
+    files = sorted(run_dir.rglob("events.out.tfevents.*"), key=lambda p: (p.name, str(p))) if run_dir.is_dir() else []
+    if not files:
         raise RunTableError(
             f"no TensorBoard event files under {run_dir}: give a run's folder (e.g. runs/NAME/version_0)"
         )

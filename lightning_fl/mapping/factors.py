@@ -22,12 +22,7 @@ import math
 
 import torch
 
-from lightning_fl.seeding import (
-    STREAM_KRON_A,
-    STREAM_KRON_B,
-    STREAM_KRON_SIGNS,
-    derive_seed,
-)
+from lightning_fl.seeding import STREAM_KRON_A, STREAM_KRON_B, STREAM_KRON_SIGNS, derive_seed
 
 #: Rows per generated chunk. Part of the factor definition (chunk seeds depend on it), so not configurable.
 CHUNK_ROWS = 8192
