@@ -97,10 +97,6 @@ def _base_for(keys: list[str], class_paths: list[str]) -> type | None:
     return None
 
 
-# Keys that moved: the old key, and what to write instead.
-RENAMED = {
-    "trainer.aggregation": "it became trainer.strategy: FedAvg with weighted false ('mean') or true ('weighted')",
-}
 FABRIC_STRATEGIES = {"auto", "ddp", "ddp_spawn", "dp", "fsdp", "deepspeed", "single_device", "xla"}
 # What jsonargparse names as the class of a key whose class was not chosen yet.
 BASE_CLASS_PATHS = {"lightning.LightningModule", "lightning.LightningDataModule"}
@@ -237,8 +233,6 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         option = match.group(1)
         cls = _resolve_class(class_paths[-1]) if class_paths else None
         key = ".".join([*chain, option])
-        if key in RENAMED:
-            return f"{prefix}unknown key '{key}': {RENAMED[key]}."
         if cls is None:
             return f"{prefix}unknown key '{key}'"
         accepted = _init_params(cls)

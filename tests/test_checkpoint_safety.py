@@ -73,6 +73,15 @@ def truncated_file(path: Path, obj) -> Path:
     return path
 
 
+def resealed(ckpt: dict) -> dict:
+    """A round checkpoint's dict with its content digest recomputed (well formed, whatever it holds)."""
+    from lightning_fl.checkpoint import content_digest
+    from lightning_fl.federated.checkpoint import DIGEST
+
+    body = {k: v for k, v in ckpt.items() if k != DIGEST}
+    return {**body, DIGEST: content_digest(body)}
+
+
 def error_line(capsys) -> str:
     """The CLI's error: one line (the next one is the hint)."""
     lines = capsys.readouterr().err.splitlines()
@@ -392,6 +401,8 @@ def test_a_round_checkpoint_with_a_nan_state_or_missing_keys_is_refused_with_exi
         "no-seed": ({"seed": None}, "'seed' must be a int, it is missing"),
         "text-round": ({"round": "2"}, "'round' must be a int, it is a str"),
         "edited": ({}, "is corrupt: its content differs from the digest"),
+        "old-layout": ({"version": 2}, "has layout version 2, this lightning_fl reads 3"),
+        "no-strategy-state": ({"strategy": None}, "'strategy' must be a dict, it is missing"),
     }
     for case, (change, message) in cases.items():
         ckpt = {k: v for k, v in good.items() if k != DIGEST}
@@ -423,9 +434,8 @@ def test_validate_prints_its_metrics_and_refuses_files_that_do_not_fit(in_tmp, r
         "tensor": (torch.ones(3), "holds no state dict of tensors"),
         "dict": ({"weights": [1, 2]}, "holds no state dict of tensors"),
         "shapes": ({"state_dict": {"w": torch.ones(2)}}, "its state_dict does not fit this model"),
-        "round-shapes": ({**{k: v for k, v in good.items() if k != "content_sha256"},
-                          "global_state": {name: torch.ones(3)}, "version": 2}, "its global state does not fit"),
-    }  # fmt: skip
+        "round-shapes": (resealed({**good, "global_state": {name: torch.ones(3)}}), "its global state does not fit"),
+    }
     folders = sorted(p.name for p in (in_tmp / "eval").rglob("version_*"))
     for case, (obj, message) in bad.items():
         path = in_tmp / f"{case}.ckpt"

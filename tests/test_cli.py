@@ -202,10 +202,10 @@ REAL_CAUSES = {
         ["--trainer.codec", "lightning_fl.data.Digits"],
         ["trainer.codec: 'lightning_fl.data.Digits' is not a Codec subclass. Accepted short names: FP32"],
     ),
-    "renamed key": (
+    "unknown key of the federated trainer": (
         QUICKSTART,
         ["--trainer.aggregation", "median"],
-        ["error: fit: unknown key 'trainer.aggregation': it became trainer.strategy: FedAvg with weighted false"],
+        ["error: fit: unknown key 'trainer.aggregation' for lightning_fl.federated.loop.FederatedTrainer.", "Accepted: rounds,"],
     ),
     "literal of the federated trainer": (
         QUICKSTART,

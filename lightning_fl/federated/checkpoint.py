@@ -18,7 +18,7 @@ from lightning_fl.checkpoint import atomic_save, content_digest, read_checkpoint
 from lightning_fl.errors import CheckpointError
 
 FORMAT = "lightning_fl.federated"
-VERSION = 3  # 3: a content digest; 2: strategy state; version 1 and 2 files (no digest) still resume
+VERSION = 3  # the layout read and written here; a file of another version is refused
 DIGEST = "content_sha256"
 
 
@@ -80,14 +80,13 @@ def load_round(path: Path, expect: dict[str, Any], state_keys: list[str], rounds
         problems.append("the model fingerprint (factors or base) differs")
     if sorted(ckpt["global_state"]) != sorted(state_keys):
         problems.append(f"federated state keys differ ({sorted(ckpt['global_state'])} vs {sorted(state_keys)})")
-    saved_strategy = ckpt.get("strategy_class", "FedAvg")
+    saved_strategy = ckpt["strategy_class"]
     if saved_strategy != expect["strategy"]:
         problems.append(f"strategy {saved_strategy} in the checkpoint, {expect['strategy']} now")
     if ckpt["round"] > rounds:
         problems.append(f"the checkpoint has {ckpt['round']} rounds done but trainer.rounds is {rounds}")
     if problems:
         raise CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
-    ckpt.setdefault("strategy", {})
     return ckpt
 
 
@@ -95,7 +94,7 @@ FIX = "resume from an earlier round_NNNN.ckpt of the run (trainer.save_every_n_r
 
 #: What a round checkpoint must hold, and of which type (beyond ``format``).
 REQUIRED = {"round": int, "seed": int, "num_clients": int, "global_state": dict, "codec": dict, "ledger": dict,
-            "history": list}  # fmt: skip
+            "history": list, "strategy": dict, "strategy_class": str}  # fmt: skip
 
 
 def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
@@ -104,12 +103,13 @@ def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
     name = f"trainer checkpoint {path}"
     if (problem := zip_problem(path)) is not None:
         raise CheckpointError(f"{name}: {problem}; {FIX}")
-    if DIGEST in ckpt:
-        stored = ckpt[DIGEST]
-        if stored != content_digest({k: v for k, v in ckpt.items() if k != DIGEST}):
-            raise CheckpointError(f"{name} is corrupt: its content differs from the digest written with it (a flipped "
-                                  f"bit or a damaged copy); {FIX}")  # fmt: skip
-    elif ckpt.get("version", 1) >= 3:
+    if DIGEST in ckpt and ckpt[DIGEST] != content_digest({k: v for k, v in ckpt.items() if k != DIGEST}):
+        raise CheckpointError(f"{name} is corrupt: its content differs from the digest written with it (a flipped "
+                              f"bit or a damaged copy); {FIX}")  # fmt: skip
+    if ckpt.get("version") != VERSION:
+        raise CheckpointError(f"{name} has layout version {ckpt.get('version')!r}, this lightning_fl reads {VERSION}; "
+                              "resume it with the lightning_fl that wrote it, or start afresh")  # fmt: skip
+    if DIGEST not in ckpt:
         raise CheckpointError(f"{name} lacks its content digest ({DIGEST!r}); {FIX}")
     for key, kind in REQUIRED.items():
         value = ckpt.get(key)

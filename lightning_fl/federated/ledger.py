@@ -102,4 +102,4 @@ class ByteLedger:
         self.up, self.down = state["up"].clone(), state["down"].clone()
         zeros = torch.zeros_like(self.up)
         self.msg_up, self.msg_down = state.get("msg_up", zeros).clone(), state.get("msg_down", zeros).clone()
-        self.rejected = state.get("rejected", zeros).clone()  # older checkpoints counted rejected uploads as up
+        self.rejected = state["rejected"].clone()
