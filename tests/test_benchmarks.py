@@ -43,6 +43,12 @@ CASES = {
         outputs=["co.json"],
     ),
     "startup.py": Case(["--repeats", "1", "--sides", "torch"], "[startup] torch threads"),
+    "wire_formats.py": Case(
+        ["--repeats", "1", "--calls", "1", "--corruptions", "20", "--json", "w.json"],
+        "[wire_formats] wrote w.json",
+        outputs=["w.json"],
+        needs="safetensors",
+    ),
     "factor_families.py": Case(["--width", "8", "--repeats", "1", "--threads", "1"], '"orthonormality_error":'),
     "erm.py": Case(
         ["--n", "20", "--extra", "5", "--d", "4", "--classes", "3", "--samples", "2", "--repeats", "1",
