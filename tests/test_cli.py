@@ -506,3 +506,14 @@ def test_class_help_names_the_whole_key(capsys):
     assert run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy.help", "FedAdam") == 0
     out = capsys.readouterr().out
     assert "--trainer.strategy.server_lr" in out and " --strategy.server_lr" not in out and "[--strategy." not in out
+
+
+def test_readme_python_example_runs(in_tmp, monkeypatch):
+    """README's "The same in Python", at 1 pretraining epoch and 1 round: it builds and fits, writing its run."""
+    readme = (REPO / "README.md").read_text()
+    code = readme[readme.index("## The same in Python") :].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "rounds=30" in code and "epochs=30" in code
+    code = code.replace("rounds=30", "rounds=1").replace("epochs=30", "epochs=1")
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    assert (in_tmp / "runs" / "quickstart" / "version_0" / "checkpoints" / "last.ckpt").is_file()

@@ -27,6 +27,7 @@ from lightning_fl.federated import (
     TrimmedMean,
     run_client,
 )
+from lightning_fl.federated.callbacks import Callback
 
 ALL_STRATEGIES = {
     "FedAvg": lambda: FedAvg(weighted=True),
@@ -388,3 +389,42 @@ def test_a_collapse_under_defaults_is_warned_once_and_repeated_in_the_summary(in
         warnings.simplefilter("always")
         assert run_cli(*clean, "--trainer.name", "clean") == 0
     assert not [w for w in caught if "collapsed" in str(w.message)]
+
+
+class Recorder(Callback):
+    """A user's callback: what the trainer told it, in order."""
+
+    def __init__(self, tag: str = "r") -> None:
+        self.tag, self.calls = tag, []
+
+    def on_rounds_start(self, trainer, start):
+        self.calls.append(("start", start, len(trainer.history)))
+
+    def on_round_end(self, trainer, round, metrics):
+        saved = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", weights_only=True)["round"]
+        self.calls.append(("round", round, saved, trainer.history[-1]["round"], "val/acc" in metrics))
+
+    def on_rounds_end(self, trainer):
+        self.calls.append(("end", len(trainer.history)))
+
+
+def test_a_users_callbacks_see_every_round_after_it_is_saved_and_a_resume_starts_where_it_left(tmp_path):
+    first = Recorder()
+    trainer = quiet_fit(make_trainer(tmp_path, rounds=2, name="cb", callbacks=[first]), make_model(), make_dm())
+    # round 0 (the base) is evaluated before the rounds start; each round is checkpointed before its hook
+    assert first.calls == [("start", 0, 1), ("round", 0, 1, 1, True), ("round", 1, 2, 2, True), ("end", 3)]
+    again = Recorder()
+    ckpt = str(trainer.log_dir / "checkpoints" / "last.ckpt")
+    quiet_fit(make_trainer(tmp_path, rounds=3, name="cb", callbacks=[again]), make_model(), make_dm(), ckpt_path=ckpt)
+    assert again.calls == [("start", 2, 3), ("round", 2, 3, 3, True), ("end", 4)]
+
+
+def test_callbacks_come_from_the_config_by_class_path(in_tmp, capsys):
+    recorder = '[{"class_path": "test_federated_core.Recorder", "init_args": {"tag": "x"}}]'
+    args = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--trainer.callbacks", recorder]
+    assert run_cli("fit", *args, "--print_config") == 0
+    assert "test_federated_core.Recorder" in capsys.readouterr().out
+    from lightning_fl.cli import build
+
+    trainer = build(["fit", *args]).trainer
+    assert [type(c).__name__ for c in trainer.callbacks] == ["Recorder"] and trainer.callbacks[0].tag == "x"

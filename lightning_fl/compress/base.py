@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -270,6 +271,43 @@ class Codec:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but got state keys {sorted(state)}")
+
+    # -- the per-client state's life in a run (the trainer calls these; a stateless codec has nothing to do)
+    def attach_client_state(self, folder: Path, budget_bytes: int) -> None:
+        """Keep at most ``budget_bytes`` of each per-client store in memory and the rest under ``folder/<key>``."""
+        for name, store in self.client_stores().items():
+            store.attach(folder / name, budget_bytes)
+
+    def gathered_state_dict(self, gather: Callable[[Any], list[Any]] | None = None) -> dict[str, Any]:
+        """:meth:`state_dict` with every process's per-client entries (each process holds the clients it trains):
+        ``gather(obj)`` returns every process's ``obj`` (a collective, called the same way on every process);
+        ``None`` in one process."""
+        state = self.state_dict()
+        for name in self.client_stores() if gather is not None else ():
+            state[name] = {c: entry for part in gather(state[name]) for c, entry in part.items()}
+        return state
+
+    def load_client_state(
+        self, state: dict[str, Any], source: Path | None = None, keep: Callable[[int], bool] | None = None
+    ) -> None:
+        """:meth:`load_state_dict` from a checkpoint: first the client files it names from ``source`` (the run
+        folder of a checkpoint written elsewhere) into the stores' own folders; then, with ``keep``, only the
+        clients this process trains."""
+        from lightning_fl.compress.client_state import import_files
+
+        stores = self.client_stores()
+        for name, store in stores.items() if source is not None else ():
+            if store.file_backed:
+                import_files(state.get(name, {}), source / "client_state" / name, store.folder)
+        self.load_state_dict(state)
+        for store in stores.values() if keep is not None else ():
+            store.retain(keep)
+
+    def client_state_saved(self, pin: bool = False) -> None:
+        """The last :meth:`gathered_state_dict` is in a saved checkpoint: the files it superseded can go (kept if
+        ``pin``: that checkpoint is kept for good)."""
+        for store in self.client_stores().values():
+            store.committed(pin=pin)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -12,9 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_fl import runs
-from lightning_fl.checkpoint import atomic_save, content_digest, read_checkpoint, zip_problem
+from lightning_fl.checkpoint import (
+    atomic_save,
+    content_digest,
+    read_checkpoint,
+    remove_stale_temps,
+    state_mismatch,
+    tensor_state,
+    zip_problem,
+)
 from lightning_fl.errors import CheckpointError
 
 FORMAT = "lightning_fl.federated"
@@ -94,7 +103,7 @@ FIX = "resume from an earlier round_NNNN.ckpt of the run (trainer.save_every_n_r
 
 #: What a round checkpoint must hold, and of which type (beyond ``format``).
 REQUIRED = {"round": int, "seed": int, "num_clients": int, "global_state": dict, "codec": dict, "ledger": dict,
-            "history": list, "strategy": dict, "strategy_class": str}  # fmt: skip
+            "history": list, "strategy": dict, "strategy_class": str, "privacy": dict, "dp_sgd": dict}  # fmt: skip
 
 
 def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
@@ -127,3 +136,121 @@ def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
 
 def to_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.detach().cpu() for n, t in state.items()}
+
+
+def run_folder_of(ckpt: Path) -> Path | None:
+    """The run folder a checkpoint belongs to (``<run>/checkpoints/<file>``), or ``None`` if it is elsewhere."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+
+
+# ------------------------------------------------------------------------ a FederatedTrainer's round checkpoint
+def save_trainer(trainer: Any, completed: int, seed: int, fingerprint: str | None, num_clients: int) -> None:
+    """Write ``trainer``'s round checkpoint after round ``completed`` (from rank 0; every process calls it, as the
+    codec's per-client state is gathered from all of them)."""
+    fabric, codec = trainer.fabric, trainer.codec
+    codec_state = codec.gathered_state_dict(_gather(fabric) if fabric.world_size > 1 else None)
+    every = trainer.save_every_n_rounds
+    if fabric.is_global_zero:
+        state = {
+            "seed": seed,
+            "num_clients": num_clients,
+            "fingerprint": fingerprint,
+            "global_state": to_cpu(trainer.global_state),
+            "strategy_class": trainer.strategy.name,
+            "strategy": trainer.strategy.state_dict(),
+            "codec": codec_state,
+            "privacy": trainer.privacy.state_dict() if trainer.privacy is not None else {},
+            "dp_sgd": trainer.dp_sgd.state_dict() if trainer.dp_sgd is not None else {},
+            "ledger": trainer.ledger.state_dict(),
+            "history": [{k: float(v) for k, v in h.items()} for h in trainer.history],
+        }
+        if trainer.downlink is not None:  # its memory and which state each client holds
+            state["downlink"] = trainer.downlink.state_dict()
+        save_round(state, trainer.log_dir / "checkpoints", completed, every)
+    codec.client_state_saved(pin=bool(every) and completed % every == 0)
+    fabric.barrier()
+
+
+def restore_trainer(trainer: Any, path: Path, model: Any, seed: int, fingerprint: str | None, num_clients: int) -> int:
+    """Load the round checkpoint ``path`` into ``trainer`` and ``model`` (rank 0 reads and checks it, every process
+    receives it); the number of rounds it has done."""
+    fabric = trainer.fabric
+    expect = {"seed": seed, "num_clients": num_clients, "fingerprint": fingerprint, "strategy": trainer.strategy.name}
+    ckpt, error = None, None
+    if fabric.is_global_zero:
+        try:
+            ckpt = load_round(path, expect, list(trainer.global_state), trainer.rounds)
+        except CheckpointError as err:
+            error = str(err)
+    ckpt, error = fabric.broadcast((ckpt, error))
+    if error is not None:
+        raise CheckpointError(error)
+    trainer.global_state = {n: t.to(fabric.device) for n, t in ckpt["global_state"].items()}
+    model.load_federated_state(trainer.global_state)
+    trainer.strategy.load_state_dict(ckpt["strategy"])
+    rank, world = fabric.global_rank, fabric.world_size
+    keep = (lambda c: trainer.round_runner.process_of(c, world) == rank) if world > 1 else None
+    trainer.codec.load_client_state(ckpt["codec"], source=run_folder_of(path), keep=keep)
+    trainer.ledger.load_state_dict(ckpt["ledger"])
+    _restore_downlink(trainer.downlink, path, ckpt)
+    budgets = (("privacy", trainer.privacy, "a private run", "its budget"),
+               ("dp_sgd", trainer.dp_sgd, "a run with trainer.dp_sgd", "its clients' budgets"))  # fmt: skip
+    for key, plugin, writer, budget in budgets:
+        if plugin is not None:
+            plugin.load_state_dict(ckpt[key])
+        elif ckpt[key]:
+            raise CheckpointError(f"cannot resume from {path}: it was written by {writer} (trainer.{key}); set the "
+                                  f"same trainer.{key} to continue {budget}")  # fmt: skip
+    trainer.history = list(ckpt["history"])
+    if fabric.is_global_zero:
+        remove_stale_temps(path.parent)
+    return int(ckpt["round"])
+
+
+def _gather(fabric: Any):
+    def gather(obj: Any) -> list[Any]:
+        everyone: list[Any] = [None] * fabric.world_size
+        dist.all_gather_object(everyone, obj)
+        return everyone
+
+    return gather
+
+
+def _restore_downlink(downlink: Any, path: Path, ckpt: dict[str, Any]) -> None:
+    """The server's downlink memory and what each client holds, from a checkpoint of the same kind of run."""
+    if downlink is None:
+        if "downlink" in ckpt:
+            raise CheckpointError(
+                f"cannot resume from {path}: it was written with trainer.compressed_downloads (its clients hold "
+                "the broadcasts' state, the server a downlink memory); set trainer.compressed_downloads true"
+            )
+        return
+    if "downlink" not in ckpt:
+        raise CheckpointError(
+            f"cannot resume from {path}: it was written without trainer.compressed_downloads (no downlink memory "
+            "to continue); remove the key, or start afresh"
+        )
+    try:
+        downlink.load_state_dict(ckpt["downlink"], int(ckpt["round"]))
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"cannot resume from {path}: {err}") from None
+
+
+def load_for_evaluation(model: Any, path: Path, device: torch.device) -> None:
+    """A round checkpoint's global state (checked as a resume checks it) or a module's ``state_dict`` (names,
+    shapes, finite values), into ``model``; anything else is one line naming the file."""
+    name, fix = f"--ckpt_path {path}", "pass a last.ckpt or round_NNNN.ckpt of a run, or a module state_dict"
+    ckpt = read_checkpoint(path, "--ckpt_path", fix=fix)
+    if isinstance(ckpt, dict) and ckpt.get("format") == FORMAT:
+        check_integrity(path, ckpt)
+        if (problem := state_mismatch(ckpt["global_state"], model.federated_state())) is not None:
+            raise CheckpointError(f"{name}: its global state does not fit this model ({problem}); {fix}")
+        model.load_federated_state({n: t.to(device) for n, t in ckpt["global_state"].items()})
+        return
+    state = tensor_state(ckpt, name, keys=("state_dict",), fix=fix)
+    if (problem := state_mismatch(state, model.state_dict())) is not None:
+        raise CheckpointError(f"{name}: its state_dict does not fit this model ({problem}); {fix}")
+    bad = sorted(k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:
+        raise CheckpointError(f"{name}: NaN or Inf weights in {bad[:4]}; {fix}")
+    model.load_state_dict(state)

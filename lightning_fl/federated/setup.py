@@ -13,6 +13,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 
 from lightning_fl import runs, threads
 from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated.checkpoint import run_folder_of
 from lightning_fl.federated.client import configure_optimizer
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.runs import RunLock
@@ -62,11 +63,6 @@ def launch(
     if logger:
         loggers.append(TensorBoardLogger(str(folder.parent.parent), name=folder.parent.name, version=folder.name))
     return fabric, folder, lock, Path(ckpt) if ckpt is not None else None
-
-
-def run_folder_of(ckpt: Path) -> Path | None:
-    """The run folder a checkpoint belongs to (``<run>/checkpoints/<file>``), or ``None`` if it is elsewhere."""
-    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
 
 
 def prepare(

@@ -19,6 +19,7 @@ import lightning as L
 import torch
 
 from lightning_fl.compress.base import Codec, Payload
+from lightning_fl.federated.callbacks import Callback
 from lightning_fl.federated.client import LocalTraining, run_client
 from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
 from lightning_fl.federated.state import State
@@ -74,8 +75,9 @@ class SecureRound:
     problem: str | None = None
 
 
-class Transport:
-    """Base class: deliver a round to ``clients`` and yield their replies (each client exactly once)."""
+class Transport(Callback):
+    """Base class: deliver a round to ``clients`` and yield their replies (each client exactly once). The trainer
+    calls it as a callback too: at the end of each round it calls :meth:`finished_round`."""
 
     #: Whether clients run in this process tree, spread over the Fabric processes (each trains its share).
     spreads_over_processes = True
@@ -87,6 +89,9 @@ class Transport:
 
     def finished_round(self, round: int, metrics: dict[str, float]) -> None:
         """Called after each round is logged and checkpointed (a network transport reports progress here)."""
+
+    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+        self.finished_round(round, metrics)
 
     def replies(
         self,

@@ -20,9 +20,8 @@ from lightning_fl.methods.recipe import (
     TrainingDivergedError,
     TrainingRecipe,
     load_state_dict_file,
-    recipe_problems,
 )
-from lightning_fl.methods.schedules import Schedule
+from lightning_fl.methods.schedules import Schedule, recipe_problems
 from lightning_fl.metrics import classification_metrics
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import ClassifierHead, HeadKind

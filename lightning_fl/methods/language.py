@@ -27,8 +27,8 @@ from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import FactorMode, LayerSelection
 from lightning_fl.methods.latent import LatentSteering
 from lightning_fl.methods.pretraining import Pretraining
-from lightning_fl.methods.recipe import OptimizerName, TrainingRecipe, recipe_problems
-from lightning_fl.methods.schedules import Schedule
+from lightning_fl.methods.recipe import OptimizerName, TrainingRecipe
+from lightning_fl.methods.schedules import Schedule, recipe_problems
 from lightning_fl.metrics import NextTokenMetrics
 from lightning_fl.models.gpt import generate
 

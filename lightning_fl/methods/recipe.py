@@ -10,39 +10,27 @@ its pretrained base (``base_cache_key``) and how to build the module that pretra
 - ``make_optimizer`` / ``configure_optimizers``: SGD (momentum, Nesterov), Adam or AdamW with a linear warm-up
   then cosine or constant schedule, and ``grad_clip`` applied by ``lightning.Trainer`` and federated clients alike;
 - ``prepare_base``: load the base from the cache, pretraining and caching it first (one process trains, the
-  others read), keyed by the hash of everything that determines it;
+  others read), keyed by the hash of everything that determines it (:mod:`lightning_fl.methods.bases`);
 - ``federated_state`` / ``load_federated_state``: every trainable parameter is what a client sends.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.seed import isolate_rng
 from torch import nn
 
-from lightning_fl.checkpoint import (
-    DEFAULT_FIX,
-    atomic_save,
-    atomic_write_text,
-    cache_file,
-    checkpoint_name,
-    read_checkpoint,
-    tensor_state,
-)
+from lightning_fl.checkpoint import DEFAULT_FIX, checkpoint_name, read_checkpoint, tensor_state
 from lightning_fl.errors import CheckpointError, ConfigError, UserError
-from lightning_fl.methods.centralised import train_classifier
+from lightning_fl.methods import bases
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.schedules import warmup_cosine_factor
 
 OptimizerName = Literal["sgd", "adam", "adamw"]
-log = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(UserError, FloatingPointError):
@@ -56,37 +44,6 @@ def load_state_dict_file(path: str | Path, what: str = "checkpoint", fix: str = 
     """
     obj = read_checkpoint(path, what, fix=fix)
     return tensor_state(obj, checkpoint_name(what, path), keys=("state_dict",), fix=fix)
-
-
-def recipe_problems(
-    optimizer: str,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    nesterov: bool,
-    warmup_epochs: float,
-    schedule: str,
-    grad_clip: float | None,
-) -> list[str]:
-    """What is wrong with an optimiser recipe, one message per key (``model.<key>``)."""
-    problems = []
-    if optimizer not in ("sgd", "adam", "adamw"):
-        problems.append(f"model.optimizer must be 'sgd', 'adam' or 'adamw', got {optimizer!r}")
-    if not lr > 0:
-        problems.append(f"model.lr must be > 0, got {lr}")
-    if not 0 <= momentum < 1:
-        problems.append(f"model.momentum must be in [0, 1), got {momentum}")
-    if weight_decay < 0:
-        problems.append(f"model.weight_decay must be >= 0, got {weight_decay}")
-    if nesterov and (optimizer != "sgd" or momentum == 0):
-        problems.append("model.nesterov needs optimizer 'sgd' and momentum > 0")
-    if warmup_epochs < 0:
-        problems.append(f"model.warmup_epochs must be >= 0, got {warmup_epochs}")
-    if schedule not in ("cosine", "constant"):
-        problems.append(f"model.schedule must be 'cosine' or 'constant', got {schedule!r}")
-    if grad_clip is not None and not grad_clip > 0:
-        problems.append(f"model.grad_clip must be > 0 or null, got {grad_clip}")
-    return problems
 
 
 class TrainingRecipe(L.LightningModule):
@@ -169,55 +126,20 @@ class TrainingRecipe(L.LightningModule):
         raise NotImplementedError(f"{type(self).__name__} must define pretraining_module to pretrain a base")
 
     def base_cache_path(self, datamodule: object) -> Path:
-        return cache_file("bases", self.base_cache_key(datamodule), "base.pt", self.pretraining.cache_dir)
+        return bases.cache_path(self, datamodule)
 
     def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
-        """Load the base from the cache, pretraining and caching it first if needed (and allowed).
-
-        Call it on one process first (it may train), then on the others with the same data module.
-        """
-        if self._base_ready:
-            return
-        path = self.base_cache_path(datamodule)
-        what = "pretrained base cache"
-        if path.is_file() and allow_training:
-            # A derived file: an unusable one (unreadable, unsafe, not this model's) is a cache miss, warned about,
-            # pretrained again and overwritten.
-            try:
-                self.load_weights(path, what, fix="treated as a cache miss: pretraining it again")
-            except CheckpointError as err:
-                log.warning("%s", err)
-                self._pretrain_base(datamodule, path)
-            else:
-                self._base_ready = True
-                return
-        if not path.is_file():
-            if not allow_training:
-                raise CheckpointError(f"the pretrained base {path} is missing; it should have been prepared first")
-            self._pretrain_base(datamodule, path)
-        self.load_weights(path, what, fix="delete it; the next run pretrains it again")
-        self._base_ready = True
-
-    def _pretrain_base(self, datamodule: object, path: Path) -> None:
-        state, made = self.build_base(datamodule, path.parent)
-        atomic_save({"state_dict": {k: v.detach().cpu() for k, v in state.items()}}, path)
-        meta = {"key": self.base_cache_key(datamodule), **made}
-        atomic_write_text(path.parent / "meta.json", json.dumps(meta, indent=2, sort_keys=True, default=str))
+        """Load the base from the cache, pretraining and caching it first if needed and allowed
+        (:func:`~lightning_fl.methods.bases.prepare`). Call it on one process first (it may train), then on the
+        others with the same data module."""
+        bases.prepare(self, datamodule, allow_training)
 
     def build_base(self, datamodule: object, folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         """The base's weights (the keys of :meth:`own_weights`) and what to record of how they were made.
 
         Here: train :meth:`pretraining_module` with ``self.pretraining``'s recipe (logs under ``folder``);
         subclasses that make their base another way override it (and say so in :meth:`base_cache_key`)."""
-        p = self.pretraining
-        log.warning("Pretraining the base for %d epochs (cached in %s)", p.epochs, folder)
-        pre = self.pretraining_module()
-        with isolate_rng():
-            torch.manual_seed(p.seed)
-            metrics = train_classifier(
-                pre, datamodule, p.epochs, p.accelerator, p.precision, log_dir=folder / "pretraining"
-            )
-        return pre.own_weights(), {"final_epoch": metrics}
+        return bases.pretrain(self, datamodule, folder)
 
     # ----------------------------------------------------------------------------------- Lightning hooks
     def prepare_data(self) -> None:

@@ -1,0 +1,218 @@
+"""The arguments of :class:`~lightning_fl.federated.FederatedTrainer` (the CLI's ``trainer.*`` keys) as a typed
+dataclass, checked when it is made: every impossible value or combination, one line each naming the key and what to
+write instead, raised together."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_fl.compress.base import FP32, Codec
+from lightning_fl.compress.error_feedback import UpdateCompressor
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated.attacks import Attack
+from lightning_fl.federated.callbacks import Callback
+from lightning_fl.federated.strategies import FedAvg, Strategy
+from lightning_fl.federated.strategies.base import configured_name
+from lightning_fl.privacy.base import Privacy
+from lightning_fl.privacy.dpsgd import DPSGD
+from lightning_fl.privacy.secure import SecureAggregation
+from lightning_fl.trainer_api import lazy_instance
+
+
+@dataclass(eq=False, repr=False)
+class TrainerArguments:
+    """What a federated run is configured by (:class:`~lightning_fl.federated.FederatedTrainer`'s arguments, the
+    CLI's ``trainer.*`` keys), checked when it is made: every impossible value or combination is one line naming the
+    key, all raised together as a :class:`~lightning_fl.errors.ConfigError`.
+
+    Args:
+        rounds: Communication rounds R.
+        client_fraction: Share of the K clients sampled each round (at least one); ``null`` with
+            ``clients_per_round`` set.
+        clients_per_round: Number of clients sampled each round; overrides ``client_fraction``.
+        local_epochs: Local epochs E per round.
+        local_steps: Local optimiser steps per round instead of epochs (cycling the client's data).
+        strategy: Server algorithm: which clients train and how uploads are aggregated (``FedAvg``,
+            ``FedAvgM``, ``FedAdagrad``, ``FedAdam``, ``FedYogi``, ``Median``, ``TrimmedMean``, ``Krum``, or yours).
+        codec: Upload codec (``FP32``, ``Quantize``, or a compressor: ``TopK``, ``PowerSGD``).
+        compressed_downloads: The server broadcasts its step compressed by a copy of the codec (a compressor) and
+            clients apply it to the state they hold; ``false``: clients download the float32 state. In process only
+            (docs/methods.md, "Compressed downloads").
+        upload_policy: What the gate does with a malformed or non-finite upload (or a client whose training
+            diverges): ``drop`` it from the round (logged) or ``raise`` an error naming client and round.
+        max_update_norm: The gate refuses an upload whose change to the global state (L2 norm over the whole
+            federated state) exceeds this; ``null``: no absolute bound. The aggregate's step obeys it too.
+        max_update_norm_ratio: The gate refuses an upload whose update norm is more than this many times the
+            round's median update norm; ``null``: off. With a linear strategy the aggregate's step obeys it too.
+        max_client_weight: The most samples a client's upload may weigh under a sample-weighted strategy (a larger
+            declared count is capped, warned): on Flower each node declares its own count.
+        dropout: Probability that a sampled client is unavailable in a round (seeded per client and round):
+            its download is counted, its upload never arrives.
+        attack: Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``,
+            ``NaNUpload``); ``null``: every client is honest.
+        privacy: User-level differential privacy (``CentralDP``, ``DistributedDP``, ``LocalDP``), with an
+            accountant; ``null``: none. See docs/privacy.md.
+        dp_sgd: Record-level DP-SGD inside every client (``DPSGD``), with each client's own accountant; combines
+            with ``privacy``. ``null``: plain local training. See docs/privacy.md.
+        secure_aggregation: The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s
+            clipping, quantisation and modular sum); linear, unweighted strategies only. ``null``: off.
+        sampling: ``fixed`` (``clients_per_round`` clients without replacement) or ``poisson`` (each client with
+            probability ``clients_per_round / num_clients``, as most DP analyses assume).
+        fold_groups: Running sums a linear strategy adds uploads into (client ``c`` into sum ``c % fold_groups``);
+            the global state depends on this number, never on the number of processes; a multiple of the number of
+            processes lets each stream its own groups (README, "Memory").
+        seed: Seed of client sampling and client training; default: the run's ``seed_everything``.
+        accelerator: Fabric accelerator (``cpu``, ``gpu``, ``auto``).
+        devices: Processes/devices the clients are spread over (``2`` on CPU uses gloo); with several nodes, per node.
+        num_nodes: Machines the processes span (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` set on each, or a
+            cluster's launcher); see docs/deploy.md.
+        fabric_strategy: Fabric's launch strategy (``auto`` picks DDP for several devices; no gradients are
+            synchronised, processes only exchange uploads).
+        precision: Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``, ...); ``null``: 32-bit.
+        default_root_dir: Runs go to ``<default_root_dir>/<name>/<version>/``.
+        name: Experiment name (folder under ``default_root_dir``).
+        version: Run folder name or number; ``null`` picks the next ``version_N``.
+        logger: Write TensorBoard logs.
+        resume: ``auto`` continues the newest run of ``name`` that has a checkpoint (``--ckpt_path`` wins).
+        val_every_n_rounds: Evaluate the global model every this many rounds (and after the last one).
+        limit_val_batches: Evaluate on at most this many validation batches (0: no evaluation).
+        gradient_clip_val: Clip client gradient norms; ``null`` uses the module's ``grad_clip``, if any.
+        check_identity: Log the averaging identity error (modules with ``averaging_identity_error``, linear
+            strategies only).
+        enable_progress_bar: Show progress over rounds.
+        save_every_n_rounds: Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept).
+        client_batching: ``sequential`` or ``vmap`` (``cohort_size`` clients at a time as one vectorised computation,
+            for latent methods; equal up to float32 rounding; in process only; docs/cross_device.md).
+        cohort_size: Clients per cohort with ``client_batching: vmap``.
+        client_state_memory_mb: Memory (MiB) for the codec's per-client state; the rest goes to files in the run
+            folder (one process only; docs/cross_device.md). ``null``: all in memory.
+        callbacks: Your own :class:`~lightning_fl.federated.callbacks.Callback` objects, called after the trainer's
+            own at the start of the rounds, at the end of every round and after the last.
+    """
+
+    rounds: int = 10
+    client_fraction: float | None = 1.0
+    clients_per_round: int | None = None
+    local_epochs: int = 1
+    local_steps: int | None = None
+    strategy: Strategy = lazy_instance(FedAvg)
+    codec: Codec = lazy_instance(FP32)
+    compressed_downloads: bool = False
+    upload_policy: Literal["drop", "raise"] = "drop"
+    max_update_norm: float | None = None
+    max_update_norm_ratio: float | None = 10.0
+    max_client_weight: float | None = None
+    dropout: float = 0.0
+    attack: Attack | None = None
+    privacy: Privacy | None = None
+    dp_sgd: DPSGD | None = None
+    secure_aggregation: SecureAggregation | None = None
+    sampling: Literal["fixed", "poisson"] = "fixed"
+    fold_groups: int = 1
+    seed: int | None = None
+    accelerator: str = "auto"
+    devices: int | str = 1
+    num_nodes: int = 1
+    fabric_strategy: str = "auto"
+    precision: str | None = None
+    default_root_dir: str = "runs"
+    name: str = "federated"
+    version: int | str | None = None
+    logger: bool = True
+    resume: bool | Literal["auto"] = False
+    val_every_n_rounds: int = 1
+    limit_val_batches: int | None = None
+    gradient_clip_val: float | None = None
+    check_identity: bool = True
+    enable_progress_bar: bool = True
+    save_every_n_rounds: int = 0
+    client_batching: Literal["sequential", "vmap"] = "sequential"
+    cohort_size: int = 32
+    client_state_memory_mb: float | None = None
+    callbacks: list[Callback] | None = None
+
+    def __post_init__(self) -> None:
+        if problems := trainer_problems(vars(self)):
+            raise ConfigError("; ".join(problems))
+
+
+def _devices_problems(devices: Any, accelerator: str, num_nodes: int) -> list[str]:
+    d = str(devices).replace(" ", "")
+    gpu_list = "," in d and d.strip(",") != "" and all(i.isdigit() for i in d.split(",") if i)
+    if not (d in ("auto", "-1") or (d.isdigit() and int(d) >= 1) or gpu_list):
+        return [f"trainer.devices must be a number of processes >= 1, -1 (all GPUs), 'auto' or GPU indices such as "
+                f"'0,1', got {devices!r}"]  # fmt: skip
+    if accelerator == "cpu" and (d == "-1" or gpu_list):
+        return [f"trainer.devices {devices!r} selects GPUs but trainer.accelerator is cpu: give a number of processes"]
+    if num_nodes > 1 and d in ("auto", "-1"):
+        return [f"trainer.devices must be a number of processes per node when trainer.num_nodes > 1 (every node must "
+                f"start the same number), got {devices!r}"]  # fmt: skip
+    return []
+
+
+def trainer_problems(a: dict[str, Any]) -> list[str]:
+    """What is wrong with the trainer's arguments ``a`` (its ``__init__``'s keyword arguments by name)."""
+    ranges = {  # key: (holds, what it must be)
+        "rounds": (a["rounds"] >= 1, ">= 1"),
+        "clients_per_round": (a["clients_per_round"] is None or a["clients_per_round"] >= 1, ">= 1 or null"),
+        "local_epochs": (a["local_epochs"] >= 1, ">= 1"),
+        "local_steps": (a["local_steps"] is None or a["local_steps"] >= 1, ">= 1 or null"),
+        "upload_policy": (a["upload_policy"] in ("drop", "raise"), "'drop' or 'raise'"),
+        "dropout": (0 <= a["dropout"] < 1, "in [0, 1)"),
+        "num_nodes": (a["num_nodes"] >= 1, ">= 1"),
+        "resume": (a["resume"] in (True, False, "auto"), "true, false or 'auto'"),
+        "val_every_n_rounds": (a["val_every_n_rounds"] >= 1, ">= 1"),
+        "save_every_n_rounds": (a["save_every_n_rounds"] >= 0, ">= 0"),
+        "client_batching": (a["client_batching"] in ("sequential", "vmap"), "'sequential' or 'vmap'"),
+        "cohort_size": (a["cohort_size"] >= 1, ">= 1"),
+        "client_state_memory_mb": (a["client_state_memory_mb"] is None or (
+            math.isfinite(a["client_state_memory_mb"]) and a["client_state_memory_mb"] >= 0), ">= 0 or null"),
+        "sampling": (a["sampling"] in ("fixed", "poisson"), "'fixed' or 'poisson'"),
+        "fold_groups": (isinstance(a["fold_groups"], int) and a["fold_groups"] >= 1, "a whole number >= 1"),
+    }  # fmt: skip
+    for key in ("max_update_norm", "max_update_norm_ratio", "max_client_weight"):
+        value = a[key]
+        ranges[key] = (value is None or (math.isfinite(value) and value > 0), "a positive number or null")
+    kinds = {  # key: (class, its names in the message)
+        "strategy": (Strategy, "a Strategy"),
+        "privacy": (Privacy, "CentralDP, DistributedDP, LocalDP or null"),
+        "dp_sgd": (DPSGD, "DPSGD or null"),
+        "secure_aggregation": (SecureAggregation, "SecureAggregation or null"),
+    }
+    quoted = {"upload_policy", "resume", "client_batching", "sampling", "fold_groups"}
+    shown = {key: repr(a[key]) if key in quoted else str(a[key]) for key in ranges}
+    problems = [f"trainer.{key} must be {what}, got {shown[key]}" for key, (ok, what) in ranges.items() if not ok]
+    problems += [f"trainer.{key} must be {names}, got {type(a[key]).__name__}" for key, (kind, names) in kinds.items()
+                 if not isinstance(a[key], kind) and (key == "strategy" or a[key] is not None)]  # fmt: skip
+    fraction, per_round = a["client_fraction"], a["clients_per_round"]
+    if not (0 < fraction <= 1 if fraction is not None else per_round is not None):
+        problems.insert(0, f"trainer.client_fraction must be in (0, 1] (or null with trainer.clients_per_round set), "
+                           f"got {fraction}")  # fmt: skip
+    problems += _devices_problems(a["devices"], a["accelerator"], a["num_nodes"])
+    if a["dp_sgd"] is not None and a["gradient_clip_val"] is not None:
+        problems.append("trainer.gradient_clip_val clips a batch's gradient, which DP-SGD replaces by clipping each "
+                        "record's (trainer.dp_sgd.max_grad_norm): remove trainer.gradient_clip_val")  # fmt: skip
+    if a["dp_sgd"] is not None and a["precision"] not in (None, "32-true", "32", 32):
+        problems.append(f"trainer.dp_sgd trains in 32-bit; trainer.precision is {a['precision']!r}: set it to "
+                        "32-true or null")  # fmt: skip
+    if isinstance(secure := a["secure_aggregation"], SecureAggregation):
+        problems += secure.problems(a["strategy"], a["privacy"], a["codec"], a["max_update_norm_ratio"], a["attack"])
+    return problems + downlink_problems(a["compressed_downloads"], a["codec"], secure)
+
+
+def downlink_problems(compressed_downloads: object, codec: object, secure_aggregation: object) -> list[str]:
+    """What makes ``trainer.compressed_downloads`` impossible with the other settings (one line each)."""
+    if compressed_downloads is False:
+        return []
+    if compressed_downloads is not True:
+        return [f"trainer.compressed_downloads must be true or false, got {compressed_downloads!r}"]
+    if secure_aggregation is not None:
+        return ["trainer.compressed_downloads compresses the broadcast with the codec's compressor, but "
+                "trainer.secure_aggregation uploads with none (codec FP32): remove one of the two keys"]  # fmt: skip
+    if not isinstance(codec, UpdateCompressor):
+        return [f"trainer.compressed_downloads compresses the broadcast with the codec's compressor and error "
+                f"feedback, and trainer.codec {configured_name(codec)} is not a compressor: set trainer.codec TopK "
+                "or PowerSGD, or remove the key"]  # fmt: skip
+    return []

@@ -1,0 +1,108 @@
+"""What varies around :class:`~lightning_fl.federated.FederatedTrainer`'s rounds, as callbacks.
+
+Each callback sees the rounds start (``start``: the rounds already done, by a resumed run), every round's end
+(after the round is logged and checkpointed) and the rounds' end. The trainer's own: the progress report, the
+module's text samples and the dropped clients in TensorBoard, the collapse alarm; a transport (Flower's) is one
+too, and reports each finished round to its federation.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from lightning_fl.federated.summary import collapse
+
+
+class Callback:
+    """Base class: every hook does nothing."""
+
+    def on_rounds_start(self, trainer: Any, start: int) -> None:
+        """Before the first round this fit runs (``start`` rounds are done already)."""
+
+    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+        """After round ``round`` (0-based) is evaluated, logged and checkpointed."""
+
+    def on_rounds_end(self, trainer: Any) -> None:
+        """After the last round (or the round the privacy budget stopped at)."""
+
+
+class ProgressReport(Callback):
+    """A bar over rounds on a terminal; elsewhere (CI logs, files) a plain line every tenth of the run. Shows the
+    metric and the cumulative bytes per client (both directions) in MiB. From rank 0 only."""
+
+    def on_rounds_start(self, trainer: Any, start: int) -> None:
+        self.show = trainer.enable_progress_bar and trainer.fabric.is_global_zero
+        self.terminal = sys.stderr.isatty()
+        self.bar = tqdm(total=trainer.rounds, initial=start, desc="round", dynamic_ncols=True,
+                        disable=not (self.show and self.terminal))  # fmt: skip
+
+    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+        shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl") if k in metrics}
+        shown["MiB/client"] = f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}"
+        self.bar.update(1)
+        self.bar.set_postfix(shown)
+        done, total = round + 1, trainer.rounds
+        if self.show and not self.terminal and (done % max(1, total // 10) == 0 or done == total):
+            print(f"round {done}/{total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+
+    def on_rounds_end(self, trainer: Any) -> None:
+        self.bar.close()
+
+
+class TensorBoardText(Callback):
+    """The module's text samples (e.g. generated text; TensorBoard's Text tab) before the first round and after the
+    last, and the ids of the clients the gate left out of each round (``fed/dropped_clients``). From rank 0."""
+
+    def __init__(self, text_samples: Any = None) -> None:
+        self.text_samples = text_samples
+
+    def on_rounds_start(self, trainer: Any, start: int) -> None:
+        self.ran = start < trainer.rounds
+        if start == 0:
+            self._samples(trainer, 0)
+
+    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+        dropped = trainer.round_runner.dropped
+        if dropped and (experiment := _experiment(trainer)) is not None:
+            experiment.add_text("fed/dropped_clients", ", ".join(map(str, dropped)), round + 1)
+
+    def on_rounds_end(self, trainer: Any) -> None:
+        if self.ran:
+            self._samples(trainer, trainer.rounds)
+
+    def _samples(self, trainer: Any, step: int) -> None:
+        if self.text_samples is not None and (experiment := _experiment(trainer)) is not None:
+            for tag, text in self.text_samples().items():
+                experiment.add_text(tag, text, step)
+
+
+class CollapseAlarm(Callback):
+    """Warn once per run when the global model collapses against round 0 (chance accuracy, a loss blown up),
+    naming the largest updates aggregated; the warning is kept as ``trainer.alarm`` for the run's summary."""
+
+    def on_rounds_start(self, trainer: Any, start: int) -> None:
+        trainer.alarm = None
+
+    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+        first = next((h for h in trainer.history if h.get("round") == 0), None)
+        if trainer.alarm is not None or first is None:
+            return
+        hparams = getattr(trainer.model, "hparams", {})
+        num_classes = hparams.get("num_classes") if hasattr(hparams, "get") else None
+        why = collapse(first, metrics, num_classes if isinstance(num_classes, int) else None)
+        if why is None:
+            return
+        largest = ", ".join(f"client {c} (norm {n:.3g})" for n, c in trainer.round_runner.update_norms[:3])
+        trainer.alarm = (f"round {round + 1}: the global model collapsed: {why}; the largest updates aggregated: "
+                         f"{largest or 'none known'}; a robust strategy (trainer.strategy Median or Krum) or a lower "
+                         "trainer.max_update_norm_ratio may hold it")  # fmt: skip
+        warnings.warn(trainer.alarm, stacklevel=2)
+
+
+def _experiment(trainer: Any) -> Any:
+    fabric = trainer.fabric
+    return fabric.logger.experiment if fabric.loggers and fabric.is_global_zero else None
