@@ -172,3 +172,33 @@ def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_md_state
         assert _same(value, written), (value, written)
     assert {int(r_bytes.replace(",", "")), int(c_bytes.replace(",", ""))} == {int(cum_bytes)}
     assert 0 < identity <= float(c_bound)
+
+
+def _slugs(text: str) -> set[str]:
+    """GitHub's anchors of a markdown file's headings (repeats get -1, -2, ...); code blocks skipped."""
+    seen: dict[str, int] = {}
+    slugs, fenced = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            slugs.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return slugs
+
+
+def test_every_relative_link_and_anchor_in_readme_and_docs_resolves():
+    broken = []
+    for doc in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _slugs(file.read_text()):
+                broken.append(f"{doc.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
