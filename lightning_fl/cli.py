@@ -29,15 +29,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
-from lightning_fl.cli_errors import (
-    FailedBuild,
-    build_error,
-    format_parse_error,
-    instantiate,
-    name_key,
-    quoted_argument,
-    yaml_syntax_error,
-)
+from lightning_fl.cli_build_errors import FailedBuild, build_error, instantiate, name_key, quoted_argument
+from lightning_fl.cli_errors import format_parse_error, yaml_syntax_error
 from lightning_fl.cli_precheck import SUBCOMMANDS, TOP_KEYS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
@@ -137,10 +130,7 @@ def dump_config(parser: ArgumentParser, cfg: Namespace) -> str:
     """YAML of ``cfg`` with every value, ``None`` included, so the file reruns the same experiment."""
     cfg = cfg.clone()
     cfg.pop("config", None)
-    try:
-        return parser.dump(cfg, skip_unset=False)
-    except TypeError:  # jsonargparse < 4.49
-        return parser.dump(cfg, skip_none=False)
+    return parser.dump(cfg, skip_unset=False)
 
 
 _fail = fail  # (error: ..., the hint, exit code 2)

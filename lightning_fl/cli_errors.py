@@ -2,8 +2,8 @@
 
 jsonargparse reports a bad config as an indented tree (keys, class paths, each member of a Union); the
 classes the config builds raise their own messages. :func:`format_parse_error` reads the tree down to the
-failure the user meant and says it with the dotted key; :func:`build_error` does the same for a class that
-refused its arguments while being built; :func:`yaml_syntax_error` names the file and line of a YAML mistake.
+failure the user meant and says it with the dotted key (a class that refused its arguments while being built:
+:mod:`lightning_fl.cli_build_errors`); :func:`yaml_syntax_error` names the file and line of a YAML mistake.
 The CLI (:mod:`lightning_fl.cli`) calls them; ``tests/test_cli.py`` holds one case per message.
 """
 
@@ -11,91 +11,21 @@ from __future__ import annotations
 
 import ast
 import difflib
-import inspect
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
 
-import lightning as L
 import yaml
-from jsonargparse import ArgumentParser, Namespace
 
+from lightning_fl.cli_classes import base_for, init_params, public_subclasses, resolve_class
 from lightning_fl.cli_precheck import (
-    TOP_KEYS,
     missing_config,
     unknown_subcommand,
     unknown_top_key,
     yaml_syntax,
 )
 from lightning_fl.trainer_api import TrainerLike
-
-
-def _public_subclasses(base: type) -> list[str]:
-    """Short names of the usable lightning_fl classes deriving from ``base`` (plug-in bases excluded).
-
-    A base that lightning_fl does not implement (Lightning's ``Logger``) lists its own package's public classes.
-    """
-    ours, theirs, stack = set(), set(), [base]
-    while stack:
-        cls = stack.pop()
-        stack.extend(cls.__subclasses__())
-        if (
-            cls.__name__.startswith(("_", "LazyInstance_"))  # jsonargparse's wrapper of a lazy default
-            or cls.__dict__.get("_plugin_base", False)
-            or cls.__dict__.get("_is_protocol", False)  # a typing.Protocol (TrainerLike) is a contract, not a class
-            or inspect.isabstract(cls)
-        ):
-            continue
-        if cls.__module__.startswith("lightning_fl"):
-            ours.add(cls.__name__)
-        elif cls.__module__.split(".")[0] == base.__module__.split(".")[0] and "._" not in f"{cls.__module__}.":
-            theirs.add(cls.__name__)
-    return sorted(ours or theirs)
-
-
-def _resolve_class(path: str) -> type | None:
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(__import__(module, fromlist=[name]), name)
-    except Exception:
-        return None
-
-
-def _init_params(cls: type) -> list[str]:
-    """Constructor arguments of ``cls``, following ``**kwargs`` into the parent classes."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        try:
-            params = list(inspect.signature(klass.__init__).parameters.values())
-        except (TypeError, ValueError):
-            break
-        skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        names += [p.name for p in params if p.name != "self" and p.kind not in skip and p.name not in names]
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            break
-    return names
-
-
-def _base_for(keys: list[str], class_paths: list[str]) -> type | None:
-    """The declared type of the innermost key, found from its parent's constructor annotation."""
-    if len(keys) == 1:
-        return {"trainer": L.Trainer, "model": L.LightningModule, "data": L.LightningDataModule}.get(keys[0])
-    parent = _resolve_class(class_paths[-1]) if class_paths else None
-    if parent is None:
-        return None
-    try:
-        hints = inspect.get_annotations(parent.__init__, eval_str=True)
-    except Exception:
-        return None
-    hint = hints.get(keys[-1])
-    for candidate in getattr(hint, "__args__", (hint,)):
-        if inspect.isclass(candidate):
-            return candidate
-    return None
-
 
 FABRIC_STRATEGIES = {"auto", "ddp", "ddp_spawn", "dp", "fsdp", "deepspeed", "single_device", "xla"}
 # What jsonargparse names as the class of a key whose class was not chosen yet.
@@ -231,11 +161,11 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
 
     if match := re.search(r"Option '([^']+)' is not accepted", message):
         option = match.group(1)
-        cls = _resolve_class(class_paths[-1]) if class_paths else None
+        cls = resolve_class(class_paths[-1]) if class_paths else None
         key = ".".join([*chain, option])
         if cls is None:
             return f"{prefix}unknown key '{key}'"
-        accepted = _init_params(cls)
+        accepted = init_params(cls)
         close = difflib.get_close_matches(option, accepted, n=1)
         hint = f" Did you mean '{'.'.join([*chain, close[0]])}'?" if close else ""
         return (
@@ -258,10 +188,10 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
     if imports:
         name = imports[-1]  # the innermost: outer Union members report the enclosing class_path first
         key = ".".join(chain) or "?"
-        base = _base_for(chain, class_paths)
-        choices = _public_subclasses(base) if base is not None else []
+        base = base_for(chain, class_paths)
+        choices = public_subclasses(base) if base is not None else []
         if chain == ["trainer"]:
-            choices = sorted({"Trainer", *_public_subclasses(TrainerLike)})
+            choices = sorted({"Trainer", *public_subclasses(TrainerLike)})
         label = "Accepted short names"
         if key == "trainer.strategy" and name.split(".")[-1].lower() in FABRIC_STRATEGIES:
             label = "Fabric's strategy is trainer.fabric_strategy; server strategies"
@@ -314,113 +244,6 @@ def _merge_literals(types: list[str]) -> list[str]:
         types = [t for t in types if not t.startswith("one of ")]
         types.insert(first, "one of " + ", ".join(dict.fromkeys(", ".join(choices).split(", "))))
     return list(dict.fromkeys(types))
-
-
-# What to give instead, for keys whose refusal (Lightning's own message) does not say it.
-FIXES = {
-    "trainer.devices": "give a number of devices >= 1 or 'auto' (-1 and GPU indices such as '0,1' need GPUs)",
-}
-
-
-class FailedBuild:
-    """A jsonargparse instantiator that builds each class as usual and remembers the last one that raised.
-
-    jsonargparse keeps only the text of a Union member's failure (``trainer`` is a Lightning ``Trainer`` or a
-    ``TrainerLike``; some keys take a class or ``null``); this keeps the constructor's own exception and class.
-    """
-
-    def __init__(self) -> None:
-        self.cls: type | None = None
-        self.kwargs: dict[str, Any] = {}
-        self.error: BaseException | None = None
-
-    def __call__(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return class_type(*args, **kwargs)
-        except Exception as err:
-            self.cls, self.kwargs, self.error = class_type, kwargs, err
-            raise
-
-
-def instantiate(parser: ArgumentParser, cfg: Namespace, failed: FailedBuild) -> Namespace:
-    if not hasattr(parser, "instantiate"):  # jsonargparse < 4.49
-        return parser.instantiate_classes(cfg)
-    if "instantiators" in inspect.signature(parser.instantiate).parameters:
-        return parser.instantiate(cfg, instantiators=[(failed, object, True)])
-    return parser.instantiate(cfg)
-
-
-def build_error(err: BaseException, cfg: Namespace | None = None, failed: FailedBuild | None = None) -> str:
-    """The reason a plug-in could not be built: the constructor's own message in one line, naming the key.
-
-    The message is that of the class that raised (``failed``), else the failure in jsonargparse's report of the
-    class that was given (not the other Union members', nor the namespace it dumps); the key is the one the
-    message names, else that of the class in ``cfg``.
-    """
-    cls, kwargs, text = None, {}, str(err)
-    raised = " ".join(str(failed.error).split()) if failed is not None and failed.error is not None else ""
-    if failed is not None and (failed.error is err or (raised and raised in " ".join(text.split()))):
-        cls, kwargs, text = failed.cls, failed.kwargs, str(failed.error)
-    elif _UNION in text and (causes := _error_causes(text, building=True)):
-        text = "; ".join(c.text for c in causes)
-        given = re.search(r"class_path='([^']+)'", causes[0].given or "")
-        cls = _resolve_class(given.group(1)) if given else None
-    message = " ".join(line.strip() for line in text.splitlines() if line.strip())
-    keys = [(k, node) for k, node in _config_classes(cfg) if cls is not None and _resolve_class(node.class_path) is cls]
-    # the same class may be given twice (two callbacks): the one built with these arguments
-    agree = [k for k, node in keys if all(kwargs.get(n, v) == v for n, v in _plain_init_args(node).items())]
-    return name_key(message, (agree or [k for k, _ in keys] or [None])[0], cls)
-
-
-def _config_classes(value: Any, key: str = "") -> Iterator[tuple[str, Namespace]]:
-    """(dotted key, ``class_path`` and ``init_args``) of each class in a parsed config, outer classes first."""
-    if isinstance(value, Namespace):
-        if isinstance(value.get("class_path"), str):
-            yield key, value
-            value = value.get("init_args")
-        for name, sub in vars(value).items() if isinstance(value, Namespace) else ():
-            yield from _config_classes(sub, f"{key}.{name}" if key else name)
-    elif isinstance(value, list):
-        for i, sub in enumerate(value):
-            yield from _config_classes(sub, f"{key}[{i}]")
-
-
-def _plain_init_args(node: Namespace) -> dict[str, Any]:
-    init_args = node.get("init_args")
-    if not isinstance(init_args, Namespace):
-        return {}
-    return {n: v for n, v in vars(init_args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-
-
-def quoted_argument(message: str, cls: type | None) -> str | None:
-    """The argument of ``cls`` that ``message`` quotes the way Lightning does: `Trainer(devices=0)`, `devices`."""
-    params = _init_params(cls) if cls is not None else []
-    return next((n for n in re.findall(r"`(?:\w+\()?(\w+)(?:=|`)", message) if n in params), None)
-
-
-def name_key(message: str, key: str | None, cls: type | None) -> str:
-    """``message``, starting with the dotted key it is about unless it names one already.
-
-    ``key`` is that of the class ``cls`` that refused; Lightning quotes the argument (`Trainer(devices=0)`), and
-    our classes name it from their own level ("codec.bits must be ...").
-    """
-    if key is None:
-        return message
-    params = _init_params(cls) if cls is not None else []
-    if argument := quoted_argument(message, cls) or next(
-        (n for n in re.findall(r"(\w+)=", message) if n in params), None
-    ):
-        key = f"{key}.{argument}"
-    if match := re.match(r"(\w+)\.\w", message):
-        head = match.group(1)
-        if head in params:  # relative to the class that refused
-            return f"{key}.{message}"
-        if "." in key and head == key.rsplit(".", 1)[1]:  # relative to the class's parent
-            return f"{key.rsplit('.', 1)[0]}.{message}"
-    if re.match(rf"({'|'.join(TOP_KEYS)})\b", message) or re.search(r"\b(trainer|model|data)\.\w", message):
-        return message
-    fix = f"; {FIXES[key]}" if key in FIXES else ""
-    return f"{key}: {message.rstrip('.')}{fix}" if fix else f"{key}: {message}"
 
 
 def yaml_syntax_error(argv: list[str], err: BaseException) -> str | None:

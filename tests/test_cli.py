@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import CONFIGS, REPO, run_cli
 from lightning_fl.cli import main
-from lightning_fl.cli_errors import build_error
+from lightning_fl.cli_build_errors import build_error
 from lightning_fl.compress import FP32
 from lightning_fl.data import Digits
 from lightning_fl.errors import ConfigError
@@ -205,7 +205,8 @@ REAL_CAUSES = {
     "unknown key of the federated trainer": (
         QUICKSTART,
         ["--trainer.aggregation", "median"],
-        ["error: fit: unknown key 'trainer.aggregation' for lightning_fl.federated.loop.FederatedTrainer.", "Accepted: rounds,"],
+        ["error: fit: unknown key 'trainer.aggregation' for lightning_fl.federated.loop.FederatedTrainer.",
+         "Accepted: rounds,"],
     ),
     "literal of the federated trainer": (
         QUICKSTART,
