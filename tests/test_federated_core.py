@@ -428,3 +428,26 @@ def test_callbacks_come_from_the_config_by_class_path(in_tmp, capsys):
 
     trainer = build(["fit", *args]).trainer
     assert [type(c).__name__ for c in trainer.callbacks] == ["Recorder"] and trainer.callbacks[0].tag == "x"
+
+
+def test_the_transport_is_a_constructor_argument_and_sees_every_round(tmp_path):
+    from lightning_fl.federated.transport import InProcess
+
+    class Counting(InProcess):
+        def __init__(self):
+            super().__init__()
+            self.delivered, self.finished = [], []
+
+        def replies(self, model, datamodule, state, clients, round, seed, **kwargs):
+            self.delivered.append((round, list(clients)))
+            yield from super().replies(model, datamodule, state, clients, round, seed, **kwargs)
+
+        def finished_round(self, round, metrics):
+            self.finished.append(round)
+
+    transport = Counting()
+    trainer = quiet_fit(make_trainer(tmp_path, rounds=2, transport=transport), make_model(), make_dm())
+    assert trainer.transport is transport and transport.finished == [0, 1]
+    assert [r for r, _ in transport.delivered] == [0, 1] and all(c == [0, 1, 2, 3] for _, c in transport.delivered)
+    with pytest.raises(ConfigError, match="trainer.transport must be a Transport or null, got str"):
+        make_trainer(tmp_path, transport="flower")

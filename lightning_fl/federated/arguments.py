@@ -15,6 +15,7 @@ from lightning_fl.federated.attacks import Attack
 from lightning_fl.federated.callbacks import Callback
 from lightning_fl.federated.strategies import FedAvg, Strategy
 from lightning_fl.federated.strategies.base import configured_name
+from lightning_fl.federated.transport import Transport
 from lightning_fl.privacy.base import Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
 from lightning_fl.privacy.secure import SecureAggregation
@@ -90,6 +91,8 @@ class TrainerArguments:
             folder (one process only; docs/cross_device.md). ``null``: all in memory.
         callbacks: Your own :class:`~lightning_fl.federated.callbacks.Callback` objects, called after the trainer's
             own at the start of the rounds, at the end of every round and after the last.
+        transport: How rounds reach clients: ``null`` in process (the simulation; ``client_batching`` picks how);
+            a Flower ServerApp passes its own (:class:`~lightning_fl.flower.transport.FlowerTransport`).
     """
 
     rounds: int = 10
@@ -132,6 +135,7 @@ class TrainerArguments:
     cohort_size: int = 32
     client_state_memory_mb: float | None = None
     callbacks: list[Callback] | None = None
+    transport: Transport | None = None
 
     def __post_init__(self) -> None:
         if problems := trainer_problems(vars(self)):
@@ -180,6 +184,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         "privacy": (Privacy, "CentralDP, DistributedDP, LocalDP or null"),
         "dp_sgd": (DPSGD, "DPSGD or null"),
         "secure_aggregation": (SecureAggregation, "SecureAggregation or null"),
+        "transport": (Transport, "a Transport or null"),
     }
     quoted = {"upload_policy", "resume", "client_batching", "sampling", "fold_groups"}
     shown = {key: repr(a[key]) if key in quoted else str(a[key]) for key in ranges}

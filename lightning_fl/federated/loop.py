@@ -44,7 +44,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.summary import evaluation_lines, run_summary, write_client_epsilons
-from lightning_fl.federated.transport import InProcess, Transport
+from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.base import Plan
 from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, write_config
@@ -77,8 +77,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self.current_round = 0
         self.stopped: str | None = None  # why the rounds stopped early (the privacy budget)
         self.alarm: str | None = None  # the collapse warning (CollapseAlarm)
-        #: How rounds reach clients: in process (the simulation) unless a Flower ServerApp sets its own.
-        self.transport: Transport = InProcess(self.cohort_size if self.client_batching == "vmap" else 0)
+        if self.transport is None:  # in process: the simulation
+            self.transport = InProcess(self.cohort_size if self.client_batching == "vmap" else 0)
 
     # ============================================================================ fit
     def log_config(self, config_yaml: str) -> None:

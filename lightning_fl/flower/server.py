@@ -16,6 +16,7 @@ is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 from pathlib import Path
@@ -55,18 +56,11 @@ def serve(
     trainer = run.trainer
     if not isinstance(trainer, FederatedTrainer):
         raise ConfigError(f"trainer must be a FederatedTrainer to run on Flower, got {type(trainer).__name__}")
-    if trainer.fabric_args["devices"] not in (1, "1"):
-        raise ConfigError(
-            f"trainer.devices must be 1 on Flower (clients run on the SuperNodes), got {trainer.fabric_args['devices']}"
-        )
-    trainer.transport = FlowerTransport(
-        grid,
-        run.config_yaml,
-        round_timeout,
-        hello_timeout=hello_timeout,
-        wait_for_nodes=wait_for_nodes,
-        max_silent_rounds=max_silent_rounds,
-    )
+    if trainer.devices not in (1, "1"):
+        raise ConfigError(f"trainer.devices must be 1 on Flower (clients run on the SuperNodes), got {trainer.devices}")
+    transport = FlowerTransport(grid, run.config_yaml, round_timeout, hello_timeout=hello_timeout,
+                                wait_for_nodes=wait_for_nodes, max_silent_rounds=max_silent_rounds)  # fmt: skip
+    trainer = dataclasses.replace(trainer, transport=transport)  # the config's trainer, rounds through Flower
     trainer.log_config(run.config_yaml)
     trainer.fit(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
     return trainer
