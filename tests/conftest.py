@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `-n auto`: the cores are shared by the workers
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Flower writes under $FLWR_HOME (default ~/.flwr) when imported: keep tests out of the user's home.
 if "FLWR_HOME" not in os.environ:
     os.environ["FLWR_HOME"] = tempfile.mkdtemp(prefix="flwr-home-")
