@@ -157,7 +157,7 @@ def _devices_problems(devices: Any, accelerator: str, num_nodes: int) -> list[st
 
 
 def trainer_problems(a: dict[str, Any]) -> list[str]:
-    """What is wrong with the trainer's arguments ``a`` (its ``__init__``'s keyword arguments by name)."""
+    """What is wrong with the trainer's arguments ``a`` (the fields of :class:`TrainerArguments` by name)."""
     ranges = {  # key: (holds, what it must be)
         "rounds": (a["rounds"] >= 1, ">= 1"),
         "clients_per_round": (a["clients_per_round"] is None or a["clients_per_round"] >= 1, ">= 1 or null"),
