@@ -151,7 +151,9 @@ def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: 
 class _Optimizer:
     """Adam or SGD (the settings of the module's own optimiser) on stacked per-client tensors ``[C, ...]``,
     written as ``torch.optim``'s single-tensor implementations write them. Every client of a cohort takes its
-    ``t``-th step at step ``t``, so the step count is one number."""
+    ``t``-th step at step ``t``, so the step count is one number. Not ``torch.optim`` itself over the stacked
+    tensors: clients with fewer batches stop early, so a step updates a subset of the rows (``rows``), and a
+    ``torch.optim`` step would move every row's moments (a zero gradient still decays Adam's and SGD's momentum)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> None:
         self.kind = type(optimizer)
