@@ -512,6 +512,12 @@ def test_run_table_prints_rounds_epochs_and_a_summary(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == (
         "val/acc: first 0.5000 (step 0), last 0.6250 (step 2), max 0.7500 (step 1), min 0.5000 (step 0); 3 values"
     )
+    private = tmp_path / "version_1"  # a non-private run logs epsilon inf
+    _events(private, {1: {"privacy/epsilon": float("inf")}, 2: {"privacy/epsilon": float("inf")}})
+    assert run_table.main([str(private), "--summary"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "privacy/epsilon: first inf (step 1), last inf (step 2), max inf (step 1), min inf (step 1); 2 values"
+    )
     pretraining = tmp_path / "pretraining"
     _events(pretraining, {49: {"epoch": 0.0, "val/acc": 0.25}, 99: {"epoch": 1.0, "val/acc": 0.375}}, ".a")
     _events(pretraining, {99: {"epoch": 1.0, "val/acc": 0.875}}, ".b")  # written later: the resumed run's value

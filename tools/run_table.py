@@ -17,6 +17,7 @@ run that logs a step again overrides the earlier value.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def summary(scalars: dict[str, dict[int, float]], tags: list[str], decimals: int
 
 
 def _format(value: float, decimals: int) -> str:
+    if not math.isfinite(value):
+        return str(value)  # inf (a non-private run's epsilon), nan
     if value != 0 and abs(value) < 10 ** (-decimals):
         return f"{value:.2g}"  # an identity error of 3.6e-07 stays readable
     if value == int(value) and abs(value) >= 1:
