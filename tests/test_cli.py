@@ -205,8 +205,10 @@ REAL_CAUSES = {
     "unknown key of the federated trainer": (
         QUICKSTART,
         ["--trainer.aggregation", "median"],
-        ["error: fit: unknown key 'trainer.aggregation' for lightning_fl.federated.loop.FederatedTrainer.",
-         "Accepted: rounds,"],
+        [
+            "error: fit: unknown key 'trainer.aggregation' for lightning_fl.federated.loop.FederatedTrainer.",
+            "Accepted: rounds,",
+        ],
     ),
     "literal of the federated trainer": (
         QUICKSTART,

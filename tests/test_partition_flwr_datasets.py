@@ -62,7 +62,7 @@ def labels(n: int, classes: int, seed: int) -> np.ndarray:
     return np.random.default_rng(1000 + seed).integers(0, classes, n)
 
 
-@pytest.mark.parametrize("n, clients", [(100, 10), (1003, 7), (50, 50)])
+@pytest.mark.parametrize(("n", "clients"), [(100, 10), (1003, 7), (50, 50)])
 def test_iid_equals_flowers_iid_partitioner(n, clients):
     targets = labels(n, 10, 0)
     assert ours(IID(), targets, clients, Aligned(0)) == flower_parts(partitioner.IidPartitioner(clients), targets)
@@ -84,7 +84,7 @@ def assert_same_cuts(got: list[list[int]], want: list[list[int]], targets: np.nd
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("alpha, clients, min_size", [(0.1, 10, 10), (0.5, 13, 20), (5.0, 6, 10)])
+@pytest.mark.parametrize(("alpha", "clients", "min_size"), [(0.1, 10, 10), (0.5, 13, 20), (5.0, 6, 10)])
 def test_dirichlet_equals_flowers_dirichlet_partitioner(seed, alpha, clients, min_size):
     n = 2003  # the mean client size is not an integer for any of the client counts
     targets = labels(n, 10, seed)
@@ -107,11 +107,10 @@ def test_dirichlet_without_balancing_equals_flowers_too():
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("n, clients, per_client", [(1000, 10, 2), (600, 20, 3), (120, 6, 4)])
+@pytest.mark.parametrize(("n", "clients", "per_client"), [(1000, 10, 2), (600, 20, 3), (120, 6, 4)])
 def test_shards_equal_flowers_shard_partitioner_when_the_shards_divide_the_data(seed, n, clients, per_client):
     targets = labels(n, 10, seed)
     flower = partitioner.ShardPartitioner(clients, "label", num_shards_per_partition=per_client, shuffle=False,
                                           seed=seed)  # fmt: skip
     # ours shuffles the samples (kept in order here), then deals the shards (Flower's one draw)
     assert ours(Shards(per_client), targets, clients, Aligned(seed, keep=1)) == flower_parts(flower, targets)
-
