@@ -148,7 +148,8 @@ def main() -> None:
     torch.set_num_threads(1)
     before = machine()
     results: dict[str, dict] = {}
-    for label, payload in payloads().items():
+    made = payloads()
+    for label, payload in made.items():
         row = {"payload_bytes": payload.nbytes}
         for fmt_name, (dumps, loads) in FORMATS.items():
             data = dumps(payload)
@@ -168,7 +169,7 @@ def main() -> None:
               f"{row['safetensors_overhead_bytes']} B; " + "; ".join(
                   f"{side} {fmt(times[side]['cpu'], 'ms', 1e3)}" for side in sides))  # fmt: skip
     for name, (dumps, loads) in FORMATS.items():
-        encoded = {label: dumps(p) for label, p in payloads().items()}
+        encoded = {label: dumps(p) for label, p in made.items()}
         results[f"robustness {name}"] = robustness(encoded, loads, args.corruptions, seed=0)
         print(f"robustness {name}: {results[f'robustness {name}']}")
     report("wire_formats", before, {"settings": vars(args) | {"json": str(args.json)}, **results}, args.json)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from lightning_fl.compress.client_state import import_files
+
 
 class PayloadError(ValueError):
     """A payload that is not what the codec sends: malformed bytes, a wrong structure, or one it cannot decode."""
@@ -293,8 +295,6 @@ class Codec:
         """:meth:`load_state_dict` from a checkpoint: first the client files it names from ``source`` (the run
         folder of a checkpoint written elsewhere) into the stores' own folders; then, with ``keep``, only the
         clients this process trains."""
-        from lightning_fl.compress.client_state import import_files
-
         stores = self.client_stores()
         for name, store in stores.items() if source is not None else ():
             if store.file_backed:

@@ -84,9 +84,6 @@ class CollapseAlarm(Callback):
     """Warn once per run when the global model collapses against round 0 (chance accuracy, a loss blown up),
     naming the largest updates aggregated; the warning is kept as ``trainer.alarm`` for the run's summary."""
 
-    def on_rounds_start(self, trainer: Any, start: int) -> None:
-        trainer.alarm = None
-
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
         first = next((h for h in trainer.history if h.get("round") == 0), None)
         if trainer.alarm is not None or first is None:
