@@ -353,7 +353,7 @@ def test_fabric_strategy_names_given_as_the_server_strategy_say_where_they_belon
 
 
 def test_update_norms_in_chunks_equal_the_float64_norms_of_every_row():
-    from lightning_fl.federated.round import rows, update_norms
+    from lightning_fl.federated.uploads import rows, update_norms
 
     g = torch.Generator().manual_seed(0)
     for n, width in ((0, 7), (1, 7), (5, 3), (37, 2**15 + 3)):  # the last spans several chunks of rows
