@@ -21,6 +21,7 @@ from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.state import State
 from lightning_fl.seeding import STREAM_CLIENT, STREAM_LOADER, derive_seed, seed_everything_quietly
+from lightning_fl.steps import train_steps
 
 
 @dataclass(frozen=True)
@@ -99,19 +100,6 @@ def configure_optimizer(module: L.LightningModule) -> tuple[torch.optim.Optimize
     return conf, scheduler
 
 
-def batch_size(batch: Any) -> int:
-    """Number of samples in a batch (a tensor, a tuple/list starting with a tensor, or a dict of tensors)."""
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-        return len(batch[0])
-    if isinstance(batch, dict):
-        first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
-        if first is not None:
-            return len(first)
-    return 1
-
-
 def run_client(
     module: L.LightningModule,
     datamodule: Any,
@@ -159,7 +147,18 @@ def run_client(
     try:
         with attached(module, context):
             if dp is None:
-                _train(module, optimizer, scheduler, loader, fabric, context, local, clip, client)
+                train_steps(
+                    module,
+                    optimizer,
+                    scheduler,
+                    loader,
+                    fabric,
+                    context,
+                    epochs=local.epochs,
+                    steps=local.steps,
+                    clip=clip,
+                    no_batches=f"client {client} has no training batches",
+                )
             else:
                 train_dp_sgd(module, optimizer, scheduler, loader, fabric, context, plan, dp,
                              dp.generators(seed, round, client, fabric.device), engine)  # fmt: skip
@@ -208,29 +207,3 @@ def encode_upload(
         result.payload = local.secure.encode(state, global_state, result.client, round, seed)
         return
     result.payload = codec.encode(state, global_state, result.client)
-
-
-def _train(module, optimizer, scheduler, loader, fabric, context: StepContext, local: LocalTraining, clip, client):
-    steps = 0
-    for epoch in range(local.epochs if local.steps is None else 10**9):
-        context.current_epoch = epoch
-        for batch_idx, batch in enumerate(loader):
-            if fabric.device.type != "cpu":  # batches are made on the CPU
-                batch = fabric.to_device(batch)
-            context.weight = batch_size(batch)
-            with fabric.autocast():
-                out = module.training_step(batch, batch_idx)
-            loss = out["loss"] if isinstance(out, dict) else out
-            fabric.backward(loss)
-            if clip is not None:
-                fabric.clip_gradients(module, optimizer, max_norm=clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-            steps += 1
-            context.global_step = steps
-            if local.steps is not None and steps >= local.steps:
-                return
-        if steps == 0:
-            raise ConfigError(f"client {client} has no training batches")

@@ -36,13 +36,13 @@ from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.client import (
     ClientResult,
     LocalTraining,
-    batch_size,
     client_loader,
     configure_optimizer,
     encode_upload,
     gradient_clip,
 )
 from lightning_fl.federated.state import State
+from lightning_fl.steps import batch_size
 
 
 def cohort_problem(module: L.LightningModule, fabric: L.Fabric) -> str | None:

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from lightning_fl.context import StepContext, attached
-from lightning_fl.federated.client import batch_size
+from lightning_fl.steps import batch_size
 
 
 def shard(loader: DataLoader, fabric: L.Fabric) -> DataLoader:

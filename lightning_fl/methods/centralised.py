@@ -2,9 +2,10 @@
 
 ``lightning.Trainer`` cannot run nested inside a process that is part of a process group (its
 ``prepare_data`` barrier creates a new group on one rank only), and one rank of a federated run
-must pretrain the base while the others wait. This loop drives the module's own
-``training_step``, ``make_optimizer`` and the warm-up/cosine schedule on one device, with
-torchmetrics synchronisation switched off, and writes TensorBoard scalars per epoch.
+must pretrain the base while the others wait. This loop drives the module's own ``make_optimizer`` and the
+warm-up/cosine schedule through the federated clients' step loop (:func:`lightning_fl.steps.train_steps`) on a
+Fabric of one device, with torchmetrics synchronisation switched off; it evaluates, logs and writes TensorBoard
+scalars after every epoch.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 import lightning as L
 import torch
 import torchmetrics
+from lightning.fabric.strategies import SingleDeviceStrategy
 
 from lightning_fl.context import StepContext, attached
 from lightning_fl.methods.schedules import warmup_cosine_factor
+from lightning_fl.steps import train_steps
 
 log = logging.getLogger(__name__)
 PROGRESS = ("train/loss", "val/acc", "val/loss")  # what the progress lines show
@@ -60,6 +63,7 @@ def train_classifier(
     this module to pretrain its base.
     """
     device = resolve_device(accelerator)
+    fabric = step_fabric(device, precision)
     model.to(device)
     for metric in model.modules():  # this process trains alone: never wait for others in compute()
         if isinstance(metric, torchmetrics.Metric):
@@ -73,38 +77,27 @@ def train_classifier(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_factor(step, warmup, total, schedule)
     )
-    use_scaler = precision == "16-mixed" and device.type == "cuda"
-    scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    optimizer = fabric.setup_optimizers(optimizer)
     writer = None
     if log_dir is not None:
         from torch.utils.tensorboard import SummaryWriter  # here, not at import: most processes never write one
 
         writer = SummaryWriter(str(log_dir))
-    clip = model.hparams.grad_clip
-    step = 0
     metrics: dict[str, float] = {}
     last_line = time.monotonic()
+
+    def heartbeat(epoch: int, batch_idx: int) -> None:
+        nonlocal last_line
+        if time.monotonic() - last_line >= HEARTBEAT_SECONDS:
+            last_line = time.monotonic()
+            log.info("%s epoch %d/%d: batch %d/%d", label, epoch + 1, epochs, batch_idx + 1, len(loader))
+
     try:
         for epoch in range(epochs):
             model.train()
-            with attached(model, StepContext(None, sync=False)) as sink:
-                for batch_idx, (x, y) in enumerate(loader):
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    sink.weight = len(y)
-                    with _autocast(device, precision):
-                        loss = model.training_step((x, y), batch_idx)
-                    scaler.scale(loss).backward()
-                    if clip is not None:
-                        scaler.unscale_(optimizer)
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                    scaler.step(optimizer)
-                    scaler.update()
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
-                    step += 1
-                    if time.monotonic() - last_line >= HEARTBEAT_SECONDS:
-                        last_line = time.monotonic()
-                        log.info("%s epoch %d/%d: batch %d/%d", label, epoch + 1, epochs, batch_idx + 1, len(loader))
+            with attached(model, StepContext(None, sync=False)) as sink:  # one epoch's metrics
+                train_steps(model, optimizer, scheduler, loader, fabric, sink, clip=model.hparams.grad_clip,
+                            after_batch=lambda _, b, e=epoch: heartbeat(e, b))  # fmt: skip
             metrics = sink.reduce()
             metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, precision))
             if (epoch + 1) % max(1, epochs // 10) == 0 or epoch + 1 == epochs:  # a line every tenth of the run
@@ -118,6 +111,15 @@ def train_classifier(
         if writer is not None:
             writer.close()
     return metrics
+
+
+def step_fabric(device: torch.device, precision: str | None) -> L.Fabric:
+    """A Fabric on ``device`` alone (no process group: it may run inside one) with ``precision``'s autocast and,
+    for ``16-mixed`` on a GPU, its gradient scaler."""
+    if precision not in (None, "32", "32-true", "bf16-mixed", "16-mixed"):
+        raise ValueError(f"model.pretraining.precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}")
+    precision = "32-true" if precision in (None, "32") else precision
+    return L.Fabric(strategy=SingleDeviceStrategy(device), precision=precision, loggers=[])
 
 
 @torch.no_grad()
