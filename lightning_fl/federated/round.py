@@ -97,7 +97,7 @@ class RoundRunner:
         self.fabric, self.strategy, self.codec, self.local, self.ledger = fabric, strategy, codec, local, ledger
         # secure aggregation: the round sees the modular sum of the uploads only
         self.secure = getattr(local, "secure", None)
-        self.dropout, self.attack, self.identity, self.progress = dropout, attack, identity, progress
+        self.dropout, self.identity, self.progress = dropout, identity, progress
         self.transport = transport if transport is not None else InProcess()
         self.privacy, self.sampling, self.fold_groups = privacy, sampling, fold_groups
         #: Compressed downloads (``trainer.compressed_downloads``): the server's broadcast; ``None``: full states.
@@ -142,7 +142,7 @@ class RoundRunner:
         if self.secure is not None:
             return False
         spread = self.transport.spreads_over_processes and self.fabric.world_size > 1 and self.fold_groups == 1
-        round_attack = self.attack is not None and not self.attack.per_client
+        round_attack = (attack := self.screening.attack) is not None and not attack.per_client
         return (
             not self.strategy.streams
             or self.screening.max_update_norm_ratio is not None
@@ -180,7 +180,7 @@ class RoundRunner:
             self._fold_rows(uploads)
         if uploads.sum is None and uploads.sums is not None:  # (several streaming processes have combined theirs)
             uploads.sum = uploads.sums.combine()
-        if self.attack is not None:
+        if self.screening.attack is not None:
             metrics["fed/attacked_clients"] = uploads.attacked
         aggregated = set(uploads.folded)
         self.dropped = [e.client for e in uploads.answered if e.client not in aggregated]

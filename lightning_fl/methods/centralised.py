@@ -10,7 +10,6 @@ scalars after every epoch.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -33,15 +32,6 @@ def resolve_device(accelerator: str) -> torch.device:
     if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return torch.device("cpu")
-
-
-def _autocast(device: torch.device, precision: str | None):
-    if precision in (None, "32", "32-true"):
-        return contextlib.nullcontext()
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if dtype is None:
-        raise ValueError(f"model.pretraining.precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}")
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def train_classifier(
@@ -99,7 +89,7 @@ def train_classifier(
                 train_steps(model, optimizer, scheduler, loader, fabric, sink, clip=model.hparams.grad_clip,
                             after_batch=lambda _, b, e=epoch: heartbeat(e, b))  # fmt: skip
             metrics = sink.reduce()
-            metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, precision))
+            metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, fabric=fabric))
             if (epoch + 1) % max(1, epochs // 10) == 0 or epoch + 1 == epochs:  # a line every tenth of the run
                 shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()) if k in PROGRESS)
                 log.info("%s epoch %d/%d: %s", label, epoch + 1, epochs, shown)
@@ -115,7 +105,7 @@ def train_classifier(
 
 def step_fabric(device: torch.device, precision: str | None) -> L.Fabric:
     """A Fabric on ``device`` alone (no process group: it may run inside one) with ``precision``'s autocast and,
-    for ``16-mixed`` on a GPU, its gradient scaler."""
+    for ``16-mixed`` on a GPU, its gradient scaler (on a CPU, Fabric runs ``16-mixed`` as ``bf16-mixed``)."""
     if precision not in (None, "32", "32-true", "bf16-mixed", "16-mixed"):
         raise ValueError(f"model.pretraining.precision must be 32-true, bf16-mixed or 16-mixed, got {precision!r}")
     precision = "32-true" if precision in (None, "32") else precision
@@ -123,14 +113,18 @@ def step_fabric(device: torch.device, precision: str | None) -> L.Fabric:
 
 
 @torch.no_grad()
-def evaluate_classifier(model: L.LightningModule, loader, device: torch.device, precision: str | None = None) -> dict:
-    """The module's own validation step and epoch end, collected without a trainer."""
+def evaluate_classifier(
+    model: L.LightningModule, loader, device: torch.device, precision: str | None = None, fabric: L.Fabric | None = None
+) -> dict:
+    """The module's own validation step and epoch end, collected without a trainer, under ``fabric``'s autocast
+    (default: :func:`step_fabric` of ``device`` and ``precision``, as training uses)."""
+    fabric = fabric if fabric is not None else step_fabric(device, precision)
     model.eval()
     try:
         with attached(model, StepContext(None, sync=False)) as sink:
             for batch_idx, (x, y) in enumerate(loader):
                 sink.weight = len(y)
-                with _autocast(device, precision):
+                with fabric.autocast():
                     model.validation_step((x.to(device), y.to(device)), batch_idx)
             sink.phase = "epoch_end"
             model.on_validation_epoch_end()
