@@ -19,7 +19,8 @@ class Pretraining:
         warmup_epochs: Linear warm-up before the cosine decay.
         seed: Seed of the pretraining run (isolated from the run's own randomness).
         accelerator: Device for pretraining: ``auto`` (a GPU if there is one), ``cpu`` or ``gpu``.
-        precision: ``null``/``32-true``, ``bf16-mixed`` or ``16-mixed`` (autocast, with a grad scaler on GPU).
+        precision: ``null``/``32-true``, ``bf16-mixed`` or ``16-mixed`` (autocast, with a grad scaler on GPU; on a
+            CPU ``16-mixed`` runs as ``bf16-mixed``, as Fabric runs it).
         cache_dir: Where bases are cached (default ``$LIGHTNING_FL_CACHE`` or ``~/.cache/lightning_fl``).
     """
 
