@@ -59,7 +59,7 @@ from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated import FederatedTrainer
 from lightning_fl.federated.client import _cpu_fabric, configure_optimizer
 from lightning_fl.federated.transport import InProcess
-from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.methods import Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 from lightning_fl.models.backbone import Backbone
 
@@ -99,7 +99,9 @@ def make_module(kind: str, args: argparse.Namespace, factors: str = "stored") ->
     if kind == "latent":
         return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear",
                                 factors=factors)  # fmt: skip
-    return Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
+    return Classifier(
+        backbone, 10, head="trainable", recipe=Recipe(optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
+    )
 
 
 def make_data(args: argparse.Namespace) -> FederatedDataModule:
@@ -160,7 +162,7 @@ def client_batches(dm: FederatedDataModule, clients: int) -> list[list[tuple[tor
 def floor_run(module: Classifier, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
     """Each client: load the state, a new optimiser, its batches through training_step, read its state."""
     start = module.federated_state()
-    clip = module.hparams.grad_clip  # the module asks for it, so the trainer clips too (FLITE: 1.0)
+    clip = module.recipe.grad_clip  # the module asks for it, so the trainer clips too (FLITE: 1.0)
     module.train()
     for client_batches_ in batches:
         module.load_federated_state(start)

@@ -40,7 +40,7 @@ from lightning_fl.compress import FP32
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
 from lightning_fl.federated.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION, largest_activation, run_cohort
-from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.methods import Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 
 IMAGE_SIZE = {"digits": 8, "fmnist": 28}
@@ -53,8 +53,8 @@ def make(model: str | int, clients: int, per_client: int, batch: int, kind: str 
     size = IMAGE_SIZE[model] if isinstance(model, str) else model
     backbone = SmallCNN(in_channels=1, image_size=size, channels=[32, 64], feature_dim=128, norm_groups=8)
     if kind == "full":
-        module = Classifier(backbone, 10, head="trainable", optimizer="adam", lr=0.01, warmup_epochs=0,
-                            schedule="constant")  # fmt: skip
+        module = Classifier(backbone, 10, head="trainable", recipe=Recipe(optimizer="adam", lr=0.01, warmup_epochs=0,
+                                                                          schedule="constant"))  # fmt: skip
     else:
         module = LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
     source = Synthetic(image_size=size, channels=1, train_size=clients * per_client, test_size=16)

@@ -21,6 +21,7 @@ CPU, min and median) and each DP side's cost over its plain side per repeat.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import warnings
 
@@ -31,7 +32,7 @@ from lightning_fl.compress import FP32
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
 from lightning_fl.federated.cohort import run_cohort
-from lightning_fl.methods import Classifier, LatentClassifier
+from lightning_fl.methods import LATENT_RECIPE, Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 from lightning_fl.privacy import DPSGD
 
@@ -47,8 +48,8 @@ def sides(clients: int, steps: int, batch: int) -> dict:
     dm.prepare_data()
     dm.setup("fit")
     latent = LatentClassifier(backbone(), 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear",
-                              head="orthogonal", grad_clip=None)  # fmt: skip
-    full = Classifier(backbone(), 10, head="orthogonal", warmup_epochs=0, schedule="constant")
+                              head="orthogonal", recipe=dataclasses.replace(LATENT_RECIPE, grad_clip=None))  # fmt: skip
+    full = Classifier(backbone(), 10, head="orthogonal", recipe=Recipe(warmup_epochs=0, schedule="constant"))
     fabric, ids = _cpu_fabric(), list(range(clients))
 
     def one_at_a_time(module, dp):

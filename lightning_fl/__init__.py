@@ -29,6 +29,7 @@ _NAMES = {  # public name -> the module that defines it
     "LatentLanguageModel": "lightning_fl.methods",
     "LoRAClassifier": "lightning_fl.methods",
     "LoRALanguageModel": "lightning_fl.methods",
+    "Recipe": "lightning_fl.methods",
     "set_threads": "lightning_fl.threads",
     "TrainerLike": "lightning_fl.trainer_api",
 }

@@ -10,9 +10,10 @@ The CLI (:mod:`lightning_fl.cli`) calls them; ``tests/test_cli.py`` holds one ca
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
+import inspect
 import re
-from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
@@ -39,7 +40,7 @@ _NOT_A_SUBCLASS = "does not (?:correspond to a subclass of|implement protocol) "
 _OTHER_MEMBER = re.compile(rf"Import path (?:\S+ )?{_NOT_A_SUBCLASS}")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Cause:
     """One leaf of jsonargparse's error tree: the keys and class paths above it, its text, the value given."""
 
@@ -171,6 +172,21 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
         return (
             f"{prefix}unknown key '{key}' for {cls.__module__}.{cls.__name__}.{hint} Accepted: {', '.join(accepted)}."
         )
+
+    # A misspelt field of a dataclass argument (``model.recipe``): jsonargparse names the group and the option.
+    field = re.search(r"Group '(?:[\w.]*\.)?(\w+)' does not accept option '([^'=]+)'", message) or re.search(
+        r"^unrecognized arguments: --(\w+)\.(\w+)[= ]", message, flags=re.M
+    )
+    if field and class_paths and class_paths[-1] not in BASE_CLASS_PATHS:
+        group, option = field.groups()
+        default = getattr(inspect.signature(resolve_class(class_paths[-1])).parameters.get(group), "default", None)
+        accepted = [f.name for f in dataclasses.fields(default)] if dataclasses.is_dataclass(default) else []
+        close = difflib.get_close_matches(option, accepted, n=1)
+        key, hint = (
+            ".".join([*chain, group]),
+            f" Did you mean '{'.'.join([*chain, group, close[0]])}'?" if close else "",
+        )
+        return f"{prefix}unknown key '{key}.{option}'.{hint} Accepted: {', '.join(accepted)}."
 
     if match := re.search(r"does not accept option '([^']+)'", message) or re.search(
         r"Unrecognized arguments: (\S+)", message

@@ -7,7 +7,7 @@ import torch
 
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.errors import CheckpointError, ConfigError
-from lightning_fl.methods import Classifier, TrainingDivergedError, warmup_cosine_factor
+from lightning_fl.methods import Classifier, Pretraining, Recipe, TrainingDivergedError, warmup_cosine_factor
 from lightning_fl.models import SmallCNN
 
 
@@ -25,7 +25,9 @@ def test_warmup_then_cosine_to_zero():
 
 
 def test_only_trainable_parameters_reach_the_optimiser_and_the_frozen_head_stays_put():
-    model = make_model(warmup_epochs=0, schedule="constant")  # without a trainer: a federated client's optimiser
+    model = make_model(
+        recipe=Recipe(warmup_epochs=0, schedule="constant")
+    )  # without a trainer: a federated client's optimiser
     optimizer = model.configure_optimizers()
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert id(model.head.weight) not in params
@@ -40,7 +42,9 @@ def test_only_trainable_parameters_reach_the_optimiser_and_the_frozen_head_stays
 
 
 def test_trainable_head_is_optimised():
-    model = make_model(head="trainable", optimizer="adamw", lr=1e-3, warmup_epochs=0, schedule="constant")
+    model = make_model(
+        head="trainable", recipe=Recipe(optimizer="adamw", lr=1e-3, warmup_epochs=0, schedule="constant")
+    )
     optimizer = model.configure_optimizers()
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert id(model.head.weight) in params and isinstance(optimizer, torch.optim.AdamW)
@@ -48,16 +52,43 @@ def test_trainable_head_is_optimised():
 
 def test_invalid_hyperparameters_are_gathered_into_one_message():
     with pytest.raises(ConfigError) as info:
-        make_model(lr=0, momentum=1.5, warmup_epochs=-1)
-    assert "model.lr" in str(info.value) and "model.momentum" in str(info.value)
-    assert "model.warmup_epochs" in str(info.value)
+        make_model(recipe=Recipe(lr=0, momentum=1.5, warmup_epochs=-1))
+    assert "model.recipe.lr" in str(info.value) and "model.recipe.momentum" in str(info.value)
+    assert "model.recipe.warmup_epochs" in str(info.value)
+
+
+def test_the_recipe_is_one_value_saved_as_plain_data():
+    model = make_model(recipe=Recipe(optimizer="adamw", lr=1e-3, warmup_epochs=0, schedule="constant", grad_clip=2.0))
+    assert model.hparams["recipe"] == {
+        "optimizer": "adamw",
+        "lr": 1e-3,
+        "momentum": 0.9,
+        "weight_decay": 5e-4,
+        "nesterov": False,
+        "warmup_epochs": 0,
+        "schedule": "constant",
+        "grad_clip": 2.0,
+    }
+    assert not {"lr", "optimizer", "grad_clip"} & set(model.hparams)  # one value, not eight keys
+    group = model.configure_optimizers().param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (1e-3, 5e-4)
+    with pytest.raises(ConfigError, match="model.recipe must be a lightning_fl.Recipe, got dict"):
+        make_model(recipe={"lr": 0.1})
+
+
+def test_the_pretraining_recipe_is_checked_and_named_under_its_own_key():
+    with pytest.raises(ConfigError, match=r"model.pretraining.epochs must be >= 1, got 0; model.pretraining.lr must"):
+        Pretraining(epochs=0, lr=-1.0)
+    pretraining = Pretraining(epochs=2, optimizer="adam", lr=0.02, weight_decay=0.0, warmup_epochs=0.5)
+    module = make_model(pretraining=pretraining).pretraining_module()
+    assert module.recipe == Recipe("adam", 0.02, 0.9, 0.0, False, 0.5, "cosine", None) == pretraining.recipe()
 
 
 def test_nan_loss_stops_training_with_a_clear_error():
     model = make_model()
     with torch.no_grad():
         model.backbone.fc.weight.fill_(float("nan"))
-    with pytest.raises(TrainingDivergedError, match="Lower model.lr"):
+    with pytest.raises(TrainingDivergedError, match="Lower model.recipe.lr"):
         model.training_step((torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])), 0)
 
 

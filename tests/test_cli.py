@@ -1,3 +1,4 @@
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def test_fit_writes_config_events_and_checkpoints_then_resumes_at_epoch_2(in_tmp
     run = in_tmp / "runs" / "pretrain_digits" / "version_0"
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["seed_everything"] == 0 and saved["trainer"]["init_args"]["max_epochs"] == 1
-    assert saved["model"]["init_args"]["nesterov"] is False  # defaults are written too
+    assert saved["model"]["init_args"]["recipe"]["nesterov"] is False  # defaults are written too
     assert saved["data"]["init_args"]["source"]["class_path"] == "lightning_fl.data.Digits"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]
     acc = events(run)
@@ -56,11 +57,25 @@ def test_validate_and_test_load_the_checkpoint(in_tmp):
 
 
 def test_print_config_shows_every_default(capsys):
-    assert run_cli("fit", "--config", DIGITS, "--model.lr", "0.1", "--print_config") == 0
+    assert run_cli("fit", "--config", DIGITS, "--model.recipe.lr", "0.1", "--print_config") == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["init_args"]["lr"] == 0.1
+    assert printed["model"]["init_args"]["recipe"]["lr"] == 0.1
+    assert printed["model"]["init_args"]["recipe"]["nesterov"] is False
     assert printed["model"]["init_args"]["label_smoothing"] == 0.0
     assert printed["data"]["init_args"]["partition"]["class_path"] == "lightning_fl.data.IID"
+
+
+def test_a_partial_recipe_keeps_the_methods_own_defaults(capsys):
+    """``model.recipe`` given in part: the other keys are the method's defaults (FLITE's), not Recipe's."""
+    from lightning_fl.methods import LATENT_RECIPE, Recipe
+
+    assert (
+        run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--model.recipe.lr", "0.3", "--print_config") == 0
+    )
+    recipe = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["recipe"]
+    expected = dataclasses.replace(LATENT_RECIPE, lr=0.3, grad_clip=1.0)  # quickstart.yaml sets grad_clip, lr, ...
+    assert recipe == dataclasses.asdict(expected) and Recipe(**recipe) != Recipe(lr=0.3, grad_clip=1.0)
+    assert recipe["schedule"] == "constant" and recipe["warmup_epochs"] == 0.0  # Recipe()'s are cosine and 3
 
 
 def test_one_shot_classes_have_short_names_without_a_config(capsys):
@@ -115,15 +130,16 @@ def write(path: Path, text: str) -> str:
 
 
 BAD_CASES = {
-    "misspelt key": (["--model.lrr", "0.1"], ["model.lrr", "Did you mean 'model.lr'?", "Accepted: backbone"]),
+    "misspelt key": (["--model.num_clases", "3"], ["model.num_clases", "'model.num_classes'?", "Accepted: backbone"]),
+    "misspelt recipe key": (["--model.recipe.lrr", "0.1"], ["model.recipe.lrr", "Did you mean 'model.recipe.lr'?"]),
     "misspelt nested key": (["--data.source.test_fractoin", "0.1"], ["data.source.test_fractoin", "test_fraction"]),
     "misspelt trainer key": (["--trainer.max_epoch", "3"], ["trainer.max_epoch", "'trainer.max_epochs'"]),
-    "wrong type": (["--model.lr", "fast"], ["model.lr: expected float, got 'fast'"]),
+    "wrong type": (["--model.recipe.lr", "fast"], ["model.recipe.lr: expected float, got 'fast'"]),
     "wrong literal": (["--model.head", "orthognal"], ["model.head", "'orthogonal', 'kaiming', 'trainable'"]),
     "unknown class": (["--data.source", "CIFAR11"], ["data.source: unknown class 'CIFAR11'", "CIFAR10, CIFAR100"]),
     "unknown trainer": (["--trainer", "Trainr"], ["trainer: unknown class 'Trainr'", "Trainer"]),
     "missing config file": (["--config", "nope.yaml"], ["config file", "nope.yaml does not exist"]),
-    "invalid value": (["--model.lr", "-1"], ["model.lr must be > 0"]),
+    "invalid value": (["--model.recipe.lr", "-1"], ["model.recipe.lr must be > 0"]),
     "missing checkpoint": (["--ckpt_path", "gone.ckpt"], ["ckpt_path gone.ckpt does not exist"]),
     "missing data set": (
         [
@@ -161,9 +177,9 @@ def test_yaml_typos_are_named(in_tmp, capsys):
     top = write(in_tmp / "top.yaml", "modle:\n  class_path: Classifier\n")
     assert run_cli("fit", "--config", DIGITS, "--config", top) == 2
     assert "unknown key 'modle'. Did you mean 'model'?" in capsys.readouterr().err
-    nested = write(in_tmp / "nested.yaml", "model:\n  init_args:\n    wieght_decay: 0.1\n")
+    nested = write(in_tmp / "nested.yaml", "model:\n  init_args:\n    recipe:\n      wieght_decay: 0.1\n")
     assert run_cli("fit", "--config", DIGITS, "--config", nested) == 2
-    assert "Did you mean 'model.weight_decay'?" in capsys.readouterr().err
+    assert "Did you mean 'model.recipe.weight_decay'?" in capsys.readouterr().err
     assert run_cli("fitt", "--config", DIGITS) == 2
     assert "unknown subcommand 'fitt'. Did you mean 'fit'?" in capsys.readouterr().err
 
@@ -300,8 +316,9 @@ NO_CONFIG = {
         "error: fit: model: unknown class 'Foo'. Accepted short names: Classifier, FMPMetaLearner, FedProx, Language",
     ),
     "a model key before the model": (
-        ["--model.lr", "3"],
-        "error: fit: model.lr: choose the model class first, with --model CLASS or a --config that sets model.\n",
+        ["--model.recipe.lr", "3"],
+        "error: fit: model.recipe.lr: choose the model class first, with --model CLASS or a --config that sets "
+        "model.\n",
     ),
     "help inside a model not chosen": (
         ["--model.summariser.help", "Foo"],

@@ -3,6 +3,7 @@ clients trained one at a time, up to float32 rounding; what cannot be vectorised
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from lightning_fl.compress import TopK
 from lightning_fl.data import Dirichlet
 from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
 from lightning_fl.federated.cohort import cohort_problem, run_cohort
+from lightning_fl.methods import LATENT_RECIPE
 
 # Stated tolerance: after 3 rounds the latents of cohort and sequential runs differ by at most 1e-5 (float32
 # rounding of the batched products; measured about 1e-7 after one round).
@@ -73,15 +75,16 @@ def test_kronecker_factors_train_in_cohorts_as_one_at_a_time(tmp_path):
     ("model_args", "trainer_args"),
     [
         ({"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}, {"local_steps": 5}),
-        ({"grad_clip": 0.05}, {"local_epochs": 2}),
+        ({"grad_clip": 0.05}, {"local_epochs": 2}),  # the rest of FLITE's recipe (Adam) as it is
     ],
     ids=["sgd_momentum_local_steps", "clipping_two_epochs"],
 )
 def test_unequal_clients_sgd_steps_and_clipping_equal_sequential(tmp_path, model_args, trainer_args):
     """Dirichlet clients of unequal sizes: their last batches differ in size, so each step runs in groups."""
     dm = lambda: make_dm(num_clients=8, batch_size=8, partition=Dirichlet(alpha=0.5, min_partition_size=5))
-    sequential = fit(tmp_path, "seq", "sequential", model=make_model(**model_args), dm=dm(), **trainer_args)
-    cohort = fit(tmp_path, "vmap", "vmap", model=make_model(**model_args), dm=dm(), **trainer_args)
+    recipe = dataclasses.replace(LATENT_RECIPE, **model_args)
+    sequential = fit(tmp_path, "seq", "sequential", model=make_model(recipe=recipe), dm=dm(), **trainer_args)
+    cohort = fit(tmp_path, "vmap", "vmap", model=make_model(recipe=recipe), dm=dm(), **trainer_args)
     split = dm()
     split.setup()
     assert len({split.client_num_samples(c) for c in range(8)}) > 1  # the clients really differ in size
@@ -179,7 +182,11 @@ def test_the_activation_probe_leaves_random_state_and_modes_as_it_found_them():
 def test_a_diverging_client_fails_alone_with_the_sequential_message(tmp_path):
     dm = make_dm(num_clients=4, batch_size=8)
     dm.setup()
-    model, fabric, local = make_model(lr=1e30, grad_clip=None), _cpu_fabric(), LocalTraining(epochs=3)
+    model, fabric, local = (
+        make_model(recipe=dataclasses.replace(LATENT_RECIPE, lr=1e30, grad_clip=None)),
+        _cpu_fabric(),
+        LocalTraining(epochs=3),
+    )
     state = model.federated_state()
     sequential = [run_client(model, dm, state, c, 0, 0, codec=TopK(density=1.0, error_feedback=False), local=local,
                              fabric=fabric) for c in range(4)]  # fmt: skip

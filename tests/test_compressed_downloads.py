@@ -16,7 +16,7 @@ from lightning_fl.compress.downlink import SERVER
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import FederatedTrainer, Median
 from lightning_fl.federated.transport import InProcess, Transport
-from lightning_fl.methods import Classifier
+from lightning_fl.methods import Classifier, Recipe
 from lightning_fl.models import SmallCNN
 from lightning_fl.privacy import CentralDP
 from lightning_fl.privacy.secure import SecureAggregation
@@ -26,7 +26,7 @@ def make_classifier():
     """Full-weight FedAvg of a tiny CNN: matrix-shaped tensors, so PowerSGD compresses them."""
     torch.manual_seed(0)
     backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
-    return Classifier(backbone, 10, lr=0.05, warmup_epochs=0, schedule="constant")
+    return Classifier(backbone, 10, recipe=Recipe(lr=0.05, warmup_epochs=0, schedule="constant"))
 
 
 #: label: (codec, model, extra trainer arguments); the latent is 24 floats (top-k keeps 5), the CNN 9,592 weights

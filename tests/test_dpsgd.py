@@ -23,14 +23,16 @@ CLIENT, ROUND, SEED = 1, 0, 0
 
 
 def classifier(optimizer="adam", lr=1e-3, norm="group"):
-    from lightning_fl.methods import Classifier
+    from lightning_fl.methods import Classifier, Recipe
     from lightning_fl.models import SmallCNN
 
     torch.manual_seed(0)
     backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
     if norm == "batch":
         backbone.features[1] = torch.nn.BatchNorm2d(8)
-    return Classifier(backbone, 10, warmup_epochs=0, schedule="constant", optimizer=optimizer, lr=lr, weight_decay=0.0)
+    return Classifier(
+        backbone, 10, recipe=Recipe(optimizer, lr, weight_decay=0.0, warmup_epochs=0, schedule="constant")
+    )
 
 
 @pytest.fixture(scope="module")

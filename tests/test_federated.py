@@ -13,7 +13,7 @@ from lightning_fl.checkpoint import atomic_save, content_digest
 from lightning_fl.compress import FP32, Quantize
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import FactorMismatchError, FedAvg, FederatedTrainer, UploadRejectedError
-from lightning_fl.methods import LatentClassifier, Pretraining, TrainingDivergedError
+from lightning_fl.methods import LatentClassifier, Pretraining, Recipe, TrainingDivergedError
 from lightning_fl.models import SmallCNN
 
 
@@ -376,7 +376,7 @@ def test_full_weight_fedavg_of_a_classifier_runs_through_the_same_trainer(tmp_pa
 
     torch.manual_seed(0)
     backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
-    model = Classifier(backbone, 10, lr=0.05, warmup_epochs=0, schedule="constant")
+    model = Classifier(backbone, 10, recipe=Recipe(lr=0.05, warmup_epochs=0, schedule="constant"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainer = make_trainer(tmp_path, rounds=1, logger=False)
     trainer.fit(model, datamodule=make_dm())
@@ -389,9 +389,9 @@ def test_a_centralised_schedule_is_refused_before_anything_trains(tmp_path):
     """Warm-up and cosine decay have no clock in a client's round: refused when the run starts, with the fix."""
     from lightning_fl.methods import Classifier
 
-    model = Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, warmup_epochs=3)
-    with pytest.raises(ConfigError, match=r"model.warmup_epochs=3 and model.schedule='cosine' .* set "
-                       r"model.warmup_epochs 0 and model.schedule constant"):  # fmt: skip
+    model = Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, recipe=Recipe(warmup_epochs=3))
+    with pytest.raises(ConfigError, match=r"model.recipe.warmup_epochs=3 and model.recipe.schedule='cosine' .* set "
+                       r"model.recipe.warmup_epochs 0 and model.recipe.schedule constant"):  # fmt: skip
         make_trainer(tmp_path, rounds=1, logger=False).fit(model, datamodule=make_dm())
     assert not list(tmp_path.rglob("*.ckpt"))
 
@@ -408,7 +408,7 @@ def _with_scheduler(interval: str):
 
     torch.manual_seed(0)
     backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)
-    model = Scheduled(backbone, 10, warmup_epochs=0, schedule="constant")
+    model = Scheduled(backbone, 10, recipe=Recipe(warmup_epochs=0, schedule="constant"))
     model.seen_optimizers = []
     return model
 

@@ -3,6 +3,7 @@
 Every corpus is a small set of plays the tests write in the modern edition's layout; nothing goes online.
 """
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from lightning_fl.compress import Quantize
 from lightning_fl.data import ByRole, FederatedTextDataModule, Shakespeare
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.methods import LanguageModel, LatentLanguageModel, Pretraining
+from lightning_fl.methods import LM_RECIPE, LanguageModel, LatentLanguageModel, Pretraining
 from lightning_fl.methods.centralised import train_classifier
 from lightning_fl.metrics import NextTokenMetrics
 from lightning_fl.models import TinyGPT
@@ -124,7 +125,7 @@ def test_the_vocabulary_travels_with_the_weights(corpus, tmp_path):
 # ------------------------------------------------------------------------------------------------ training
 def test_central_training_lowers_perplexity_and_reports_loss_ppl_acc(corpus):
     dm = text_dm(corpus)
-    model = LanguageModel(network(dm.vocab_size), lr=1e-2, warmup_epochs=0)
+    model = LanguageModel(network(dm.vocab_size), recipe=dataclasses.replace(LM_RECIPE, lr=1e-2))
     model.check_data(dm)
     from lightning_fl.methods.centralised import evaluate_classifier
 
@@ -142,7 +143,7 @@ def test_a_diverging_loss_is_reported(corpus):
     with torch.no_grad():
         model.network.wte.weight.fill_(float("nan"))
     x, y = next(iter(dm.client_dataloader(0)))
-    with pytest.raises(FloatingPointError, match="Lower model.lr"):
+    with pytest.raises(FloatingPointError, match="Lower model.recipe.lr"):
         model.training_step((x, y), 0)
 
 

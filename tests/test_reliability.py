@@ -172,7 +172,7 @@ def test_two_cli_runs_started_together_keep_both_results(tmp_path):
         str(tmp_path / "runs"), "--model.pretraining.epochs", "2",
     ]  # fmt: skip
     procs = [
-        subprocess.Popen([*common, "--model.lr", lr], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([*common, "--model.recipe.lr", lr], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
         for lr in ("0.011", "0.022")
     ]
     try:

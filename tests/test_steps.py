@@ -13,7 +13,7 @@ from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import LocalTraining, run_client
 from lightning_fl.federated.client import _cpu_fabric
-from lightning_fl.methods import Classifier
+from lightning_fl.methods import Classifier, Recipe
 from lightning_fl.methods.centralised import train_classifier
 from lightning_fl.models import SmallCNN
 from lightning_fl.steps import train_steps
@@ -28,7 +28,7 @@ def data(n: int = 72, batch: int = 16) -> DataLoader:
 def classifier(**recipe) -> Classifier:
     torch.manual_seed(0)
     return Classifier(SmallCNN(in_channels=1, image_size=8, channels=[8, 16], norm_groups=4), num_classes=10,
-                      warmup_epochs=0, schedule="constant", **recipe)  # fmt: skip
+                      recipe=Recipe(warmup_epochs=0, schedule="constant", **recipe))  # fmt: skip
 
 
 @pytest.mark.parametrize("recipe", [{"optimizer": "adam", "lr": 0.01, "grad_clip": 0.05},

@@ -31,7 +31,7 @@ class LocalTraining:
     Args:
         epochs: Local epochs E (ignored when ``steps`` is set).
         steps: Local optimiser steps instead of epochs (cycling the client's data).
-        gradient_clip_val: Clip gradient norms; ``None`` uses the module's ``hparams.grad_clip``, if any.
+        gradient_clip_val: Clip gradient norms; ``None`` uses the module's ``recipe.grad_clip``, if any.
         upload_stage: What the client does to its trained state before encoding it (local DP: clip its update and
             add noise, :class:`~lightning_fl.privacy.LocalDP`); ``None``: nothing.
         dp_sgd: Record-level DP-SGD on the client's local steps (:class:`~lightning_fl.privacy.DPSGD`); ``None``:
@@ -181,10 +181,10 @@ def client_loader(datamodule: Any, client: int, round: int, seed: int):
 
 
 def gradient_clip(module: L.LightningModule, local: LocalTraining) -> float | None:
-    """The clipping norm: ``local.gradient_clip_val``, else the module's ``hparams.grad_clip`` (``None``: none)."""
+    """The clipping norm: ``local.gradient_clip_val``, else the module's ``recipe.grad_clip`` (``None``: none)."""
     if local.gradient_clip_val is not None:
         return local.gradient_clip_val
-    return getattr(getattr(module, "hparams", None), "grad_clip", None)
+    return getattr(getattr(module, "recipe", None), "grad_clip", None)
 
 
 def encode_upload(

@@ -302,7 +302,7 @@ def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *,
                 loss_k = losses[i, : sizes[i]].mean()
                 if not bool(torch.isfinite(loss_k)):
                     results[k].failure = (f"local training failed: train/loss became {float(loss_k)} at step {t}. "
-                                          "Lower model.lr, or check the data for NaNs.")  # fmt: skip
+                                          "Lower model.recipe.lr, or check the data for NaNs.")  # fmt: skip
                     alive[k] = False
                     continue
                 acc_k = accuracy(logits[i, : sizes[i]].detach().unsqueeze(0), y[i, : sizes[i]].unsqueeze(0))[0]

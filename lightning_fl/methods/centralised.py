@@ -48,7 +48,7 @@ def train_classifier(
     Progress goes to the log as ``<label> epoch e/E: <metrics>`` every tenth of the run, and as
     ``<label> epoch e/E: batch b/B`` at most once a minute inside a long epoch.
 
-    ``model`` is a :class:`~lightning_fl.methods.Classifier` (or has its ``make_optimizer`` and ``hparams``
+    ``model`` is a :class:`~lightning_fl.methods.Classifier` (or has its ``make_optimizer`` and a ``recipe`` with
     ``warmup_epochs``, ``schedule`` and ``grad_clip``); this module does not import it, the classifier imports
     this module to pretrain its base.
     """
@@ -61,9 +61,9 @@ def train_classifier(
             metric._to_sync = False
     loader = datamodule.train_dataloader()
     total = epochs * len(loader)
-    warmup = round(model.hparams.warmup_epochs * len(loader))
+    warmup = round(model.recipe.warmup_epochs * len(loader))
     optimizer = model.make_optimizer([p for p in model.parameters() if p.requires_grad])
-    schedule = model.hparams.schedule
+    schedule = model.recipe.schedule
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_factor(step, warmup, total, schedule)
     )
@@ -86,7 +86,7 @@ def train_classifier(
         for epoch in range(epochs):
             model.train()
             with attached(model, StepContext(None, sync=False)) as sink:  # one epoch's metrics
-                train_steps(model, optimizer, scheduler, loader, fabric, sink, clip=model.hparams.grad_clip,
+                train_steps(model, optimizer, scheduler, loader, fabric, sink, clip=model.recipe.grad_clip,
                             after_batch=lambda _, b, e=epoch: heartbeat(e, b))  # fmt: skip
             metrics = sink.reduce()
             metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, fabric=fabric))

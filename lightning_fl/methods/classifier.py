@@ -15,18 +15,17 @@ from torch import nn
 from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.methods.pretraining import Pretraining
-from lightning_fl.methods.recipe import (
-    OptimizerName,
-    TrainingDivergedError,
-    TrainingRecipe,
-    load_state_dict_file,
-)
-from lightning_fl.methods.schedules import Schedule, recipe_problems
+from lightning_fl.methods.recipe import TrainingDivergedError, TrainingRecipe, load_state_dict_file
+from lightning_fl.methods.schedules import Recipe
 from lightning_fl.metrics import classification_metrics
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import ClassifierHead, HeadKind
 
-__all__ = ["Classifier", "OptimizerName", "TrainingDivergedError", "load_state_dict_file"]
+__all__ = ["CLASSIFIER_RECIPE", "Classifier", "TrainingDivergedError", "load_state_dict_file"]
+
+#: How a :class:`Classifier` trains by default: the FLITE paper's centralised recipe (SGD, momentum 0.9, lr 0.05,
+#: weight decay 5e-4, a 3-epoch warm-up, then cosine to zero).
+CLASSIFIER_RECIPE = Recipe()
 
 
 class Classifier(TrainingRecipe):
@@ -36,17 +35,9 @@ class Classifier(TrainingRecipe):
         backbone: Feature extractor (``ResNet18``, ``ResNet34``, ``SmallCNN``, or your own ``Backbone``).
         num_classes: Number of classes; must match the data set.
         head: ``orthogonal`` (frozen, default), ``kaiming`` (frozen) or ``trainable``.
-        optimizer: ``sgd`` (momentum, optional Nesterov), ``adam`` or ``adamw``. For another optimiser,
-            subclass and override ``configure_optimizers``.
-        lr: Peak learning rate.
-        momentum: SGD momentum (ignored by Adam/AdamW).
-        weight_decay: Weight decay on every trainable parameter.
-        nesterov: Nesterov momentum for SGD.
-        warmup_epochs: Linear warm-up length in epochs (fractions allowed); 0 disables it.
-        schedule: ``cosine`` decays to zero at the end of training; ``constant`` keeps ``lr`` after warm-up.
+        recipe: The optimiser recipe (:class:`~lightning_fl.methods.schedules.Recipe`); the default is the FLITE
+            paper's centralised one (``CLASSIFIER_RECIPE``).
         label_smoothing: Cross-entropy label smoothing.
-        grad_clip: Clip the gradient norm to this value every step (``null``: no clipping). Applied by
-            ``lightning.Trainer`` (unless its own ``gradient_clip_val`` is set) and by federated trainers alike.
         init_from: Checkpoint (Lightning ``.ckpt`` or a state dict) whose backbone and head weights to
             start from, e.g. a pretrained base for fine-tuning. Loaded with ``weights_only=True``.
         pretraining: Without ``init_from``: pretrain the backbone and head with this recipe before training
@@ -63,15 +54,8 @@ class Classifier(TrainingRecipe):
         backbone: Backbone,
         num_classes: int,
         head: HeadKind = "orthogonal",
-        optimizer: OptimizerName = "sgd",
-        lr: float = 0.05,
-        momentum: float = 0.9,
-        weight_decay: float = 5e-4,
-        nesterov: bool = False,
-        warmup_epochs: float = 3.0,
-        schedule: Schedule = "cosine",
+        recipe: Recipe = CLASSIFIER_RECIPE,
         label_smoothing: float = 0.0,
-        grad_clip: float | None = None,
         init_from: str | None = None,
         pretraining: Pretraining | None = None,
     ) -> None:
@@ -79,16 +63,14 @@ class Classifier(TrainingRecipe):
         problems = []
         if num_classes < 2:
             problems.append(f"model.num_classes must be >= 2, got {num_classes}")
-        problems += recipe_problems(optimizer, lr, momentum, weight_decay, nesterov, warmup_epochs, schedule, grad_clip)
         if not 0 <= label_smoothing < 1:
             problems.append(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if not isinstance(backbone, nn.Module) or not hasattr(backbone, "out_features"):
             problems.append("model.backbone must be a Backbone (an nn.Module with an out_features attribute)")
         if problems:
             raise ConfigError("; ".join(problems))
-        if pretraining is not None and pretraining.epochs < 1:
-            raise ConfigError(f"model.pretraining.epochs must be >= 1, got {pretraining.epochs}")
         self.save_hyperparameters(ignore=self._hparams_ignore())
+        self.use_recipe(recipe)
         self.backbone = backbone
         self.head = ClassifierHead(backbone.out_features, num_classes, head)
         self.num_classes = num_classes
@@ -104,7 +86,7 @@ class Classifier(TrainingRecipe):
 
     def _hparams_ignore(self) -> list[str]:
         """Constructor arguments kept out of ``hparams`` (modules and objects that are not plain values)."""
-        return ["backbone", "pretraining"]
+        return ["backbone", "pretraining", "recipe"]
 
     # ----------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,11 +112,7 @@ class Classifier(TrainingRecipe):
             backbone=copy.deepcopy(self.base_backbone()).requires_grad_(True),
             num_classes=self.num_classes,
             head=self.hparams.head,
-            optimizer=p.optimizer,
-            lr=p.lr,
-            momentum=p.momentum,
-            weight_decay=p.weight_decay,
-            warmup_epochs=p.warmup_epochs,
+            recipe=p.recipe(),
         )
         pre.head.load_state_dict(self.head.state_dict())  # the same frozen class prototypes
         return pre

@@ -25,16 +25,18 @@ from torch.func import functional_call
 from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import FactorMode, LayerSelection
-from lightning_fl.methods.latent import LatentSteering
+from lightning_fl.methods.latent import LATENT_RECIPE, LatentSteering
 from lightning_fl.methods.pretraining import Pretraining
-from lightning_fl.methods.recipe import OptimizerName, TrainingRecipe
-from lightning_fl.methods.schedules import Schedule, recipe_problems
+from lightning_fl.methods.recipe import TrainingRecipe
+from lightning_fl.methods.schedules import Recipe
 from lightning_fl.metrics import NextTokenMetrics
 from lightning_fl.models.gpt import generate
 
 #: The recipe that pretrains a language-model base when no checkpoint is given: AdamW with a half-epoch warm-up,
 #: then cosine decay, and 10 epochs over the central split. Pretraining always clips gradient norms at 1.0.
 LM_PRETRAINING = Pretraining(epochs=10, optimizer="adamw", lr=3e-3, weight_decay=0.01, warmup_epochs=0.5)
+#: How a :class:`LanguageModel` trains by default: AdamW, no warm-up, cosine decay, gradient norms clipped at 1.0.
+LM_RECIPE = Recipe(optimizer="adamw", lr=1e-3, weight_decay=0.01, warmup_epochs=0.0, schedule="cosine", grad_clip=1.0)
 
 
 class LanguageModel(TrainingRecipe):
@@ -43,16 +45,8 @@ class LanguageModel(TrainingRecipe):
     Args:
         network: Token ids ``(B, T)`` to logits ``(B, T, vocab_size)``, with ``vocab_size`` and ``context``
             attributes (``lightning_fl.models.TinyGPT``). ``vocab_size`` must equal the data's vocabulary.
-        optimizer: ``adamw`` (default), ``adam`` or ``sgd``.
-        lr: Peak learning rate.
-        momentum: SGD momentum (ignored by Adam/AdamW).
-        weight_decay: Weight decay on every trainable parameter.
-        nesterov: Nesterov momentum for SGD.
-        warmup_epochs: Linear warm-up length in epochs (fractions allowed; ``lightning.Trainer`` only: federated
-            runs refuse a non-zero value).
-        schedule: ``cosine`` or ``constant`` after the warm-up (``lightning.Trainer`` only: federated runs need
-            ``constant``).
-        grad_clip: Gradient-norm clipping (``null``: none), by ``lightning.Trainer`` and federated clients alike.
+        recipe: The optimiser recipe (:class:`~lightning_fl.methods.schedules.Recipe`); default ``LM_RECIPE``:
+            AdamW at 1e-3, weight decay 0.01, no warm-up, cosine, gradient norms clipped at 1.0.
         init_from: Checkpoint whose ``network.*`` weights and vocabulary to start from (e.g. the ``last.ckpt``
             of ``configs/pretrain_shakespeare.yaml``).
         pretraining: Without ``init_from``: pretrain the network on the data module's central split
@@ -72,14 +66,7 @@ class LanguageModel(TrainingRecipe):
     def __init__(
         self,
         network: nn.Module,
-        optimizer: OptimizerName = "adamw",
-        lr: float = 1e-3,
-        momentum: float = 0.9,
-        weight_decay: float = 0.01,
-        nesterov: bool = False,
-        warmup_epochs: float = 0.0,
-        schedule: Schedule = "cosine",
-        grad_clip: float | None = 1.0,
+        recipe: Recipe = LM_RECIPE,
         init_from: str | None = None,
         pretraining: Pretraining | None = None,
         sample_prompt: str = "To be, or not to be",
@@ -88,18 +75,17 @@ class LanguageModel(TrainingRecipe):
         sample_seed: int = 0,
     ) -> None:
         super().__init__()
-        problems = recipe_problems(optimizer, lr, momentum, weight_decay, nesterov, warmup_epochs, schedule, grad_clip)
+        problems = []
         if not isinstance(network, nn.Module) or not all(hasattr(network, a) for a in ("vocab_size", "context")):
             problems.append("model.network must be a causal language model with vocab_size and context (TinyGPT)")
         if sample_tokens < 0 or not sample_prompt:
             problems.append("model.sample_tokens must be >= 0 and model.sample_prompt non-empty")
         if sample_top_k is not None and sample_top_k < 1:
             problems.append(f"model.sample_top_k must be >= 1 or null, got {sample_top_k}")
-        if pretraining is not None and pretraining.epochs < 1:
-            problems.append(f"model.pretraining.epochs must be >= 1, got {pretraining.epochs}")
         if problems:
             raise ConfigError("; ".join(problems))
         self.save_hyperparameters(ignore=self._hparams_ignore())
+        self.use_recipe(recipe)
         self.network = network
         self.vocab_size = int(network.vocab_size)
         # Unicode code points of the vocabulary (-1: not yet known); saved with the weights.
@@ -114,7 +100,7 @@ class LanguageModel(TrainingRecipe):
             self._base_ready = True
 
     def _hparams_ignore(self) -> list[str]:
-        return ["network", "pretraining"]
+        return ["network", "pretraining", "recipe"]
 
     # ----------------------------------------------------------------------------------- vocabulary
     @property
@@ -232,13 +218,7 @@ class LanguageModel(TrainingRecipe):
         p = self.pretraining
         pre = LanguageModel(
             network=copy.deepcopy(self.base_network()).requires_grad_(True),
-            optimizer=p.optimizer,
-            lr=p.lr,
-            momentum=p.momentum,
-            weight_decay=p.weight_decay,
-            warmup_epochs=p.warmup_epochs,
-            schedule="cosine",
-            grad_clip=1.0,
+            recipe=p.recipe(grad_clip=1.0),
             sample_tokens=0,
         )
         pre.vocabulary.copy_(self.vocabulary)
@@ -274,13 +254,8 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
             :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
-        optimizer: Latent optimiser (paper: Adam).
-        lr: Learning rate (paper: 1e-2).
-        momentum: SGD momentum, if ``optimizer`` is ``sgd``.
-        weight_decay: Weight decay on the latent (paper: 1e-4).
-        warmup_epochs: Linear warm-up epochs (under ``lightning.Trainer``; federated runs refuse a non-zero value).
-        schedule: Learning-rate schedule after warm-up (under ``lightning.Trainer``; federated runs need ``constant``).
-        grad_clip: Gradient-norm clipping (paper: 1.0).
+        recipe: The latent's optimiser recipe; default ``LATENT_RECIPE``, the paper's: Adam at 1e-2, weight decay
+            1e-4, constant, gradient norms clipped at 1.0.
         sample_prompt: See :class:`LanguageModel`.
         sample_tokens: See :class:`LanguageModel`.
         sample_top_k: See :class:`LanguageModel`.
@@ -299,13 +274,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         factors: FactorMode = "stored",
         factor_seed: int = 0,
         max_dense_bytes: int = 2**31,
-        optimizer: OptimizerName = "adam",
-        lr: float = 1e-2,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
-        warmup_epochs: float = 0.0,
-        schedule: Schedule = "constant",
-        grad_clip: float | None = 1.0,
+        recipe: Recipe = LATENT_RECIPE,
         sample_prompt: str = "To be, or not to be",
         sample_tokens: int = 200,
         sample_top_k: int | None = None,
@@ -314,13 +283,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         source = self.base_source(base, base_checkpoint, pretraining)
         super().__init__(
             network=network,
-            optimizer=optimizer,
-            lr=lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            warmup_epochs=warmup_epochs,
-            schedule=schedule,
-            grad_clip=grad_clip,
+            recipe=recipe,
             **source,
             sample_prompt=sample_prompt,
             sample_tokens=sample_tokens,

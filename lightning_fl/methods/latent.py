@@ -30,9 +30,9 @@ from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import FactorMode, LatentMapping, LayerSelection, memory_report
 from lightning_fl.methods.centralised import resolve_device
-from lightning_fl.methods.classifier import Classifier, OptimizerName
+from lightning_fl.methods.classifier import Classifier
 from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining
-from lightning_fl.methods.schedules import Schedule
+from lightning_fl.methods.schedules import Recipe
 from lightning_fl.models import pcanet
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import HeadKind
@@ -40,6 +40,13 @@ from lightning_fl.models.heads import HeadKind
 #: Images of the centralised split whose patches make a ``base: pcanet`` base.
 PCANET_IMAGES = 1024
 log = logging.getLogger(__name__)
+
+
+#: How FLITE's latent trains (the FLITE paper's recipe), on images and text alike: Adam at 1e-2, weight decay 1e-4,
+#: a constant rate, gradient norms clipped at 1.0.
+LATENT_RECIPE = Recipe(
+    optimizer="adam", lr=1e-2, weight_decay=1e-4, warmup_epochs=0.0, schedule="constant", grad_clip=1.0
+)
 
 
 class LatentSteering:
@@ -180,14 +187,9 @@ class LatentClassifier(LatentSteering, Classifier):
             :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
-        optimizer: Latent optimiser (paper: Adam).
-        lr: Learning rate (paper: 1e-2).
-        momentum: SGD momentum, if ``optimizer`` is ``sgd``.
-        weight_decay: Weight decay on the latent (paper: 1e-4).
-        warmup_epochs: Linear warm-up epochs (under ``lightning.Trainer``; federated runs refuse a non-zero value).
-        schedule: Learning-rate schedule after warm-up (under ``lightning.Trainer``; federated runs need ``constant``).
+        recipe: The latent's optimiser recipe; default ``LATENT_RECIPE``, the paper's: Adam at 1e-2, weight decay
+            1e-4, constant, gradient norms clipped at 1.0.
         label_smoothing: Cross-entropy label smoothing.
-        grad_clip: Gradient-norm clipping (paper: 1.0).
     """
 
     def __init__(
@@ -205,14 +207,8 @@ class LatentClassifier(LatentSteering, Classifier):
         factors: FactorMode = "stored",
         factor_seed: int = 0,
         max_dense_bytes: int = 2**31,
-        optimizer: OptimizerName = "adam",
-        lr: float = 1e-2,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
-        warmup_epochs: float = 0.0,
-        schedule: Schedule = "constant",
+        recipe: Recipe = LATENT_RECIPE,
         label_smoothing: float = 0.0,
-        grad_clip: float | None = 1.0,
     ) -> None:
         if latent_init not in ("zero", "teacher"):
             raise ConfigError(f"model.latent_init must be 'zero' or 'teacher', got {latent_init!r}")
@@ -231,14 +227,8 @@ class LatentClassifier(LatentSteering, Classifier):
             backbone=backbone,
             num_classes=num_classes,
             head=head,
-            optimizer=optimizer,
-            lr=lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            warmup_epochs=warmup_epochs,
-            schedule=schedule,
+            recipe=recipe,
             label_smoothing=label_smoothing,
-            grad_clip=grad_clip,
             **source,
         )
         self.steer(latent_dim, rank, layers, factors, factor_seed, max_dense_bytes)

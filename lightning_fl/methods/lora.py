@@ -21,6 +21,7 @@ fingerprint every client must agree on.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from typing import Literal
 
@@ -30,11 +31,11 @@ from torch import nn
 from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import LayerSelection, select_weights
-from lightning_fl.methods.classifier import Classifier, OptimizerName
+from lightning_fl.methods.classifier import Classifier
 from lightning_fl.methods.language import LM_PRETRAINING, LanguageModel
-from lightning_fl.methods.latent import LatentSteering
+from lightning_fl.methods.latent import LATENT_RECIPE, LatentSteering
 from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining
-from lightning_fl.methods.schedules import Schedule
+from lightning_fl.methods.schedules import Recipe
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.models.heads import HeadKind
 
@@ -47,6 +48,10 @@ def target_modules(network: nn.Module, layers: LayerSelection | list[str]) -> li
     """The names of ``network``'s modules whose weights ``layers`` selects (as FLITE selects them:
     ``conv``, ``linear``, ``conv+linear`` or ``fnmatch`` patterns over weight names)."""
     return [name.removesuffix(".weight") for name in select_weights(network, layers)]
+
+
+#: How LoRA's adapters train by default: FLITE's latent recipe (``LATENT_RECIPE``) without weight decay.
+LORA_RECIPE = dataclasses.replace(LATENT_RECIPE, weight_decay=0.0)
 
 
 class LoRAAdapters:
@@ -150,9 +155,9 @@ class LoRAClassifier(LoRAAdapters, Classifier):
             patterns (e.g. ``["features.*.weight"]``), as FLITE's ``layers``.
         adapter_seed: Seed of the adapters' initial values (PEFT's: ``A`` Kaiming-uniform, ``B`` zero), shared by
             every client.
-        optimizer, lr, momentum, weight_decay, warmup_epochs, schedule, label_smoothing, grad_clip: as for
-            :class:`~lightning_fl.methods.LatentClassifier` (clients train with Adam at 1e-2 and clip at 1.0 by
-            default).
+        recipe: The adapters' optimiser recipe; default ``LORA_RECIPE``, FLITE's latent recipe without weight
+            decay: Adam at 1e-2, constant, gradient norms clipped at 1.0.
+        label_smoothing: Cross-entropy label smoothing.
     """
 
     adapted_attr = "backbone"
@@ -170,28 +175,16 @@ class LoRAClassifier(LoRAAdapters, Classifier):
         alpha: float | None = None,
         layers: LayerSelection | list[str] = "conv+linear",
         adapter_seed: int = 0,
-        optimizer: OptimizerName = "adam",
-        lr: float = 1e-2,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        warmup_epochs: float = 0.0,
-        schedule: Schedule = "constant",
+        recipe: Recipe = LORA_RECIPE,
         label_smoothing: float = 0.0,
-        grad_clip: float | None = 1.0,
     ) -> None:
         source = LatentSteering.base_source(base, base_checkpoint, pretraining)
         super().__init__(
             backbone=backbone,
             num_classes=num_classes,
             head=head,
-            optimizer=optimizer,
-            lr=lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            warmup_epochs=warmup_epochs,
-            schedule=schedule,
+            recipe=recipe,
             label_smoothing=label_smoothing,
-            grad_clip=grad_clip,
             **source,
         )
         self.adapt(layers, variant, rank, alpha, adapter_seed)
@@ -210,8 +203,8 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
             cached base).
         variant, rank, alpha, adapter_seed: as for :class:`LoRAClassifier`.
         layers: Which network weights get adapters: ``linear`` (every projection) or a list of name patterns.
-        optimizer, lr, momentum, weight_decay, warmup_epochs, schedule, grad_clip, sample_prompt, sample_tokens,
-            sample_top_k, sample_seed: as for :class:`~lightning_fl.methods.LatentLanguageModel`.
+        recipe: As for :class:`LoRAClassifier` (default ``LORA_RECIPE``).
+        sample_prompt, sample_tokens, sample_top_k, sample_seed: as for :class:`~lightning_fl.methods.LanguageModel`.
     """
 
     adapted_attr = "network"
@@ -227,13 +220,7 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
         alpha: float | None = None,
         layers: LayerSelection | list[str] = "linear",
         adapter_seed: int = 0,
-        optimizer: OptimizerName = "adam",
-        lr: float = 1e-2,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        warmup_epochs: float = 0.0,
-        schedule: Schedule = "constant",
-        grad_clip: float | None = 1.0,
+        recipe: Recipe = LORA_RECIPE,
         sample_prompt: str = "To be, or not to be",
         sample_tokens: int = 200,
         sample_top_k: int | None = None,
@@ -242,13 +229,7 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
         source = LatentSteering.base_source(base, base_checkpoint, pretraining)
         super().__init__(
             network=network,
-            optimizer=optimizer,
-            lr=lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            warmup_epochs=warmup_epochs,
-            schedule=schedule,
-            grad_clip=grad_clip,
+            recipe=recipe,
             **source,
             sample_prompt=sample_prompt,
             sample_tokens=sample_tokens,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+
+from lightning_fl.errors import ConfigError
+from lightning_fl.methods.schedules import OptimizerName, Recipe, recipe_problems
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class Pretraining:
     """
 
     epochs: int = 100
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    optimizer: OptimizerName = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-4
@@ -34,6 +36,20 @@ class Pretraining:
     accelerator: str = "auto"
     precision: str | None = None
     cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = recipe_problems(self, "model.pretraining")
+        if not self.epochs >= 1:
+            problems.insert(0, f"model.pretraining.epochs must be >= 1, got {self.epochs}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def recipe(self, **changes: object) -> Recipe:
+        """The optimiser recipe a base trains with: these values, a cosine schedule and no clipping (or ``changes``)."""
+        fields = {"optimizer": self.optimizer, "lr": self.lr, "momentum": self.momentum}
+        return Recipe(
+            **fields, weight_decay=self.weight_decay, warmup_epochs=self.warmup_epochs, schedule="cosine", **changes
+        )
 
 
 PAPER_PRETRAINING = Pretraining()

@@ -7,7 +7,8 @@ its pretrained base (``base_cache_key``) and how to build the module that pretra
 
 - ``training_step`` (the subclass's ``compute_loss``, logged with next-label accuracy) and the evaluation steps
   (the subclass's ``_eval_step`` updating its ``val_metrics``/``test_metrics``);
-- ``make_optimizer`` / ``configure_optimizers``: SGD (momentum, Nesterov), Adam or AdamW with a linear warm-up
+- ``make_optimizer`` / ``configure_optimizers``: the method's :class:`~lightning_fl.methods.schedules.Recipe`
+  (``self.recipe``, config key ``model.recipe``): SGD (momentum, Nesterov), Adam or AdamW with a linear warm-up
   then cosine or constant schedule, and ``grad_clip`` applied by ``lightning.Trainer`` and federated clients alike;
 - ``prepare_base``: load the base from the cache, pretraining and caching it first (one process trains, the
   others read), keyed by the hash of everything that determines it (:mod:`lightning_fl.methods.bases`);
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -28,9 +29,9 @@ from lightning_fl.checkpoint import DEFAULT_FIX, checkpoint_name, read_checkpoin
 from lightning_fl.errors import CheckpointError, ConfigError, UserError
 from lightning_fl.methods import bases
 from lightning_fl.methods.pretraining import Pretraining
-from lightning_fl.methods.schedules import warmup_cosine_factor
+from lightning_fl.methods.schedules import OptimizerName, Recipe, warmup_cosine_factor
 
-OptimizerName = Literal["sgd", "adam", "adamw"]
+__all__ = ["OptimizerName", "Recipe", "TrainingDivergedError", "TrainingRecipe", "load_state_dict_file"]
 
 
 class TrainingDivergedError(UserError, FloatingPointError):
@@ -49,10 +50,9 @@ def load_state_dict_file(path: str | Path, what: str = "checkpoint", fix: str = 
 class TrainingRecipe(L.LightningModule):
     """Base of the methods: optimiser recipe, cached pretrained base and the federated contract (module docstring).
 
-    Subclasses call ``save_hyperparameters`` with the recipe's keys (``optimizer``, ``lr``, ``momentum``,
-    ``weight_decay``, ``nesterov``, ``warmup_epochs``, ``schedule``, ``grad_clip``), set ``self.pretraining``
-    (a :class:`Pretraining` or ``None``), ``self._base_ready``, ``self.val_metrics`` and ``self.test_metrics``,
-    and define ``weight_prefixes``, ``compute_loss``, ``_eval_step``, ``base_cache_key`` and
+    Subclasses call ``save_hyperparameters`` (leaving out ``recipe``) and :meth:`use_recipe`, set
+    ``self.pretraining`` (a :class:`Pretraining` or ``None``), ``self._base_ready``, ``self.val_metrics`` and
+    ``self.test_metrics``, and define ``weight_prefixes``, ``compute_loss``, ``_eval_step``, ``base_cache_key`` and
     ``pretraining_module``.
     """
 
@@ -64,9 +64,17 @@ class TrainingRecipe(L.LightningModule):
     weights_hint: str = "the model's architecture"
     #: The config key ``init_from`` comes from (named in errors about the file).
     init_from_key: str = "model.init_from="
+    recipe: Recipe
     pretraining: Pretraining | None
     _base_ready: bool
     _init_digest: str
+
+    def use_recipe(self, recipe: Recipe) -> None:
+        """Train with ``recipe``; it is saved in ``hparams`` (under ``recipe``) as a plain dictionary."""
+        if not isinstance(recipe, Recipe):
+            raise ConfigError(f"model.recipe must be a lightning_fl.Recipe, got {type(recipe).__name__}")
+        self.recipe = recipe
+        self.hparams["recipe"] = asdict(recipe)
 
     # ----------------------------------------------------------------------------------- weights
     def own_weights(self) -> dict[str, torch.Tensor]:
@@ -183,7 +191,7 @@ class TrainingRecipe(L.LightningModule):
         if not torch.isfinite(loss):
             raise TrainingDivergedError(
                 f"train/loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}. "
-                "Lower model.lr, raise model.warmup_epochs, or check the data for NaNs."
+                "Lower model.recipe.lr, raise model.recipe.warmup_epochs, or check the data for NaNs."
             )
 
     # ----------------------------------------------------------------------------------- evaluation
@@ -242,18 +250,18 @@ class TrainingRecipe(L.LightningModule):
 
     # ----------------------------------------------------------------------------------- optimiser
     def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        hp = self.hparams
-        if hp.optimizer == "sgd":
+        r = self.recipe
+        if r.optimizer == "sgd":
             return torch.optim.SGD(
-                params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay, nesterov=hp.nesterov
+                params, lr=r.lr, momentum=r.momentum, weight_decay=r.weight_decay, nesterov=r.nesterov
             )
-        cls = torch.optim.Adam if hp.optimizer == "adam" else torch.optim.AdamW
-        return cls(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        cls = torch.optim.Adam if r.optimizer == "adam" else torch.optim.AdamW
+        return cls(params, lr=r.lr, weight_decay=r.weight_decay)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
-        clip = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
+        clip = gradient_clip_val if gradient_clip_val is not None else self.recipe.grad_clip
         if clip is not None:
             self.clip_gradients(
                 optimizer, gradient_clip_val=clip, gradient_clip_algorithm=gradient_clip_algorithm or "norm"
@@ -265,20 +273,20 @@ class TrainingRecipe(L.LightningModule):
             raise ConfigError("the model has no trainable parameters; check which of its parts are frozen")
         optimizer = self.make_optimizer(params)
         if self._trainer is None:  # a federated client: one round of local steps from the server's state
-            if self.hparams.warmup_epochs > 0 or self.hparams.schedule != "constant":
+            if self.recipe.warmup_epochs > 0 or self.recipe.schedule != "constant":
                 # Never ignored in silence: a client has no epochs to warm up over or decay across.
                 raise ConfigError(
-                    f"model.warmup_epochs={self.hparams.warmup_epochs} and model.schedule="
-                    f"{self.hparams.schedule!r} set a centralised schedule, which federated clients do not "
-                    "follow (each trains a round of local steps at model.lr); set model.warmup_epochs 0 and "
-                    "model.schedule constant (the base's pretraining has its own, under model.pretraining)"
+                    f"model.recipe.warmup_epochs={self.recipe.warmup_epochs} and model.recipe.schedule="
+                    f"{self.recipe.schedule!r} set a centralised schedule, which federated clients do not "
+                    "follow (each trains a round of local steps at model.recipe.lr); set model.recipe.warmup_epochs "
+                    "0 and model.recipe.schedule constant (the base's pretraining has its own, under model.pretraining)"
                 )
             return optimizer
         total = int(self.trainer.estimated_stepping_batches)
         max_epochs = self.trainer.max_epochs
         steps_per_epoch = total / max_epochs if max_epochs and max_epochs > 0 else total
-        warmup = round(self.hparams.warmup_epochs * steps_per_epoch)
-        schedule = self.hparams.schedule
+        warmup = round(self.recipe.warmup_epochs * steps_per_epoch)
+        schedule = self.recipe.schedule
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine_factor(step, warmup, total, schedule)
         )

@@ -25,7 +25,8 @@ from lightning_fl.data.sources import DataSource
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.methods import centralised
 from lightning_fl.methods.centralised import resolve_device, train_classifier
-from lightning_fl.methods.classifier import Classifier, OptimizerName
+from lightning_fl.methods.classifier import Classifier
+from lightning_fl.methods.schedules import OptimizerName, Recipe
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.oneshot.features.cache import read_features_cache, write_features_cache
 from lightning_fl.oneshot.features.images import EVAL_BATCH, RelabelledImages, eval_batches, select_images
@@ -162,10 +163,8 @@ class ExtractedFeatures(FeatureData):
             torch.manual_seed(seed)
             net = backbone if feature_dim is None else FeatureExtractor(backbone, feature_dim)
             # The trained module; state keys backbone.* (the net) and head.* (trainable linear head).
-            self.model = Classifier(
-                net, self.num_classes, head="trainable", optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-                warmup_epochs=warmup_epochs,
-            )  # fmt: skip
+            recipe = Recipe(optimizer=optimizer, lr=lr, weight_decay=weight_decay, warmup_epochs=warmup_epochs)
+            self.model = Classifier(net, self.num_classes, head="trainable", recipe=recipe)
         self._init_digest = self.model._init_digest
 
     @property
