@@ -70,7 +70,7 @@ CASES = {
         '"streamed_extra_peak_bytes":',
     ),
     "round_overhead.py": Case(["--samples", "64", "--batch", "16", "--clients", "2"], '"ratio":'),
-    "round_memory.py": Case(["--clients", "2", "5", "--weights", "1000", "--groups", "2"], "| 5 | "),
+    "round_memory.py": Case(["--clients", "5", "--weights", "1000", "--groups", "2"], "| 5 | "),  # 3 processes
     "cohort.py": Case(
         ["--models", "digits", "--clients", "4", "--cohorts", "2", "4", "--per-client", "8", "--batch", "8",
          "--repeats", "1", "--json", "c.json"],
