@@ -4,7 +4,8 @@ multiplicative factors of the base learning rate, per optimiser step."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Literal
 
 from lightning_fl.errors import ConfigError
@@ -69,9 +70,9 @@ class Recipe:
 def recipe_problems(recipe: object, key: str = "model.recipe") -> list[str]:
     """What is wrong with ``recipe`` (a :class:`Recipe`, or a pretraining recipe with some of its fields), one
     message per field (named ``<key>.<field>``)."""
-    r, problems = Recipe.__new__(Recipe), []
-    for name, default in Recipe.__dataclass_fields__.items():  # fields the recipe lacks take Recipe's defaults
-        object.__setattr__(r, name, getattr(recipe, name, default.default))
+    # the fields ``recipe`` lacks (a pretraining recipe has no schedule or clipping) take Recipe's defaults
+    r = SimpleNamespace(**{f.name: getattr(recipe, f.name, f.default) for f in fields(Recipe)})
+    problems: list[str] = []
     if r.optimizer not in ("sgd", "adam", "adamw"):
         problems.append(f"{key}.optimizer must be 'sgd', 'adam' or 'adamw', got {r.optimizer!r}")
     if not r.lr > 0:
