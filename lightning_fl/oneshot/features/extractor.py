@@ -26,7 +26,7 @@ from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.methods import centralised
 from lightning_fl.methods.centralised import resolve_device, train_classifier
 from lightning_fl.methods.classifier import Classifier
-from lightning_fl.methods.schedules import OptimizerName, Recipe
+from lightning_fl.methods.schedules import OptimizerName, Recipe, recipe_problems
 from lightning_fl.models.backbone import Backbone
 from lightning_fl.oneshot.features.cache import read_features_cache, write_features_cache
 from lightning_fl.oneshot.features.images import EVAL_BATCH, RelabelledImages, eval_batches, select_images
@@ -129,11 +129,8 @@ class ExtractedFeatures(FeatureData):
             problems.append(f"{k}.feature_dim must be >= 1 or null, got {feature_dim}")
         if epochs < 1 or batch_size < 1:
             problems.append(f"{k}.epochs and {k}.batch_size must be >= 1, got {epochs} and {batch_size}")
-        if optimizer not in ("sgd", "adam", "adamw"):
-            problems.append(f"{k}.optimizer must be 'sgd', 'adam' or 'adamw', got {optimizer!r}")
-        if not lr > 0 or weight_decay < 0 or warmup_epochs < 0:
-            got = f"{lr}, {weight_decay}, {warmup_epochs}"
-            problems.append(f"{k}.lr must be > 0 and weight_decay, warmup_epochs >= 0, got {got}")
+        recipe = SimpleNamespace(optimizer=optimizer, lr=lr, weight_decay=weight_decay, warmup_epochs=warmup_epochs)
+        problems += recipe_problems(recipe, k)  # the methods' own recipe checks, named under this key
         if max_train_samples is not None and max_train_samples < 1:
             problems.append(f"{k}.max_train_samples must be >= 1 or null, got {max_train_samples}")
         if accelerator not in ("auto", "cpu", "gpu", "cuda"):
@@ -163,8 +160,7 @@ class ExtractedFeatures(FeatureData):
             torch.manual_seed(seed)
             net = backbone if feature_dim is None else FeatureExtractor(backbone, feature_dim)
             # The trained module; state keys backbone.* (the net) and head.* (trainable linear head).
-            recipe = Recipe(optimizer=optimizer, lr=lr, weight_decay=weight_decay, warmup_epochs=warmup_epochs)
-            self.model = Classifier(net, self.num_classes, head="trainable", recipe=recipe)
+            self.model = Classifier(net, self.num_classes, head="trainable", recipe=Recipe(**vars(recipe)))
         self._init_digest = self.model._init_digest
 
     @property
