@@ -1,6 +1,7 @@
 """Every script in benchmarks/ runs end to end at a tiny size, so the benchmarks cannot rot.
 
-Each run is a subprocess (as a user runs it: ``python benchmarks/<script> ...``) in an empty folder, with
+Each run is the script's ``__main__`` with the arguments a user gives (``python benchmarks/<script> ...``), in a child
+forked from the test process (``forking.run_python``: the imports are done already), in an empty folder, with
 ``OMP_NUM_THREADS=1``, the package's caches under that folder and a timeout; the numbers it prints are not
 checked, only that it finishes and prints its report. A new script must get a case in ``CASES``.
 Flower's deployment benchmark and the threads benchmark start several full runs however small their
@@ -13,7 +14,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from conftest import REPO
+from forking import run_python
 
 BENCHMARKS = REPO / "benchmarks"
 
@@ -115,7 +116,8 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswit
 
 
 def run_script(script: str, args: list[str], folder, timeout: float) -> subprocess.CompletedProcess:
-    """``python benchmarks/<script> args`` in ``folder``; its process group is killed if it outlives ``timeout``."""
+    """``python benchmarks/<script> args`` in ``folder``, forked from this process (``forking.run_python``);
+    its process group is killed if it outlives ``timeout``."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
@@ -126,17 +128,11 @@ def run_script(script: str, args: list[str], folder, timeout: float) -> subproce
         LIGHTNING_FL_DATA=str(folder / "data"),
         PYTHONPATH=os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p),
     )
-    cmd = [sys.executable, str(BENCHMARKS / script), *args]
-    proc = subprocess.Popen(
-        cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the script's own group: it and whatever it started
-        out, err = proc.communicate()
-        pytest.fail(f"{script} ran past {timeout:.0f} s\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return run_python([BENCHMARKS / script, *args], cwd=folder, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        output = f"--- stdout\n{exc.output[-3000:]}\n--- stderr\n{exc.stderr[-3000:]}"
+        pytest.fail(f"{script} ran past {timeout:.0f} s\n{output}")
 
 
 def test_every_benchmark_has_a_tiny_case():

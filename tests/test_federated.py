@@ -9,6 +9,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS, REPO, make_dm, make_model, make_trainer, run_cli
+from forking import run_python
 from lightning_fl.checkpoint import atomic_save, content_digest
 from lightning_fl.compress import FP32, Quantize
 from lightning_fl.errors import CheckpointError, ConfigError
@@ -297,7 +298,10 @@ def two_process_fit(tmp_path, devices: str, name: str, *extra: str) -> dict:
         "5",
         *extra,
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    if devices == "1":  # forked from this process (tests/forking.py): no fresh interpreter, none of its imports
+        proc = run_python(cmd[1:], cwd=tmp_path, env=env, timeout=600)
+    else:  # Fabric's launcher starts the second process from this one's command line: a real, fresh one
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "deprecated" not in proc.stderr and "terminate called" not in proc.stderr, proc.stderr[-3000:]
     return torch.load(tmp_path / "runs" / name / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)

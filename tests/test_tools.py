@@ -2,7 +2,6 @@
 
 import csv
 import math
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 import yaml
 
 from conftest import CONFIGS, REPO, sweep_tool, tool_module
+from forking import run_python
 
 SHRINK = [
     "--data.source",
@@ -47,14 +47,10 @@ def sweep_file(tmp_path, rounds):
 
 
 def tool(*args, cwd):
-    return subprocess.run(
-        [sys.executable, *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={"PYTHONPATH": str(REPO), "PATH": "", "LIGHTNING_FL_CACHE": str(cwd / "cache")},
-    )
+    """``python *args`` (a tool, or ``-m lightning_fl``) in ``cwd``, forked from this process (``forking``): the tool
+    is our code as a user runs it; the runs a sweep starts are fresh processes of their own."""
+    env = {"PYTHONPATH": str(REPO), "PATH": "", "LIGHTNING_FL_CACHE": str(cwd / "cache")}
+    return run_python(args, cwd=cwd, env=env, timeout=900)
 
 
 def test_sweep_runs_skips_resumes_and_reports(tmp_path):
