@@ -24,6 +24,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+_PYTHONS_FORMAT = getattr(warnings, "_formatwarning_orig", warnings.formatwarning)
+
 
 def run_python(args: Sequence, *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """``python *args`` (``script.py ...`` or ``-m module ...``) in ``cwd`` under ``env``, as a forked child.
@@ -100,6 +102,8 @@ def _fresh_warnings_and_logging() -> None:
     for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
         warnings.simplefilter("ignore", category)
     warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+
+    warnings.formatwarning = _PYTHONS_FORMAT  # (the package's CLI sets its one-line format again when it starts)
 
     def show(message, category, filename, lineno, file=None, line=None):
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
