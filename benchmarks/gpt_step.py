@@ -3,11 +3,13 @@
 Builds the paper-size TinyGPT (6 layers, 384 wide, 6 heads) with all weights trained, or with
 ``--latent d`` FLITE's latent on its projections (``LatentLanguageModel``, ``layers: linear``, rank
 ``--rank``, factors ``--factors``): only the latent trains, and the step includes mapping it to the
-weights. It runs ``--warmup`` steps (the first allocates gradients and Adam's moments), then times
-``--steps`` steps (``--repeats`` is the same option) on one fixed random batch of ``--batch x --context``
-tokens and prints the min and median of the step's wall time and of its CPU time (user + system, all
-threads), with the torch thread count and the load average before and after (``--json PATH`` also writes
-them, with the memory, to a file).
+weights; or with ``--lora r`` PEFT's LoRA adapters of rank r on the same projections
+(``LoRALanguageModel``; ``--variant ffa`` trains only ``B``, FFA-LoRA). It runs ``--warmup`` steps
+(the first allocates gradients and Adam's moments), then times ``--steps`` steps (``--repeats`` is
+the same option) on one fixed random batch of ``--batch x --context`` tokens and prints the min and
+median of the step's wall time and of its CPU time (user + system, all threads), with the torch
+thread count and the load average before and after (``--json PATH`` also writes them, with the
+memory, to a file).
 
 Memory is the process's resident set (Linux ``/proc/self/status``; tracemalloc does not see torch's
 allocator): the peak (``VmHWM``, reset through ``/proc/self/clear_refs`` once the model is built) over
@@ -17,6 +19,7 @@ allocator keeps cached. Where the reset is refused it falls back to the ``ru_max
 
     python benchmarks/gpt_step.py                                   # batch 8 x 128, vocab 65
     python benchmarks/gpt_step.py --latent 1024 --factors streamed  # the paper's latent, d = 1024
+    python benchmarks/gpt_step.py --lora 1                          # LoRA r = 1 (--variant ffa: FFA-LoRA)
     python benchmarks/gpt_step.py --batch 16 --context 256 --threads 1
     python benchmarks/gpt_step.py --steps 10 --json gpt_step.json
 """
@@ -30,7 +33,7 @@ import torch
 from _harness import Sample, add_arguments, fmt, machine, measure, report, spread
 from torch.nn import functional as F
 
-from lightning_fl.methods import LatentLanguageModel
+from lightning_fl.methods import LatentLanguageModel, LoRALanguageModel
 from lightning_fl.models import TinyGPT
 
 MIB = 2**20
@@ -67,24 +70,30 @@ def main() -> None:
     parser.add_argument("--latent", type=int, default=0, help="d per projection; 0: train every weight")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--factors", default="stored", choices=["stored", "regenerate", "streamed"])
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on the projections; 0: no adapters")
+    parser.add_argument("--variant", default="lora", choices=["lora", "ffa"], help="with --lora: ffa trains only B")
     add_arguments(parser, repeats=None)  # --json; --steps is the number of samples
     args = parser.parse_args()
+    if args.latent and args.lora:
+        parser.error("--latent and --lora are two methods: give one")
     torch.set_num_threads(args.threads)
     before = machine()
     torch.manual_seed(args.seed)
 
     network = TinyGPT(args.vocab, args.n_layer, args.n_embd, args.n_head, context=args.context)
+    weights = sum(p.numel() for p in network.parameters())  # the model's own, before LoRA adds its adapters
     model = network
     if args.latent:
         model = LatentLanguageModel(
             network, base="scratch", latent_dim=args.latent, rank=args.rank, factors=args.factors, sample_tokens=0
         )
+    elif args.lora:
+        model = LoRALanguageModel(network, base="scratch", variant=args.variant, rank=args.lora, sample_tokens=0)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trained, lr=3e-4)
     x = torch.randint(args.vocab, (args.batch, args.context))
     y = torch.randint(args.vocab, (args.batch, args.context))
-    weights = sum(p.numel() for p in network.parameters())
     params = sum(p.numel() for p in trained)
 
     def one() -> None:
@@ -114,6 +123,12 @@ def main() -> None:
             f"latent: d={args.latent} on {layers} projections, r={args.rank}, factors {args.factors}: {params:,} "
             f"trained values, {4 * params:,} bytes per float32 upload ({4 * weights / (4 * params):.0f}x fewer than "
             f"the {4 * weights:,} of full weights)"
+        )
+    elif args.lora:
+        name = "FFA-LoRA" if args.variant == "ffa" else "LoRA"
+        print(
+            f"{name}: r={args.lora} on the projections: {params:,} trained values, {4 * params:,} bytes per float32 "
+            f"upload ({4 * weights / (4 * params):.0f}x fewer than the {4 * weights:,} of full weights)"
         )
     print(f"batch {args.batch} x context {args.context} ({tokens} tokens), threads {torch.get_num_threads()}")
     print(f"warm-up steps: {', '.join(f'{t.wall * 1e3:.0f}' for t in first)} ms")

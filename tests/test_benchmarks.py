@@ -164,6 +164,21 @@ def test_benchmark_runs_at_a_tiny_size(script, tmp_path):
         assert numbers and all(math.isfinite(x) for x in numbers), last
 
 
+@pytest.mark.parametrize(("variant", "upload"), [("lora", 2_304), ("ffa", 1_152)])
+def test_gpt_step_times_a_lora_step_and_counts_its_adapters(tmp_path, variant, upload):
+    """``gpt_step.py --lora 2`` on a 1-layer, 16-wide TinyGPT: the adapters on its 6 projections (4 of 16 x 16,
+    16 x 64 and 64 x 16) are r (in + out) values each for LoRA, 576 floats, and r x out for FFA-LoRA (only B), 288."""
+    pytest.importorskip("peft")
+    args = ["--batch", "1", "--context", "8", "--vocab", "11", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+            "--steps", "1", "--warmup", "1", "--threads", "1", "--lora", "2", "--variant", variant]  # fmt: skip
+    proc = run_script("gpt_step.py", args, tmp_path, 180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = {"lora": "LoRA", "ffa": "FFA-LoRA"}[variant]
+    assert f"{name}: r=2 on the projections: {upload // 4:,} trained values, {upload:,} bytes" in proc.stdout
+    both = run_script("gpt_step.py", [*args, "--latent", "4"], tmp_path, 180)
+    assert both.returncode == 2 and "--latent and --lora are two methods" in both.stderr
+
+
 def test_client_overhead_pairs_every_timed_round_with_a_floor_on_the_cross_device_network(tmp_path):
     """The cross-device workload (issue 39's plain CNN on 28x28 images) at a tiny size: 2 fits of 3 rounds give
     4 timed rounds and 4 floors, every number finite."""
