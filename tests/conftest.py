@@ -22,6 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that start processes (marked ``distributed``), the longest ones, run first; the short ones even out the
+    workers at the end (with pytest-xdist's ``worksteal``, an idle worker takes over another's pending tests)."""
+    items.sort(key=lambda item: item.get_closest_marker("distributed") is None)
+
+
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch):
     """Run inside an empty folder so ``runs/`` and ``data/`` land in tmp_path."""

@@ -164,6 +164,7 @@ def test_resume_auto_never_attaches_to_a_live_run(tmp_path):
     assert later.log_dir == first.log_dir and [h["round"] for h in later.history] == [0, 1, 2]
 
 
+@pytest.mark.distributed
 def test_two_cli_runs_started_together_keep_both_results(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_FL_CACHE": str(tmp_path / "cache")}
     common = [

@@ -53,6 +53,7 @@ def tool(*args, cwd):
     return run_python(args, cwd=cwd, env=env, timeout=900)
 
 
+@pytest.mark.distributed  # the sweep's runs are processes of their own
 def test_sweep_runs_skips_resumes_and_reports(tmp_path):
     first = tool(REPO / "tools" / "sweep.py", sweep_file(tmp_path, rounds=1), cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -96,6 +97,7 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path):
     assert any((tmp_path / "tb").iterdir())
 
 
+@pytest.mark.distributed  # the sweep's runs are processes of their own
 def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
     spec = {
         "name": "broken",
@@ -110,6 +112,7 @@ def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
     assert "model.lrr" in (tmp_path / "sweep" / "typo__seed0.log").read_text()
 
 
+@pytest.mark.distributed  # the sweep's runs are processes of their own
 def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
     shrink = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--model.generator_training.steps",
               "2", "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
