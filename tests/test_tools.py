@@ -2,7 +2,9 @@
 
 import csv
 import math
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,14 +55,51 @@ def tool(*args, cwd):
     return run_python(args, cwd=cwd, env=env, timeout=900)
 
 
-@pytest.mark.distributed  # the sweep's runs are processes of their own
-def test_sweep_runs_skips_resumes_and_reports(tmp_path):
-    first = tool(REPO / "tools" / "sweep.py", sweep_file(tmp_path, rounds=1), cwd=tmp_path)
+class ForkedRuns:
+    """Stands in for ``subprocess`` inside tools/sweep.py: each run's command (``python -m lightning_fl ...``) runs as
+    a child forked from the test process (tests/forking.py), its output written to the run's log."""
+
+    STDOUT = subprocess.STDOUT
+
+    @staticmethod
+    def run(cmd, *, stdout, stderr, env):
+        done = run_python(cmd[1:], cwd=Path.cwd(), env=env, timeout=600)
+        stdout.write(done.stdout + done.stderr)
+        return done
+
+
+@pytest.fixture
+def sweep_main(tmp_path, monkeypatch, capsys):
+    """``python tools/sweep.py ARGS`` in ``tmp_path``: the tool's own ``main`` in this process (skipping, resuming,
+    the one-shot stages, the CSV), its runs forked (``ForkedRuns``); the exit code and what it printed.
+    ``test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it`` runs the tool and its run as fresh processes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
+
+    def main(*args) -> subprocess.CompletedProcess:
+        sweep = sweep_tool()
+        monkeypatch.setattr(sweep, "subprocess", ForkedRuns)
+        monkeypatch.setattr(sys, "argv", ["sweep.py", *map(str, args)])
+        code = 0
+        try:
+            sweep.main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+            if not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    return main
+
+
+def test_sweep_runs_skips_resumes_and_reports(tmp_path, sweep_main):
+    first = sweep_main(sweep_file(tmp_path, rounds=1))
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count("running") == 2
-    again = tool(REPO / "tools" / "sweep.py", sweep_file(tmp_path, rounds=1), cwd=tmp_path)
+    again = sweep_main(sweep_file(tmp_path, rounds=1))
     assert again.stdout.count("done, skipped") == 2
-    longer = tool(REPO / "tools" / "sweep.py", sweep_file(tmp_path, rounds=2), cwd=tmp_path)
+    longer = sweep_main(sweep_file(tmp_path, rounds=2))
     assert longer.returncode == 0 and longer.stdout.count("resuming") == 2, longer.stdout
     with (tmp_path / "sweep" / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -97,7 +136,7 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path):
     assert any((tmp_path / "tb").iterdir())
 
 
-@pytest.mark.distributed  # the sweep's runs are processes of their own
+@pytest.mark.distributed  # the sweep tool as a user runs it: its run is a fresh process
 def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
     spec = {
         "name": "broken",
@@ -112,8 +151,7 @@ def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
     assert "model.lrr" in (tmp_path / "sweep" / "typo__seed0.log").read_text()
 
 
-@pytest.mark.distributed  # the sweep's runs are processes of their own
-def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
+def test_oneshot_sweep_fits_tests_and_collects(tmp_path, sweep_main):
     shrink = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--model.generator_training.steps",
               "2", "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
               "--model.num_generated", "10", "--model.test_samples", "2", "--data.meta_tasks", "8"]  # fmt: skip
@@ -132,7 +170,7 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
     }  # fmt: skip
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(spec))
-    first = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
+    first = sweep_main(path)
     assert first.returncode == 0 and "failed" not in first.stdout, first.stdout + first.stderr
     with (tmp_path / "sweep" / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -143,11 +181,11 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path):
     # fit_from: the skewed runs tested digits' fits (same seed) on their own target tasks, and fitted nothing
     assert not (tmp_path / "sweep" / "skewed__seed0" / "version_0").exists()
     assert rows[2]["val/theta_dist"] == rows[0]["val/theta_dist"] and rows[2]["test/acc"] != rows[0]["test/acc"]
-    again = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
+    again = sweep_main(path)
     assert again.stdout.count("done, skipped") == 4, again.stdout
     spec["runs"][1]["fit_from"] = "nothing"
     path.write_text(yaml.safe_dump(spec))
-    wrong = tool(REPO / "tools" / "sweep.py", path, cwd=tmp_path)
+    wrong = sweep_main(path)
     assert wrong.returncode != 0 and "fit_from 'nothing' must name a run listed before it" in wrong.stderr
     # A methods table (rows are methods) and a per-method sweep figure from the same CSV.
     report = {
