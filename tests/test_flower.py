@@ -491,6 +491,31 @@ def test_a_run_without_replies_stops_with_an_error_naming_the_nodes(in_tmp):
     assert len(done.history) == 6 and all(h["fed/lost_clients"] == 4 for h in done.history[1:])
 
 
+def test_a_run_shorter_than_max_silent_rounds_without_any_reply_is_an_error_too(in_tmp):
+    """Two rounds, no reply in either, ``max_silent_rounds`` 3: the run does not end looking trained (its global
+    state untouched); a run whose last round alone is silent ends normally."""
+    from lightning_fl.errors import UserError
+
+    overrides = [*SMALL, "--trainer.rounds", "2", "--trainer.default_root_dir", str(in_tmp / "runs")]
+    mute = {n: lambda reply, message: None for n in range(1, 5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(
+            UserError, match=r"no sampled client replied in any of this run's 2 round\(s\) \(rounds 1-2;"
+        ):
+            serve(LocalGrid(nodes(), tamper=mute), str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name",
+                  "mute"], wait_for_nodes=0, max_silent_rounds=3, **QUICK)  # fmt: skip
+        assert final(in_tmp / "runs", "mute")["round"] == 2  # saved, as after max_silent_rounds
+
+        def mute_in_round_2(reply, message):
+            return None if message.metadata.group_id == "2" else reply
+
+        done = serve(LocalGrid(nodes(), tamper=dict.fromkeys(range(1, 5), mute_in_round_2)),
+                     str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name", "late"], wait_for_nodes=0,
+                     max_silent_rounds=3, **QUICK)  # fmt: skip
+    assert [h["fed/lost_clients"] for h in done.history[1:]] == [0, 4]
+
+
 def test_a_timed_out_round_says_so_and_a_late_reply_is_never_another_rounds(in_tmp):
     """Node 2's round-1 reply is late: round 1 warns that it timed out, and when the stale reply comes back in
     round 2 in place of the real one, it is not taken as round 2's (the client is lost that round too)."""

@@ -127,7 +127,8 @@ def test_simulation_engine_equals_in_process_bitwise(tmp_path, config):
     """
     common = ["--config", str(CONFIGS / config), *SMALL, "--trainer.default_root_dir", str(tmp_path / "runs")]
     run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc", "--trainer.logger", "false"], tmp_path)
-    sim = ["-m", "lightning_fl.flower", "--supernodes", "4", *common, "--trainer.name", "sim"]
+    # a busy machine may need more than the default 60 s for Ray's ClientApps to import and say their client
+    sim = ["-m", "lightning_fl.flower", "--supernodes", "4", "--hello-timeout", "300", *common, "--trainer.name", "sim"]
     out, sockets = run_watching_sockets(sim, tmp_path)
     assert {"gcs_server", "raylet"} <= set(sockets.values()), sockets  # the sampling saw Ray running
     exposed = {a: name for a, name in sockets.items() if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback}

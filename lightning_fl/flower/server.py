@@ -10,7 +10,7 @@ after ``python -m lightning_fl fit``), ``round-timeout`` (seconds to wait for a 
 for all), ``wait-for-nodes`` (seconds to wait before round 1 until every client has a node), ``hello-timeout``
 (seconds a new node has to say which client it serves; default 60: raise it on a busy machine, where a ClientApp
 process takes long to import) and ``max-silent-rounds`` (stop with an error after this many rounds in a row
-without one reply; default 3, 0: never). The trainer
+without one reply, or at the last round of a shorter run without any; default 3, 0: never). The trainer
 is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, resume and TensorBoard logs.
 """
 

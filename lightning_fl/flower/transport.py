@@ -64,7 +64,8 @@ class FlowerTransport(Transport):
             still importing on a busy machine needs more).
         wait_for_nodes: Seconds to wait, before the first round, until a node answers for every client.
         max_silent_rounds: Stop the run with an error (after saving the round's checkpoint, so it resumes) when
-            this many rounds in a row get no reply from any sampled client; ``None`` or 0: never stop.
+            this many rounds in a row get no reply from any sampled client, or at the run's last round when none of
+            its rounds got one; ``None`` or 0: never stop.
     """
 
     spreads_over_processes = False
@@ -84,6 +85,7 @@ class FlowerTransport(Transport):
         self.max_silent_rounds = max_silent_rounds or None
         self.silent_rounds = 0  # rounds in a row in which no sampled client replied
         self.first_silent = 0  # the first of them (1-based)
+        self.rounds_seen = 0  # rounds finished in this fit
         self.unanswered: set[int] = set()  # nodes asked which client they are that have not answered yet
         self.node_of: dict[int, int] = {}  # client id -> node id
         self.client_of: dict[int, int] = {}  # node id -> client id
@@ -149,8 +151,13 @@ class FlowerTransport(Transport):
         return client, None
 
     # ------------------------------------------------------------------------------------ rounds
-    def finished_round(self, round: int, metrics: dict[str, float]) -> None:
-        """One line per round in the ServerApp's log (``flwr log``): who answered, accuracy, bytes."""
+    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+        self.finished_round(round, metrics, last=round + 1 >= trainer.rounds)
+
+    def finished_round(self, round: int, metrics: dict[str, float], last: bool = False) -> None:
+        """One line per round in the ServerApp's log (``flwr log``): who answered, accuracy, bytes. Stops the run
+        with an error after ``max_silent_rounds`` rounds in a row without a reply, or at its ``last`` round when no
+        round of this fit had one (a run shorter than ``max_silent_rounds`` never ends looking trained)."""
         answered = metrics["fed/clients"] - metrics["fed/unavailable_clients"] - metrics["fed/lost_clients"]
         parts = [
             f"round {round + 1}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
@@ -163,13 +170,18 @@ class FlowerTransport(Transport):
             parts.append(f"upload {payload:.0f} B payload in a {message:.0f} B message per client")
         log(INFO, "%s", "; ".join(parts))
         asked = metrics["fed/clients"] - metrics["fed/unavailable_clients"]  # (simulated dropout asks nobody)
+        self.rounds_seen += 1
         if asked > 0:
             self.silent_rounds = self.silent_rounds + 1 if answered == 0 else 0
             self.first_silent = round + 1 if self.silent_rounds == 1 else self.first_silent
-        if self.max_silent_rounds is not None and self.silent_rounds >= self.max_silent_rounds:
+        never = last and 0 < self.silent_rounds == self.rounds_seen  # no reply in any round of this fit
+        if self.max_silent_rounds is not None and (self.silent_rounds >= self.max_silent_rounds or never):
             nodes = sorted(self.client_of) or "none"
+            streak = (
+                f"any of this run's {self.silent_rounds} round(s)" if never else f"{self.silent_rounds} rounds in a row"
+            )
             raise UserError(
-                f"no sampled client replied in {self.silent_rounds} rounds in a row (rounds "
+                f"no sampled client replied in {streak} (rounds "
                 f"{self.first_silent}-{round + 1}; SuperNodes known: {nodes}): check that the SuperNodes "
                 "run and reach this SuperLink (after a SuperLink restart, restart them too), then resume the run "
                 "(its checkpoint is saved); run config 'max-silent-rounds' sets how many rounds to allow "
