@@ -72,7 +72,8 @@ class ForkedRuns:
 def sweep_main(tmp_path, monkeypatch, capsys):
     """``python tools/sweep.py ARGS`` in ``tmp_path``: the tool's own ``main`` in this process (skipping, resuming,
     the one-shot stages, the CSV), its runs forked (``ForkedRuns``); the exit code and what it printed.
-    ``test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it`` runs the tool and its run as fresh processes."""
+    ``test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it`` runs the tool forked and its run as a fresh
+    process."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
 
