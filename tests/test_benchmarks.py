@@ -175,7 +175,10 @@ def test_gpt_step_times_a_lora_step_and_counts_its_adapters(tmp_path, variant, u
     assert proc.returncode == 0, proc.stderr[-3000:]
     name = {"lora": "LoRA", "ffa": "FFA-LoRA"}[variant]
     assert f"{name}: r=2 on the projections: {upload // 4:,} trained values, {upload:,} bytes" in proc.stdout
-    both = run_script("gpt_step.py", [*args, "--latent", "4"], tmp_path, 180)
+
+
+def test_gpt_step_refuses_a_latent_and_lora_together(tmp_path):
+    both = run_script("gpt_step.py", ["--lora", "2", "--latent", "4"], tmp_path, 180)
     assert both.returncode == 2 and "--latent and --lora are two methods" in both.stderr
 
 
