@@ -49,7 +49,9 @@ def worker(clients: int, weights: int, mode: str, groups: int = 1) -> dict:
 
     from lightning_fl.compress import FP32
     from lightning_fl.federated import ByteLedger, FedAvg, LocalTraining
+    from lightning_fl.federated.collect import Uploads
     from lightning_fl.federated.round import RoundRunner
+    from lightning_fl.federated.stages import NormGate
     from lightning_fl.federated.transport import Reply, Transport
 
     class Clients(Transport):
@@ -68,8 +70,9 @@ def worker(clients: int, weights: int, mode: str, groups: int = 1) -> dict:
     state = {"w": torch.zeros(weights)}
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
     ratio = 100.0 if mode == "rows" else None  # the relative gate needs every upload: rows are kept
-    runner = RoundRunner(fabric, FedAvg(), FP32(), LocalTraining(), ByteLedger(clients), transport=Clients(),
-                         max_update_norm_ratio=ratio, fold_groups=groups if mode == "grouped" else 1)  # fmt: skip
+    collection = Uploads(Clients(), FP32(), LocalTraining(), fold_groups=groups if mode == "grouped" else 1)
+    gate = NormGate(FedAvg(), max_update_norm_ratio=ratio)
+    runner = RoundRunner(fabric, gate.strategy, collection, [gate], ByteLedger(clients))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner.run(None, Population(), state, 0, 0, 1)  # warm-up: one client, the code paths' one-time costs

@@ -10,7 +10,10 @@ import torch
 from lightning_fl import TrainerLike
 from lightning_fl.compress import FP32
 from lightning_fl.federated import ByteLedger, FedAvg, LocalTraining
-from lightning_fl.federated.round import RoundRunner
+from lightning_fl.federated.arguments import TrainerArguments
+from lightning_fl.federated.collect import Uploads
+from lightning_fl.federated.round import RoundRunner, RoundSettings
+from lightning_fl.federated.stages import round_stages
 from lightning_fl.federated.state import flatten, unflatten
 from lightning_fl.federated.transport import Reply, Transport
 from lightning_fl.privacy import Plan
@@ -69,6 +72,19 @@ class Population:
         self.num_clients = num_clients
 
 
+def round_runner(fabric, transport, codec=None, *, strategy=None, local=None, num_clients=3, fold_groups=1,
+                 sampling="fixed", dropout=0.0, upload_policy="drop", **settings):  # fmt: skip
+    """A :class:`~lightning_fl.federated.round.RoundRunner` over ``transport`` with the stages a trainer with
+    ``settings`` (its arguments: ``attack``, ``privacy``, ``max_update_norm``, ...) would run; the relative norm gate
+    is off unless ``max_update_norm_ratio`` is given."""
+    strategy = strategy if strategy is not None else FedAvg()
+    settings.setdefault("max_update_norm_ratio", None)
+    args = TrainerArguments(strategy=strategy, sampling=sampling, **settings)
+    collection = Uploads(transport, codec if codec is not None else FP32(), local, fold_groups)
+    return RoundRunner(fabric, strategy, collection, round_stages(args, fabric, local), ByteLedger(num_clients),
+                       RoundSettings(sampling, dropout, upload_policy))  # fmt: skip
+
+
 def crafted_runner(update, num_clients, *, strategy=None, privacy=None, sampling="fixed", count=None, rounds=1,
                    seed=0, failing=(), num_samples=None, **kwargs):  # fmt: skip
     """A :class:`~lightning_fl.federated.round.RoundRunner` over :class:`CraftedClients` on one CPU process, with
@@ -78,8 +94,8 @@ def crafted_runner(update, num_clients, *, strategy=None, privacy=None, sampling
     kwargs.setdefault("max_update_norm_ratio", None)
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
     transport = CraftedClients(update, num_samples, failing)
-    runner = RoundRunner(fabric, strategy, FP32(), LocalTraining(), ByteLedger(num_clients), transport=transport,
-                         privacy=privacy, sampling=sampling, **kwargs)  # fmt: skip
+    runner = round_runner(fabric, transport, strategy=strategy, local=LocalTraining(), num_clients=num_clients,
+                          privacy=privacy, sampling=sampling, **kwargs)  # fmt: skip
     if privacy is not None:
         privacy.setup(
             Plan(num_clients, float(count), sampling, rounds, seed, strategy, kwargs["max_update_norm_ratio"])

@@ -20,12 +20,10 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from helpers import round_runner
 from lightning_fl.compress import FP32, Codec, PayloadDecodeError, PowerSGD, Quantize, TopK, wire
 from lightning_fl.compress.base import Encoded, Payload, non_finite_parts
 from lightning_fl.federated.gate import UploadRejectedError, check_layout, decode_upload, screen_upload
-from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.round import RoundRunner
-from lightning_fl.federated.strategies import FedAvg
 from lightning_fl.federated.transport import Reply, Transport
 
 CODECS = {
@@ -409,7 +407,7 @@ class Scripted(Transport):
 def run_round(codec, payloads, policy="drop"):
     fabric = types.SimpleNamespace(global_rank=0, world_size=1, is_global_zero=True)
     transport = Scripted(payloads)
-    runner = RoundRunner(fabric, FedAvg(), codec, None, ByteLedger(3), upload_policy=policy, transport=transport)
+    runner = round_runner(fabric, transport, codec, upload_policy=policy)
     state = {"w": torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), "b": torch.zeros(4)}
     before = snapshot(state)
     with warnings.catch_warnings(record=True) as caught:

@@ -353,7 +353,7 @@ def test_fabric_strategy_names_given_as_the_server_strategy_say_where_they_belon
 
 
 def test_update_norms_in_chunks_equal_the_float64_norms_of_every_row():
-    from lightning_fl.federated.uploads import rows, update_norms
+    from lightning_fl.federated.uploads import take, update_norms
 
     g = torch.Generator().manual_seed(0)
     for n, width in ((0, 7), (1, 7), (5, 3), (37, 2**15 + 3)):  # the last spans several chunks of rows
@@ -362,9 +362,9 @@ def test_update_norms_in_chunks_equal_the_float64_norms_of_every_row():
         got = update_norms(uploads, current)
         assert got.dtype == torch.float64 and torch.equal(got, want)
     t = torch.arange(12.0).reshape(4, 3)
-    assert rows(t, [0, 1]).data_ptr() == t.data_ptr() and torch.equal(rows(t, [0, 1]), t[:2])
-    assert torch.equal(rows(t, [1, 3]), t[[1, 3]]) and torch.equal(rows(t, [1, 0]), t[[1, 0]])
-    assert rows(t, []).shape == (0, 3)
+    assert take(t, [0, 1]).data_ptr() == t.data_ptr() and torch.equal(take(t, [0, 1]), t[:2])
+    assert torch.equal(take(t, [1, 3]), t[[1, 3]]) and torch.equal(take(t, [1, 0]), t[[1, 0]])
+    assert take(t, []).shape == (0, 3)
 
 
 def test_a_collapse_under_defaults_is_warned_once_and_repeated_in_the_summary(in_tmp, capsys):

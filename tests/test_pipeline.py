@@ -13,8 +13,10 @@ from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FedAdam, FedAvg, FedAvgM, Median, NaNUpload, SignFlip
 from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.collect import Uploads
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.round import RoundRunner
+from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy import AdaptiveClipping, CentralDP, Plan
 
 D = 6
@@ -86,8 +88,9 @@ def test_a_streamed_round_folds_in_client_order_whatever_order_replies_arrive():
     update = lambda c, r: given[c]
     ordered, population = make(update, 3)
     shuffled, _ = make(update, 3)
-    inner = shuffled.transport.replies
-    shuffled.transport.replies = lambda *a, **k: reversed(list(inner(*a, **k)))  # the last client answers first
+    transport = shuffled.collection.transport
+    inner = transport.replies
+    transport.replies = lambda *a, **k: reversed(list(inner(*a, **k)))  # the last client answers first
     first = flat(run_rounds(ordered, population)[0])
     assert first[0] == pytest.approx(1 / 3) and torch.equal(first, flat(run_rounds(shuffled, population)[0]))
 
@@ -130,10 +133,11 @@ def test_fold_groups_add_each_group_in_client_order_then_the_groups_in_group_ord
 def test_with_fold_groups_a_process_trains_the_clients_of_its_groups():
     runner, _ = make(updates(), 4, fold_groups=4)
     assert [runner.process_of(c, 2) for c in range(8)] == [c % 2 for c in range(8)]  # 2 divides 4: as before
-    runner.fold_groups = 3
+    runner.collection.fold_groups = 3
     assert [runner.process_of(c, 2) for c in range(6)] == [0, 1, 0, 0, 1, 0]  # group c % 3 on process g % 2
     with pytest.warns(UserWarning, match="fold_groups is 2 but the run has 4 processes"):
-        RoundRunner(SimpleNamespace(world_size=4), FedAvg(), FP32(), LocalTraining(), ByteLedger(4), fold_groups=2)
+        RoundRunner(SimpleNamespace(world_size=4), FedAvg(), Uploads(InProcess(), FP32(), LocalTraining(), 2), [],
+                    ByteLedger(4))  # fmt: skip
     from lightning_fl import FederatedTrainer
 
     for bad in (0, 2.5):
@@ -159,14 +163,14 @@ def test_a_linear_strategy_reuses_one_rows_buffer_and_a_robust_one_gets_a_new_on
     update = updates()
     kept, population = make(update, 6, max_update_norm_ratio=1e30)
     run_rounds(kept, population)
-    buffer = kept._rows
+    buffer = kept.collection._buffer
     run_rounds(kept, population, rounds=3)
-    assert buffer is not None and kept._rows is buffer and kept.kept_rows == 6
+    assert buffer is not None and kept.collection._buffer is buffer and kept.kept_rows == 6
     median, population = make(update, 5, strategy=Median())
     one, _ = run_rounds(median, population)
     before = flat(one).clone()
     run_rounds(median, population, state=one)
-    assert median._rows is None and torch.equal(flat(one), before)
+    assert median.collection._buffer is None and torch.equal(flat(one), before)
 
 
 def test_robust_strategies_and_per_client_attacks_keep_what_they_need():

@@ -24,10 +24,8 @@ pytest.importorskip("flwr")
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
+from helpers import round_runner
 from lightning_fl.compress import FP32, Quantize, wire
-from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.round import RoundRunner
-from lightning_fl.federated.strategies import FedAvg
 from lightning_fl.flower import messages
 from lightning_fl.flower.transport import FlowerTransport
 
@@ -153,7 +151,7 @@ def fuzz(total: int, clients: int, codec, seed: int = 0) -> dict[str, int]:
     transport.node_of = {c: c + 1 for c in range(clients)}
     transport.client_of = {c + 1: c for c in range(clients)}
     fabric = types.SimpleNamespace(global_rank=0, world_size=1, is_global_zero=True)
-    runner = RoundRunner(fabric, FedAvg(), codec, None, ByteLedger(clients), transport=transport)
+    runner = round_runner(fabric, transport, codec, num_clients=clients)
     data = types.SimpleNamespace(num_clients=clients)
     seen: dict[str, int] = {}
     for r in range(-(-total // clients)):

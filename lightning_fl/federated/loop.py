@@ -39,10 +39,12 @@ from lightning_fl.federated import setup
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
 from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.collect import SecureUploads, Uploads
 from lightning_fl.federated.evaluate import evaluate
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.module import ModuleHooks
-from lightning_fl.federated.round import RoundRunner
+from lightning_fl.federated.round import RoundRunner, RoundSettings
+from lightning_fl.federated.stages import round_stages
 from lightning_fl.federated.summary import evaluation_lines, run_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.base import Plan
@@ -148,15 +150,13 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self.global_state, self.ledger, self.history = model.federated_state(), ByteLedger(num_clients), []
         self.stopped = self.alarm = None
         fingerprint = setup.agree_on_fingerprint(fabric, hooks)
-        identity = hooks.averaging_identity_error if self.check_identity and self.strategy.linear else None
         in_process = isinstance(self.transport, InProcess)
-        if self.local.secure is not None:  # a secure round never shows the server an upload
-            identity = None
-            if not self.transport.sums_securely or fabric.world_size > 1:
-                raise ConfigError(
-                    "trainer.secure_aggregation runs in one process or on Flower (SecAgg+), not over several "
-                    "processes: set trainer.devices 1 and trainer.num_nodes 1, or remove the key"
-                )
+        collection = (SecureUploads if self.local.secure is not None else Uploads)(
+            self.transport, self.codec, self.local, self.fold_groups, progress=self.enable_progress_bar
+        )
+        # a secure round never shows the server an upload: there is none to check the identity on
+        check = self.check_identity and self.strategy.linear and not collection.sum_only
+        identity = hooks.averaging_identity_error if check else None
         if self.downlink is not None:
             if not in_process:
                 raise ConfigError(
@@ -164,14 +164,10 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                     "state every round and keeps none between rounds to apply a broadcast to; remove the key"
                 )
             self.downlink.start(num_clients)
-        self.round_runner = RoundRunner(
-            fabric, self.strategy, self.codec, self.local, self.ledger, self.upload_policy, self.dropout, self.attack,
-            identity, progress=self.enable_progress_bar, transport=self.transport,
-            max_update_norm=self.max_update_norm, max_update_norm_ratio=self.max_update_norm_ratio,
-            privacy=self.privacy, sampling=self.sampling, fold_groups=self.fold_groups,
-            max_client_weight=self.max_client_weight, downlink=self.downlink,
-        )  # fmt: skip
-        weighted = getattr(self.strategy, "weighted", False) and self.strategy.linear
+        stages = round_stages(self, fabric, self.local, self.downlink, identity)
+        settings = RoundSettings(self.sampling, self.dropout, self.upload_policy)
+        self.round_runner = RoundRunner(fabric, self.strategy, collection, stages, self.ledger, settings)
+        weighted = self.strategy.weighted and self.strategy.linear
         if weighted and self.max_client_weight is None and not in_process:
             warnings.warn("trainer.strategy.weighted takes each node's declared sample count as given (a node can "
                           "claim any number); set trainer.max_client_weight to bound it", stacklevel=3)  # fmt: skip

@@ -16,6 +16,7 @@ from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.checkpoint import run_folder_of
 from lightning_fl.federated.client import configure_optimizer
 from lightning_fl.federated.module import ModuleHooks
+from lightning_fl.federated.strategies import Strategy
 from lightning_fl.runs import RunLock
 
 FEDERATED_DATA = ("num_clients", "client_dataloader", "client_num_samples", "val_dataloader")
@@ -105,7 +106,7 @@ def agree_on_fingerprint(fabric: L.Fabric, hooks: ModuleHooks) -> str | None:
     return mine
 
 
-def check_plan(strategy: Any, attack: Any, num_clients: int, count: int, sampling: str = "fixed") -> None:
+def check_plan(strategy: Strategy, attack: Any, num_clients: int, count: int, sampling: str = "fixed") -> None:
     """Refuse a run whose attack names absent clients or whose strategy could never aggregate a round.
 
     Args:
@@ -124,7 +125,7 @@ def check_plan(strategy: Any, attack: Any, num_clients: int, count: int, samplin
         )
     if problems:
         raise ConfigError("; ".join(problems))
-    if (warn := getattr(strategy, "plan_warning", None)) is not None and (message := warn(count)) is not None:
+    if (message := strategy.plan_warning(count)) is not None:
         warnings.warn(message, stacklevel=3)
 
 

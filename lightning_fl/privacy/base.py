@@ -61,7 +61,7 @@ class Privacy:
     def setup(self, plan: Plan) -> None:
         """Check the run's other settings and prepare (calibrate noise, build the accountant) before round 1."""
         self.plan = plan
-        if getattr(plan.strategy, "weighted", False):
+        if plan.strategy.weighted:
             name = type(self).__name__
             raise ConfigError(
                 f"trainer.privacy {name} with trainer.strategy.weighted true: weights are client-declared sample "

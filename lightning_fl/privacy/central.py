@@ -132,7 +132,7 @@ class CentralDP(Privacy):
         super().setup(plan)
         strategy = plan.strategy
         problems = []
-        if not getattr(strategy, "streams", False):
+        if not strategy.streams:
             problems.append(
                 f"trainer.privacy CentralDP needs a strategy that steps from the round's mean (FedAvg, FedAvgM, "
                 f"FedAdam, FedYogi, FedAdagrad); {strategy.name}'s sensitivity to one client is not bounded by the "
@@ -144,7 +144,7 @@ class CentralDP(Privacy):
                 "decides whether another's is used, which the DP guarantee does not cover: set "
                 "trainer.max_update_norm_ratio null with trainer.privacy CentralDP"
             )
-        if getattr(strategy, "min_clients", 1) > 1:
+        if strategy.min_clients > 1:
             problems.append(
                 f"trainer.strategy.min_clients={strategy.min_clients}: skipping a round because few uploads arrived "
                 "would reveal how many did; with trainer.privacy CentralDP every round releases its noised sum, so "

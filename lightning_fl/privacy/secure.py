@@ -180,10 +180,10 @@ class SecureAggregation(SecureSum):
         from lightning_fl.compress.base import FP32
 
         out = []
-        if not getattr(strategy, "streams", False):
+        if not strategy.streams:
             out.append(f"trainer.strategy {strategy.name} needs single updates; use FedAvg, FedAvgM, FedAdam, FedYogi "
                        "or FedAdagrad")  # fmt: skip
-        if getattr(strategy, "weighted", False):
+        if strategy.weighted:
             out.append("set trainer.strategy.weighted false (client-declared weights cannot be checked in a sum)")
         if privacy is not None and privacy.central and not privacy.client_stage:
             out.append(f"trainer.privacy {type(privacy).__name__} clips each update on the server; use DistributedDP "

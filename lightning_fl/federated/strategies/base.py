@@ -69,6 +69,11 @@ class Strategy:
         rng = np.random.default_rng(derive_seed(seed, round, STREAM_POISSON))
         return [int(c) for c in np.flatnonzero(rng.random(num_clients) < rate)]
 
+    def plan_warning(self, count: int) -> str | None:
+        """What to warn about, once before the first round, when every round samples ``count`` clients (``None``:
+        nothing; Krum warns when its guarantee needs more uploads)."""
+        return None
+
     # ------------------------------------------------------------------------------------- aggregation
     def problem(self, num_uploads: int) -> str | None:
         """Why ``num_uploads`` accepted uploads cannot be aggregated (``None``: they can)."""

@@ -1,0 +1,253 @@
+"""How a round's uploads reach the server: each on its own (:class:`Uploads`) or only as their sum
+(:class:`SecureUploads`, secure aggregation).
+
+:class:`Uploads` has the round's share of clients trained by the transport and takes each reply through its way in:
+an :class:`~lightning_fl.federated.uploads.Entry`, the stages' ``on_reply``, the upload gate (decode, layout, finite
+values), then the stages' per-upload hooks. **Streaming**: each accepted upload is folded (the stages' ``on_fold``)
+into a float64 running sum as soon as its turn in client-id order comes, and dropped: O(D) memory whatever the number
+of clients. **Rows**: when a stage reads every upload at once (``needs_rows``), the strategy needs them all (Median,
+TrimmedMean, Krum), or one running sum spans several processes (the fold must visit clients in client-id order to
+stay independent of their placement), the uploads are kept as an ``(n, D)`` float32 matrix, gathered from every
+process, passed to the stages' ``on_rows``, then folded in client order (linear strategies) or kept. Either way the
+same operations run in the same order, so a streamed FedAvg equals the all-rows mean bit for bit.
+
+**Several processes stream** with ``fold_groups`` G > 1: client ``c`` is folded into running sum ``c % G`` (each in
+client-id order) and the G sums are added in group order (:class:`~lightning_fl.federated.strategies.GroupedSums`).
+Group ``g``'s clients train on process ``g % world_size``, which folds them as they arrive and, once, broadcasts its
+sum in its turn: memory O(D) per group, and the same additions whatever the number of processes, so the global state
+is that of one process with the same G, bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import lightning as L
+import torch
+from tqdm.auto import tqdm
+
+from lightning_fl.compress.base import Codec
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.gate import screen_upload, upload_nbytes
+from lightning_fl.federated.stages.base import Stage
+from lightning_fl.federated.state import State, flatten
+from lightning_fl.federated.strategies import Strategy
+from lightning_fl.federated.strategies.base import GroupedSums
+from lightning_fl.federated.transport import Reply, Transport
+from lightning_fl.federated.uploads import (
+    ACCEPTED,
+    LOST,
+    REJECTED,
+    Entry,
+    Round,
+    Rows,
+    Total,
+    combine_groups,
+    gather_rows,
+)
+
+
+def entry_of(reply: Reply, rnd: Round, stages: list[Stage]) -> Entry:
+    """A reply as the round's entry (its sample count as weight, its message bytes), after the stages' ``on_reply``;
+    ``LOST`` when nothing came back."""
+    entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged)
+    entry.msg_up = -1 if reply.message_up is None else reply.message_up
+    entry.msg_down = -1 if reply.message_down is None else reply.message_down
+    for stage in stages:
+        stage.on_reply(rnd, reply, entry)
+    if reply.lost:
+        entry.status = LOST
+    rnd.entries[entry.client] = entry
+    return entry
+
+
+class Uploads:
+    """Every upload on its own (module docstring), delivered by ``transport``.
+
+    Args:
+        transport: How the round reaches its clients (in process, Flower).
+        codec: Their uploads' encoding (decoded here).
+        local: How they train.
+        fold_groups: Running sums a linear strategy folds into (client ``c`` into sum ``c % fold_groups``).
+        progress: A bar over the round's clients on a terminal.
+    """
+
+    #: The server sees single uploads (stages may read them).
+    sum_only = False
+
+    def __init__(
+        self, transport: Transport, codec: Codec, local: LocalTraining, fold_groups: int = 1, progress: bool = False
+    ) -> None:
+        self.transport, self.codec, self.local = transport, codec, local
+        self.fold_groups, self.progress = fold_groups, progress
+        self._buffer: torch.Tensor | None = None  # the rows a linear strategy reuses round after round
+
+    def process_of(self, client: int, world: int) -> int:
+        """The process that trains ``client`` among ``world``: the one holding its fold group (``client %
+        fold_groups``) when there are several groups, else every ``world``-th client (the same when ``world``
+        divides ``fold_groups``)."""
+        return (client % self.fold_groups) % world if self.fold_groups > 1 else client % world
+
+    def check(self, fabric: L.Fabric, stages: list[Stage]) -> None:
+        """Refuse a run these uploads cannot serve (any run can receive single uploads)."""
+
+    def keeps_rows(self, strategy: Strategy, stages: list[Stage], fabric: L.Fabric) -> bool:
+        """Whether a round keeps every upload as a row (module docstring) instead of streaming."""
+        spread = self.transport.spreads_over_processes and fabric.world_size > 1 and self.fold_groups == 1
+        return not strategy.streams or any(stage.needs_rows for stage in stages) or spread
+
+    def collect(self, rnd: Round, strategy: Strategy, stages: list[Stage], model: Any, datamodule: Any) -> None:
+        """Have this process's share of ``rnd.available`` trained and bring every reply in: the round's entries,
+        the folded clients and its :class:`~lightning_fl.federated.uploads.Total` (or, for a robust strategy, rows)."""
+        fabric = rnd.fabric
+        spread = self.transport.spreads_over_processes
+        # Each client trains on one process, always the same: a codec's memory of a client (error-feedback
+        # residuals) stays where the client trains.
+        world = fabric.world_size if spread else 1
+        mine = [c for c in rnd.available if self.process_of(c, world) == fabric.global_rank]
+        share = mine if spread else rnd.available
+        if self.keeps_rows(strategy, stages, fabric):
+            slots = max(1, max(sum(1 for c in rnd.available if self.process_of(c, world) == k) for k in range(world)))
+            rnd.rows = Rows(self._row_buffer(strategy, slots, len(rnd.current)), held=slots)
+        else:
+            rnd.running = GroupedSums(len(rnd.current), self.fold_groups)
+        replies = self.transport.replies(
+            model, datamodule, rnd.state, share, rnd.index, rnd.seed, codec=self.codec, local=self.local, fabric=fabric
+        )
+        if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
+            show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
+            bar = tqdm(replies, total=len(share), desc=f"clients r{rnd.index + 1}", leave=False, disable=not show)
+            self._take(rnd, strategy, stages, bar, share)
+        if rnd.rows is not None:
+            if fabric.world_size > 1:
+                gather_rows(fabric, rnd)
+            rnd.rows.keep(list(range(len(rnd.rows.clients))))  # the rows written, no more
+            for stage in stages:
+                stage.on_rows(rnd, rnd.rows)
+            if strategy.streams:  # a linear strategy's rows are folded in client order, then dropped
+                rnd.running = GroupedSums(len(rnd.current), self.fold_groups)
+                for client, row in zip(rnd.rows.clients, rnd.rows.values, strict=True):
+                    self._fold(rnd, strategy, stages, rnd.entry(client), row)
+            else:
+                rnd.folded = list(rnd.rows.clients)
+        elif spread and fabric.world_size > 1:
+            combine_groups(fabric, rnd)
+        if rnd.total is None and rnd.running is not None:  # (several streaming processes have combined theirs)
+            rnd.total = Total.of(rnd.running.combine())
+
+    def _take(self, rnd: Round, strategy: Strategy, stages: list[Stage], replies, share: list[int]) -> None:
+        """Each reply into its entry, and its upload into its row, or through the per-upload stages and folded in
+        client order whatever the order of arrival."""
+        pending: dict[int, torch.Tensor | None] = {}  # streaming: screened uploads waiting for their turn to fold
+        order = iter(sorted(share))
+        expected = next(order, None)
+        for reply in replies:
+            entry = entry_of(reply, rnd, stages)
+            decoded = self._decode(rnd, reply, entry)
+            if rnd.rows is not None:
+                if decoded is not None:
+                    flatten(decoded, rnd.names, out=rnd.rows.values[len(rnd.rows.clients)])
+                    rnd.rows.clients.append(entry.client)
+                continue
+            row = flatten(decoded, rnd.names) if decoded is not None else None
+            for stage in stages:
+                if row is None:
+                    break
+                row = stage.on_upload(rnd, entry, row)
+            pending[entry.client] = row
+            while expected is not None and expected in pending:
+                if (ready := pending.pop(expected)) is not None:
+                    self._fold(rnd, strategy, stages, rnd.entry(expected), ready)
+                expected = next(order, None)
+        for client in sorted(pending):  # a transport that never answered for some client: fold the rest
+            if pending[client] is not None:
+                self._fold(rnd, strategy, stages, rnd.entry(client), pending[client])
+
+    def _decode(self, rnd: Round, reply: Reply, entry: Entry) -> State | None:
+        """A reply's upload decoded if it passes the gate (layout, dtype, size, finite values); else ``None``."""
+        if reply.lost:
+            return None
+        entry.up = upload_nbytes(reply.payload)
+        if reply.failure:
+            decoded, problems = None, [reply.failure]
+        else:
+            decoded, problems = screen_upload(reply.payload, self.codec, rnd.state, reply.client)
+        if problems or decoded is None:
+            rnd.reject(entry, problems)
+            return None
+        entry.status = ACCEPTED
+        return decoded
+
+    @staticmethod
+    def _fold(rnd: Round, strategy: Strategy, stages: list[Stage], entry: Entry, row: torch.Tensor) -> None:
+        """Add what the upload contributes (the stages' ``on_fold``) to the running sum, weighted by its sample
+        count for a weighted strategy."""
+        for stage in stages:
+            row = stage.on_fold(rnd, entry, row)
+        rnd.running.add(entry.client, row, entry.weight if strategy.weighted else 1.0)
+        rnd.folded.append(entry.client)
+
+    def _row_buffer(self, strategy: Strategy, slots: int, size: int) -> torch.Tensor:
+        """Room for ``slots`` uploads of ``size`` values, not initialised: only written rows are read.
+
+        A linear strategy's rows never leave the round (they are folded into a running sum), so one buffer
+        serves every round (no ``(n, D)`` matrix allocated and its pages faulted in, or zeroed, per round); a
+        robust strategy may return a view of a row as the next global state, so it gets a new one each round.
+        """
+        if not strategy.streams:
+            return torch.empty(slots, size, dtype=torch.float32)
+        kept = self._buffer
+        if kept is None or len(kept) < slots or kept.shape[1] != size:
+            kept = self._buffer = torch.empty(slots, size, dtype=torch.float32)
+        return kept[:slots]
+
+
+class SecureUploads(Uploads):
+    """The sum of the round's uploads only (``trainer.secure_aggregation``): the transport runs the secure round
+    (Flower's SecAgg+, or its arithmetic in process) and gives back each client's reply without its upload and the
+    modular sum of those it included, from which the exact sum of their dequantised updates is recovered. The server
+    reads no upload (a deployment never shows it one; in process only their structure is checked), so stages that
+    read single uploads cannot run in such a round. One process (checked when the fit starts)."""
+
+    sum_only = True
+
+    def keeps_rows(self, strategy: Strategy, stages: list[Stage], fabric: L.Fabric) -> bool:
+        return False
+
+    def check(self, fabric: L.Fabric, stages: list[Stage]) -> None:
+        """One process, a transport that sums securely, and no stage that reads single uploads."""
+        if not self.transport.sums_securely or fabric.world_size > 1:
+            raise ConfigError(
+                "trainer.secure_aggregation runs in one process or on Flower (SecAgg+), not over several "
+                "processes: set trainer.devices 1 and trainer.num_nodes 1, or remove the key"
+            )
+        if reading := [repr(s) for s in stages if s.needs_rows]:
+            raise ConfigError(f"trainer.secure_aggregation shows the server no single upload, but {', '.join(reading)} "
+                              "reads every upload of a round: remove its setting")  # fmt: skip
+
+    def collect(self, rnd: Round, strategy: Strategy, stages: list[Stage], model: Any, datamodule: Any) -> None:
+        secure = self.local.secure
+        result = self.transport.secure_round(
+            model, datamodule, rnd.state, rnd.available, rnd.index, rnd.seed, codec=self.codec, local=self.local,
+            fabric=rnd.fabric,
+        )  # fmt: skip
+        for reply in result.replies:
+            entry = entry_of(reply, rnd, stages)
+            if reply.lost:
+                continue
+            entry.up = reply.upload_bytes if reply.upload_bytes is not None else upload_nbytes(reply.payload)
+            if reply.failure:
+                rnd.reject(entry, [reply.failure])
+            elif result.problem is None and entry.client in result.included:
+                entry.status = ACCEPTED
+        if result.problem is not None:
+            warnings.warn(f"round {rnd.index + 1}: secure aggregation failed: {result.problem}; the round has no "
+                          "aggregate", stacklevel=3)  # fmt: skip
+        else:
+            rnd.folded = list(result.included)
+        n = len(rnd.folded)
+        total = secure.recover(result.total, n) if n else torch.zeros(len(rnd.current), dtype=torch.float64)
+        rnd.total = Total(total, float(n), n, updates=True)

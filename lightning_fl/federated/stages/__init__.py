@@ -1,0 +1,70 @@
+"""A round's mechanisms as stages (:class:`Stage`; the hooks and when they run: :mod:`.base`), and
+:func:`round_stages`, the one place that turns a run's settings into the stages its rounds run, in order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning as L
+
+from lightning_fl.compress.downlink import Downlink
+from lightning_fl.federated.arguments import TrainerArguments
+from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.stages.base import Stage, Step
+from lightning_fl.federated.stages.privacy import CentralPrivacy, ClientPrivacy, RecordPrivacy
+from lightning_fl.federated.stages.screening import NormGate, SimulatedAttack, WeightCap
+from lightning_fl.federated.stages.server import CompressedBroadcast, IdentityCheck
+from lightning_fl.federated.state import State
+
+__all__ = [
+    "CentralPrivacy",
+    "ClientPrivacy",
+    "CompressedBroadcast",
+    "IdentityCheck",
+    "NormGate",
+    "RecordPrivacy",
+    "SimulatedAttack",
+    "Stage",
+    "Step",
+    "WeightCap",
+    "round_stages",
+]
+
+
+def round_stages(
+    settings: TrainerArguments,
+    fabric: L.Fabric,
+    local: LocalTraining | None = None,
+    downlink: Downlink | None = None,
+    identity: Callable[[list[State]], float] | None = None,
+) -> list[Stage]:
+    """The stages of a run with ``settings`` (a trainer's arguments), in the order each hook runs them.
+
+    Uploads are screened (weight cap, attack, norm gate) before central DP clips what they add to the sum, so a
+    refused upload spends nothing; the norm gate checks the aggregate before the compressed broadcast sends it, and
+    the identity check measures only an accepted aggregate.
+
+    Args:
+        settings: The trainer's arguments (``strategy``, ``max_client_weight``, ``attack``, ``max_update_norm``,
+            ``max_update_norm_ratio``, ``privacy``, ``dp_sgd``).
+        fabric: The run's processes.
+        local: How clients train (DP-SGD's accounting reads its data plan).
+        downlink: The server's compressed broadcast (``trainer.compressed_downloads``); ``None``: full states.
+        identity: The module's averaging identity error, to be logged; ``None``: not checked.
+    """
+    strategy, privacy = settings.strategy, settings.privacy
+    stages: list[Stage] = []
+    if settings.max_client_weight is not None and strategy.weighted:
+        stages.append(WeightCap(settings.max_client_weight))
+    if settings.attack is not None:
+        stages.append(SimulatedAttack(settings.attack))
+    stages.append(NormGate(strategy, settings.max_update_norm, settings.max_update_norm_ratio))
+    if privacy is not None:  # on the server's sum, or (local DP) accounted only: each client noised its own upload
+        stages.append(CentralPrivacy(privacy, fabric) if privacy.central else ClientPrivacy(privacy))
+    if settings.dp_sgd is not None:
+        stages.append(RecordPrivacy(settings.dp_sgd, local))
+    if downlink is not None:
+        stages.append(CompressedBroadcast(downlink))
+    if identity is not None:
+        stages.append(IdentityCheck(identity, fabric))
+    return stages

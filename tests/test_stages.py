@@ -1,0 +1,136 @@
+"""The round's mechanisms as stages: a stage acts through its hooks alone, alike whether the round streams or keeps
+rows; the round knows no mechanism by name; a secure round refuses what it cannot serve."""
+
+import ast
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO
+from helpers import CraftedClients, Population, round_runner
+from lightning_fl.compress import FP32
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated import FedAvg, LocalTraining, Median
+from lightning_fl.federated.collect import SecureUploads, Uploads
+from lightning_fl.federated.ledger import ByteLedger
+from lightning_fl.federated.round import RoundRunner
+from lightning_fl.federated.stages import IdentityCheck, NormGate, Stage
+from lightning_fl.federated.transport import InProcess
+from lightning_fl.privacy.secure import SecureAggregation
+
+D = 6
+STATE = {"a": torch.zeros(2, 2), "b": torch.ones(2)}
+
+
+def update(c, r):
+    return torch.full((D,), 0.1 * (c + 1))
+
+
+class OddOut(Stage):
+    """Refuses the uploads of odd clients and keeps a log of every hook it saw."""
+
+    def __init__(self, rows: bool = False) -> None:
+        self.needs_rows = rows
+        self.seen: list[tuple] = []
+
+    def start(self, rnd):
+        self.seen.append(("start", tuple(rnd.sampled)))
+
+    def on_reply(self, rnd, reply, entry):
+        self.seen.append(("reply", reply.client))
+
+    def on_upload(self, rnd, entry, row):
+        self.seen.append(("upload", entry.client))
+        if entry.client % 2:
+            rnd.reject(entry, ["odd"])
+            return None
+        return row
+
+    def on_fold(self, rnd, entry, row):
+        self.seen.append(("fold", entry.client))
+        return row
+
+    def on_aggregate(self, rnd, total):
+        self.seen.append(("aggregate", total.count))
+        return total
+
+    def on_step(self, rnd, step):
+        self.seen.append(("step", step.accepted))
+
+    def end_round(self, rnd):
+        rnd.metrics["odd/refused"] = sum(1 for e in rnd.answered if e.client % 2)
+
+
+def run(stages, strategy=None, clients=5):
+    runner = round_runner(SimpleNamespace(world_size=1, global_rank=0, is_global_zero=True), CraftedClients(update),
+                          strategy=strategy, num_clients=clients)  # fmt: skip
+    runner.stages = [*runner.stages, *stages]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, metrics = runner.run(None, Population(clients), STATE, 0, 0, clients)
+    return runner, state, metrics, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["streamed", "rows"])
+def test_a_stage_acts_through_its_hooks_alike_streamed_or_with_rows_kept(rows):
+    stage = OddOut(rows)
+    runner, state, metrics, messages = run([stage])
+    assert runner.kept_rows == (5 if rows else 0)
+    assert runner.dropped == [1, 3] and metrics["odd/refused"] == 2 and metrics["fed/dropped_clients"] == 2
+    assert sum("client 1: upload rejected: odd; dropped from this round" in m for m in messages) == 1
+    flat = torch.cat([state[n].reshape(-1) for n in sorted(state)])
+    want = torch.tensor([0.0, 0, 0, 0, 1, 1]) + (update(0, 0) + update(2, 0) + update(4, 0)) / 3
+    assert torch.allclose(flat, want, atol=1e-7)
+    kinds = [s[0] for s in stage.seen]
+    assert stage.seen[0] == ("start", (0, 1, 2, 3, 4)) and kinds.count("reply") == 5 and kinds.count("upload") == 5
+    assert [c for k, c in stage.seen if k == "fold"] == [0, 2, 4]  # only what passed, in client order
+    assert stage.seen[-2:] == [("aggregate", 3), ("step", True)]
+
+
+def test_a_robust_strategy_gets_the_rows_that_passed_the_stages():
+    _, state, metrics, _ = run([OddOut()], strategy=Median())
+    flat = torch.cat([state[n].reshape(-1) for n in sorted(state)])
+    assert torch.allclose(flat, torch.tensor([0.0, 0, 0, 0, 1, 1]) + update(2, 0))  # the median of clients 0, 2, 4
+    assert metrics["odd/refused"] == 2
+
+
+def test_a_refused_step_reaches_every_later_stage_and_keeps_the_state():
+    class Refuse(Stage):
+        def on_step(self, rnd, step):
+            step.problem = "refused by the test"
+
+    after = OddOut()
+    _, state, metrics, messages = run([Refuse(), after])
+    assert metrics["fed/round_skipped"] == 1 and after.seen[-1] == ("step", False)
+    assert torch.equal(state["a"], STATE["a"]) and torch.equal(state["b"], STATE["b"])
+    assert any("round 1: refused by the test; the global state is unchanged" in m for m in messages)
+
+
+def test_a_secure_round_refuses_several_processes_and_stages_that_read_single_uploads():
+    local = LocalTraining(secure=SecureAggregation())
+    one = SimpleNamespace(world_size=1, global_rank=0, is_global_zero=True)
+    collection = SecureUploads(InProcess(), FP32(), local)
+    with pytest.raises(ConfigError, match="trainer.secure_aggregation runs in one process or on Flower"):
+        RoundRunner(SimpleNamespace(world_size=2), FedAvg(), collection, [], ByteLedger(4))
+    gate = NormGate(FedAvg(), max_update_norm_ratio=3.0)
+    with pytest.raises(ConfigError, match=r"shows the server no single upload, but NormGate\(.*\) reads every upload"):
+        RoundRunner(one, FedAvg(), collection, [gate], ByteLedger(4))
+    with pytest.raises(ConfigError, match="IdentityCheck"):
+        RoundRunner(one, FedAvg(), collection, [IdentityCheck(len, one)], ByteLedger(4))
+    RoundRunner(one, FedAvg(), collection, [NormGate(FedAvg(), max_update_norm=1.0)], ByteLedger(4))  # sum-only: fine
+    RoundRunner(SimpleNamespace(world_size=2), FedAvg(), Uploads(InProcess(), FP32(), local), [gate], ByteLedger(4))
+
+
+def test_the_round_knows_no_mechanism_by_name():
+    """round.py and collect.py run the stages they are given: they import no mechanism and name none."""
+    mechanisms = ("privacy", "downlink", "attack", "identity", "dp_sgd", "NormGate", "broadcast")
+    for name in ("round.py", "collect.py"):
+        path = REPO / "lightning_fl" / "federated" / name
+        tree = ast.parse(path.read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {m for m in imported if m.startswith(("lightning_fl.privacy", "lightning_fl.compress.downlink"))}
+        code = [n for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))]
+        named = {getattr(n, "attr", None) or getattr(n, "id", None) for n in code}
+        assert not [m for m in mechanisms if any(m.lower() in str(x).lower() for x in named)], name
