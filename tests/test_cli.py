@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import CONFIGS, REPO, run_cli
 from lightning_fl.cli import main
-from lightning_fl.cli_build_errors import build_error
+from lightning_fl.cli.build_errors import build_error
 from lightning_fl.compress import FP32
 from lightning_fl.data import Digits
 from lightning_fl.errors import ConfigError

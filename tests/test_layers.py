@@ -15,7 +15,7 @@ LAYERS = [
     {"methods"},
     {"federated"},
     {"oneshot"},
-    {"cli", "cli_classes", "cli_errors", "cli_build_errors", "cli_precheck", "__main__"},
+    {"cli", "__main__"},
     {"flower"},
 ]
 

@@ -29,9 +29,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
-from lightning_fl.cli_build_errors import FailedBuild, build_error, instantiate, name_key, quoted_argument
-from lightning_fl.cli_errors import format_parse_error, yaml_syntax_error
-from lightning_fl.cli_precheck import SUBCOMMANDS, TOP_KEYS, fail, precheck
+from lightning_fl.cli.build_errors import FailedBuild, build_error, instantiate, name_key, quoted_argument
+from lightning_fl.cli.parse_errors import format_parse_error, yaml_syntax_error
+from lightning_fl.cli.precheck import SUBCOMMANDS, TOP_KEYS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
 from lightning_fl.threads import set_threads
@@ -84,7 +84,7 @@ def lightning_summary(trainer: L.Trainer, log_dir: str | None) -> str:
 
 # --------------------------------------------------------------------------------------- parser
 def _subcommand_parser(name: str) -> ArgumentParser:
-    """One subcommand's parser. Its keys are those of :data:`~lightning_fl.cli_precheck.TOP_KEYS` (with their
+    """One subcommand's parser. Its keys are those of :data:`~lightning_fl.cli.precheck.TOP_KEYS` (with their
     help), which the pre-check that runs before torch is imported accepts; a key added here must be added there."""
     arguments = {  # each top-level key's type and default
         "config": {"action": ActionConfigFile},
@@ -96,7 +96,7 @@ def _subcommand_parser(name: str) -> ArgumentParser:
         "threads": {"type": int | None, "default": None},
     }
     if arguments.keys() != TOP_KEYS.keys():
-        raise AssertionError(f"the CLI's keys {list(arguments)} are not cli_precheck.TOP_KEYS {list(TOP_KEYS)}")
+        raise AssertionError(f"the CLI's keys {list(arguments)} are not cli.precheck.TOP_KEYS {list(TOP_KEYS)}")
     parser = ArgumentParser(exit_on_error=False, description=SUBCOMMANDS[name])
     for key, kwargs in arguments.items():
         flags = ["-c", "--config"] if key == "config" else [f"--{key}"]
