@@ -1,7 +1,7 @@
 """The command line, ``python -m lightning_fl fit|validate|test --config FILE [--key.sub value ...]``.
 
 - :mod:`~lightning_fl.cli.command`: parse, seed, build the plug-ins and run the subcommand (:func:`main`,
-  :func:`build`); the parsers (:func:`build_parser`).
+  :func:`build`); :mod:`~lightning_fl.cli.parser`: the parsers (:func:`build_parser`) and the YAML of a config.
 - :mod:`~lightning_fl.cli.precheck`: the subcommands and top-level keys, and the mistakes answered before torch is
   imported (``python -m lightning_fl`` runs it first).
 - :mod:`~lightning_fl.cli.parse_errors`, :mod:`~lightning_fl.cli.build_errors`: jsonargparse's errors (parsing, then
@@ -15,17 +15,14 @@ other names below are imported from their modules when first used.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from lightning_fl.cli.command import ConfigParseError, Run, build, build_parser, dump_config, main
+from typing import Any
 
 _NAMES = {  # public name -> the module that defines it
     "ConfigParseError": "lightning_fl.cli.command",
     "Run": "lightning_fl.cli.command",
     "build": "lightning_fl.cli.command",
-    "build_parser": "lightning_fl.cli.command",
-    "dump_config": "lightning_fl.cli.command",
+    "build_parser": "lightning_fl.cli.parser",
+    "dump_config": "lightning_fl.cli.parser",
     "main": "lightning_fl.cli.command",
 }
 
