@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_fl import runs
 from lightning_fl.cli.build_errors import FailedBuild, build_error, instantiate, name_key, quoted_argument
 from lightning_fl.cli.parse_errors import format_parse_error, yaml_syntax_error
-from lightning_fl.cli.parser import build_parsers, dump_config, full_keys_in_class_help
+from lightning_fl.cli.parser import asks_for_help, build_parsers, dump_config, full_keys_in_class_help
 from lightning_fl.cli.precheck import SUBCOMMANDS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
@@ -168,7 +168,7 @@ def build(argv: list[str]) -> Run:
     """
     quiet_lightning()
     show_progress()
-    parser, subparsers = build_parsers()
+    parser, subparsers = build_parsers(field_docs=asks_for_help(argv))
     subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
     try:
         with full_keys_in_class_help(argv):

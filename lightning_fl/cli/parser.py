@@ -10,7 +10,7 @@ import re
 import sys
 
 import lightning as L
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
 from lightning_fl.cli.precheck import SUBCOMMANDS, TOP_KEYS
 from lightning_fl.trainer_api import TrainerLike, lazy_instance
@@ -39,12 +39,21 @@ def _subcommand_parser(name: str) -> ArgumentParser:
     return parser
 
 
-def build_parsers() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
-    """The root parser and the subcommands' parsers by name, every plug-in imported so short class names resolve."""
+def build_parsers(*, field_docs: bool = False) -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
+    """The root parser and the subcommands' parsers by name, every plug-in imported so short class names resolve.
+
+    ``field_docs``: a class's help (``--KEY.help CLASS``) shows the docstrings under dataclass fields too, as Sphinx
+    and mkdocstrings read them (:class:`~lightning_fl.federated.arguments.TrainerArguments` documents its fields so).
+    Off unless help is asked for (:func:`asks_for_help`): to find them, jsonargparse reads the source of every class
+    it meets and of each of its bases, torch's and Lightning's included (0.8 s of CPU more to parse
+    ``configs/quickstart.yaml``; 0.05 s more for ``--trainer.help FederatedTrainer``, 0.4 s for a LightningModule's
+    help), for help that a run never prints. jsonargparse keeps this setting for the whole process, so every call
+    sets it.
+    """
     from lightning_fl import load_plugins
 
     load_plugins()  # every plug-in imported, so short class names resolve
-
+    set_parsing_settings(docstring_parse_attribute_docstrings=field_docs)
     root = ArgumentParser(
         prog="python -m lightning_fl",
         description="Federated learning experiments: FLITE, FMP and their baselines.",
@@ -57,9 +66,16 @@ def build_parsers() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
     return root, parsers
 
 
-def build_parser() -> ArgumentParser:
-    """The root parser with the ``fit``, ``validate`` and ``test`` subcommands."""
-    return build_parsers()[0]
+def build_parser(*, field_docs: bool = False) -> ArgumentParser:
+    """The root parser with the ``fit``, ``validate`` and ``test`` subcommands (``field_docs``: see
+    :func:`build_parsers`)."""
+    return build_parsers(field_docs=field_docs)[0]
+
+
+def asks_for_help(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for help (``-h``, ``--help``, ``--KEY.help CLASS``): the one output that shows the
+    docstrings of a class's arguments."""
+    return any(a in ("-h", "--help") or re.fullmatch(r"--[\w.]+\.help(?:=.*)?", a) for a in argv)
 
 
 def dump_config(parser: ArgumentParser, cfg: Namespace) -> str:
