@@ -1,13 +1,13 @@
 """``python -m lightning_fl fit|validate|test ...``: :func:`lightning_fl.cli.main`, after the pre-check.
 
-The pre-check (:mod:`lightning_fl.cli_precheck`) answers a mistyped subcommand and a ``--config`` file that does not
+The pre-check (:mod:`lightning_fl.cli.precheck`) answers a mistyped subcommand and a ``--config`` file that does not
 exist, breaks YAML's syntax or has an unknown top-level key before torch and Lightning are imported (a fraction of
 a second instead of five on a small machine); everything else goes to the full parser.
 """
 
 import sys
 
-from lightning_fl.cli_precheck import precheck
+from lightning_fl.cli.precheck import precheck
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import CONFIGS, REPO
-from lightning_fl.cli_precheck import TOP_KEYS, check
+from lightning_fl.cli.precheck import TOP_KEYS, check
 
 DIGITS = str(CONFIGS / "pretrain_digits.yaml")
 BAD_YAML = "trainer:\n  init_args:\n    rounds: 1\n   devices: 1\n"
@@ -125,7 +125,7 @@ def test_the_precheck_reads_no_further_than_the_parser():
 
 
 def test_the_subcommand_parser_has_exactly_the_top_keys():
-    from lightning_fl.cli import _subcommand_parser
+    from lightning_fl.cli.parser import _subcommand_parser
 
     parser = _subcommand_parser("fit")
     keys = [a.dest for a in parser._actions if a.dest not in ("help", "print_config") and not a.dest.endswith(".help")]

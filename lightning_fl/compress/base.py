@@ -13,6 +13,11 @@ The server trusts no payload: before decoding it asks :meth:`Codec.check_payload
 the structure the codec produces. A codec states that structure with :meth:`Codec.layout` (per encoded
 tensor: shape, dtype, info and each part's dtype and shape, all derived from the reference state); the base
 check compares every payload with it, so :meth:`Codec.decode` only ever sees what ``encode`` could have made.
+
+Kept as one file: it is one contract, the :class:`Codec`, the :class:`Payload` it produces and the checks
+(:class:`Layout`, :func:`check_layout_of`, :func:`non_finite`) by which the server holds a payload to what
+``encode`` could have made; a codec's author learns both sides here, and the gate, the transports and every codec
+import these names from this module.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""The federated data module: one training set split into a public part, a validation part and clients."""
+"""The federated data module: one training set split into a public part, a validation part and clients.
+
+Kept as one file: it is one class, :class:`FederatedDataModule`, whose splits (public, validation, clients),
+partition and loaders all read the indices its ``setup`` draws; the two datasets beside it
+(:class:`TransformedSubset`, :class:`InMemoryBatches`) are what those loaders serve.
+"""
 
 from __future__ import annotations
 

@@ -26,116 +26,113 @@ from lightning_fl.trainer_api import lazy_instance
 class TrainerArguments:
     """What a federated run is configured by (:class:`~lightning_fl.federated.FederatedTrainer`'s arguments, the
     CLI's ``trainer.*`` keys), checked when it is made: every impossible value or combination is one line naming the
-    key, all raised together as a :class:`~lightning_fl.errors.ConfigError`.
-
-    Args:
-        rounds: Communication rounds R.
-        client_fraction: Share of the K clients sampled each round (at least one); ``null`` with
-            ``clients_per_round`` set.
-        clients_per_round: Number of clients sampled each round; overrides ``client_fraction``.
-        local_epochs: Local epochs E per round.
-        local_steps: Local optimiser steps per round instead of epochs (cycling the client's data).
-        strategy: Server algorithm: which clients train and how uploads are aggregated (``FedAvg``,
-            ``FedAvgM``, ``FedAdagrad``, ``FedAdam``, ``FedYogi``, ``Median``, ``TrimmedMean``, ``Krum``, or yours).
-        codec: Upload codec (``FP32``, ``Quantize``, or a compressor: ``TopK``, ``PowerSGD``).
-        compressed_downloads: The server broadcasts its step compressed by a copy of the codec (a compressor) and
-            clients apply it to the state they hold; ``false``: clients download the float32 state. In process only
-            (docs/methods.md, "Compressed downloads").
-        upload_policy: What the gate does with a malformed or non-finite upload (or a client whose training
-            diverges): ``drop`` it from the round (logged) or ``raise`` an error naming client and round.
-        max_update_norm: The gate refuses an upload whose change to the global state (L2 norm over the whole
-            federated state) exceeds this; ``null``: no absolute bound. The aggregate's step obeys it too.
-        max_update_norm_ratio: The gate refuses an upload whose update norm is more than this many times the
-            round's median update norm; ``null``: off. With a linear strategy the aggregate's step obeys it too.
-        max_client_weight: The most samples a client's upload may weigh under a sample-weighted strategy (a larger
-            declared count is capped, warned): on Flower each node declares its own count.
-        dropout: Probability that a sampled client is unavailable in a round (seeded per client and round):
-            its download is counted, its upload never arrives.
-        attack: Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``,
-            ``NaNUpload``); ``null``: every client is honest.
-        privacy: User-level differential privacy (``CentralDP``, ``DistributedDP``, ``LocalDP``), with an
-            accountant; ``null``: none. See docs/privacy.md.
-        dp_sgd: Record-level DP-SGD inside every client (``DPSGD``), with each client's own accountant; combines
-            with ``privacy``. ``null``: plain local training. See docs/privacy.md.
-        secure_aggregation: The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s
-            clipping, quantisation and modular sum); linear, unweighted strategies only. ``null``: off.
-        sampling: ``fixed`` (``clients_per_round`` clients without replacement) or ``poisson`` (each client with
-            probability ``clients_per_round / num_clients``, as most DP analyses assume).
-        fold_groups: Running sums a linear strategy adds uploads into (client ``c`` into sum ``c % fold_groups``);
-            the global state depends on this number, never on the number of processes; a multiple of the number of
-            processes lets each stream its own groups (README, "Memory").
-        seed: Seed of client sampling and client training; default: the run's ``seed_everything``.
-        accelerator: Fabric accelerator (``cpu``, ``gpu``, ``auto``).
-        devices: Processes/devices the clients are spread over (``2`` on CPU uses gloo); with several nodes, per node.
-        num_nodes: Machines the processes span (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` set on each, or a
-            cluster's launcher); see docs/deploy.md.
-        fabric_strategy: Fabric's launch strategy (``auto`` picks DDP for several devices; no gradients are
-            synchronised, processes only exchange uploads).
-        precision: Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``, ...); ``null``: 32-bit.
-        default_root_dir: Runs go to ``<default_root_dir>/<name>/<version>/``.
-        name: Experiment name (folder under ``default_root_dir``).
-        version: Run folder name or number; ``null`` picks the next ``version_N``.
-        logger: Write TensorBoard logs.
-        resume: ``auto`` continues the newest run of ``name`` that has a checkpoint (``--ckpt_path`` wins).
-        val_every_n_rounds: Evaluate the global model every this many rounds (and after the last one).
-        limit_val_batches: Evaluate on at most this many validation batches (0: no evaluation).
-        gradient_clip_val: Clip client gradient norms; ``null`` uses the module's ``grad_clip``, if any.
-        check_identity: Log the averaging identity error (modules with ``averaging_identity_error``, linear
-            strategies only).
-        enable_progress_bar: Show progress over rounds.
-        save_every_n_rounds: Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept).
-        client_batching: ``sequential`` or ``vmap`` (``cohort_size`` clients at a time as one vectorised computation,
-            for latent methods; equal up to float32 rounding; in process only; docs/cross_device.md).
-        cohort_size: Clients per cohort with ``client_batching: vmap``.
-        client_state_memory_mb: Memory (MiB) for the codec's per-client state; the rest goes to files in the run
-            folder (one process only; docs/cross_device.md). ``null``: all in memory.
-        callbacks: Your own :class:`~lightning_fl.federated.callbacks.Callback` objects, called after the trainer's
-            own at the start of the rounds, at the end of every round and after the last.
-        transport: How rounds reach clients: ``null`` in process (the simulation; ``client_batching`` picks how);
-            a Flower ServerApp passes its own (:class:`~lightning_fl.flower.transport.FlowerTransport`).
+    key, all raised together as a :class:`~lightning_fl.errors.ConfigError`. Each field's doc is the string under it
+    (what ``--trainer.help FederatedTrainer`` prints).
     """
 
     rounds: int = 10
+    """Communication rounds R."""
     client_fraction: float | None = 1.0
+    """Share of the K clients sampled each round (at least one); ``null`` with ``clients_per_round`` set."""
     clients_per_round: int | None = None
+    """Number of clients sampled each round; overrides ``client_fraction``."""
     local_epochs: int = 1
+    """Local epochs E per round."""
     local_steps: int | None = None
+    """Local optimiser steps per round instead of epochs (cycling the client's data)."""
     strategy: Strategy = lazy_instance(FedAvg)
+    """Server algorithm: which clients train and how uploads are aggregated (``FedAvg``, ``FedAvgM``, ``FedAdagrad``,
+    ``FedAdam``, ``FedYogi``, ``Median``, ``TrimmedMean``, ``Krum``, or yours)."""
     codec: Codec = lazy_instance(FP32)
+    """Upload codec (``FP32``, ``Quantize``, or a compressor: ``TopK``, ``PowerSGD``)."""
     compressed_downloads: bool = False
+    """The server broadcasts its step compressed by a copy of the codec (a compressor) and clients apply it to the state
+    they hold; ``false``: clients download the float32 state. In process only (docs/methods.md, "Compressed
+    downloads")."""
     upload_policy: Literal["drop", "raise"] = "drop"
+    """What the gate does with a malformed or non-finite upload (or a client whose training diverges): ``drop`` it from
+    the round (logged) or ``raise`` an error naming client and round."""
     max_update_norm: float | None = None
+    """The gate refuses an upload whose change to the global state (L2 norm over the whole federated state) exceeds
+    this; ``null``: no absolute bound. The aggregate's step obeys it too."""
     max_update_norm_ratio: float | None = 10.0
+    """The gate refuses an upload whose update norm is more than this many times the round's median update norm;
+    ``null``: off. With a linear strategy the aggregate's step obeys it too."""
     max_client_weight: float | None = None
+    """The most samples a client's upload may weigh under a sample-weighted strategy (a larger declared count is capped,
+    warned): on Flower each node declares its own count."""
     dropout: float = 0.0
+    """Probability that a sampled client is unavailable in a round (seeded per client and round): its download is
+    counted, its upload never arrives."""
     attack: Attack | None = None
+    """Hostile clients for robustness studies (``SignFlip``, ``Scaling``, ``GaussianNoise``, ``ALIE``, ``NaNUpload``);
+    ``null``: every client is honest."""
     privacy: Privacy | None = None
+    """User-level differential privacy (``CentralDP``, ``DistributedDP``, ``LocalDP``), with an accountant; ``null``:
+    none. See docs/privacy.md."""
     dp_sgd: DPSGD | None = None
+    """Record-level DP-SGD inside every client (``DPSGD``), with each client's own accountant; combines with
+    ``privacy``. ``null``: plain local training. See docs/privacy.md."""
     secure_aggregation: SecureAggregation | None = None
+    """The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s clipping, quantisation
+    and modular sum); linear, unweighted strategies only. ``null``: off."""
     sampling: Literal["fixed", "poisson"] = "fixed"
+    """``fixed`` (``clients_per_round`` clients without replacement) or ``poisson`` (each client with probability
+    ``clients_per_round / num_clients``, as most DP analyses assume)."""
     fold_groups: int = 1
+    """Running sums a linear strategy adds uploads into (client ``c`` into sum ``c % fold_groups``); the global state
+    depends on this number, never on the number of processes; a multiple of the number of processes lets each stream its
+    own groups (README, "Memory")."""
     seed: int | None = None
+    """Seed of client sampling and client training; default: the run's ``seed_everything``."""
     accelerator: str = "auto"
+    """Fabric accelerator (``cpu``, ``gpu``, ``auto``)."""
     devices: int | str = 1
+    """Processes/devices the clients are spread over (``2`` on CPU uses gloo); with several nodes, per node."""
     num_nodes: int = 1
+    """Machines the processes span (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` set on each, or a cluster's
+    launcher); see docs/deploy.md."""
     fabric_strategy: str = "auto"
+    """Fabric's launch strategy (``auto`` picks DDP for several devices; no gradients are synchronised, processes only
+    exchange uploads)."""
     precision: str | None = None
+    """Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``, ...); ``null``: 32-bit."""
     default_root_dir: str = "runs"
+    """Runs go to ``<default_root_dir>/<name>/<version>/``."""
     name: str = "federated"
+    """Experiment name (folder under ``default_root_dir``)."""
     version: int | str | None = None
+    """Run folder name or number; ``null`` picks the next ``version_N``."""
     logger: bool = True
+    """Write TensorBoard logs."""
     resume: bool | Literal["auto"] = False
+    """``auto`` continues the newest run of ``name`` that has a checkpoint (``--ckpt_path`` wins)."""
     val_every_n_rounds: int = 1
+    """Evaluate the global model every this many rounds (and after the last one)."""
     limit_val_batches: int | None = None
+    """Evaluate on at most this many validation batches (0: no evaluation)."""
     gradient_clip_val: float | None = None
+    """Clip client gradient norms; ``null`` uses the module's ``grad_clip``, if any."""
     check_identity: bool = True
+    """Log the averaging identity error (modules with ``averaging_identity_error``, linear strategies only)."""
     enable_progress_bar: bool = True
+    """Show progress over rounds."""
     save_every_n_rounds: int = 0
+    """Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept)."""
     client_batching: Literal["sequential", "vmap"] = "sequential"
+    """``sequential`` or ``vmap`` (``cohort_size`` clients at a time as one vectorised computation, for latent methods;
+    equal up to float32 rounding; in process only; docs/cross_device.md)."""
     cohort_size: int = 32
+    """Clients per cohort with ``client_batching: vmap``."""
     client_state_memory_mb: float | None = None
+    """Memory (MiB) for the codec's per-client state; the rest goes to files in the run folder (one process only;
+    docs/cross_device.md). ``null``: all in memory."""
     callbacks: list[Callback] | None = None
+    """Your own :class:`~lightning_fl.federated.callbacks.Callback` objects, called after the trainer's own at the start
+    of the rounds, at the end of every round and after the last."""
     transport: Transport | None = None
+    """How rounds reach clients: ``null`` in process (the simulation; ``client_batching`` picks how); a Flower ServerApp
+    passes its own (:class:`~lightning_fl.flower.transport.FlowerTransport`)."""
 
     def __post_init__(self) -> None:
         if problems := trainer_problems(vars(self)):

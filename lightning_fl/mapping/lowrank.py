@@ -25,6 +25,9 @@ Factor modes (``mode``) trade memory for recomputation; the first three give the
   differ from the first three modes' (another fingerprint): every client of a federation must use it.
 
 ``rank`` is capped per layer at ``min(rank, d_l, P_l)``: ``U V^T`` cannot have a larger rank.
+
+Kept as one file: the memory report (:func:`memory_report`, over the same layer plan as :class:`LatentMapping`)
+states in bytes what each mode above keeps; apart, a change to a mode would be made in two files.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ and steers it with FLITE's latent (``lightning_fl.mapping`` unchanged), exactly 
 The vocabulary (the data module's characters, id 0 for unknown ones) is stored with the model as the
 ``vocabulary`` buffer of Unicode code points, so checkpoints and cached bases carry it: a model refuses data
 whose vocabulary differs from the one it was trained on, and decodes its generated samples with it.
+
+Kept as one file: :class:`LatentLanguageModel` is :class:`LanguageModel` with
+:class:`~lightning_fl.methods.latent.LatentSteering` (a constructor and four one-line overrides) and shares its
+vocabulary contract; in a file of its own it would be that glue alone, read only beside this one.
 """
 
 from __future__ import annotations

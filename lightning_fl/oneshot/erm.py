@@ -22,6 +22,10 @@ Gradients with respect to ``x``, ``targets`` and ``weights`` follow from the imp
 theorem: ``grad_W L(W*(data), data) = 0``, so ``dW*/d(data) = -H^-1 d(grad_W L)/d(data)``. The
 backward pass solves ``H v = grad_output`` by the same preconditioned CG and returns
 ``-d<grad_W L(W*, data), v>/d(data)`` by autograd; ``l2`` is a constant.
+
+Kept as one file: it is one solver; :func:`fit_softmax`'s Newton-CG and its implicit-function backward share the
+private problem, preconditioner, conjugate gradients and line search derived above; apart, these would become a
+public interface with one caller, and the derivation would describe code in another file.
 """
 
 from __future__ import annotations

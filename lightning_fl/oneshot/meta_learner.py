@@ -12,6 +12,10 @@ centralised MP on held-out tasks for the summariser and for random selection and
 the same ``s``. ``test`` runs the one-shot protocol and every method in ``methods`` on target tasks
 and reports accuracy, ECE (15 bins), NLL, KB per client, ``||theta_MP - theta_FMP||`` and
 Proposition 1's diagnostics ``delta_s = W1(P_Z, P_Z~)`` and ``D = W1(P_Z, P_Z')``.
+
+Kept as one file: it is one LightningModule, :class:`FMPMetaLearner`, whose three stages (meta-training, the
+distance to MP on held-out tasks, the one-shot protocol) share the generator and summariser it prepares; the parts
+that stand alone already live beside it (``generator_training.py``, ``summarize.py``, ``tasks.py``, ``methods.py``).
 """
 
 from __future__ import annotations

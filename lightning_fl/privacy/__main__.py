@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_fl.errors import UserError
+from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.privacy.accountant import Accountant, RoundEvent
+from lightning_fl.privacy.dpsgd import epsilon, noise_multiplier
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["dp-sgd"]:
-        from lightning_fl.privacy.dpsgd import main as plan_dp_sgd
-
         return plan_dp_sgd(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m lightning_fl.privacy", description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, required=True, help="the population N (data.num_clients)")
@@ -55,6 +54,45 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|")
     for z, eps in rows:
         print(f"| {z:.4f} | {eps:.4f} | {z * args.clip / args.per_round:.4g} |")
+    return 0
+
+
+def plan_dp_sgd(argv: list[str] | None = None) -> int:
+    """Plan record-level DP-SGD for one client: the noise a budget needs, or the budget a noise spends.
+
+    python -m lightning_fl.privacy dp-sgd --records 6750 --batch 64 --steps 25 --rounds 10 --epsilon 1 4 8
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_fl.privacy.dpsgd", description=plan_dp_sgd.__doc__.split("\n")[0]
+    )
+    parser.add_argument("--records", type=int, required=True, help="the client's records n")
+    parser.add_argument("--batch", type=int, required=True, help="data.batch_size B (q = B / n)")
+    parser.add_argument("--steps", type=int, required=True, help="local steps per round (trainer.local_steps)")
+    parser.add_argument("--rounds", type=int, required=True, help="rounds the client takes part in")
+    parser.add_argument("--delta", type=float, default=1e-5)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--epsilon", type=float, nargs="+", help="target epsilon(s): the z each needs")
+    group.add_argument("--noise-multiplier", type=float, nargs="+", help="z: the epsilon each spends")
+    args = parser.parse_args(argv)
+    if bad := [f"--{k} must be >= 1, got {v}" for k, v in vars(args).items() if k in ("records", "batch", "steps",
+                                                                                   "rounds") and v < 1]:  # fmt: skip
+        print(f"error: {'; '.join(bad)}", file=sys.stderr)
+        return 2
+    q, total = min(1.0, args.batch / args.records), args.steps * args.rounds
+    try:
+        rows = []
+        for value in args.epsilon or args.noise_multiplier:
+            z = noise_multiplier(value, args.delta, q, total) if args.epsilon else value
+            rows.append((z, epsilon(q, total, z, args.delta)))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"n = {args.records:,} records, q = {q:.5g}, {args.steps} steps x {args.rounds} rounds = {total} steps, "
+          f"delta = {args.delta:.3g}, RDP accounting")  # fmt: skip
+    print("| noise multiplier z | epsilon |")
+    print("|---:|---:|")
+    for z, eps in rows:
+        print(f"| {z:.4f} | {eps:.4f} |")
     return 0
 
 

@@ -5,6 +5,11 @@ cross-entropy loss"; our reading: ``d_x = 128``): ``backbone -> Linear(out_featu
 (:class:`FeatureExtractor`) trained through a trainable linear head, the function class the server refits.
 Features, extractor weights and its accuracy are cached in one file keyed by everything that determines them
 (:mod:`lightning_fl.oneshot.features.cache`), so every run of an experiment shares them.
+
+Kept as one file: it is one class, :class:`ExtractedFeatures` (with the small network it trains), whose steps (read
+a checkpoint, key the cache, train, extract) share the cache key and the model they fill; the parts that stand alone
+are already beside it: the cache file (``cache.py``), the choice of images (``images.py``) and the training loop
+(:mod:`lightning_fl.methods.centralised`).
 """
 
 from __future__ import annotations

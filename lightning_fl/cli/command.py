@@ -13,9 +13,7 @@ with exit code 2 and one message naming the key and what it accepts.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -24,20 +22,19 @@ from typing import Any
 
 import lightning as L
 import torch
-from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace
+from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
-from lightning_fl.cli_build_errors import FailedBuild, build_error, instantiate, name_key, quoted_argument
-from lightning_fl.cli_errors import format_parse_error, yaml_syntax_error
-from lightning_fl.cli_precheck import SUBCOMMANDS, TOP_KEYS, fail, precheck
+from lightning_fl.cli.build_errors import FailedBuild, build_error, instantiate, name_key, quoted_argument
+from lightning_fl.cli.parse_errors import format_parse_error, yaml_syntax_error
+from lightning_fl.cli.parser import asks_for_help, build_parsers, dump_config, full_keys_in_class_help
+from lightning_fl.cli.precheck import SUBCOMMANDS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
 from lightning_fl.threads import set_threads
-from lightning_fl.trainer_api import TrainerLike, lazy_instance, write_config
-
-TrainerType = L.Trainer | TrainerLike
+from lightning_fl.trainer_api import write_config
 
 
 class SaveConfigCallback(Callback):
@@ -80,57 +77,6 @@ def lightning_summary(trainer: L.Trainer, log_dir: str | None) -> str:
         if trainer.loggers:
             lines.append(f"  TensorBoard: tensorboard --logdir {Path(log_dir).parent}")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------- parser
-def _subcommand_parser(name: str) -> ArgumentParser:
-    """One subcommand's parser. Its keys are those of :data:`~lightning_fl.cli_precheck.TOP_KEYS` (with their
-    help), which the pre-check that runs before torch is imported accepts; a key added here must be added there."""
-    arguments = {  # each top-level key's type and default
-        "config": {"action": ActionConfigFile},
-        "seed_everything": {"type": bool | int, "default": True},
-        "trainer": {"type": TrainerType, "default": lazy_instance(L.Trainer)},
-        "model": {"type": L.LightningModule, "required": True},
-        "data": {"type": L.LightningDataModule, "required": True},
-        "ckpt_path": {"type": str | None, "default": None},
-        "threads": {"type": int | None, "default": None},
-    }
-    if arguments.keys() != TOP_KEYS.keys():
-        raise AssertionError(f"the CLI's keys {list(arguments)} are not cli_precheck.TOP_KEYS {list(TOP_KEYS)}")
-    parser = ArgumentParser(exit_on_error=False, description=SUBCOMMANDS[name])
-    for key, kwargs in arguments.items():
-        flags = ["-c", "--config"] if key == "config" else [f"--{key}"]
-        parser.add_argument(*flags, help=TOP_KEYS[key], **kwargs)
-    return parser
-
-
-def _build() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
-    from lightning_fl import load_plugins
-
-    load_plugins()  # every plug-in imported, so short class names resolve
-
-    root = ArgumentParser(
-        prog="python -m lightning_fl",
-        description="Federated learning experiments: FLITE, FMP and their baselines.",
-        exit_on_error=False,
-    )
-    subcommands = root.add_subcommands(required=True, dest="subcommand")
-    parsers = {name: _subcommand_parser(name) for name in SUBCOMMANDS}
-    for name, parser in parsers.items():
-        subcommands.add_subcommand(name, parser, help=SUBCOMMANDS[name])
-    return root, parsers
-
-
-def build_parser() -> ArgumentParser:
-    """The root parser with the ``fit``, ``validate`` and ``test`` subcommands."""
-    return _build()[0]
-
-
-def dump_config(parser: ArgumentParser, cfg: Namespace) -> str:
-    """YAML of ``cfg`` with every value, ``None`` included, so the file reruns the same experiment."""
-    cfg = cfg.clone()
-    cfg.pop("config", None)
-    return parser.dump(cfg, skip_unset=False)
 
 
 _fail = fail  # (error: ..., the hint, exit code 2)
@@ -214,26 +160,6 @@ class ConfigParseError(UserError):
     """The arguments or the config file could not be parsed (the message names the key)."""
 
 
-@contextlib.contextmanager
-def _full_keys_in_class_help(argv: list[str]):
-    """``--trainer.strategy.help FedAdam`` prints the class's options under the last part of the key
-    (``--strategy.server_lr``, which the command line then refuses): print them under the whole key instead."""
-    keys = [m.group(1) for a in argv if (m := re.fullmatch(r"--([\w.]+)\.help(?:=.*)?", a))]
-    key = keys[0] if keys else None
-    if key is None or "." not in key:
-        yield
-        return
-    short = key.rsplit(".", 1)[1]
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            yield
-    finally:
-        text = re.sub(rf"--{re.escape(short)}\.(?=[\w])", f"--{key}.", out.getvalue())
-        text = text.replace(f"--{short}.help", f"--{key}.help")
-        sys.stdout.write(text)
-
-
 def build(argv: list[str]) -> Run:
     """Parse ``argv`` (``fit --config FILE --key value ...``), seed, and build the plug-ins; do not run.
 
@@ -242,10 +168,10 @@ def build(argv: list[str]) -> Run:
     """
     quiet_lightning()
     show_progress()
-    parser, subparsers = _build()
+    parser, subparsers = build_parsers(field_docs=asks_for_help(argv))
     subcommand = next((a for a in argv if a in SUBCOMMANDS), None)
     try:
-        with _full_keys_in_class_help(argv):
+        with full_keys_in_class_help(argv):
             cfg = parser.parse_args(list(argv))
     except ArgumentError as err:
         if (bad_yaml := yaml_syntax_error(argv, err)) is not None:

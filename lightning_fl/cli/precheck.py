@@ -1,12 +1,12 @@
 """What the command line can answer before torch and Lightning are imported (5 s on a small machine).
 
-The shape of the command line lives here, in a module that imports neither: the subcommands and the top-level
-keys every config has (:mod:`lightning_fl.cli` builds its parsers from these, :mod:`lightning_fl.cli_errors`
-cites them). :func:`precheck` runs first in ``python -m lightning_fl`` and answers, in a fraction of a second and
-with the words the full parser would use, the mistakes that need no class: an unknown subcommand, a ``--config``
-file that does not exist, one that breaks YAML's syntax, and one with an unknown top-level key. Anything it is
-not sure of is left to the full parser, which refuses the same mistakes the same way (``tests/test_cli.py``
-checks that the two agree).
+The shape of the command line lives here, in a module that imports neither: the subcommands and the top-level keys
+every config has (:mod:`lightning_fl.cli.parser` builds its parsers from these,
+:mod:`lightning_fl.cli.parse_errors` cites them). :func:`precheck` runs first in ``python -m lightning_fl`` and
+answers, in a fraction of a second and with the words the full parser would use, the mistakes that need no class:
+an unknown subcommand, a ``--config`` file that does not exist, one that breaks YAML's syntax, and one with an
+unknown top-level key. Anything it is not sure of is left to the full parser, which refuses the same mistakes the
+same way (``tests/test_cli_precheck.py`` checks that the two agree).
 """
 
 from __future__ import annotations

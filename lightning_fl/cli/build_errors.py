@@ -13,9 +13,9 @@ from typing import Any
 
 from jsonargparse import ArgumentParser, Namespace
 
-from lightning_fl.cli_classes import init_params, resolve_class
-from lightning_fl.cli_errors import _UNION, _error_causes
-from lightning_fl.cli_precheck import TOP_KEYS
+from lightning_fl.cli.classes import init_params, resolve_class
+from lightning_fl.cli.parse_errors import _UNION, _error_causes
+from lightning_fl.cli.precheck import TOP_KEYS
 
 # What to give instead, for keys whose refusal (Lightning's own message) does not say it.
 FIXES = {

@@ -3,8 +3,8 @@
 jsonargparse reports a bad config as an indented tree (keys, class paths, each member of a Union); the
 classes the config builds raise their own messages. :func:`format_parse_error` reads the tree down to the
 failure the user meant and says it with the dotted key (a class that refused its arguments while being built:
-:mod:`lightning_fl.cli_build_errors`); :func:`yaml_syntax_error` names the file and line of a YAML mistake.
-The CLI (:mod:`lightning_fl.cli`) calls them; ``tests/test_cli.py`` holds one case per message.
+:mod:`lightning_fl.cli.build_errors`); :func:`yaml_syntax_error` names the file and line of a YAML mistake.
+The CLI (:mod:`lightning_fl.cli.command`) calls them; ``tests/test_cli.py`` holds one case per message.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from lightning_fl.cli_classes import base_for, init_params, public_subclasses, resolve_class
-from lightning_fl.cli_precheck import (
+from lightning_fl.cli.classes import base_for, init_params, public_subclasses, resolve_class
+from lightning_fl.cli.precheck import (
     missing_config,
     unknown_subcommand,
     unknown_top_key,
