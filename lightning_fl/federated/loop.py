@@ -53,8 +53,10 @@ from lightning_fl.trainer_api import TrainerLike, write_config
 
 
 class FederatedTrainer(TrainerArguments, TrainerLike):
-    """Simulated federated training of a LightningModule over the clients of a federated data module; its
-    arguments (the CLI's ``trainer.*`` keys) are :class:`~lightning_fl.federated.arguments.TrainerArguments`."""
+    """Federated training of a LightningModule over the clients of a federated data module
+
+    Its arguments, the CLI's ``trainer.*`` keys, are the fields of
+    :class:`~lightning_fl.federated.arguments.TrainerArguments`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the checks

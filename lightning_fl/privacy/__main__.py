@@ -63,7 +63,7 @@ def plan_dp_sgd(argv: list[str] | None = None) -> int:
     python -m lightning_fl.privacy dp-sgd --records 6750 --batch 64 --steps 25 --rounds 10 --epsilon 1 4 8
     """
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_fl.privacy.dpsgd", description=plan_dp_sgd.__doc__.split("\n")[0]
+        prog="python -m lightning_fl.privacy dp-sgd", description=plan_dp_sgd.__doc__.split("\n")[0]
     )
     parser.add_argument("--records", type=int, required=True, help="the client's records n")
     parser.add_argument("--batch", type=int, required=True, help="data.batch_size B (q = B / n)")
