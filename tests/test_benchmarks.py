@@ -71,6 +71,12 @@ CASES = {
         '"streamed_extra_peak_bytes":',
     ),
     "round_overhead.py": Case(["--samples", "64", "--batch", "16", "--clients", "2"], '"ratio":'),
+    "in_memory_batches.py": Case(
+        ["--workload", "quickstart", "--population", "4", "--per-client", "8", "--batch", "4", "--clients", "2",
+         "--kinds", "latent", "--repeats", "1", "--round", "--json", "imb.json"],
+        "[in_memory_batches] wrote imb.json",
+        outputs=["imb.json"],
+    ),
     "round_memory.py": Case(["--clients", "5", "--weights", "1000", "--groups", "2"], "| 5 | "),  # 3 processes
     "cohort.py": Case(
         ["--models", "digits", "--clients", "4", "--cohorts", "2", "4", "--per-client", "8", "--batch", "8",

@@ -218,7 +218,7 @@ class AugmentedSynthetic(Synthetic):
 
 
 @pytest.mark.parametrize("augment", [False, True])
-@pytest.mark.parametrize("batch_size", [24, 32, 7])  # 120 samples: a batch size that divides it, two not
+@pytest.mark.parametrize("batch_size", [24, 32, 7, 150])  # 120 samples: a batch size that divides it, two not, one over
 def test_in_memory_client_batches_equal_the_data_loader(augment, batch_size):
     """Same batches, same draws from the loader's generator and from the global one (augmentation), over two
     epochs with global draws between batches (as dropout makes)."""

@@ -28,6 +28,8 @@ from lightning_fl.federated import (
     run_client,
 )
 from lightning_fl.federated.callbacks import Callback
+from lightning_fl.methods import LatentClassifier
+from lightning_fl.models import SmallCNN
 
 ALL_STRATEGIES = {
     "FedAvg": lambda: FedAvg(weighted=True),
@@ -177,6 +179,34 @@ def test_identity_error_is_logged_for_linear_strategies_only(tmp_path):
     robust = quiet_fit(make_trainer(tmp_path, rounds=1, strategy=Median(), logger=False), make_model(), make_dm())
     assert 0 <= linear.history[-1]["fed/identity_error"] <= 1e-6
     assert "fed/identity_error" not in robust.history[-1]
+
+
+class CountingLatent(LatentClassifier):
+    """The test's latent classifier: keeps the states each identity check is given."""
+
+    def averaging_identity_error(self, states):
+        error = super().averaging_identity_error(states)
+        self.checked.append(([s["mapping.latent"].detach().clone() for s in states], error))
+        return error
+
+
+def test_the_identity_error_is_checked_over_every_aggregated_upload_of_the_round(tmp_path):
+    """FedAvg, 3 of 4 clients a round, 2 rounds: each round's check is given the 3 distinct uploads the round
+    averaged (their mean is the new global state), and the round logs what the check returns for all 3."""
+    torch.manual_seed(0)
+    model = CountingLatent(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
+                           latent_dim=8, rank=4, layers="conv+linear")  # fmt: skip
+    model.checked = []
+    trainer = quiet_fit(make_trainer(tmp_path, rounds=2, strategy=FedAvg(), clients_per_round=3, logger=False),
+                        model, make_dm())  # fmt: skip
+    rounds = trainer.history[1:]
+    assert [h["fed/clients"] - h["fed/dropped_clients"] - h["fed/lost_clients"] for h in rounds] == [3, 3]
+    assert [len(states) for states, _ in model.checked] == [3, 3]
+    assert [h["fed/identity_error"] for h in rounds] == [error for _, error in model.checked]
+    last = model.checked[-1][0]
+    assert len({tuple(z.tolist()) for z in last}) == 3
+    mean = torch.stack(last).double().mean(0).float()
+    torch.testing.assert_close(latent(trainer), mean, rtol=1e-6, atol=1e-7)
 
 
 def test_attacks_forge_what_they_say():

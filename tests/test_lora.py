@@ -69,6 +69,30 @@ def test_lora_aggregation_error_matches_a_hand_computation_and_ffa_lora_averages
     torch.testing.assert_close((b1 + b2) / 2 @ a, (clients[0] + clients[1]) / 2, rtol=0, atol=1e-7)
 
 
+def test_lora_aggregation_error_is_taken_over_every_state_against_peft_s_own_delta_weights():
+    """Three clients' random adapters on every layer (scale alpha / r = 2): the error equals the largest gap between
+    the mean of the adapted weights PEFT's layers apply (``get_delta_weight``, loaded one client at a time) and the
+    weights the averaged adapters give, that mean taken in float64; one state alone gives exactly 0."""
+    from lightning_fl.methods.lora import ADAPTER
+
+    model = lora(rank=2, alpha=4.0)
+    g = torch.Generator().manual_seed(0)
+    states = [{k: torch.randn(v.shape, generator=g) for k, v in model.federated_state().items()} for _ in range(3)]
+    mean = {k: sum(s[k].double() for s in states).div(3).float() for k in states[0]}
+
+    def deltas(state):
+        model.load_federated_state(state)
+        layers = {name: model.backbone.get_submodule(name) for name in model.adapters()}
+        return {name: layer.get_delta_weight(ADAPTER).double() for name, layer in layers.items()}
+
+    clients, of_mean = [deltas(s) for s in states], deltas(mean)
+    assert {scale for _, _, scale in model.adapters().values()} == {2.0}
+    expected = max((sum(d[name] for d in clients) / 3 - of_mean[name]).abs().max().item() for name in of_mean)
+    assert expected > 1.0
+    assert model.averaging_identity_error(states) == pytest.approx(expected, rel=1e-5)
+    assert model.averaging_identity_error(states[:1]) == model.averaging_identity_error(states[-1:]) == 0.0
+
+
 def test_the_base_keeps_its_plain_names_and_loads_from_a_plain_classifiers_checkpoint(tmp_path):
     plain = Classifier(backbone(), 10)
     with torch.no_grad():

@@ -143,6 +143,29 @@ def test_averaging_identity_error_measures_a_real_cancellation():
     assert error == expected
 
 
+def test_averaging_identity_error_is_taken_over_every_state():
+    """Four distinct states: a huge latent, its near-opposite and two small ones. The error is the definition's,
+    ``max |mean_k theta(z_k) - theta(mean_k z_k)|`` with ``theta`` the forward pass's float32 weights and the mean
+    taken in float64 (the method's float32 sum of the first two is exact by Sterbenz's lemma and the rest adds
+    about 1e-7); any one state alone, the first or the last, gives exactly 0."""
+    torch.manual_seed(1)
+    model = LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
+                             latent_dim=16, rank=8)  # fmt: skip
+    size = model.mapping.latent_size
+    big = 1e6 * torch.randn(size)
+    zs = [big, -big + torch.randn(size), torch.randn(size), 0.5 * torch.randn(size)]
+    states = [{"mapping.latent": z} for z in zs]
+    base = model.mapped_base()
+    weights = [model.mapping.weights(base, z) for z in zs]
+    of_mean = model.mapping.weights(base, torch.stack(zs).double().mean(0).float())
+    expected = max(
+        (sum(w[n].double() for w in weights) / len(zs) - of_mean[n].double()).abs().max().item() for n in of_mean
+    )
+    assert expected > 1e-3  # the huge pair's float32 rounding does not cancel
+    assert model.averaging_identity_error(states) == pytest.approx(expected, abs=1e-6)
+    assert model.averaging_identity_error(states[:1]) == model.averaging_identity_error(states[-1:]) == 0.0
+
+
 def test_memory_report_for_resnet18_r32_d64():
     report = memory_report(ResNet18(), latent_dim=64, rank=32)
     assert (report.layers, report.mapped_weights, report.latent_size) == (20, 11_159_232, 1280)

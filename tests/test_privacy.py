@@ -226,6 +226,25 @@ def test_target_epsilon_is_calibrated_before_round_1_and_spent_by_the_last(tmp_p
         fit(other, ckpt_path=str(trainer.log_dir / "checkpoints" / "last.ckpt"))
 
 
+def test_central_dp_accounts_every_round_even_one_without_an_accepted_upload(tmp_path):
+    """Every client sends NaN, so the gate drops every upload of every round; each round still releases its noised
+    sum, so after round r the run has spent what a fresh accountant says r such rounds spend (4 of 8 clients, z = 1)."""
+    from lightning_fl.federated import NaNUpload
+
+    privacy = CentralDP(clip_norm=0.5, noise_multiplier=1.0)
+    trainer = fit(make_trainer(tmp_path, rounds=2, logger=False, privacy=privacy, attack=NaNUpload(list(range(8))),
+                               **DP_ARGS))  # fmt: skip
+    rounds = trainer.history[1:]
+    assert [(h["fed/clients"], h["fed/dropped_clients"]) for h in rounds] == [(4, 4)] * 2  # nothing accepted
+    fresh = Accountant(num_clients=8, expected_clients=4, sampling="fixed", method="rdp")
+    spent = []
+    for _ in rounds:
+        fresh.compose(RoundEvent(1.0, 0.0))
+        spent.append(fresh.epsilon(DELTA))
+    assert [h["privacy/epsilon"] for h in rounds] == spent
+    assert 0 < spent[0] < spent[1] < math.inf and privacy.accountant.num_rounds == 2
+
+
 def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_a_resume_keeps_the_budget(tmp_path, capsys):
     def private(max_epsilon=None):
         return CentralDP(

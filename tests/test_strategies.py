@@ -139,6 +139,52 @@ def test_fedavgm_momentum_by_hand_and_fedavg_without_it():
     assert plain == pytest.approx(agg(FedAvg(), [[1.0, 3.0], [2.0, 5.0]]), abs=1e-12)
 
 
+def test_fedavgm_three_rounds_of_different_pseudo_gradients_by_hand():
+    """``v_t = beta v_{t-1} + g_t`` (undampened) over three rounds whose pseudo-gradients are all non-zero and
+    different; eta = 1/2, beta = 3/4 and dyadic uploads keep every value exact in float32 and float64."""
+    s = FedAvgM(server_lr=0.5, momentum=0.75)
+    # round 1: mean [4, 2], g1 = [0, 4] - [4, 2] = [-4, 2] = v1; x1 = [0, 4] - v1 / 2 = [2, 3]
+    assert agg(s, [[2.0, 0.0], [6.0, 4.0]], current=[0.0, 4.0]) == [2.0, 3.0]
+    # round 2: mean [1, 5], g2 = [1, -2]; v2 = 0.75 [-4, 2] + g2 = [-2, -0.5]; x2 = [2, 3] - v2 / 2 = [3, 3.25]
+    # (dampened momentum, v2 = 0.75 v1 + 0.25 g2 = [-2.75, 1], would give [3.375, 2.5])
+    assert agg(s, [[0.0, 3.0], [2.0, 7.0]], current=[2.0, 3.0]) == [3.0, 3.25]
+    # round 3: mean [4, 1.5], g3 = [-1, 1.75]; v3 = 0.75 [-2, -0.5] + g3 = [-2.5, 1.375]; x3 = [4.25, 2.5625]
+    assert agg(s, [[5.0, 1.0], [3.0, 2.0]], current=[3.0, 3.25]) == [4.25, 2.5625]
+    assert s.state_dict()["velocity"].tolist() == [-2.5, 1.375]
+
+
+def test_fedavgm_agrees_with_sgd_momentum_and_flowers_fedavgm_over_five_rounds():
+    """Random float64 states and round means: FedAvgM's step is torch's SGD with ``momentum=beta, dampening=0`` on
+    the pseudo-gradient, and Flower 1.42's FedAvgM (``server_momentum``) fed the same mean as its one client."""
+    eta, beta, rounds, size = 0.7, 0.9, 5, 6
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(size, generator=g, dtype=torch.float64)
+    means = [x0 + torch.randn(size, generator=g, dtype=torch.float64) * (r + 1) for r in range(rounds)]
+    ours, x = FedAvgM(server_lr=eta, momentum=beta), x0.clone()
+    param = x0.clone().requires_grad_(True)
+    sgd = torch.optim.SGD([param], lr=eta, momentum=beta, dampening=0.0)
+    # by hand, in float64: v = beta v + g, x = x - eta v
+    hand, v = x0.clone(), None
+    for r, mean in enumerate(means):
+        x = ours.step(r, x, mean)[0]
+        param.grad = (param.detach() - mean).clone()
+        sgd.step()
+        grad = hand - mean
+        v = grad if v is None else beta * v + grad
+        hand = hand - eta * v
+        assert torch.equal(x, hand), r
+        torch.testing.assert_close(x, param.detach(), rtol=1e-14, atol=1e-14)
+    flower = pytest.importorskip("flwr.server.strategy")
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+    theirs = flower.FedAvgM(server_learning_rate=eta, server_momentum=beta,
+                            initial_parameters=ndarrays_to_parameters([x0.numpy()]))  # fmt: skip
+    for r, mean in enumerate(means):
+        reply = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([mean.numpy()]), num_examples=1, metrics={})
+        new, _ = theirs.aggregate_fit(r + 1, [(None, reply)], [])
+    assert torch.equal(torch.from_numpy(parameters_to_ndarrays(new)[0]), x)
+
+
 @pytest.mark.parametrize(
     "make",
     [
