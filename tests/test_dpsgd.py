@@ -246,6 +246,28 @@ def test_a_vectorised_cohort_equals_its_clients_trained_one_at_a_time(tmp_path, 
     assert cohort.history[-1]["privacy/record_epsilon_max"] == one.history[-1]["privacy/record_epsilon_max"]
 
 
+def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_alone():
+    """Batch size 1 over 60 records (q = 1/60): clients 0 and 3 both draw nobody at step 0 of round 0, so the cohort's
+    first step has no records at all; each client's step is its noise alone, as when it trains by itself."""
+    from lightning_fl.federated.client import _cpu_fabric
+    from lightning_fl.federated.cohort import run_cohort
+
+    dm = make_dm(augment=False, batch_size=1)
+    dm.setup("fit")
+    module, dp = make_model(), DPSGD(max_grad_norm=0.5, noise_multiplier=0.8, engine="functorch")
+    state, local = module.federated_state(), LocalTraining(steps=6, dp_sgd=dp)
+    plan = dp.client_plan(dm, 0, local)
+    first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0]) < plan.q).sum()) for c in (0, 3)]
+    assert first == [0, 0] and plan.records == dm.client_num_samples(3)
+    alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in (0, 3)]
+    together = run_cohort(module, dm, state, [0, 3], 0, 0, codec=FP32(), local=local, fabric=_cpu_fabric())
+    for a, b in zip(alone, together, strict=True):
+        assert a.failure is None and b.failure is None
+        for name, value in FP32().decode(a.payload, state, a.client).items():
+            torch.testing.assert_close(FP32().decode(b.payload, state, b.client)[name], value, rtol=0, atol=1e-6)
+        assert b.logged["train/loss"] == pytest.approx(a.logged["train/loss"], rel=1e-6)
+
+
 def test_record_level_and_user_level_dp_run_together(tmp_path):
     from lightning_fl.privacy import CentralDP
 

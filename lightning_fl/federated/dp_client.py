@@ -309,7 +309,7 @@ def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *,
                 for key, value in (("train/loss", float(loss_k)), ("train/acc", float(acc_k))):
                     sums[k][key][0] += value * sizes[i]
                     sums[k][key][1] += sizes[i]
-        flat = [grads[n].reshape(A, width, -1) for n in ordered]
+        flat = [grads[n].flatten(2) for n in ordered]  # (A, width, numel); width may be 0
         norms = torch.stack([g.norm(2, dim=-1) for g in flat], dim=2).norm(2, dim=2)  # (A, width)
         factor = (dp.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * mask
         stepped = {}
