@@ -15,7 +15,7 @@ import torch
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.client import LocalTraining, client_loader, run_client
+from lightning_fl.federated.client import LocalTraining, client_loader, configure_optimizer, run_client
 from lightning_fl.privacy import DPSGD
 from lightning_fl.privacy.dpsgd import epsilon, noise_multiplier
 
@@ -100,6 +100,41 @@ def test_the_torch_func_engine_equals_the_opacus_engine(dm):
     for name, value in a.items():
         torch.testing.assert_close(value, b[name], rtol=0, atol=1e-6)
     assert ra.logged["train/loss"] == pytest.approx(rb.logged["train/loss"], rel=1e-6)
+
+
+def test_the_torch_func_engine_is_torch_func_gradients_stepped_by_opacus_dpoptimizer_bit_for_bit(dm):
+    """The functorch engine differs from the Opacus engine only in how per-record gradients are obtained: its
+    steps equal, bit for bit, Opacus' DPOptimizer (clipping, noise from the same generator, scaling) stepping the
+    module's optimiser on torch.func's per-record gradients of the same Poisson batches. A step of its own that
+    drifted from DPOptimizer's by one rounding would fail here."""
+    from opacus.optimizers import DPOptimizer
+    from torch.func import functional_call, grad, vmap
+
+    dp = DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="functorch")
+    ours, _ = trained(classifier(), dm, dp)
+    x, y = client_records(dm)
+    plan = dp.client_plan(dm, CLIENT, LocalTraining(epochs=1))
+    sampling, noise = dp.generators(SEED, ROUND, CLIENT)
+    module = classifier()
+    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    optimizer = DPOptimizer(configure_optimizer(module)[0], noise_multiplier=plan.z, max_grad_norm=0.5,
+                            expected_batch_size=plan.batch_size, generator=noise)  # fmt: skip
+
+    def record_loss(params, xi, yi):
+        return module.compute_loss(functional_call(module, params, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    per_record = vmap(grad(record_loss), in_dims=(None, 0, 0))
+    for _ in range(plan.steps):
+        drawn = (torch.rand(len(x), generator=sampling) < plan.q).nonzero().reshape(-1)
+        grads = per_record({n: p.detach() for n, p in trainable.items()}, x[drawn], y[drawn])
+        for n, p in trainable.items():
+            p.grad_sample = grads[n]
+        optimizer.step()
+        optimizer.zero_grad()
+    assert plan.steps == 4 and set(ours) == set(trainable)
+    differ = {n: float((v - trainable[n].detach()).abs().max()) for n, v in ours.items()
+              if not torch.equal(v, trainable[n].detach())}  # fmt: skip
+    assert not differ, f"max differences from DPOptimizer's steps: {differ}"
 
 
 def test_auto_picks_opacus_for_standard_layers_and_torch_func_for_the_latent(dm):

@@ -1,15 +1,19 @@
 """A client's local training under record-level DP-SGD (:class:`~lightning_fl.privacy.DPSGD`).
 
 :func:`train_dp_sgd` replaces the plain local loop of :func:`~lightning_fl.federated.client.run_client` when
-``trainer.dp_sgd`` is set: Poisson-sampled batches of the client's records, per-record gradients (Opacus' hooks,
-or ``torch.func``), clipping, noise and the module's own optimiser. See :mod:`lightning_fl.privacy.dpsgd` for
-the guarantee and the accounting.
+``trainer.dp_sgd`` is set: Poisson-sampled batches of the client's records, per-record gradients, then Opacus'
+``DPOptimizer`` (clipping, noise, scaling) around the module's own optimiser. The two engines differ only in how
+each trainable parameter's ``grad_sample`` is obtained: Opacus' hooks around the module's ``training_step``
+(``opacus``), or ``torch.func`` (``functorch``); the step itself is the same object's. A vectorised cohort's
+DP-SGD (:func:`run_cohort_dp_sgd`) clips and noises many clients' gradients at once. See
+:mod:`lightning_fl.privacy.dpsgd` for the guarantee and the accounting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -123,7 +127,12 @@ def train_dp_sgd(
     generators: tuple[torch.Generator, torch.Generator],
     engine: str,
 ) -> None:
-    """``plan.steps`` DP-SGD steps of ``module`` (its state set, ``context`` attached) on ``loader``'s records."""
+    """``plan.steps`` DP-SGD steps of ``module`` (its state set, ``context`` attached) on ``loader``'s records: at
+    each step the ``engine`` sets every trainable parameter's ``grad_sample`` (its per-record gradients, ``[records,
+    *shape]``) and Opacus' ``DPOptimizer`` clips each record's gradient, sums them, adds the noise (from the second
+    generator), divides by the expected batch size and steps ``optimizer``."""
+    from opacus.optimizers import DPOptimizer
+
     sampling, noise = generators
     records = PoissonBatches(loader, plan.q, sampling)
     if records.n != plan.records:
@@ -133,19 +142,38 @@ def train_dp_sgd(
         )
     batches = iter(records)
     per_epoch = -(-plan.records // plan.batch_size)  # the batches of an epoch: what current_epoch counts
+    dp_optimizer = DPOptimizer(optimizer, noise_multiplier=plan.z, max_grad_norm=dp.max_grad_norm,
+                               expected_batch_size=plan.batch_size, loss_reduction="mean", generator=noise)  # fmt: skip
+    grad_samples = _opacus_grad_samples if engine == "opacus" else _functorch_grad_samples
+    try:
+        with grad_samples(module, fabric, context) as fill:
+            for t in range(plan.steps):
+                batch = next(batches)
+                context.current_epoch, context.global_step = t // per_epoch, t
+                if batch is None:  # nobody drawn: the step is the noise alone (Opacus' empty-batch rule)
+                    for p in dp_optimizer.params:
+                        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+                else:
+                    fill(fabric.to_device(batch) if fabric.device.type != "cpu" else batch, t)
+                dp_optimizer.step()
+                dp_optimizer.zero_grad(set_to_none=True)
+                if scheduler is not None:
+                    scheduler.step()
+    finally:  # the parameters as they were: the module trains the next client (maybe with the other engine)
+        for p in dp_optimizer.params:
+            for name in ("grad_sample", "summed_grad"):
+                if hasattr(p, name):
+                    delattr(p, name)
 
-    def epoch_of(t: int) -> int:
-        return t // per_epoch
 
-    if engine == "opacus":
-        _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of)
-    else:
-        _functorch_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of)
+Fill = Callable[[Any, int], None]  # (batch on the device, step) -> every trainable parameter's grad_sample set
 
 
-def _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of) -> None:
+@contextlib.contextmanager
+def _opacus_grad_samples(module: L.LightningModule, fabric: L.Fabric, context: StepContext) -> Iterator[Fill]:
+    """Per-record gradients by Opacus' ``GradSampleModule``: its hooks fill ``grad_sample`` during the backward
+    pass of the module's own ``training_step``."""
     from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
 
     # Opacus' backward hooks forbid in-place activations on a hooked layer's output: off while it trains (the
     # same values), restored after.
@@ -153,36 +181,28 @@ def _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, 
     for m in in_place:
         m.inplace = False
     wrapped = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
-    dp_optimizer = DPOptimizer(optimizer, noise_multiplier=plan.z, max_grad_norm=dp.max_grad_norm,
-                               expected_batch_size=plan.batch_size, loss_reduction="mean", generator=noise)  # fmt: skip
+
+    def fill(batch: Any, t: int) -> None:
+        context.weight = len(batch[0]) if isinstance(batch, (list, tuple)) else 1
+        out = module.training_step(batch, t)
+        fabric.backward(out["loss"] if isinstance(out, dict) else out)
+
     try:
         with warnings.catch_warnings():  # torch notes that the first layer's hook fires without input gradients
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            for t in range(plan.steps):
-                batch = next(batches)
-                context.current_epoch, context.global_step = epoch_of(t), t
-                if batch is None:  # nobody drawn: the step is the noise alone (Opacus' empty-batch rule)
-                    for p in dp_optimizer.params:
-                        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
-                else:
-                    batch = fabric.to_device(batch) if fabric.device.type != "cpu" else batch
-                    context.weight = len(batch[0]) if isinstance(batch, (list, tuple)) else 1
-                    out = module.training_step(batch, t)
-                    fabric.backward(out["loss"] if isinstance(out, dict) else out)
-                dp_optimizer.step()
-                dp_optimizer.zero_grad(set_to_none=True)
-                if scheduler is not None:
-                    scheduler.step()
+            yield fill
     finally:
         wrapped._close()  # hooks and per-record attributes off: the module trains the next client as it was
         for m in in_place:
             m.inplace = True
 
 
-def _functorch_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of) -> None:
+@contextlib.contextmanager
+def _functorch_grad_samples(module: L.LightningModule, fabric: L.Fabric, context: StepContext) -> Iterator[Fill]:
+    """Per-record gradients by ``torch.func``: ``vmap`` over the batch's records of ``grad`` of the module's
+    ``forward`` then ``compute_loss`` on one record, set as each trainable parameter's ``grad_sample``; the step
+    logs ``train/loss`` and ``train/acc`` as the recipe's ``training_step`` does."""
     trainable = module.trainable_parameters()
-    name_of = {id(p): n for n, p in trainable.items()}
-    ordered = [p for group in optimizer.param_groups for p in group["params"]]  # DPOptimizer's order
     if (mapping := getattr(module, "mapping", None)) is not None and hasattr(mapping, "materialise"):
         mapping.materialise()  # no random numbers may be drawn inside vmap
 
@@ -192,36 +212,19 @@ def _functorch_steps(module, optimizer, scheduler, batches, fabric, context, pla
         return loss, (loss, logits.squeeze(0))
 
     per_record = vmap(grad(one_record, has_aux=True), in_dims=(None, 0, 0), randomness="different")
-    C, std = dp.max_grad_norm, plan.z * dp.max_grad_norm
-    for t in range(plan.steps):
-        batch = next(batches)
-        context.current_epoch, context.global_step = epoch_of(t), t
-        if batch is None:
-            grads = {n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in trainable.items()}
-        else:
-            x, y = fabric.to_device(batch) if fabric.device.type != "cpu" else batch
-            grads, (losses, logits) = per_record({n: p.detach() for n, p in trainable.items()}, x, y)
-            loss = losses.mean()
-            module.check_loss(loss)
-            context.weight = len(y)
-            context.log("train/loss", loss)
-            context.log("train/acc", module.train_accuracy(logits.detach(), y))
-        # DPOptimizer's clip_and_accumulate, add_noise and scale_grad, in its order and with its draws
-        flat = [grads[name_of[id(p)]] for p in ordered]
-        if len(flat[0]) == 0:
-            factor = torch.zeros((0,), device=flat[0].device)
-        else:
-            norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in flat], dim=1).norm(2, dim=1)
-            factor = (C / (norms + 1e-6)).clamp(max=1.0)
-        for p, g in zip(ordered, flat, strict=True):
-            summed = torch.einsum("i,i...", factor.to(g.dtype), g.to(p.dtype))
-            if std > 0:
-                summed = summed + torch.normal(0, std, size=p.shape, device=p.device, generator=noise, dtype=p.dtype)
-            p.grad = (summed / plan.batch_size).view_as(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
+
+    def fill(batch: Any, t: int) -> None:
+        x, y = batch
+        grads, (losses, logits) = per_record({n: p.detach() for n, p in trainable.items()}, x, y)
+        loss = losses.mean()
+        module.check_loss(loss)
+        context.weight = len(y)
+        context.log("train/loss", loss)
+        context.log("train/acc", module.train_accuracy(logits.detach(), y))
+        for n, p in trainable.items():
+            p.grad_sample = grads[n]
+
+    yield fill
 
 
 def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *, codec, local, fabric) -> list:
