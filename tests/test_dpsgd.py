@@ -285,7 +285,7 @@ def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_al
     """Batch size 1 over 60 records (q = 1/60): clients 0 and 3 both draw nobody at step 0 of round 0, so the cohort's
     first step has no records at all; each client's step is its noise alone, as when it trains by itself."""
     from lightning_fl.federated.client import _cpu_fabric
-    from lightning_fl.federated.cohort import run_cohort
+    from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
 
     dm = make_dm(augment=False, batch_size=1)
     dm.setup("fit")
@@ -295,12 +295,36 @@ def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_al
     first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0]) < plan.q).sum()) for c in (0, 3)]
     assert first == [0, 0] and plan.records == dm.client_num_samples(3)
     alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in (0, 3)]
-    together = run_cohort(module, dm, state, [0, 3], 0, 0, codec=FP32(), local=local, fabric=_cpu_fabric())
+    together = run_cohort_dp_sgd(module, dm, state, [0, 3], 0, 0, codec=FP32(), local=local, fabric=_cpu_fabric())
     for a, b in zip(alone, together, strict=True):
         assert a.failure is None and b.failure is None
         for name, value in FP32().decode(a.payload, state, a.client).items():
             torch.testing.assert_close(FP32().decode(b.payload, state, b.client)[name], value, rtol=0, atol=1e-6)
         assert b.logged["train/loss"] == pytest.approx(a.logged["train/loss"], rel=1e-6)
+
+
+def test_a_diverging_client_fails_in_a_dp_sgd_cohort_with_the_message_it_gives_alone():
+    """The cohort runs the plain cohort's step loop: a client whose loss is not finite fails with its module's own
+    check, as one at a time. run_cohort itself trains without DP-SGD and says which function does."""
+    import dataclasses
+
+    from lightning_fl.federated.client import _cpu_fabric
+    from lightning_fl.federated.cohort import run_cohort
+    from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
+    from lightning_fl.methods import LATENT_RECIPE
+
+    dm = make_dm(augment=False, batch_size=8)
+    dm.setup("fit")
+    module = make_model(recipe=dataclasses.replace(LATENT_RECIPE, lr=1e30, grad_clip=None))
+    dp = DPSGD(max_grad_norm=1e30, noise_multiplier=0.5, engine="functorch")
+    state, local, fabric = module.federated_state(), LocalTraining(epochs=3, dp_sgd=dp), _cpu_fabric()
+    alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in range(4)]
+    together = run_cohort_dp_sgd(module, dm, state, list(range(4)), 0, 0, codec=FP32(), local=local, fabric=fabric)
+    failures = [r.failure for r in alone]
+    assert all(f is not None and "train/loss became" in f for f in failures), failures
+    assert [r.failure for r in together] == failures and all(r.payload is None for r in together)
+    with pytest.raises(ValueError, match="run_cohort_dp_sgd"):
+        run_cohort(module, dm, state, [0], 0, 0, codec=FP32(), local=local, fabric=fabric)
 
 
 def test_record_level_and_user_level_dp_run_together(tmp_path):
