@@ -147,6 +147,16 @@ def test_auto_picks_opacus_for_standard_layers_and_torch_func_for_the_latent(dm)
         choose_engine(make_model(), DPSGD(noise_multiplier=1.0, engine="opacus"))
 
 
+def test_either_engine_without_opacus_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from lightning_fl.federated.dp_client import choose_engine
+
+    monkeypatch.setitem(sys.modules, "opacus", None)  # (import opacus then raises ImportError)
+    with pytest.raises(ConfigError, match=r"trainer.dp_sgd needs Opacus: pip install 'lightning-fl\[privacy\]'"):
+        choose_engine(make_model(), DPSGD(noise_multiplier=1.0, engine="functorch"))
+
+
 @pytest.mark.parametrize("engine", ["opacus", "functorch"])
 def test_per_record_clipping_equals_hand_computed_per_record_gradients(dm, engine):
     """One SGD step (lr 1), no noise: the update is minus the sum of the drawn records' gradients, each clipped

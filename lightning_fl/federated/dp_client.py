@@ -63,6 +63,10 @@ def functorch_problem(module: torch.nn.Module) -> str | None:
 def choose_engine(module: torch.nn.Module, dp: DPSGD) -> str:
     """The engine that computes ``module``'s per-record gradients: ``dp.engine``, or for ``auto`` Opacus when it
     can wrap every trainable layer, else ``functorch``; a one-line error when the chosen one cannot."""
+    try:
+        import opacus  # noqa: F401  (either engine steps through its DPOptimizer)
+    except ImportError as err:
+        raise ConfigError("trainer.dp_sgd needs Opacus: pip install 'lightning-fl[privacy]'") from err
     if (problem := batchnorm_problem(module)) is not None:
         raise ConfigError(problem)
     if getattr(module, "mu", 0) and hasattr(module, "proximal_term"):
