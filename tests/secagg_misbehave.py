@@ -14,7 +14,7 @@ from pathlib import Path
 
 from flwr.clientapp import ClientApp
 
-from lightning_fl.flower import client as ours
+from lightning_fl.flower import node as ours
 
 CONFIGS = "secaggplus_configs"
 

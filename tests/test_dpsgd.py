@@ -15,7 +15,7 @@ import torch
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.client import LocalTraining, client_loader, run_client
+from lightning_fl.federated.client import LocalTraining, client_loader, configure_optimizer, run_client
 from lightning_fl.privacy import DPSGD
 from lightning_fl.privacy.dpsgd import epsilon, noise_multiplier
 
@@ -102,6 +102,41 @@ def test_the_torch_func_engine_equals_the_opacus_engine(dm):
     assert ra.logged["train/loss"] == pytest.approx(rb.logged["train/loss"], rel=1e-6)
 
 
+def test_the_torch_func_engine_is_torch_func_gradients_stepped_by_opacus_dpoptimizer_bit_for_bit(dm):
+    """The functorch engine differs from the Opacus engine only in how per-record gradients are obtained: its
+    steps equal, bit for bit, Opacus' DPOptimizer (clipping, noise from the same generator, scaling) stepping the
+    module's optimiser on torch.func's per-record gradients of the same Poisson batches. A step of its own that
+    drifted from DPOptimizer's by one rounding would fail here."""
+    from opacus.optimizers import DPOptimizer
+    from torch.func import functional_call, grad, vmap
+
+    dp = DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="functorch")
+    ours, _ = trained(classifier(), dm, dp)
+    x, y = client_records(dm)
+    plan = dp.client_plan(dm, CLIENT, LocalTraining(epochs=1))
+    sampling, noise = dp.generators(SEED, ROUND, CLIENT)
+    module = classifier()
+    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    optimizer = DPOptimizer(configure_optimizer(module)[0], noise_multiplier=plan.z, max_grad_norm=0.5,
+                            expected_batch_size=plan.batch_size, generator=noise)  # fmt: skip
+
+    def record_loss(params, xi, yi):
+        return module.compute_loss(functional_call(module, params, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    per_record = vmap(grad(record_loss), in_dims=(None, 0, 0))
+    for _ in range(plan.steps):
+        drawn = (torch.rand(len(x), generator=sampling) < plan.q).nonzero().reshape(-1)
+        grads = per_record({n: p.detach() for n, p in trainable.items()}, x[drawn], y[drawn])
+        for n, p in trainable.items():
+            p.grad_sample = grads[n]
+        optimizer.step()
+        optimizer.zero_grad()
+    assert plan.steps == 4 and set(ours) == set(trainable)
+    differ = {n: float((v - trainable[n].detach()).abs().max()) for n, v in ours.items()
+              if not torch.equal(v, trainable[n].detach())}  # fmt: skip
+    assert not differ, f"max differences from DPOptimizer's steps: {differ}"
+
+
 def test_auto_picks_opacus_for_standard_layers_and_torch_func_for_the_latent(dm):
     from lightning_fl.federated.dp_client import choose_engine
 
@@ -110,6 +145,16 @@ def test_auto_picks_opacus_for_standard_layers_and_torch_func_for_the_latent(dm)
     assert choose_engine(make_model(), dp) == "functorch"
     with pytest.raises(ConfigError, match="trainer.dp_sgd.engine opacus cannot train this model.*LatentMapping"):
         choose_engine(make_model(), DPSGD(noise_multiplier=1.0, engine="opacus"))
+
+
+def test_either_engine_without_opacus_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from lightning_fl.federated.dp_client import choose_engine
+
+    monkeypatch.setitem(sys.modules, "opacus", None)  # (import opacus then raises ImportError)
+    with pytest.raises(ConfigError, match=r"trainer.dp_sgd needs Opacus: pip install 'lightning-fl\[privacy\]'"):
+        choose_engine(make_model(), DPSGD(noise_multiplier=1.0, engine="functorch"))
 
 
 @pytest.mark.parametrize("engine", ["opacus", "functorch"])
@@ -244,6 +289,52 @@ def test_a_vectorised_cohort_equals_its_clients_trained_one_at_a_time(tmp_path, 
     assert any(not torch.equal(v, start[n]) for n, v in one.global_state.items())
     assert cohort.history[-1]["train/loss"] == pytest.approx(one.history[-1]["train/loss"], rel=1e-5)
     assert cohort.history[-1]["privacy/record_epsilon_max"] == one.history[-1]["privacy/record_epsilon_max"]
+
+
+def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_alone():
+    """Batch size 1 over 60 records (q = 1/60): clients 0 and 3 both draw nobody at step 0 of round 0, so the cohort's
+    first step has no records at all; each client's step is its noise alone, as when it trains by itself."""
+    from lightning_fl.federated.client import _cpu_fabric
+    from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
+
+    dm = make_dm(augment=False, batch_size=1)
+    dm.setup("fit")
+    module, dp = make_model(), DPSGD(max_grad_norm=0.5, noise_multiplier=0.8, engine="functorch")
+    state, local = module.federated_state(), LocalTraining(steps=6, dp_sgd=dp)
+    plan = dp.client_plan(dm, 0, local)
+    first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0]) < plan.q).sum()) for c in (0, 3)]
+    assert first == [0, 0] and plan.records == dm.client_num_samples(3)
+    alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in (0, 3)]
+    together = run_cohort_dp_sgd(module, dm, state, [0, 3], 0, 0, codec=FP32(), local=local, fabric=_cpu_fabric())
+    for a, b in zip(alone, together, strict=True):
+        assert a.failure is None and b.failure is None
+        for name, value in FP32().decode(a.payload, state, a.client).items():
+            torch.testing.assert_close(FP32().decode(b.payload, state, b.client)[name], value, rtol=0, atol=1e-6)
+        assert b.logged["train/loss"] == pytest.approx(a.logged["train/loss"], rel=1e-6)
+
+
+def test_a_diverging_client_fails_in_a_dp_sgd_cohort_with_the_message_it_gives_alone():
+    """The cohort runs the plain cohort's step loop: a client whose loss is not finite fails with its module's own
+    check, as one at a time. run_cohort itself trains without DP-SGD and says which function does."""
+    import dataclasses
+
+    from lightning_fl.federated.client import _cpu_fabric
+    from lightning_fl.federated.cohort import run_cohort
+    from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
+    from lightning_fl.methods import LATENT_RECIPE
+
+    dm = make_dm(augment=False, batch_size=8)
+    dm.setup("fit")
+    module = make_model(recipe=dataclasses.replace(LATENT_RECIPE, lr=1e30, grad_clip=None))
+    dp = DPSGD(max_grad_norm=1e30, noise_multiplier=0.5, engine="functorch")
+    state, local, fabric = module.federated_state(), LocalTraining(epochs=3, dp_sgd=dp), _cpu_fabric()
+    alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in range(4)]
+    together = run_cohort_dp_sgd(module, dm, state, list(range(4)), 0, 0, codec=FP32(), local=local, fabric=fabric)
+    failures = [r.failure for r in alone]
+    assert all(f is not None and "train/loss became" in f for f in failures), failures
+    assert [r.failure for r in together] == failures and all(r.payload is None for r in together)
+    with pytest.raises(ValueError, match="run_cohort_dp_sgd"):
+        run_cohort(module, dm, state, [0], 0, 0, codec=FP32(), local=local, fabric=fabric)
 
 
 def test_record_level_and_user_level_dp_run_together(tmp_path):

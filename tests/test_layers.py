@@ -1,5 +1,5 @@
-"""The package's layers (README's code map): each part imports only the parts above it and the shared modules; a
-long module says why it is one file."""
+"""The package's layers (README's code map): each part imports only the parts above it and the shared modules; no
+module of the package imports itself round a loop of imports; a long module says why it is one file."""
 
 from __future__ import annotations
 
@@ -66,12 +66,7 @@ def test_every_part_imports_only_the_parts_above_it():
 # lose>"), or is split along a line a reader would draw.
 LONG = 300
 REASON = "Kept as one file:"
-# owned by the round / client-side refactor, to be removed when they land
-LONG_WITHOUT_REASON = {
-    "lightning_fl/federated/cohort.py",
-    "lightning_fl/federated/dp_client.py",
-    "lightning_fl/flower/secure.py",
-}
+LONG_WITHOUT_REASON: set[str] = set()  # (none: every long module says why)
 
 
 def test_every_long_module_says_why_it_is_one_file():
@@ -88,3 +83,64 @@ def test_every_long_module_says_why_it_is_one_file():
     assert not missing, "\n".join([fix, *missing])
     stale = sorted(LONG_WITHOUT_REASON - unexplained.keys())
     assert not stale, f"short now, or with their reason: remove them from LONG_WITHOUT_REASON: {stale}"
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ``lightning_fl`` its import statements name (anywhere in the file, lazy imports
+    too). ``from pkg import name`` names the module ``pkg.name`` where there is one, else ``pkg``: a package's
+    ``__init__`` (and what it re-exports) is an edge only where a file imports a name from the package itself."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        named: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                named.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the file's package, up level - 1 packages
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                named.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
+        graph[name] = {m for m in named if m in paths and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (each a set of modules that import each
+    other, directly or round a loop), each sorted, in sorted order."""
+    reach = {}
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        reach[start] = seen
+    cycles = {frozenset({m} | {o for o in reach[m] if m in reach[o]}) for m in graph if m in reach[m]}
+    return sorted(sorted(c) for c in cycles)
+
+
+def test_the_import_graph_of_the_package_has_no_cycle():
+    """No module imports itself round a loop of other modules, whether its imports are at the top of the file or
+    inside functions (a lazy import hides a loop from Python, not from the design)."""
+    graph = import_graph()
+    assert {"lightning_fl.federated.client", "lightning_fl.flower.transport"} <= set(graph)  # the graph is read
+    assert "lightning_fl.steps" in graph["lightning_fl.federated.client"]
+    assert "lightning_fl.compress.wire" in graph["lightning_fl.flower.messages"]  # from ...compress import wire
+    assert "lightning_fl.compress" not in graph["lightning_fl.flower.messages"]
+    cycles = import_cycles(graph)
+    assert not cycles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_names_each_loop_once():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}, "g": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

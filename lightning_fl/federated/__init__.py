@@ -6,9 +6,10 @@ algorithm is a :class:`~lightning_fl.federated.strategies.Strategy`; :class:`Fed
 
 from lightning_fl.federated import attacks, strategies
 from lightning_fl.federated.attacks import ALIE, Attack, GaussianNoise, NaNUpload, Scaling, SignFlip
-from lightning_fl.federated.client import ClientResult, LocalTraining, run_client
+from lightning_fl.federated.client import run_client
 from lightning_fl.federated.gate import UploadRejectedError, check_upload
 from lightning_fl.federated.ledger import ByteLedger
+from lightning_fl.federated.local import ClientResult, LocalTraining
 from lightning_fl.federated.loop import FederatedTrainer
 from lightning_fl.federated.module import FederatedModule, ModuleHooks
 from lightning_fl.federated.setup import FactorMismatchError

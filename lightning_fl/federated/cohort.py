@@ -18,6 +18,10 @@ What can be vectorised (:func:`cohort_problem` says why not, and the trainer the
 a :class:`~lightning_fl.methods.recipe.TrainingRecipe` whose ``training_step`` is the recipe's own (the module
 defines ``forward`` and ``compute_loss``), trained in 32-bit precision, with Adam or SGD (no scheduler), no
 randomness in its forward pass (dropout), and, for FLITE, ``stored`` or ``dense`` factors.
+
+The step loop (groups, gradients, logging, divergence checks, the cohort's optimiser) is
+:func:`~lightning_fl.federated.cohort_steps.train_cohort`, which the DP-SGD cohort
+(:mod:`lightning_fl.federated.dp_cohort`) runs too; the transport chooses between them and one client at a time.
 """
 
 from __future__ import annotations
@@ -31,16 +35,9 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from lightning_fl.compress.base import Codec
-from lightning_fl.context import StepContext, attached
-from lightning_fl.errors import ConfigError, UserError
-from lightning_fl.federated.client import (
-    ClientResult,
-    LocalTraining,
-    client_loader,
-    configure_optimizer,
-    encode_upload,
-    gradient_clip,
-)
+from lightning_fl.errors import ConfigError
+from lightning_fl.federated.cohort_steps import finish_cohort, start_cohort, train_cohort
+from lightning_fl.federated.local import ClientResult, LocalTraining, client_loader, configure_optimizer, gradient_clip
 from lightning_fl.federated.state import State
 from lightning_fl.steps import batch_size
 
@@ -148,73 +145,6 @@ def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: 
     return batches, epochs
 
 
-class _Optimizer:
-    """Adam or SGD (the settings of the module's own optimiser) on stacked per-client tensors ``[C, ...]``,
-    written as ``torch.optim``'s single-tensor implementations write them. Every client of a cohort takes its
-    ``t``-th step at step ``t``, so the step count is one number. Not ``torch.optim`` itself over the stacked
-    tensors: clients with fewer batches stop early, so a step updates a subset of the rows (``rows``), and a
-    ``torch.optim`` step would move every row's moments (a zero gradient still decays Adam's and SGD's momentum)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> None:
-        self.kind = type(optimizer)
-        self.group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        if self.kind is torch.optim.Adam:
-            self.state = {
-                n: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)} for n, p in params.items()
-            }
-        else:
-            self.state = {n: {"momentum_buffer": torch.zeros_like(p)} for n, p in params.items()}
-
-    def step(self, t: int, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], rows) -> None:
-        """Step ``t`` (0-based): update ``params[name][rows]`` with ``grads[name]`` (one row per client in ``rows``;
-        ``None``: every row)."""
-        g = self.group
-        for name, grad_ in grads.items():
-            p, state = _rows(params[name], rows), self.state[name]
-            if g["weight_decay"] != 0:
-                grad_ = grad_.add(p, alpha=g["weight_decay"])
-            if self.kind is torch.optim.Adam:
-                beta1, beta2 = g["betas"]
-                m = _rows(state["exp_avg"], rows).lerp(grad_, 1 - beta1)
-                v = _rows(state["exp_avg_sq"], rows).mul(beta2).addcmul(grad_, grad_.conj(), value=1 - beta2)
-                step_size = g["lr"] / (1 - beta1 ** (t + 1))
-                denom = (v.sqrt() / ((1 - beta2 ** (t + 1)) ** 0.5)).add(g["eps"])
-                p = p.addcdiv(m, denom, value=-step_size)
-                _set_rows(state, "exp_avg", rows, m)
-                _set_rows(state, "exp_avg_sq", rows, v)
-            else:  # SGD
-                momentum, dampening = g["momentum"], g["dampening"]
-                if momentum != 0:
-                    buf = grad_.clone() if t == 0 else _rows(state["momentum_buffer"], rows).mul(momentum).add(
-                        grad_, alpha=1 - dampening)  # fmt: skip
-                    _set_rows(state, "momentum_buffer", rows, buf)
-                    grad_ = grad_.add(buf, alpha=momentum) if g["nesterov"] else buf
-                p = p.add(grad_, alpha=-g["lr"])
-            _set_rows(params, name, rows, p)
-
-
-def _rows(t: torch.Tensor, rows) -> torch.Tensor:
-    return t if rows is None else t[rows]
-
-
-def _set_rows(tensors: dict[str, torch.Tensor], name: str, rows, value: torch.Tensor) -> None:
-    if rows is None:
-        tensors[name] = value
-    else:
-        tensors[name][rows] = value
-
-
-def cohort_state(global_state: State, names, clients: list[int], optimizer, datamodule: Any, device):
-    """What a cohort's training carries: every client's copy of the trainable tensors (stacked ``[C, ...]``), the
-    cohort's optimiser, a result, the logged sums and an alive flag per client."""
-    C = len(clients)
-    params = {n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim()))
-              for n in names}  # fmt: skip
-    results = [ClientResult(c, int(datamodule.client_num_samples(c)), None) for c in clients]
-    sums = [{"train/loss": [0.0, 0.0], "train/acc": [0.0, 0.0]} for _ in clients]
-    return params, _Optimizer(optimizer, params), results, sums, [True] * C
-
-
 def run_cohort(
     module: L.LightningModule,
     datamodule: Any,
@@ -227,12 +157,12 @@ def run_cohort(
     local: LocalTraining,
     fabric: L.Fabric,
 ) -> list[ClientResult]:
-    """Train ``clients`` together for one round from ``global_state``; one result per client, in order."""
+    """Train ``clients`` together for one round from ``global_state``; one result per client, in order. Each step
+    vectorises the clients whose batches have the same shapes: per-client gradients by ``vmap`` of ``grad``, each
+    client's gradient clipped as ``torch.nn.utils.clip_grad_norm_`` clips it alone."""
     if local.dp_sgd is not None:
-        from lightning_fl.federated.dp_client import run_cohort_dp_sgd
-
-        return run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, codec=codec, local=local,
-                                 fabric=fabric)  # fmt: skip
+        raise ValueError("run_cohort trains without DP-SGD; a cohort under trainer.dp_sgd is "
+                         "lightning_fl.federated.dp_cohort.run_cohort_dp_sgd")  # fmt: skip
     trainable = module.trainable_parameters()
     names = list(trainable)
     if sorted(names) != sorted(global_state):
@@ -243,11 +173,10 @@ def run_cohort(
     clip = gradient_clip(module, local)
     if not all(m.training for m in module.modules()):
         module.train()
-    device = fabric.device
-    C = len(clients)
     drawn = [_client_batches(datamodule, c, round, seed, local) for c in clients]
-    batches, epoch_of = [b for b, _ in drawn], [e for _, e in drawn]
-    params, opt, results, sums, alive = cohort_state(global_state, names, clients, optimizer, datamodule, device)
+    batches, epochs = [b for b, _ in drawn], [e for _, e in drawn]
+    cohort = start_cohort(global_state, names, clients, optimizer, datamodule, fabric.device,
+                          epoch_of=lambda k, t: epochs[k][t])  # fmt: skip
 
     def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
         logits = functional_call(module, p, (x,), strict=False)
@@ -258,62 +187,31 @@ def run_cohort(
         mapping.materialise()  # drawn here: no random numbers may be drawn inside vmap
     step_fn = vmap(grad(loss_fn, has_aux=True))
     accuracy_fn = vmap(module.train_accuracy)
-    for t in range(max(len(b) for b in batches)):
-        groups: dict[tuple, list[int]] = {}
-        for k in range(C):
-            if alive[k] and t < len(batches[k]):
+
+    def groups(t: int) -> list[list[int]]:  # the clients at step t whose batches have the same shapes
+        by_shape: dict[tuple, list[int]] = {}
+        for k in range(len(clients)):
+            if cohort.alive[k] and t < len(batches[k]):
                 x, y = batches[k][t]
-                groups.setdefault((tuple(x.shape), tuple(y.shape)), []).append(k)
-        for members in groups.values():
-            rows = None if members == list(range(C)) else torch.tensor(members, device=device)  # None: every row
-            x = torch.stack([batches[k][t][0] for k in members]).to(device)
-            y = torch.stack([batches[k][t][1] for k in members]).to(device)
-            grads, (losses, logits) = step_fn({n: _rows(params[n], rows) for n in names}, x, y)
-            finite = torch.isfinite(losses).tolist()
-            values = zip(
-                losses.detach().float().tolist(), accuracy_fn(logits.detach(), y).float().tolist(), strict=True
-            )
-            keep = []
-            for i, (k, (loss, acc)) in enumerate(zip(members, values, strict=True)):
-                if not finite[i]:  # the message the module's own check gives, with this client's epoch and step
-                    context = StepContext(fabric, client=clients[k], round=round)
-                    context.current_epoch, context.global_step = epoch_of[k][t], t
-                    try:
-                        with attached(module, context):
-                            module.check_loss(losses[i])
-                    except (UserError, FloatingPointError) as err:
-                        alive[k] = False
-                        results[k].failure = f"local training failed: {err}"
-                        continue
-                weight = batch_size(batches[k][t])
-                for key, value in (("train/loss", loss), ("train/acc", acc)):
-                    sums[k][key][0] += value * weight
-                    sums[k][key][1] += weight
-                keep.append(i)
-            if not keep:
-                continue
-            if len(keep) < len(members):
-                index = torch.tensor(keep, device=device)
-                grads = {n: g[index] for n, g in grads.items()}
-                rows = torch.tensor([members[i] for i in keep], device=device)
-            if clip is not None:  # torch.nn.utils.clip_grad_norm_ per client, over all its trainable tensors
-                norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], dim=1).norm(dim=1)
-                if not bool(torch.isfinite(norms).all()):
-                    raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, "
-                                       "so it cannot be clipped (a client of the cohort)")  # fmt: skip
-                coef = (clip / (norms + 1e-6)).clamp(max=1.0)
-                grads = {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
-            opt.step(t, params, grads, rows)
-    return finish_cohort(module, results, sums, params, global_state, codec, local, round, seed)
+                by_shape.setdefault((tuple(x.shape), tuple(y.shape)), []).append(k)
+        return list(by_shape.values())
 
+    def gradients(t: int, members: list[int], params: dict[str, torch.Tensor]):
+        x = torch.stack([batches[k][t][0] for k in members]).to(fabric.device)
+        y = torch.stack([batches[k][t][1] for k in members]).to(fabric.device)
+        grads, (losses, logits) = step_fn(params, x, y)
+        return grads, losses, accuracy_fn(logits.detach(), y), [batch_size(batches[k][t]) for k in members]
 
-def finish_cohort(module, results, sums, params, global_state, codec, local, round: int, seed: int) -> list:
-    """Each client's logged sums and, unless its training failed, the encoding of its trained row of ``params``;
-    the module back at ``global_state``."""
-    for k, result in enumerate(results):
-        result.logged = {key: (s, w) for key, (s, w) in sorted(sums[k].items()) if w > 0}
-        if result.failure is None:
-            trained = {n: p[k].detach().clone() for n, p in params.items()}
-            encode_upload(result, trained, global_state, codec, local, round, seed)
-    module.load_federated_state(global_state)
-    return results
+    def clipped(t: int, members: list[int], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if clip is None:
+            return grads
+        # torch.nn.utils.clip_grad_norm_ per client, over all its trainable tensors
+        norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], dim=1).norm(dim=1)
+        if not bool(torch.isfinite(norms).all()):
+            raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, "
+                               "so it cannot be clipped (a client of the cohort)")  # fmt: skip
+        coef = (clip / (norms + 1e-6)).clamp(max=1.0)
+        return {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
+
+    train_cohort(module, fabric, round, cohort, max(len(b) for b in batches), groups, gradients, clipped)
+    return finish_cohort(module, cohort, global_state, codec, local, round, seed)

@@ -1,15 +1,19 @@
 """A client's local training under record-level DP-SGD (:class:`~lightning_fl.privacy.DPSGD`).
 
 :func:`train_dp_sgd` replaces the plain local loop of :func:`~lightning_fl.federated.client.run_client` when
-``trainer.dp_sgd`` is set: Poisson-sampled batches of the client's records, per-record gradients (Opacus' hooks,
-or ``torch.func``), clipping, noise and the module's own optimiser. See :mod:`lightning_fl.privacy.dpsgd` for
-the guarantee and the accounting.
+``trainer.dp_sgd`` is set: Poisson-sampled batches of the client's records, per-record gradients, then Opacus'
+``DPOptimizer`` (clipping, noise, scaling) around the module's own optimiser. The two engines differ only in how
+each trainable parameter's ``grad_sample`` is obtained: Opacus' hooks around the module's ``training_step``
+(``opacus``), or ``torch.func`` (``functorch``); the step itself is the same object's. A vectorised cohort's
+DP-SGD, which clips and noises many clients' gradients at once, is :mod:`lightning_fl.federated.dp_cohort`. See
+:mod:`lightning_fl.privacy.dpsgd` for the guarantee and the accounting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -59,6 +63,10 @@ def functorch_problem(module: torch.nn.Module) -> str | None:
 def choose_engine(module: torch.nn.Module, dp: DPSGD) -> str:
     """The engine that computes ``module``'s per-record gradients: ``dp.engine``, or for ``auto`` Opacus when it
     can wrap every trainable layer, else ``functorch``; a one-line error when the chosen one cannot."""
+    try:
+        import opacus  # noqa: F401  (either engine steps through its DPOptimizer)
+    except ImportError as err:
+        raise ConfigError("trainer.dp_sgd needs Opacus: pip install 'lightning-fl[privacy]'") from err
     if (problem := batchnorm_problem(module)) is not None:
         raise ConfigError(problem)
     if getattr(module, "mu", 0) and hasattr(module, "proximal_term"):
@@ -123,7 +131,12 @@ def train_dp_sgd(
     generators: tuple[torch.Generator, torch.Generator],
     engine: str,
 ) -> None:
-    """``plan.steps`` DP-SGD steps of ``module`` (its state set, ``context`` attached) on ``loader``'s records."""
+    """``plan.steps`` DP-SGD steps of ``module`` (its state set, ``context`` attached) on ``loader``'s records: at
+    each step the ``engine`` sets every trainable parameter's ``grad_sample`` (its per-record gradients, ``[records,
+    *shape]``) and Opacus' ``DPOptimizer`` clips each record's gradient, sums them, adds the noise (from the second
+    generator), divides by the expected batch size and steps ``optimizer``."""
+    from opacus.optimizers import DPOptimizer
+
     sampling, noise = generators
     records = PoissonBatches(loader, plan.q, sampling)
     if records.n != plan.records:
@@ -133,19 +146,38 @@ def train_dp_sgd(
         )
     batches = iter(records)
     per_epoch = -(-plan.records // plan.batch_size)  # the batches of an epoch: what current_epoch counts
+    dp_optimizer = DPOptimizer(optimizer, noise_multiplier=plan.z, max_grad_norm=dp.max_grad_norm,
+                               expected_batch_size=plan.batch_size, loss_reduction="mean", generator=noise)  # fmt: skip
+    grad_samples = _opacus_grad_samples if engine == "opacus" else _functorch_grad_samples
+    try:
+        with grad_samples(module, fabric, context) as fill:
+            for t in range(plan.steps):
+                batch = next(batches)
+                context.current_epoch, context.global_step = t // per_epoch, t
+                if batch is None:  # nobody drawn: the step is the noise alone (Opacus' empty-batch rule)
+                    for p in dp_optimizer.params:
+                        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+                else:
+                    fill(fabric.to_device(batch) if fabric.device.type != "cpu" else batch, t)
+                dp_optimizer.step()
+                dp_optimizer.zero_grad(set_to_none=True)
+                if scheduler is not None:
+                    scheduler.step()
+    finally:  # the parameters as they were: the module trains the next client (maybe with the other engine)
+        for p in dp_optimizer.params:
+            for name in ("grad_sample", "summed_grad"):
+                if hasattr(p, name):
+                    delattr(p, name)
 
-    def epoch_of(t: int) -> int:
-        return t // per_epoch
 
-    if engine == "opacus":
-        _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of)
-    else:
-        _functorch_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of)
+Fill = Callable[[Any, int], None]  # (batch on the device, step) -> every trainable parameter's grad_sample set
 
 
-def _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of) -> None:
+@contextlib.contextmanager
+def _opacus_grad_samples(module: L.LightningModule, fabric: L.Fabric, context: StepContext) -> Iterator[Fill]:
+    """Per-record gradients by Opacus' ``GradSampleModule``: its hooks fill ``grad_sample`` during the backward
+    pass of the module's own ``training_step``."""
     from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
 
     # Opacus' backward hooks forbid in-place activations on a hooked layer's output: off while it trains (the
     # same values), restored after.
@@ -153,36 +185,28 @@ def _opacus_steps(module, optimizer, scheduler, batches, fabric, context, plan, 
     for m in in_place:
         m.inplace = False
     wrapped = GradSampleModule(module, batch_first=True, loss_reduction="mean", strict=True)
-    dp_optimizer = DPOptimizer(optimizer, noise_multiplier=plan.z, max_grad_norm=dp.max_grad_norm,
-                               expected_batch_size=plan.batch_size, loss_reduction="mean", generator=noise)  # fmt: skip
+
+    def fill(batch: Any, t: int) -> None:
+        context.weight = len(batch[0]) if isinstance(batch, (list, tuple)) else 1
+        out = module.training_step(batch, t)
+        fabric.backward(out["loss"] if isinstance(out, dict) else out)
+
     try:
         with warnings.catch_warnings():  # torch notes that the first layer's hook fires without input gradients
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            for t in range(plan.steps):
-                batch = next(batches)
-                context.current_epoch, context.global_step = epoch_of(t), t
-                if batch is None:  # nobody drawn: the step is the noise alone (Opacus' empty-batch rule)
-                    for p in dp_optimizer.params:
-                        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
-                else:
-                    batch = fabric.to_device(batch) if fabric.device.type != "cpu" else batch
-                    context.weight = len(batch[0]) if isinstance(batch, (list, tuple)) else 1
-                    out = module.training_step(batch, t)
-                    fabric.backward(out["loss"] if isinstance(out, dict) else out)
-                dp_optimizer.step()
-                dp_optimizer.zero_grad(set_to_none=True)
-                if scheduler is not None:
-                    scheduler.step()
+            yield fill
     finally:
         wrapped._close()  # hooks and per-record attributes off: the module trains the next client as it was
         for m in in_place:
             m.inplace = True
 
 
-def _functorch_steps(module, optimizer, scheduler, batches, fabric, context, plan, dp, noise, epoch_of) -> None:
+@contextlib.contextmanager
+def _functorch_grad_samples(module: L.LightningModule, fabric: L.Fabric, context: StepContext) -> Iterator[Fill]:
+    """Per-record gradients by ``torch.func``: ``vmap`` over the batch's records of ``grad`` of the module's
+    ``forward`` then ``compute_loss`` on one record, set as each trainable parameter's ``grad_sample``; the step
+    logs ``train/loss`` and ``train/acc`` as the recipe's ``training_step`` does."""
     trainable = module.trainable_parameters()
-    name_of = {id(p): n for n, p in trainable.items()}
-    ordered = [p for group in optimizer.param_groups for p in group["params"]]  # DPOptimizer's order
     if (mapping := getattr(module, "mapping", None)) is not None and hasattr(mapping, "materialise"):
         mapping.materialise()  # no random numbers may be drawn inside vmap
 
@@ -192,141 +216,16 @@ def _functorch_steps(module, optimizer, scheduler, batches, fabric, context, pla
         return loss, (loss, logits.squeeze(0))
 
     per_record = vmap(grad(one_record, has_aux=True), in_dims=(None, 0, 0), randomness="different")
-    C, std = dp.max_grad_norm, plan.z * dp.max_grad_norm
-    for t in range(plan.steps):
-        batch = next(batches)
-        context.current_epoch, context.global_step = epoch_of(t), t
-        if batch is None:
-            grads = {n: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for n, p in trainable.items()}
-        else:
-            x, y = fabric.to_device(batch) if fabric.device.type != "cpu" else batch
-            grads, (losses, logits) = per_record({n: p.detach() for n, p in trainable.items()}, x, y)
-            loss = losses.mean()
-            module.check_loss(loss)
-            context.weight = len(y)
-            context.log("train/loss", loss)
-            context.log("train/acc", module.train_accuracy(logits.detach(), y))
-        # DPOptimizer's clip_and_accumulate, add_noise and scale_grad, in its order and with its draws
-        flat = [grads[name_of[id(p)]] for p in ordered]
-        if len(flat[0]) == 0:
-            factor = torch.zeros((0,), device=flat[0].device)
-        else:
-            norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in flat], dim=1).norm(2, dim=1)
-            factor = (C / (norms + 1e-6)).clamp(max=1.0)
-        for p, g in zip(ordered, flat, strict=True):
-            summed = torch.einsum("i,i...", factor.to(g.dtype), g.to(p.dtype))
-            if std > 0:
-                summed = summed + torch.normal(0, std, size=p.shape, device=p.device, generator=noise, dtype=p.dtype)
-            p.grad = (summed / plan.batch_size).view_as(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
 
+    def fill(batch: Any, t: int) -> None:
+        x, y = batch
+        grads, (losses, logits) = per_record({n: p.detach() for n, p in trainable.items()}, x, y)
+        loss = losses.mean()
+        module.check_loss(loss)
+        context.weight = len(y)
+        context.log("train/loss", loss)
+        context.log("train/acc", module.train_accuracy(logits.detach(), y))
+        for n, p in trainable.items():
+            p.grad_sample = grads[n]
 
-def run_cohort_dp_sgd(module, datamodule, global_state, clients, round, seed, *, codec, local, fabric) -> list:
-    """DP-SGD for a vectorised cohort (``trainer.client_batching: vmap``): every client's Poisson batches (drawn as
-    :func:`~lightning_fl.federated.client.run_client` draws them), its per-record gradients by ``torch.func`` with
-    a second ``vmap`` over the clients (each client's batch padded to the step's largest, the padding masked out of
-    the clipped sum), then each client's noise from its own generator in ``DPOptimizer``'s order and the cohort's
-    optimiser step. Equal to training the clients one at a time up to float32 rounding (``tests/test_dpsgd.py``)."""
-    from lightning_fl.federated.client import client_loader, configure_optimizer
-    from lightning_fl.federated.cohort import _rows, cohort_state, finish_cohort
-
-    dp = local.dp_sgd
-    for problem in (batchnorm_problem(module), functorch_problem(module)):
-        if problem is not None:
-            raise ConfigError(problem if problem.startswith("trainer.") else f"trainer.dp_sgd in a cohort: {problem}")
-    trainable = module.trainable_parameters()
-    module.load_federated_state(global_state)
-    optimizer, _ = configure_optimizer(module)
-    name_of = {id(p): n for n, p in trainable.items()}
-    ordered = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]  # DPOptimizer's order
-    if not all(m.training for m in module.modules()):
-        module.train()
-    if (mapping := getattr(module, "mapping", None)) is not None and hasattr(mapping, "materialise"):
-        mapping.materialise()
-    device, C = fabric.device, len(clients)
-    plans, draws, noises = [], [], []
-    for c in clients:  # each client's loader seeded and its batches drawn as it would be alone
-        plan = dp.client_plan(datamodule, c, local)
-        sampling, noise = dp.generators(seed, round, c, fabric.device)
-        records = PoissonBatches(client_loader(datamodule, c, round, seed), plan.q, sampling)
-        if records.n != plan.records:
-            raise ConfigError(f"trainer.dp_sgd: client {c}'s loader holds {records.n} records but the data "
-                              f"module's client_num_samples says {plan.records}")  # fmt: skip
-        stream = iter(records)
-        plans.append(plan)
-        draws.append([next(stream) for _ in range(plan.steps)])
-        noises.append(noise)
-    params, opt, results, sums, alive = cohort_state(global_state, list(trainable), clients, optimizer, datamodule,
-                                                     device)  # fmt: skip
-
-    def one_record(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
-        logits = functional_call(module, p, (x.unsqueeze(0),), strict=False)
-        loss = module.compute_loss(logits, y.unsqueeze(0))
-        return loss, (loss, logits.squeeze(0))
-
-    per_record = vmap(vmap(grad(one_record, has_aux=True), in_dims=(None, 0, 0)), in_dims=(0, 0, 0))
-    accuracy = vmap(module.train_accuracy)
-    for t in range(max(p.steps for p in plans)):
-        active = [k for k in range(C) if alive[k] and t < plans[k].steps]
-        if not active:
-            break
-        rows = None if active == list(range(C)) else torch.tensor(active, device=device)
-        drawn = [draws[k][t] for k in active]
-        sizes = [0 if b is None else len(b[1]) for b in drawn]
-        width = max(sizes)
-        A = len(active)
-        if width == 0:
-            grads = {n: torch.zeros((A, 0, *trainable[n].shape), device=device) for n in trainable}
-            mask = torch.zeros((A, 0), device=device)
-        else:
-            pad = next(b for b in drawn if b is not None)
-            filler_x, filler_y = pad[0][:1], pad[1][:1]
-            xs, ys = [], []
-            for b, size in zip(drawn, sizes, strict=True):
-                x = filler_x.expand(width, *filler_x.shape[1:]) if b is None else b[0]
-                y = filler_y.expand(width, *filler_y.shape[1:]) if b is None else b[1]
-                if size and size < width:
-                    x = torch.cat([x, filler_x.expand(width - size, *filler_x.shape[1:])])
-                    y = torch.cat([y, filler_y.expand(width - size, *filler_y.shape[1:])])
-                xs.append(x)
-                ys.append(y)
-            x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
-            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)).to(device)
-            grads, (losses, logits) = per_record({n: _rows(params[n], rows) for n in trainable}, x, y)
-            for i, k in enumerate(active):
-                if sizes[i] == 0:
-                    continue
-                loss_k = losses[i, : sizes[i]].mean()
-                if not bool(torch.isfinite(loss_k)):
-                    results[k].failure = (f"local training failed: train/loss became {float(loss_k)} at step {t}. "
-                                          "Lower model.recipe.lr, or check the data for NaNs.")  # fmt: skip
-                    alive[k] = False
-                    continue
-                acc_k = accuracy(logits[i, : sizes[i]].detach().unsqueeze(0), y[i, : sizes[i]].unsqueeze(0))[0]
-                for key, value in (("train/loss", float(loss_k)), ("train/acc", float(acc_k))):
-                    sums[k][key][0] += value * sizes[i]
-                    sums[k][key][1] += sizes[i]
-        flat = [grads[n].reshape(A, width, -1) for n in ordered]
-        norms = torch.stack([g.norm(2, dim=-1) for g in flat], dim=2).norm(2, dim=2)  # (A, width)
-        factor = (dp.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * mask
-        stepped = {}
-        for n in ordered:
-            summed = torch.einsum("ki,ki...->k...", factor.to(grads[n].dtype), grads[n])
-            noise = [torch.normal(0, plans[k].z * dp.max_grad_norm, size=trainable[n].shape, device=device,
-                                  generator=noises[k], dtype=summed.dtype) if plans[k].z > 0
-                     else torch.zeros_like(summed[0]) for k in active]  # fmt: skip
-            stepped[n] = summed + torch.stack(noise)  # client k's generator draws parameter by parameter, in order
-        batch = torch.tensor([plans[k].batch_size for k in active], dtype=torch.float32, device=device)
-        stepped = {n: g / batch.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for n, g in stepped.items()}
-        keep = [i for i, k in enumerate(active) if alive[k]]
-        if len(keep) < A:
-            if not keep:
-                continue
-            index = torch.tensor(keep, device=device)
-            stepped = {n: g[index] for n, g in stepped.items()}
-            rows = torch.tensor([active[i] for i in keep], device=device)
-        opt.step(t, params, stepped, rows)
-    return finish_cohort(module, results, sums, params, global_state, codec, local, round, seed)
+    yield fill

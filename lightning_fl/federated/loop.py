@@ -38,7 +38,7 @@ from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import setup
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
-from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.collect import SecureUploads, Uploads
 from lightning_fl.federated.evaluate import evaluate
 from lightning_fl.federated.ledger import ByteLedger

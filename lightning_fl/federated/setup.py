@@ -14,7 +14,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 from lightning_fl import runs, threads
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.checkpoint import run_folder_of
-from lightning_fl.federated.client import configure_optimizer
+from lightning_fl.federated.local import configure_optimizer
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.strategies import Strategy
 from lightning_fl.runs import RunLock

@@ -20,8 +20,10 @@ import torch
 
 from lightning_fl.compress.base import Codec, Payload
 from lightning_fl.federated.callbacks import Callback
-from lightning_fl.federated.client import LocalTraining, run_client
+from lightning_fl.federated.client import run_client
 from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
+from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
+from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.state import State
 
 
@@ -126,9 +128,11 @@ class Transport(Callback):
 
 
 class InProcess(Transport):
-    """Clients train here with the server's module and data module (the simulation): one after another, or with
-    ``cohort_size > 0`` that many at a time as one vectorised computation (:mod:`lightning_fl.federated.cohort`)
-    when the module allows it; otherwise one after another, said once in a warning."""
+    """Clients train here with the server's module and data module (the simulation): one after another
+    (:func:`~lightning_fl.federated.client.run_client`, plain or DP-SGD), or with ``cohort_size > 0`` that many at a
+    time as one vectorised computation when the module allows it (:func:`~lightning_fl.federated.cohort.run_cohort`,
+    or under ``trainer.dp_sgd`` :func:`~lightning_fl.federated.dp_cohort.run_cohort_dp_sgd`); otherwise one after
+    another, said once in a warning."""
 
     def __init__(self, cohort_size: int = 0) -> None:
         self.cohort_size = cohort_size
@@ -136,10 +140,10 @@ class InProcess(Transport):
 
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
         if self.cohort_size > 0 and self._cohorts_possible(model, datamodule, clients[0], round, seed, fabric):
+            train = run_cohort if local.dp_sgd is None else run_cohort_dp_sgd
             for start in range(0, len(clients), self.cohort_size):
                 cohort = list(clients[start : start + self.cohort_size])
-                results = run_cohort(model, datamodule, state, cohort, round, seed, codec=codec, local=local,
-                                     fabric=fabric)  # fmt: skip
+                results = train(model, datamodule, state, cohort, round, seed, codec=codec, local=local, fabric=fabric)
                 for result in results:
                     yield Reply(result.client, result.num_samples, result.payload, result.logged, result.failure)
             return

@@ -9,9 +9,9 @@ drives it from our own round loop:
 - the "strategy" (:class:`_Round`) names the round's nodes and keeps what the workflow hands back;
 - stage 2 ("collect masked vectors", the only stage that trains) carries our own train message (global state,
   round, seed, client id, fingerprint) instead of legacy fit instructions;
-- every reply passes :class:`_Screen` first: a reply that does not have the shape its stage needs (a hostile or
-  broken node) becomes an error reply, so the protocol treats that node as dropped instead of raising out of the
-  workflow; its bytes are counted per node and stage;
+- every reply passes :class:`~lightning_fl.flower.secagg_screen.Screen` first: a reply that does not have the shape
+  its stage needs (a hostile or broken node) becomes an error reply, so the protocol treats that node as dropped
+  instead of raising out of the workflow; its bytes are counted per node and stage;
 - the client hands the mod its update already clipped and quantised with our seeded rounding, on Flower's grid
   (:meth:`~lightning_fl.privacy.secure.SecureSum.on_grid`), with weight 1 (``max_weight`` 1): Flower's own
   quantisation then reproduces our integers exactly, and the server recovers the exact integer sum from the
@@ -27,42 +27,25 @@ finite result on the quantisation grid within ``trainer.max_update_norm``, still
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, RecordDict
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.constant import ErrorCode
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 
-from lightning_fl.flower.transport import exchange
+from lightning_fl.flower.secagg_screen import NodeTraffic, Screen
 
 STAGES = ("setup", "share keys", "masked upload", "unmask")
 MAX_MODULUS = 2**48  # the server dequantises in float64: sums of n T < 2^48 come back exactly (see recover_sum)
 
 
 # ============================================================================================ the server
-@dataclass
-class NodeTraffic:
-    """One node's part in a secure round: its messages and bytes in each direction, the stage it failed at
-    (and why), its stage-2 reply."""
-
-    messages_down: int = 0
-    messages_up: int = 0
-    bytes_down: int = 0
-    bytes_up: int = 0
-    failed_stage: int | None = None
-    failure: str | None = None
-    lost: bool = False
-    upload: Message | None = None
-
-
 @dataclass
 class SecAggOutcome:
     """What a secure round on Flower gave back."""
@@ -121,116 +104,6 @@ class _Workflow(SecAggPlusWorkflow):
         return super().collect_masked_vectors_stage(grid, context, state)
 
 
-class _Screen:
-    """The grid as the workflow sees it: counts each node's messages and bytes per stage, waits ``timeouts[stage]``
-    and turns a reply that lacks what its stage needs into an error reply (the node drops; nothing raises)."""
-
-    def __init__(self, grid: Any, nodes: Iterable[int], size: int, modulus: int, timeouts: list[float],
-                 count_bytes: Any) -> None:  # fmt: skip
-        self.grid, self.size, self.modulus, self.timeouts = grid, size, modulus, timeouts
-        self.nodes = set(nodes)
-        self.count_bytes = count_bytes
-        self.traffic = {n: NodeTraffic() for n in self.nodes}
-        self.stage = 0
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        stage, self.stage = self.stage, self.stage + 1
-        messages = list(messages)
-        sent = {m.metadata.dst_node_id: m for m in messages}
-        sizes: dict[str, int] = {}
-        for node, message in sent.items():
-            self.traffic[node].messages_down += 1
-            self.traffic[node].bytes_down += self.count_bytes(message, sizes)
-        replies, seen = [], set()
-        for reply in exchange(self.grid, messages, self.timeouts[min(stage, 3)]):
-            node = reply.metadata.src_node_id
-            if node not in sent or node in seen:  # not asked in this stage, or a second answer
-                continue
-            seen.add(node)
-            traffic = self.traffic[node]
-            traffic.messages_up += 1
-            traffic.bytes_up += self.count_bytes(reply) if reply.has_content() else 0
-            problem = None
-            if reply.has_error():
-                lost = reply.error.code == ErrorCode.NODE_UNAVAILABLE
-                problem = "its node is unavailable" if lost else f"the node failed: {reply.error.reason[:300]}"
-                traffic.lost = lost
-            else:
-                problem = self.problem(stage, reply)
-                if problem is not None:
-                    problem = f"malformed SecAgg+ reply: {problem}"
-                    reply = Message(_error(problem), reply_to=sent[node])
-            if problem is not None:
-                traffic.failed_stage, traffic.failure = stage, problem
-            elif stage == 2:
-                traffic.upload = reply
-            replies.append(reply)
-        for node in set(sent) - seen:
-            self.traffic[node].failed_stage, self.traffic[node].lost = stage, True
-            self.traffic[node].failure = "no reply in time"
-        return replies
-
-    def problem(self, stage: int, reply: Message) -> str | None:
-        """Why ``reply`` cannot be used at ``stage`` (its shape only: the values are keys, ciphertexts or masked)."""
-        content = reply.content
-        record = content.config_records.get(RECORD_KEY_CONFIGS) if RECORD_KEY_CONFIGS in content else None
-        if record is None:
-            return f"no {RECORD_KEY_CONFIGS!r} record"
-        try:
-            if stage == 0:
-                from flwr.supercore.primitives.asymmetric import bytes_to_public_key
-
-                for key in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2):
-                    value = record.get(key)
-                    if not isinstance(value, bytes):
-                        return f"{key} must be bytes"
-                    bytes_to_public_key(value)  # (a key its neighbours could not use would fail them all)
-            elif stage == 1:  # encrypted shares, each addressed to a node of the round
-                return self._pairs_problem(record, Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST)
-            elif stage == 2:
-                return self._upload_problem(content, record)
-            elif stage == 3:  # the shares it holds, each of a node of the round
-                return self._pairs_problem(record, Key.NODE_ID_LIST, Key.SHARE_LIST)
-        except Exception as err:  # whatever a hostile reply makes a reader raise
-            return f"{type(err).__name__}: {str(err)[:200]}"
-        return None
-
-    def _pairs_problem(self, record: Any, ids_key: str, values_key: str) -> str | None:
-        """Node ids and bytes, equally many, every id a node of the round."""
-        ids, values = record.get(ids_key), record.get(values_key)
-        if not _list_of(ids, int) or not _list_of(values, bytes) or len(ids) != len(values):
-            return f"{ids_key} and {values_key} must be equally long lists of ids/bytes"
-        if not set(ids) <= self.nodes:
-            return f"{ids_key} names nodes outside the round"
-        return None
-
-    def _upload_problem(self, content: RecordDict, record: Any) -> str | None:
-        from flwr.common import bytes_to_ndarray
-        from flwr.compat.common.recorddict_compat import recorddict_to_fitres
-
-        arrays = record.get(Key.MASKED_PARAMETERS)
-        if not _list_of(arrays, bytes) or len(arrays) != 2:
-            return f"{Key.MASKED_PARAMETERS} must be two arrays (weight factor, vector)"
-        factor, vector = (bytes_to_ndarray(b) for b in arrays)  # (numpy's format, never a pickle)
-        for name, array, shape in (("weight factor", factor, (1,)), ("vector", vector, (self.size,))):
-            if not np.issubdtype(array.dtype, np.integer) or array.shape != shape:
-                return f"masked {name} must be integers of shape {shape}, got {array.dtype} {array.shape}"
-            if array.size and (int(array.min()) < 0 or int(array.max()) >= self.modulus):
-                return f"masked {name} has values outside [0, modulus_range)"
-        recorddict_to_fitres(content, keep_input=True)  # the legacy records the workflow reads
-        return None
-
-
-def _list_of(value: Any, kind: type) -> bool:
-    return isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
-
-
-def _error(reason: str) -> Any:
-    from flwr.app import Error
-
-    return Error(code=ErrorCode.UNKNOWN, reason=reason)
-
-
 def recover_sum(aggregate: np.ndarray, n: int, secure: Any) -> tuple[torch.Tensor | None, str | None]:
     """The integer sum ``sum_i q_i`` of ``n`` unweighted uploads from the workflow's float64 result (the mean of
     their dequantised values, ``(sum_i q_i) 2c/(nT) - c``); ``None`` and why when it is not on the grid."""
@@ -266,7 +139,7 @@ def secure_round(
             outcome.problem = f"SecAgg+ needs at least 2 nodes, {len(nodes)} left"
             return outcome
         stage2 = max(secure.stage_timeout, train_timeout or 0.0)
-        screen = _Screen(grid, nodes, size, secure.M, [secure.stage_timeout] * 2 + [stage2, secure.stage_timeout],
+        screen = Screen(grid, nodes, size, secure.M, [secure.stage_timeout] * 2 + [stage2, secure.stage_timeout],
                          count_bytes)  # fmt: skip
         strategy = _Round(nodes)
         context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),

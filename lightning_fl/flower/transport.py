@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,34 +22,11 @@ from flwr.serverapp import Grid
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.transport import Reply, SecureRound, Transport
 from lightning_fl.flower import messages as wire_msg
+from lightning_fl.flower import secure as secagg
+from lightning_fl.flower.grid import exchange  # (also lightning_fl.flower.transport.exchange, as before)
 
 NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
 INFO = 20  # logging.INFO
-FIRST_POLL, LONGEST_POLL = 0.01, 0.2  # seconds between pulls for replies: doubling from the first to the longest
-
-
-def exchange(grid: Grid, messages: Iterable[Message], timeout: float | None) -> list[Message]:
-    """Push ``messages``, then pull their replies until all are in or ``timeout`` seconds have passed (``None``:
-    until all are in; the SuperLink answers for a node that left). The first pull follows the push at once, then
-    every 10 ms doubling to 200 ms: a reply waits at most that long, where Flower's ``Grid.send_and_receive``
-    sleeps 3 s between pulls. A message the SuperLink did not take (its id ``None``) gets no reply."""
-    messages = list(messages)
-    if not messages:
-        return []
-    started = time.monotonic()
-    waiting = {i for i in grid.push_messages(messages) if i}
-    replies: list[Message] = []
-    delay = FIRST_POLL
-    while waiting:
-        got = list(grid.pull_messages(sorted(waiting)))
-        replies += got
-        waiting -= {reply.metadata.reply_to_message_id for reply in got}
-        left = None if timeout is None else timeout - (time.monotonic() - started)
-        if not waiting or (left is not None and left <= 0):
-            break
-        time.sleep(delay if left is None else min(delay, left))
-        delay = min(2 * delay, LONGEST_POLL)
-    return replies
 
 
 class FlowerTransport(Transport):
@@ -242,8 +219,6 @@ class FlowerTransport(Transport):
         """A round through Flower's SecAgg+ (:mod:`lightning_fl.flower.secure`): the sampled clients' nodes train
         in its masked-upload stage; the server gets the sum of their quantised updates and their reply metadata.
         Every message of the four stages is counted in the clients' message bytes."""
-        from lightning_fl.flower import secure as secagg
-
         secure = local.secure
         if secure.M > secagg.MAX_MODULUS:
             raise ConfigError(

@@ -24,9 +24,9 @@ Two engines compute the per-record gradients and give the same steps (tested):
   module's own ``training_step``, for modules made of layers Opacus knows (Linear, Conv, GroupNorm, Embedding,
   LayerNorm, ...);
 - ``functorch``: ``torch.func.vmap`` of ``torch.func.grad`` of the module's ``forward`` then ``compute_loss``
-  on one record, then the same clipping, noise and scaling as ``DPOptimizer``, drawn in the same order from the
-  same generator. It needs a :class:`~lightning_fl.methods.recipe.TrainingRecipe` and serves what Opacus cannot
-  wrap, e.g. FLITE's latent (its weights are computed from ``z`` in the forward pass).
+  on one record, set as each trainable parameter's ``grad_sample``, then the same ``DPOptimizer`` step. It needs a
+  :class:`~lightning_fl.methods.recipe.TrainingRecipe` and serves what Opacus cannot wrap, e.g. FLITE's latent (its
+  weights are computed from ``z`` in the forward pass).
 
 ``auto`` picks ``opacus`` when Opacus can wrap every trainable layer, else ``functorch``. BatchNorm is refused:
 its batch statistics mix records (and its running statistics are unprotected); use GroupNorm.

@@ -9,7 +9,7 @@ import lightning as L
 
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.federated.arguments import TrainerArguments
-from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.stages.base import Stage, Step
 from lightning_fl.federated.stages.privacy import CentralPrivacy, ClientPrivacy, RecordPrivacy
 from lightning_fl.federated.stages.screening import NormGate, SimulatedAttack, WeightCap

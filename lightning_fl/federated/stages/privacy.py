@@ -13,7 +13,7 @@ import warnings
 import lightning as L
 import torch
 
-from lightning_fl.federated.client import LocalTraining
+from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.stages.base import Stage
 from lightning_fl.federated.transport import Reply
 from lightning_fl.federated.uploads import Entry, Round, Total
