@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 
 from lightning_fl.compress.base import Codec
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.gate import screen_upload, upload_nbytes
+from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.stages.base import Stage
 from lightning_fl.federated.state import State, flatten
 from lightning_fl.federated.strategies import Strategy

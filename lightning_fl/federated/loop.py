@@ -38,10 +38,10 @@ from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import setup
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
-from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.collect import SecureUploads, Uploads
 from lightning_fl.federated.evaluate import evaluate
 from lightning_fl.federated.ledger import ByteLedger
+from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner, RoundSettings
 from lightning_fl.federated.stages import round_stages
