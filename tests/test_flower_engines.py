@@ -358,11 +358,14 @@ def test_tls_and_supernode_authentication(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ SecAgg+
+# Each SecAgg+ stage reaches a node as a message that its SuperNode serves in a fresh ClientApp process (imports and
+# the run's build: 20-30 s each on 2 busy cores, three nodes at once), so a stage waits 90 s (the default is 120 s);
+# with 20 s the nodes missed the setup or the masked upload and the deployed run summed fewer of them than in process.
 SECURE = [
     "--trainer.rounds", "1", "--data.num_clients", "3", "--trainer.enable_progress_bar", "false",
     "--model.init_args.pretraining.epochs", "2", "--trainer.max_update_norm_ratio", "null",
     "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
-    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "20",
+    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "90",
 ]  # fmt: skip
 
 
