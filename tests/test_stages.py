@@ -134,3 +134,64 @@ def test_the_round_knows_no_mechanism_by_name():
         code = [n for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))]
         named = {getattr(n, "attr", None) or getattr(n, "id", None) for n in code}
         assert not [m for m in mechanisms if any(m.lower() in str(x).lower() for x in named)], name
+
+
+# ------------------------------------------------------------------------------------------ what the stages decide
+def crafted(given, n, **kwargs):
+    from helpers import crafted_runner
+
+    runner, population = crafted_runner(lambda c, r: given[c], n, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, metrics = runner.run(None, population, STATE, 0, 0, n)
+    return runner, state, metrics, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("ratio", [None, 1e30], ids=["streamed", "rows"])
+def test_the_norm_gate_refuses_just_above_its_bound_and_keeps_just_below(ratio):
+    given = {c: torch.zeros(D) for c in range(3)}
+    given[0][0], given[1][0], given[2][0] = 0.99, 1.01, 0.5  # norms 0.99, 1.01, 0.5 against max_update_norm 1
+    runner, state, _, messages = crafted(given, 3, max_update_norm=1.0, max_update_norm_ratio=ratio)
+    assert runner.kept_rows == (0 if ratio is None else 3) and runner.dropped == [1]
+    assert any("client 1: upload rejected: update norm 1.01 exceeds trainer.max_update_norm=1" in m for m in messages)
+    assert float(state["a"].reshape(-1)[0]) == pytest.approx((0.99 + 0.5) / 2)
+
+
+def test_a_linear_strategys_step_obeys_the_relative_bound_and_a_server_optimisers_step_does_not():
+    """Every upload passes a gate of 3 times the median norm, but FedAvgM with server_lr 10 steps 10 times the mean
+    update: linear, so its step is refused; FedAdam's step is not bounded by the clients' updates (only the absolute
+    bound applies to it)."""
+    from lightning_fl.federated import FedAdam, FedAvgM
+
+    given = {c: torch.tensor([0.1, 0, 0, 0, 0, 0]) for c in range(3)}  # norm 0.1 each: the median
+    _, state, metrics, messages = crafted(given, 3, strategy=FedAvgM(server_lr=10.0, momentum=0.0),
+                                          max_update_norm_ratio=3.0)  # fmt: skip
+    assert metrics["fed/round_skipped"] == 1 and torch.equal(state["a"], STATE["a"])
+    assert any("FedAvgM's step has norm 1, which is more than trainer.max_update_norm_ratio=3 times the round's "
+               "median update norm 0.1" in m for m in messages)  # fmt: skip
+    _, state, metrics, _ = crafted(given, 3, strategy=FedAdam(server_lr=10.0), max_update_norm_ratio=3.0)
+    assert metrics["fed/round_skipped"] == 0 and float(state["a"].reshape(-1)[0]) > 0.3
+
+
+def test_local_dp_accounts_every_upload_that_left_a_client_even_one_the_gate_refused():
+    from lightning_fl.privacy import LocalDP
+
+    privacy = LocalDP(noise_multiplier=1.0)
+    given = {0: torch.full((D,), 0.1), 1: torch.full((D,), 5.0), 2: torch.zeros(D)}  # 1: refused; 2: training fails
+    runner, _, metrics, _ = crafted(given, 3, privacy=privacy, max_update_norm=1.0, failing=[2])
+    assert runner.dropped == [1, 2] and privacy.uploads == {0: 1, 1: 1}  # client 1's noised upload was released
+    assert metrics["privacy/epsilon"] == pytest.approx(privacy.epsilon())
+
+
+def test_dp_sgd_accounts_every_client_that_trained_even_when_its_upload_is_refused(tmp_path):
+    from conftest import make_dm, make_model, make_trainer
+    from lightning_fl.privacy import DPSGD
+
+    dp = DPSGD(max_grad_norm=1.0, noise_multiplier=1.0)
+    trainer = make_trainer(tmp_path, rounds=1, clients_per_round=2, dp_sgd=dp, max_update_norm=1e-12, logger=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
+    last = trainer.history[-1]
+    assert last["fed/round_skipped"] == 1 and last["fed/dropped_clients"] == 2  # no upload reached the aggregate
+    assert sorted(trainer.dp_sgd.participations.values()) == [1, 1] and last["privacy/record_epsilon_max"] > 0
