@@ -506,6 +506,9 @@ def test_a_run_shorter_than_max_silent_rounds_without_any_reply_is_an_error_too(
             serve(LocalGrid(nodes(), tamper=mute), str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name",
                   "mute"], wait_for_nodes=0, max_silent_rounds=3, **QUICK)  # fmt: skip
         assert final(in_tmp / "runs", "mute")["round"] == 2  # saved, as after max_silent_rounds
+        with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-2;"):
+            serve(LocalGrid(nodes(), tamper=mute), str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name",
+                  "limit"], wait_for_nodes=0, max_silent_rounds=2, **QUICK)  # fmt: skip  # the limit, reached last
 
         def mute_in_round_2(reply, message):
             return None if message.metadata.group_id == "2" else reply

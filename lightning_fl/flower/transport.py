@@ -152,11 +152,12 @@ class FlowerTransport(Transport):
             self.silent_rounds = self.silent_rounds + 1 if answered == 0 else 0
             self.first_silent = round + 1 if self.silent_rounds == 1 else self.first_silent
         never = last and 0 < self.silent_rounds == self.rounds_seen  # no reply in any round of this fit
-        if self.max_silent_rounds is not None and (self.silent_rounds >= self.max_silent_rounds or never):
+        limit = self.max_silent_rounds is not None and self.silent_rounds >= self.max_silent_rounds
+        if self.max_silent_rounds is not None and (limit or never):
             nodes = sorted(self.client_of) or "none"
-            streak = (
-                f"any of this run's {self.silent_rounds} round(s)" if never else f"{self.silent_rounds} rounds in a row"
-            )
+            # the limit names itself when it is reached; else the run was too short to reach it
+            n = self.silent_rounds
+            streak = f"{n} rounds in a row" if limit else f"any of this run's {n} round(s)"
             raise UserError(
                 f"no sampled client replied in {streak} (rounds "
                 f"{self.first_silent}-{round + 1}; SuperNodes known: {nodes}): check that the SuperNodes "
