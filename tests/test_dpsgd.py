@@ -70,7 +70,7 @@ def test_the_opacus_engine_equals_opacus_used_directly(dm):
     # Opacus directly: its Poisson loader over the same records with the same generators, its wrappers, Adam
     x, y = client_records(dm)
     plan = dp.client_plan(dm, CLIENT, LocalTraining(epochs=1))
-    sampling, noise = dp.generators(SEED, ROUND, CLIENT)
+    sampling, noise = (g.generator for g in dp.generators(SEED, ROUND, CLIENT))  # seeded: torch generators
     sampler = UniformWithReplacementSampler(num_samples=len(x), sample_rate=plan.q, generator=sampling,
                                             steps=plan.steps)  # fmt: skip
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
@@ -114,7 +114,7 @@ def test_the_torch_func_engine_is_torch_func_gradients_stepped_by_opacus_dpoptim
     ours, _ = trained(classifier(), dm, dp)
     x, y = client_records(dm)
     plan = dp.client_plan(dm, CLIENT, LocalTraining(epochs=1))
-    sampling, noise = dp.generators(SEED, ROUND, CLIENT)
+    sampling, noise = (g.generator for g in dp.generators(SEED, ROUND, CLIENT))  # seeded: torch generators
     module = classifier()
     trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
     optimizer = DPOptimizer(configure_optimizer(module)[0], noise_multiplier=plan.z, max_grad_norm=0.5,
@@ -168,7 +168,8 @@ def test_per_record_clipping_equals_hand_computed_per_record_gradients(dm, engin
     after, _ = trained(module, dm, dp, LocalTraining(steps=1, dp_sgd=dp))
     x, y = client_records(dm)
     plan = dp.client_plan(dm, CLIENT, LocalTraining(steps=1))
-    drawn = (torch.rand(len(x), generator=dp.generators(SEED, ROUND, CLIENT)[0]) < plan.q).nonzero().reshape(-1)
+    sampling = dp.generators(SEED, ROUND, CLIENT)[0].generator
+    drawn = (torch.rand(len(x), generator=sampling) < plan.q).nonzero().reshape(-1)
     reference = classifier("sgd", lr=1.0)
     total = {n: torch.zeros_like(p) for n, p in before.items()}
     norms = []
@@ -302,7 +303,8 @@ def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_al
     module, dp = make_model(), DPSGD(max_grad_norm=0.5, noise_multiplier=0.8, engine="functorch")
     state, local = module.federated_state(), LocalTraining(steps=6, dp_sgd=dp)
     plan = dp.client_plan(dm, 0, local)
-    first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0]) < plan.q).sum()) for c in (0, 3)]
+    first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0].generator) < plan.q).sum())
+             for c in (0, 3)]  # fmt: skip
     assert first == [0, 0] and plan.records == dm.client_num_samples(3)
     alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in (0, 3)]
     together = run_cohort_dp_sgd(module, dm, state, [0, 3], 0, 0, codec=FP32(), local=local, fabric=_cpu_fabric())

@@ -389,3 +389,67 @@ def test_a_distributed_dp_run_spends_what_a_central_dp_run_spends(tmp_path):
     a, b = (t.global_state["mapping.latent"] for t in clean)  # without noise: clipped on the client or the server
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert not torch.equal(dist.global_state["mapping.latent"], a)
+
+
+# ------------------------------------------------------------------------------------------ the secure source
+def test_the_secure_source_draws_standard_gaussians_and_uniforms_from_the_os_not_from_torch():
+    from scipy import stats
+
+    from lightning_fl.privacy.base import SeededRandomness, SystemRandomness, randomness
+
+    assert isinstance(randomness(None, 0, 1), SystemRandomness) and isinstance(randomness(7, 0, 1), SeededRandomness)
+    source, n = randomness(None, 0, 1), 200_000
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    z, u = source.randn((n,)), source.rand(n, dtype=torch.float64)
+    assert torch.equal(torch.random.get_rng_state(), before)  # torch's own generator untouched
+    assert z.dtype == torch.float64 and abs(float(z.mean())) < 6 / math.sqrt(n) and abs(float(z.std()) - 1) < 0.01
+    assert stats.kstest(z.numpy(), "norm").statistic < 0.01  # (at n = 2e5, 0.01 is far beyond p = 1e-9)
+    assert float(u.min()) > 0 and float(u.max()) < 1 and stats.kstest(u.numpy(), "uniform").statistic < 0.01
+    assert not torch.equal(source.randn((8,)), source.randn((8,)))  # nothing seeded, nothing repeats
+    assert source.normal(2.0, (3, 4), torch.float32).shape == (3, 4) and source.randn(()).shape == ()
+
+
+@pytest.mark.parametrize("mechanism", ["central", "local", "distributed", "dp_sgd"])
+def test_without_a_noise_seed_every_mechanism_draws_its_noise_from_the_os(mechanism, monkeypatch):
+    """``noise_seed: null``: the noise (and DP-SGD's record sampling) comes from ``os.urandom``; with a seed it
+    does not touch it."""
+    import os
+
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DPSGD, DistributedDP, LocalDP, Plan
+
+    used = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: used.append(n) or real(n))
+    for seed in (0, None):
+        used.clear()
+        zero = {"w": torch.zeros(100)}
+        if mechanism == "central":
+            privacy = CentralDP(noise_multiplier=1.0, noise_seed=seed)
+            privacy.setup(Plan(100, 10.0, "poisson", 5, 0, FedAvg()))
+            privacy.release(torch.zeros(100, dtype=torch.float64), 0, 10, 0)
+        elif mechanism in ("local", "distributed"):
+            privacy = LocalDP(noise_multiplier=1.0, noise_seed=seed) if mechanism == "local" else \
+                DistributedDP(noise_multiplier=1.0, noise_seed=seed)  # fmt: skip
+            privacy.setup(Plan(100, 10.0, "poisson", 5, 0, FedAvg()))
+            privacy.privatize(zero, zero, client=1, round=0, seed=0)
+        else:
+            sampling, noise = DPSGD(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=seed).generators(0, 0, 1)
+            sampling.rand(50), noise.normal(1.0, (10,), torch.float32)
+        assert bool(used) == (seed is None), (mechanism, seed)
+
+
+def test_dp_sgd_with_the_secure_source_steps_through_opacus_with_noise_of_scale_z_c_over_b():
+    """No record drawn: the step is the noise alone, ``N(0, (z C)^2) / B`` per coordinate, from the OS."""
+    from lightning_fl.federated.dp_client import dp_optimizer_for
+    from lightning_fl.privacy.base import SystemRandomness
+    from lightning_fl.privacy.dpsgd import ClientPlan
+
+    p = torch.nn.Parameter(torch.zeros(100_000))
+    plan = ClientPlan(records=100, batch_size=4, q=0.04, steps=1, z=1.5)
+    optimizer = dp_optimizer_for(torch.optim.SGD([p], lr=1.0), plan, max_grad_norm=2.0, noise=SystemRandomness())
+    assert type(optimizer).__name__ == "SecureNoiseDPOptimizer"
+    p.grad_sample = torch.zeros((0, *p.shape))
+    optimizer.step()
+    assert float(p.detach().std()) == pytest.approx(1.5 * 2.0 / 4, rel=0.02) and abs(float(p.mean())) < 0.01

@@ -22,6 +22,7 @@ from torch.func import functional_call, grad, vmap
 
 from lightning_fl.context import StepContext
 from lightning_fl.errors import ConfigError
+from lightning_fl.privacy.base import Randomness
 from lightning_fl.privacy.dpsgd import DPSGD, ClientPlan
 
 
@@ -90,17 +91,17 @@ def choose_engine(module: torch.nn.Module, dp: DPSGD) -> str:
 
 class PoissonBatches:
     """A client's records sampled for DP-SGD: at each step every record is taken independently with
-    probability ``q`` (``torch.rand(n) < q`` from ``generator``, the draw of Opacus' ``DPDataLoader``). Yields the
+    probability ``q`` (``rand(n) < q`` from ``sampling``, the draw of Opacus' ``DPDataLoader``). Yields the
     collated batch, or ``None`` when no record was drawn.
 
     Reads the records from the loader the data module made: a ``torch`` ``DataLoader`` (its ``dataset`` and
     ``collate_fn``) or :class:`~lightning_fl.data.datamodule.InMemoryBatches` (the same transform per batch).
     """
 
-    def __init__(self, loader: Any, q: float, generator: torch.Generator) -> None:
+    def __init__(self, loader: Any, q: float, sampling: Randomness) -> None:
         from lightning_fl.data.datamodule import InMemoryBatches
 
-        self.q, self.generator = q, generator
+        self.q, self.sampling = q, sampling
         if isinstance(loader, InMemoryBatches):
             self.n = len(loader.positions)
             self._take = lambda idx: (loader.transform.batch(loader.images[loader.positions[idx]]),
@@ -115,7 +116,7 @@ class PoissonBatches:
 
     def __iter__(self) -> Iterator[Any]:
         while True:
-            idx = (torch.rand(self.n, generator=self.generator) < self.q).nonzero().reshape(-1)
+            idx = (self.sampling.rand(self.n) < self.q).nonzero().reshape(-1)
             yield self._take(idx) if len(idx) else None
 
 
@@ -128,14 +129,13 @@ def train_dp_sgd(
     context: StepContext,
     plan: ClientPlan,
     dp: DPSGD,
-    generators: tuple[torch.Generator, torch.Generator],
+    generators: tuple[Randomness, Randomness],
     engine: str,
 ) -> None:
     """``plan.steps`` DP-SGD steps of ``module`` (its state set, ``context`` attached) on ``loader``'s records: at
     each step the ``engine`` sets every trainable parameter's ``grad_sample`` (its per-record gradients, ``[records,
     *shape]``) and Opacus' ``DPOptimizer`` clips each record's gradient, sums them, adds the noise (from the second
     generator), divides by the expected batch size and steps ``optimizer``."""
-    from opacus.optimizers import DPOptimizer
 
     sampling, noise = generators
     records = PoissonBatches(loader, plan.q, sampling)
@@ -146,8 +146,7 @@ def train_dp_sgd(
         )
     batches = iter(records)
     per_epoch = -(-plan.records // plan.batch_size)  # the batches of an epoch: what current_epoch counts
-    dp_optimizer = DPOptimizer(optimizer, noise_multiplier=plan.z, max_grad_norm=dp.max_grad_norm,
-                               expected_batch_size=plan.batch_size, loss_reduction="mean", generator=noise)  # fmt: skip
+    dp_optimizer = dp_optimizer_for(optimizer, plan, dp.max_grad_norm, noise)
     grad_samples = _opacus_grad_samples if engine == "opacus" else _functorch_grad_samples
     try:
         with grad_samples(module, fabric, context) as fill:
@@ -168,6 +167,34 @@ def train_dp_sgd(
             for name in ("grad_sample", "summed_grad"):
                 if hasattr(p, name):
                     delattr(p, name)
+
+
+def dp_optimizer_for(optimizer: torch.optim.Optimizer, plan: ClientPlan, max_grad_norm: float, noise: Randomness):
+    """Opacus' ``DPOptimizer`` around ``optimizer``: with a seeded ``noise`` it draws from that generator (the
+    simulation, reproducible); with the operating system's secure source it draws its noise from there."""
+    from opacus.optimizers import DPOptimizer
+
+    kwargs = {"noise_multiplier": plan.z, "max_grad_norm": max_grad_norm, "expected_batch_size": plan.batch_size,
+              "loss_reduction": "mean"}  # fmt: skip
+    if not noise.secure:
+        return DPOptimizer(optimizer, generator=noise.generator, **kwargs)
+
+    class SecureNoiseDPOptimizer(DPOptimizer):
+        """``DPOptimizer`` whose ``add_noise`` draws from the secure source (Opacus' own secure mode needs
+        torchcsprng, which current torch does not build); the rest of its step is Opacus'."""
+
+        def add_noise(self) -> None:
+            from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+            std = self.noise_multiplier * self.max_grad_norm
+            for p in self.params:
+                _check_processed_flag(p.summed_grad)
+                reference = p.summed_grad
+                draw = noise.normal(std, reference.shape, reference.dtype, reference.device) if std > 0 else 0.0
+                p.grad = (reference + draw).view_as(p)
+                _mark_as_processed(p.summed_grad)
+
+    return SecureNoiseDPOptimizer(optimizer, **kwargs)
 
 
 Fill = Callable[[Any, int], None]  # (batch on the device, step) -> every trainable parameter's grad_sample set

@@ -121,9 +121,8 @@ def run_cohort_dp_sgd(
         stepped = {}
         for n in ordered:
             summed = torch.einsum("ki,ki...->k...", factor.to(grads[n].dtype), grads[n])
-            noise = [torch.normal(0, plans[k].z * dp.max_grad_norm, size=trainable[n].shape, device=device,
-                                  generator=noises[k], dtype=summed.dtype) if plans[k].z > 0
-                     else torch.zeros_like(summed[0]) for k in members]  # fmt: skip
+            noise = [noises[k].normal(plans[k].z * dp.max_grad_norm, trainable[n].shape, summed.dtype, device)
+                     if plans[k].z > 0 else torch.zeros_like(summed[0]) for k in members]  # fmt: skip
             stepped[n] = summed + torch.stack(noise)  # client k's generator draws parameter by parameter, in order
         batch = torch.tensor([plans[k].batch_size for k in members], dtype=torch.float32, device=device)
         return {n: g / batch.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for n, g in stepped.items()}

@@ -5,21 +5,26 @@ codec encodes it (:class:`~lightning_fl.privacy.LocalDP`), and on the server, wh
 clipped, the clipped updates are summed and the sum is noised (:class:`~lightning_fl.privacy.CentralDP`). It
 owns its accountant and any adaptive state, and returns them from ``state_dict`` for the round checkpoints.
 
-Noise comes from a generator seeded by ``(run seed, noise_seed, round[, client])`` (``noise_seed`` an integer):
-a simulation that can be rerun and resumed exactly. ``noise_seed: null`` seeds each draw from the operating
-system's randomness instead (:func:`secrets.randbits`, 63 bits), which is what a real deployment should use: a
-seeded generator's noise can be recomputed by anyone who knows the seed, and then protects nothing. Either way
-the samples are ordinary floating-point Gaussians, not the discretised or snapped noise that resists
-floating-point attacks (Mironov 2012, "On significance of the least significant bits for differential privacy").
+Random draws (noise, DP-SGD's record sampling, secure aggregation's rounding) come from a :class:`Randomness`
+(:func:`randomness`). With ``noise_seed`` an integer it is a torch generator seeded by ``(noise_seed, run seed,
+round[, client])``: a simulation that can be rerun and resumed exactly, whose noise anyone who knows the seed can
+recompute (it then protects nothing). With ``noise_seed: null`` every draw comes from the operating system's
+cryptographically secure generator (``os.urandom``), which is what a deployment needs: no seed to learn, no
+generator state to reconstruct from its outputs (a Mersenne Twister seeded from the OS, as before, is neither).
+Its Gaussians are each the sum of four independent draws, halved, the defence against floating-point attacks on
+the noise's low bits that Holohan and Braghin (2021), "Secure Random Sampling in Differential Privacy" (ESORICS),
+propose and Opacus' ``secure_mode`` uses; they are not the discretised Gaussian of Canonne, Kamath, Steinke
+(2020), which removes floating point altogether.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from lightning_fl.errors import ConfigError
@@ -95,10 +100,80 @@ def check_noise_seed(noise_seed: int | None) -> int | None:
     return noise_seed
 
 
-def noise_generator(noise_seed: int | None, *parts: int) -> torch.Generator:
-    """A CPU generator for one draw: seeded by ``(noise_seed, *parts)``, or from the OS when ``noise_seed`` is None."""
-    seed = secrets.randbits(63) if noise_seed is None else derive_seed(noise_seed, *parts) % 2**63
-    return torch.Generator().manual_seed(seed)
+class Randomness:
+    """Where a mechanism's random draws come from (:func:`randomness`): ``randn`` and ``rand`` as torch's functions
+    of those names, ``normal(std, shape, dtype, device)`` as ``torch.normal(0, std, ...)``."""
+
+    #: Draws from the operating system's cryptographically secure generator (nothing to seed, nothing to recompute).
+    secure: ClassVar[bool] = False
+    #: The torch generator behind the draws (``None`` for the secure source).
+    generator: torch.Generator | None = None
+
+    def randn(self, shape, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rand(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def normal(self, std: float, shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SeededRandomness(Randomness):
+    """A torch generator seeded with ``seed`` (on ``device``): reproducible draws, for simulations."""
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(self, shape, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generator, dtype=dtype)
+
+    def rand(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, dtype=dtype)
+
+    def normal(self, std: float, shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.normal(0, std, size=tuple(shape), device=device, generator=self.generator, dtype=dtype)
+
+
+class SystemRandomness(Randomness):
+    """The operating system's cryptographically secure generator (``os.urandom``): uniforms from 53 random bits,
+    standard Gaussians by the Box-Muller transform in float64, each the sum of four halved (module docstring)."""
+
+    secure = True
+
+    @staticmethod
+    def uniform(n: int) -> np.ndarray:
+        """``n`` uniforms in (0, 1), float64: the top 53 bits of 64 secure random bits, centred in their cell."""
+        bits = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)
+        return (bits.astype(np.float64) + 0.5) * 2.0**-53
+
+    @classmethod
+    def standard_normal(cls, n: int) -> np.ndarray:
+        """``n`` standard Gaussians (float64): Box-Muller on secure uniforms, the sum of four halved."""
+        pairs = -(-4 * n // 2)
+        u1, u2 = cls.uniform(pairs), cls.uniform(pairs)
+        radius = np.sqrt(-2.0 * np.log(u1))
+        draws = np.concatenate([radius * np.cos(2.0 * np.pi * u2), radius * np.sin(2.0 * np.pi * u2)])[: 4 * n]
+        return draws.reshape(4, n).sum(axis=0) / 2.0
+
+    def randn(self, shape, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
+        return torch.from_numpy(self.standard_normal(math.prod(shape))).reshape(shape).to(dtype)
+
+    def rand(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
+        return torch.from_numpy(self.uniform(math.prod(shape))).reshape(shape).to(dtype)
+
+    def normal(self, std: float, shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        return (self.randn(shape) * std).to(dtype=dtype, device=device)
+
+
+def randomness(noise_seed: int | None, *parts: int, device: torch.device | str = "cpu") -> Randomness:
+    """The source of one draw: a generator seeded by ``(noise_seed, *parts)`` (on ``device``), or the operating
+    system's secure generator when ``noise_seed`` is ``None``."""
+    if noise_seed is None:
+        return SystemRandomness()
+    return SeededRandomness(derive_seed(noise_seed, *parts) % 2**63, device)
 
 
 def positive(key: str, value: float | None, allow_zero: bool = False, allow_none: bool = False) -> list[str]:

@@ -34,8 +34,8 @@ from lightning_fl.privacy.base import (
     Privacy,
     check_noise_seed,
     clip,
-    noise_generator,
     positive,
+    randomness,
 )
 from lightning_fl.seeding import STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE
 
@@ -188,13 +188,13 @@ class CentralDP(Privacy):
         ``unclipped`` among ``participants``."""
         plan, bound = self.plan, self.bound
         std = self.update_multiplier * bound
-        g = noise_generator(self.noise_seed, plan.seed, round, STREAM_CENTRAL_NOISE)
-        noise = torch.randn(total.shape, generator=g, dtype=torch.float64) * std if std > 0 else 0.0
+        g = randomness(self.noise_seed, plan.seed, round, STREAM_CENTRAL_NOISE)
+        noise = g.randn(total.shape) * std if std > 0 else 0.0
         mean = (total + noise) / plan.expected_clients
         metrics = {"privacy/clip_norm": bound, "privacy/noise_std": std / plan.expected_clients}
         if self.adaptive is not None:
-            g = noise_generator(self.noise_seed, plan.seed, round, STREAM_COUNT_NOISE)
-            count_noise = float(torch.randn((), generator=g, dtype=torch.float64)) * self.adaptive.count_std
+            g = randomness(self.noise_seed, plan.seed, round, STREAM_COUNT_NOISE)
+            count_noise = float(g.randn(())) * self.adaptive.count_std
             within = (unclipped - participants / 2 + (count_noise if self.z > 0 else 0.0)) / plan.expected_clients + 0.5
             self.bound = bound * math.exp(-self.adaptive.learning_rate * (within - self.adaptive.target_quantile))
             metrics["privacy/unclipped_fraction"] = within

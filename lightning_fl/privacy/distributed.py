@@ -37,7 +37,7 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import RoundEvent
-from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, noise_generator
+from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, randomness
 from lightning_fl.privacy.central import CentralDP
 from lightning_fl.seeding import STREAM_DISTRIBUTED_NOISE
 
@@ -104,8 +104,8 @@ class DistributedDP(CentralDP):
         clipped, _, _ = clip(delta, self.bound, layer_slices(sizes) if self.per_layer else None)
         std = self.share_std()
         if std > 0:
-            g = noise_generator(self.noise_seed, seed, round, client, STREAM_DISTRIBUTED_NOISE)
-            clipped = clipped + torch.randn(delta.shape, generator=g, dtype=torch.float64) * std
+            g = randomness(self.noise_seed, seed, round, client, STREAM_DISTRIBUTED_NOISE)
+            clipped = clipped + g.randn(delta.shape) * std
         return apply_update(global_state, clipped)
 
     # ------------------------------------------------------------------------------------------ the server

@@ -47,7 +47,7 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import dp_accounting
-from lightning_fl.privacy.base import check_noise_seed, noise_generator, positive
+from lightning_fl.privacy.base import Randomness, check_noise_seed, positive, randomness
 from lightning_fl.seeding import STREAM_DPSGD_NOISE, STREAM_DPSGD_SAMPLING
 
 Engine = Literal["auto", "opacus", "functorch"]
@@ -269,13 +269,11 @@ class DPSGD:
     # ------------------------------------------------------------------------------------------ generators
     def generators(
         self, seed: int, round: int, client: int, device: torch.device | str = "cpu"
-    ) -> tuple[torch.Generator, torch.Generator]:
-        """The client's sampling generator (on the CPU, where its records are) and noise generator (on ``device``,
-        where the parameters are: the noise is drawn there) for this round."""
-        sampling = noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_SAMPLING)
-        noise = noise_generator(self.noise_seed, seed, round, client, STREAM_DPSGD_NOISE)
-        if torch.device(device).type != "cpu":
-            noise = torch.Generator(device=device).manual_seed(noise.initial_seed())
+    ) -> tuple[Randomness, Randomness]:
+        """The client's record sampling (on the CPU, where its records are) and its noise (on ``device``, where the
+        parameters are: a seeded noise generator lives there) for this round."""
+        sampling = randomness(self.noise_seed, seed, round, client, STREAM_DPSGD_SAMPLING)
+        noise = randomness(self.noise_seed, seed, round, client, STREAM_DPSGD_NOISE, device=device)
         return sampling, noise
 
     def __repr__(self) -> str:

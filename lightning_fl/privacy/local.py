@@ -32,8 +32,8 @@ from lightning_fl.privacy.base import (
     check_noise_seed,
     clip,
     flat_update,
-    noise_generator,
     positive,
+    randomness,
 )
 from lightning_fl.seeding import STREAM_LOCAL_NOISE
 
@@ -81,8 +81,8 @@ class LocalDP(Privacy):
     def privatize(self, state, global_state, client, round, seed) -> dict[str, torch.Tensor]:
         delta = flat_update(state, global_state)
         clipped, _, _ = clip(delta, self.clip_norm)
-        g = noise_generator(self.noise_seed, seed, round, client, STREAM_LOCAL_NOISE)
-        noisy = clipped + torch.randn(delta.shape, generator=g, dtype=torch.float64) * (self.z * self.clip_norm)
+        g = randomness(self.noise_seed, seed, round, client, STREAM_LOCAL_NOISE)
+        noisy = clipped + g.randn(delta.shape) * (self.z * self.clip_norm)
         return apply_update(global_state, noisy)
 
     # ------------------------------------------------------------------------------------------ accounting

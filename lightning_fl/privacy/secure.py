@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from lightning_fl.errors import ConfigError
+from lightning_fl.privacy.base import Randomness, check_noise_seed, flat_update, randomness
 from lightning_fl.seeding import STREAM_SECURE_ROUNDING
 
 
@@ -74,13 +75,17 @@ class SecureSum:
         """The most clients whose quantised updates sum without wrapping modulo ``M``."""
         return (self.M - 1) // self.T
 
-    def quantize(self, update: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def quantize(self, update: torch.Tensor, generator: torch.Generator | Randomness) -> torch.Tensor:
         """``update`` (float64, any shape) clipped to ``[-c, c]`` and stochastically rounded to integers in
         ``[0, T]`` (int64): ``ceil(v)``, minus one with probability ``ceil(v) - v``, for ``v = (x + c) T / (2c)``;
         unbiased: the expected dequantised value is the clipped coordinate."""
         v = (update.double().clamp(-self.c, self.c) + self.c) * (self.T / (2 * self.c))
         up = torch.ceil(v)
-        down = torch.rand(v.shape, generator=generator, dtype=torch.float64) < (up - v)
+        if isinstance(generator, Randomness):
+            draw = generator.rand(v.shape, dtype=torch.float64)
+        else:
+            draw = torch.rand(v.shape, generator=generator, dtype=torch.float64)
+        down = draw < (up - v)
         return (up - down.double()).to(torch.int64)
 
     def on_grid(self, quantized: torch.Tensor) -> torch.Tensor:
@@ -151,8 +156,6 @@ class SecureAggregation(SecureSum):
         stage_timeout: float = 120.0,
     ) -> None:
         super().__init__(clipping_range, quantization_range, modulus_range)
-        from lightning_fl.privacy.base import check_noise_seed
-
         self.rounding_seed = check_noise_seed(rounding_seed)
         problems = []
         number = (int, float)
@@ -203,10 +206,9 @@ class SecureAggregation(SecureSum):
     def encode(self, state: dict, global_state: dict, client: int, round: int, seed: int) -> Any:
         """The client's secure upload: its update, clipped per coordinate and quantised (int64 ``(D,)``)."""
         from lightning_fl.compress.base import Encoded, Payload
-        from lightning_fl.privacy.base import flat_update, noise_generator
 
         delta = flat_update(state, global_state)
-        g = noise_generator(self.rounding_seed, seed, round, client, STREAM_SECURE_ROUNDING)
+        g = randomness(self.rounding_seed, seed, round, client, STREAM_SECURE_ROUNDING)
         return Payload({"secure": Encoded({"q": self.quantize(delta, g)}, (len(delta),), torch.int64)})
 
     # ------------------------------------------------------------------------------------------ the server
