@@ -88,7 +88,7 @@ def plan_dp_sgd(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"n = {args.records:,} records, q = {q:.5g}, {args.steps} steps x {args.rounds} rounds = {total} steps, "
-          f"delta = {args.delta:.3g}, RDP accounting")  # fmt: skip
+          f"delta = {args.delta:.3g}, PLD accounting, replace-one-record neighbours")  # fmt: skip
     print("| noise multiplier z | epsilon |")
     print("|---:|---:|")
     for z, eps in rows:
