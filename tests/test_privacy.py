@@ -342,36 +342,62 @@ def test_distributed_shares_add_up_to_the_central_mechanisms_noise():
     assert float(clipped.norm()) == pytest.approx(0.7, rel=1e-6)
 
 
-def test_distributed_epsilon_equals_central_when_every_share_arrives_and_grows_when_clients_drop():
-    m, rounds = 20, 5
-    dist, central = distributed(m), CentralDP(clip_norm=0.7, noise_multiplier=1.3)
+def replace_one_gaussians(*multipliers: float, delta: float = 1e-5) -> float:
+    """dp-accounting's epsilon of Gaussian mechanisms composed, replace-one neighbours (sensitivity 2: one
+    client's clipped update replaced by another), one per multiplier (std / S): the independent reference."""
+    import dp_accounting as dpa
+
+    accountant = dpa.pld.PLDAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+    for z in multipliers:
+        accountant.compose(dpa.GaussianDpEvent(z))
+    return accountant.get_epsilon(delta)
+
+
+def test_distributed_dp_accounts_each_clients_rounds_unamplified_and_reports_the_worst():
+    """The server sees who takes part: each round a client's share reaches the sum is an unamplified Gaussian on
+    its data, with the noise of the n shares that arrived, ``z sqrt(n / m)``; a client's rounds compose."""
+    m, z = 20, 1.3
+    privacy = distributed(m, noise_multiplier=z)
+    privacy.end_round(0, list(range(m)))  # every share arrived
+    privacy.end_round(1, list(range(m // 2)))  # half dropped: clients 0-9 took part with half the noise variance
+    metrics = privacy.end_round(2, [])  # nobody: nothing released, nobody spends
+    once, twice = replace_one_gaussians(z), replace_one_gaussians(z, z * math.sqrt(0.5))
+    assert privacy.client_epsilon(privacy.precision[15]) == pytest.approx(once, rel=2e-3)  # in round 1 only
+    assert metrics["privacy/epsilon"] == pytest.approx(twice, rel=2e-3) and twice > once  # clients 0-9: the worst
+    assert 99 not in privacy.precision and metrics["privacy/round_noise_multiplier"] == 0.0
+    central = CentralDP(clip_norm=0.7, noise_multiplier=z)
     from lightning_fl.federated import FedAvg
     from lightning_fl.privacy import Plan
 
     central.setup(Plan(1000, float(m), "fixed", 10, 0, FedAvg()))
-    for r in range(rounds):
-        got, want = dist.end_round(r, list(range(m))), central.end_round(r, list(range(m)))
-    assert got["privacy/epsilon"] == want["privacy/epsilon"] and got["privacy/delta"] == want["privacy/delta"]
-    half = distributed(m)
-    weaker = CentralDP(clip_norm=0.7, noise_multiplier=1.3 / math.sqrt(2))  # half the shares: variance halved
-    weaker.setup(Plan(1000, float(m), "fixed", 10, 0, FedAvg()))
-    for r in range(rounds):
-        got, want = half.end_round(r, list(range(m // 2))), weaker.end_round(r, list(range(m // 2)))
-    assert got["privacy/epsilon"] == pytest.approx(want["privacy/epsilon"], rel=1e-9)
-    assert got["privacy/epsilon"] > central.epsilon()
-    none = distributed(m)
-    assert none.end_round(0, [])["privacy/epsilon"] == 0.0  # fixed sampling, no share arrived: nothing released
+    for r in range(2):
+        central.end_round(r, list(range(m)))
+    assert central.epsilon() < once  # amplification by sampling, which a server that sees the cohort defeats
 
 
-def test_distributed_target_epsilon_is_met_under_poisson_without_counting_the_clients_own_share():
-    privacy = distributed(m=30, sampling="poisson", noise_multiplier=None, target_epsilon=3.0)
-    for r in range(10):
-        metrics = privacy.end_round(r, list(range(30)))
-    assert metrics["privacy/epsilon"] == pytest.approx(3.0, rel=1e-3)
-    assert metrics["privacy/round_noise_multiplier"] == pytest.approx(privacy.z * math.sqrt(29 / 30))
+def test_distributed_target_epsilon_is_spent_by_a_client_in_the_expected_number_of_rounds():
+    privacy = distributed(m=10, noise_multiplier=None, target_epsilon=3.0)  # N = 1000, 10 rounds: 1 expected
+    assert privacy.expected_rounds(privacy.plan) == 1
+    metrics = privacy.end_round(0, list(range(10)))
+    assert metrics["privacy/epsilon"] == pytest.approx(3.0, rel=1e-6)
+    assert replace_one_gaussians(privacy.z) == pytest.approx(3.0, rel=2e-3)
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DistributedDP, Plan
+
+    often = DistributedDP(clip_norm=0.7, target_epsilon=3.0, max_epsilon=5.0)
+    often.setup(Plan(40, 10.0, "fixed", 12, 0, FedAvg()))  # 12 rounds x 10 / 40 clients: 3 rounds expected
+    for r in range(3):
+        metrics = often.end_round(r, list(range(10)))  # client 0 in 3 full rounds: the target
+    assert metrics["privacy/epsilon"] == pytest.approx(3.0, rel=1e-6)
+    assert replace_one_gaussians(often.z, often.z, often.z) == pytest.approx(3.0, rel=2e-3)
+    assert often.stop_reason() is None  # a fourth round: 3.53
+    for r in range(3, 7):
+        often.end_round(r, [0])  # client 0 alone: one share of 10, far less noise, a large epsilon
+    assert often.epsilon() == pytest.approx(replace_one_gaussians(*[often.z] * 3, *[often.z / 10**0.5] * 4), rel=2e-3)
+    assert "could spend epsilon" in often.stop_reason() and "max_epsilon=5" in often.stop_reason()
 
 
-def test_a_distributed_dp_run_spends_what_a_central_dp_run_spends(tmp_path):
+def test_a_distributed_dp_run_reports_its_worst_clients_unamplified_epsilon(tmp_path):
     from lightning_fl.privacy import DistributedDP
 
     args = {
@@ -382,13 +408,27 @@ def test_a_distributed_dp_run_spends_what_a_central_dp_run_spends(tmp_path):
     }
     dist = fit(make_trainer(tmp_path / "d", privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0), **args))
     cent = fit(make_trainer(tmp_path / "c", privacy=CentralDP(clip_norm=0.05, noise_multiplier=1.0), **args))
-    assert [h["privacy/epsilon"] for h in dist.history[1:]] == [h["privacy/epsilon"] for h in cent.history[1:]]
+    rounds_taken = {c: p / (1.0 / 2) ** -2 for c, p in dist.privacy.precision.items()}  # every share arrived: mu 1/2
+    assert sum(rounds_taken.values()) == pytest.approx(2 * 8)  # 8 clients a round, 2 rounds
+    most = round(max(rounds_taken.values()))
+    assert dist.history[-1]["privacy/epsilon"] == pytest.approx(replace_one_gaussians(*[1.0] * most), rel=2e-3)
+    assert cent.history[-1]["privacy/epsilon"] != dist.history[-1]["privacy/epsilon"]  # another accounting
     assert dist.local.upload_stage is dist.privacy
     clean = [fit(make_trainer(tmp_path / name, privacy=kind(clip_norm=0.05, noise_multiplier=0.0), **args))
              for name, kind in (("d0", DistributedDP), ("c0", CentralDP))]  # fmt: skip
     a, b = (t.global_state["mapping.latent"] for t in clean)  # without noise: clipped on the client or the server
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert not torch.equal(dist.global_state["mapping.latent"], a)
+
+
+def test_a_distributed_dp_checkpoint_of_the_amplified_accounting_does_not_resume():
+    privacy = distributed(20)
+    with pytest.raises(ConfigError, match="accounted with amplification by sampling"):
+        privacy.load_state_dict({"distributed": True, "noise_multiplier": 1.3, "accountant": {}})
+    privacy.end_round(0, [1, 2])
+    again = distributed(20)
+    again.load_state_dict(privacy.state_dict())
+    assert again.precision == privacy.precision and again.epsilon() == privacy.epsilon()
 
 
 # ------------------------------------------------------------------------------------------ the secure source

@@ -158,10 +158,13 @@ class CentralDP(Privacy):
         if self.adaptive is not None and self.adaptive.count_std is None:
             self.adaptive.count_std = plan.expected_clients / 20
         if self.target_epsilon is not None and self.z is None:
-            infinite = self.target_epsilon == math.inf
-            self.z = 0.0 if infinite else self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds)
+            self.z = 0.0 if self.target_epsilon == math.inf else self.calibrate(plan)
         if self.adaptive is not None and self.z > 0:
             update_noise_multiplier(self.z, self.adaptive.count_std)  # refuses a count noise too small for z
+
+    def calibrate(self, plan: Plan) -> float:
+        """The noise multiplier that spends ``target_epsilon`` over ``plan.rounds`` rounds."""
+        return self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds)
 
     def count_std(self) -> float:
         return self.adaptive.count_std if self.adaptive is not None else 0.0

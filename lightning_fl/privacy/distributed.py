@@ -7,17 +7,22 @@ uploads. When ``n`` shares reach the sum it carries ``N(0, (z S)^2 n / m)``: the
 when ``n = m``, less when clients drop out. The server sums the uploads and divides by the fixed ``m`` (as
 central DP does), adding nothing.
 
-Accounting: each round is composed with the noise its sum carried from the shares other than the protected
-client's own, over the round's sampling event (the same events as central DP). Under ``fixed`` sampling
-(replace-one neighbours: the protected client takes part in both worlds, with its share) that is all ``n``
-shares, multiplier ``z sqrt(n / m)``: equal to central DP's ``z`` and epsilon when every expected share arrives,
-less noise and more epsilon when clients drop out (a dropped client takes its share with it), nothing spent in a
-round where no share arrived. Under ``poisson`` sampling (add/remove neighbours) the protected client's share
-exists in one world only, so only the other ``n - 1`` count: ``z sqrt((n - 1) / m)``, and ``target_epsilon``
-calibrates ``z`` for ``n = m`` with that one share left out (a round with at most one share is accounted as not
-private). This is the analysis of the noise in the released sum, as Kairouz, Liu, Steinke (2021), "The
-Distributed Discrete Gaussian Mechanism for Federated Learning with Secure Aggregation" (ICML) account it, made
-conservative for add/remove neighbours.
+Accounting, against the server: it sees which nodes take part in a round (their messages, SecAgg+'s key
+exchange), so sampling hides nobody from it and amplification by sampling does not apply. Each round a client
+takes part in is an unamplified Gaussian mechanism on its data: its neighbour is another update of the same client
+(replace-one: it takes part in both worlds, with its own noise share), which moves the sum by up to ``2 S``, while
+the sum carries the noise of the ``n`` shares that arrived, standard deviation ``z S sqrt(n / m)``: a multiplier
+of ``mu = z sqrt(n / m) / 2`` in units of the sensitivity. A client's rounds compose to one Gaussian with
+``mu = (sum_i mu_i^-2)^-1/2``, whose epsilon is Balle and Wang's exact curve (as :class:`~lightning_fl.privacy.LocalDP`
+reports its clients'); the run reports the worst client's (``privacy/epsilon``). ``target_epsilon`` calibrates
+``z`` so that a client taking part in the expected number of rounds, ``ceil(rounds m / N)``, spends it when every
+expected share arrives; a client sampled more often spends more (reported), and ``max_epsilon`` stops the run
+before any client could exceed it. A round where a client's share does not arrive spends nothing of its budget;
+a dropped share leaves the others' rounds less noise (a larger epsilon for them). Someone who sees only the released
+models, not who took part, would also get amplification by sampling (what :class:`~lightning_fl.privacy.CentralDP`
+accounts) if the cohorts stay secret from them; this class does not claim it. Kairouz, Liu, Steinke (2021), "The
+Distributed Discrete Gaussian Mechanism for Federated Learning with Secure Aggregation" (ICML) analyse the same
+released sum.
 
 This is the continuous-share version (Gaussian shares in floating point), not the discrete Gaussian of Kairouz
 et al.: once secure aggregation quantises and wraps the sum modulo a power of two, the continuous analysis holds
@@ -31,12 +36,12 @@ private as under central DP. Its purpose is to run under secure aggregation, whe
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.privacy.accountant import RoundEvent
+from lightning_fl.privacy.accountant import gaussian_epsilon_closed_form, gaussian_noise_multiplier
 from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, randomness
 from lightning_fl.privacy.central import CentralDP
 from lightning_fl.seeding import STREAM_DISTRIBUTED_NOISE
@@ -51,8 +56,10 @@ class DistributedDP(CentralDP):
             update to count).
         noise_multiplier: ``z`` of the sum's noise when all ``m`` expected shares arrive. Give this or
             ``target_epsilon``.
-        target_epsilon: Calibrate ``z`` (for ``n = m`` shares a round) to spend this over ``trainer.rounds``.
-        delta, max_epsilon, per_layer, accountant: As :class:`~lightning_fl.privacy.CentralDP`.
+        target_epsilon: Calibrate ``z`` so that a client taking part in the expected number of rounds, with every
+            expected share arriving, spends this (module docstring).
+        delta, max_epsilon, per_layer: As :class:`~lightning_fl.privacy.CentralDP`; ``max_epsilon`` bounds the worst
+            client's epsilon.
         noise_seed: Seed of each client's share, with the run's seed, the round and the client; ``null``: each
             client's operating system.
     """
@@ -68,30 +75,45 @@ class DistributedDP(CentralDP):
         delta: float | None = None,
         max_epsilon: float | None = None,
         per_layer: bool = False,
-        accountant: Literal["rdp", "pld"] = "rdp",
         noise_seed: int | None = 0,
     ) -> None:
-        super().__init__(clip_norm, noise_multiplier, target_epsilon, delta, max_epsilon, per_layer, None,
-                         accountant, noise_seed)  # fmt: skip
+        super().__init__(clip_norm, noise_multiplier, target_epsilon, delta, max_epsilon, per_layer, None, "rdp",
+                         noise_seed)  # fmt: skip
+        #: Per client, the sum of ``mu_i^-2`` over the rounds its share reached the sum (module docstring).
+        self.precision: dict[int, float] = {}
 
-    def setup(self, plan: Plan) -> None:
-        super().setup(plan)
-        if self.target_epsilon is not None and self.noise_multiplier is None and self.z > 0:
-            # calibrated as central DP's z for the sum; the sum's noise then counts the planned shares only
-            self.z *= math.sqrt(plan.expected_clients / self.counted_shares(plan.expected_clients))
+    def expected_rounds(self, plan: Plan) -> int:
+        """The rounds a client takes part in on average: ``ceil(rounds m / N)`` (at least 1)."""
+        return max(1, math.ceil(plan.rounds * plan.expected_clients / plan.num_clients - 1e-9))
 
-    def counted_shares(self, arrived: float) -> float:
-        """How many of the ``arrived`` shares protect one client (all of them under replace-one neighbours; all but
-        its own under add/remove)."""
-        return arrived if self.plan.sampling == "fixed" else max(arrived - 1, 0)
+    def calibrate(self, plan: Plan) -> float:
+        """``z`` for which ``expected_rounds`` rounds of ``m`` shares, ``mu = z / 2`` each, spend ``target_epsilon``."""
+        return 2.0 * math.sqrt(self.expected_rounds(plan)) * gaussian_noise_multiplier(self.target_epsilon, self.delta)
 
     def sum_multiplier(self, arrived: float) -> float:
-        """The noise multiplier (std / S) of a sum of ``arrived`` shares, as the accountant counts it."""
-        return self.z * math.sqrt(self.counted_shares(arrived) / self.plan.expected_clients)
+        """The noise multiplier (std / S) of a sum of ``arrived`` shares."""
+        return self.z * math.sqrt(arrived / self.plan.expected_clients)
 
-    def event(self) -> RoundEvent:
-        """A planned round's release (every expected share arrives): for ``max_epsilon``."""
-        return RoundEvent(self.sum_multiplier(self.plan.expected_clients))
+    def client_epsilon(self, precision: float) -> float:
+        """The epsilon of a client whose rounds add up to ``precision = sum_i mu_i^-2`` (0: nothing released)."""
+        if precision == 0:
+            return 0.0
+        return math.inf if math.isinf(precision) else gaussian_epsilon_closed_form(precision**-0.5, self.delta)
+
+    def epsilon(self) -> float:
+        """The worst client's epsilon so far."""
+        return self.client_epsilon(max(self.precision.values(), default=0.0))
+
+    def stop_reason(self) -> str | None:
+        if self.max_epsilon is None:
+            return None
+        full = self.sum_multiplier(self.plan.expected_clients) / 2  # one more round, every expected share in
+        worst = max(self.precision.values(), default=0.0)
+        after = self.client_epsilon(worst + (full**-2 if full > 0 else math.inf))
+        if after <= self.max_epsilon:
+            return None
+        return (f"a client taking part in the next round could spend epsilon {after:.4g} at delta {self.delta:.3g}, "
+                f"more than trainer.privacy.max_epsilon={self.max_epsilon:g}")  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the client
     def share_std(self) -> float:
@@ -122,21 +144,48 @@ class DistributedDP(CentralDP):
                            "privacy/noise_shares": float(participants)}  # fmt: skip
 
     def end_round(self, round: int, participants: list[int]) -> dict[str, float]:
-        n = len(participants)
-        z_sum = self.sum_multiplier(n)
-        if n > 0 or self.plan.sampling == "poisson":  # fixed sampling, no share: no client's data was released
-            self.accountant.compose(RoundEvent(z_sum))
-        spent = self.accountant.epsilon(self.delta) if self.accountant.rounds else 0.0
-        return {"privacy/epsilon": spent, "privacy/noise_multiplier": self.z, "privacy/delta": self.delta,
+        """Each client whose share reached the sum has released one more Gaussian, ``mu = z sqrt(n / m) / 2``."""
+        z_sum = self.sum_multiplier(len(participants))
+        mu = z_sum / 2
+        for c in participants:
+            self.precision[c] = self.precision.get(c, 0.0) + (mu**-2 if mu > 0 else math.inf)
+        return {"privacy/epsilon": self.epsilon(), "privacy/noise_multiplier": self.z, "privacy/delta": self.delta,
                 "privacy/round_noise_multiplier": z_sum}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "distributed": True}
+        spent = torch.tensor([[c, p] for c, p in sorted(self.precision.items())], dtype=torch.float64).reshape(-1, 2)
+        return {"distributed": 2, "noise_multiplier": self.z, "target_epsilon": self.target_epsilon,
+                "clip_norm": self.bound, "delta": self.delta, "precision": spent}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state and not state.get("distributed"):
             raise ConfigError("the checkpoint was written with trainer.privacy CentralDP: resume it with CentralDP")
-        super().load_state_dict({k: v for k, v in state.items() if k != "distributed"})
+        if state and state.get("distributed") != 2:
+            raise ConfigError(
+                "the checkpoint's DistributedDP accounted with amplification by sampling (an earlier version), which "
+                "does not hold against a server that sees who takes part: start the run afresh"
+            )
+        if not state:
+            raise ConfigError(
+                "the checkpoint was written without trainer.privacy: a private run cannot continue a non-private "
+                "one (its earlier rounds spent an unbounded budget)"
+            )
+        if self.noise_multiplier is not None and float(state["noise_multiplier"]) != float(self.noise_multiplier):
+            raise ConfigError(
+                f"the checkpoint's noise multiplier is {state['noise_multiplier']:g}, trainer.privacy.noise_multiplier "
+                f"is {self.noise_multiplier:g}: resume with the same value"
+            )
+        if self.target_epsilon is not None and (saved := state.get("target_epsilon")) != self.target_epsilon:
+            raise ConfigError(
+                f"the checkpoint's noise was calibrated to trainer.privacy.target_epsilon={saved}, this run asks for "
+                f"{self.target_epsilon}: resume with the same target (or set max_epsilon to stop earlier)"
+            )
+        self.z, self.bound, self.delta = (
+            float(state["noise_multiplier"]),
+            float(state["clip_norm"]),
+            float(state["delta"]),
+        )
+        self.precision = {int(c): float(p) for c, p in state["precision"].tolist()}
 
     def __repr__(self) -> str:
         return f"DistributedDP(clip_norm={self.clip_norm}, noise_multiplier={self.z}, delta={self.delta})"

@@ -21,8 +21,9 @@ differ and would then understate epsilon (``n = 600``, ``B = 32``, ``z = 1.1``, 
 The epsilon at ``delta`` comes from Google's ``dp-accounting`` PLD accountant (its RDP accountant has no
 replace-one rule for Poisson sampling), at a loss discretisation of ``1e-3`` (pessimistic: within 0.03% of
 ``1e-4`` on the settings tested, 10x faster); tests check it against the Gaussian mechanism's exact curve
-(``q = 1``) and a direct integration of one subsampled step's privacy profile. ``T`` is ``trainer.local_steps``, or ``trainer.local_epochs`` times the number of
-batches of an epoch (``ceil(n / B)``, Opacus' ``DPDataLoader`` length).
+(``q = 1``) and a direct integration of one subsampled step's privacy profile. ``T`` is ``trainer.local_steps``,
+or ``trainer.local_epochs`` times the number of batches of an epoch (``ceil(n / B)``, Opacus' ``DPDataLoader``
+length).
 
 Two engines compute the per-record gradients and give the same steps (tested):
 
@@ -113,7 +114,11 @@ def noise_multiplier(target_epsilon: float, delta: float, q: float, steps: int) 
 
     try:
         z = dpa.calibrate_dp_mechanism(
-            _accountant, lambda z: _event(q, z, steps), target_epsilon, delta, dpa.LowerEndpointAndGuess(0.05, 1.0),
+            _accountant,
+            lambda z: _event(q, z, steps),
+            target_epsilon,
+            delta,
+            dpa.LowerEndpointAndGuess(0.05, 1.0),
             tol=1e-4,
         )
     except dpa.mechanism_calibration.NoBracketIntervalFoundError as err:
