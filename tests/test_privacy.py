@@ -493,3 +493,26 @@ def test_dp_sgd_with_the_secure_source_steps_through_opacus_with_noise_of_scale_
     p.grad_sample = torch.zeros((0, *p.shape))
     optimizer.step()
     assert float(p.detach().std()) == pytest.approx(1.5 * 2.0 / 4, rel=0.02) and abs(float(p.mean())) < 0.01
+
+
+def test_the_planner_assumes_the_trainers_sampling_and_says_so(capsys):
+    """``python -m lightning_fl.privacy``: fixed-size sampling by default, as ``trainer.sampling``; its epsilon is the
+    trainer's accountant's for the same run; PLD asks for Poisson sampling in one line."""
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import Plan
+    from lightning_fl.privacy.__main__ import main
+
+    assert main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--noise-multiplier", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "fixed-size sampling without replacement, replace-one neighbours" in out
+    privacy = CentralDP(noise_multiplier=1.0)
+    privacy.setup(Plan(2000, 100.0, "fixed", 5, 0, FedAvg()))  # the trainer's default sampling
+    for _ in range(5):
+        privacy.accountant.compose(privacy.event())  # what end_round composes
+    assert f"| 1.0000 | {privacy.epsilon():.4f} |" in out
+    assert main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--epsilon", "4", "--accountant",
+                 "pld"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--noise-multiplier", "1.0",
+                 "--accountant", "pld", "--sampling", "poisson"]) == 0  # fmt: skip
+    assert "Poisson sampling, add/remove-one neighbours" in capsys.readouterr().out

@@ -2,7 +2,8 @@
 
     python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --epsilon 1 2 4 8
     python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --noise-multiplier 1.0
-    python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --epsilon 4 --sampling fixed
+    python -m lightning_fl.privacy --clients 2000 --per-round 100 --rounds 100 --epsilon 4 --sampling poisson \
+      --accountant pld
     python -m lightning_fl.privacy dp-sgd --records 6750 --batch 64 --steps 25 --rounds 10 --epsilon 1 4 8
 
 It prints, for each setting, the noise multiplier ``z`` (noise std over the clip bound, on the clipped sum),
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, required=True, help="the population N (data.num_clients)")
     parser.add_argument("--per-round", type=float, required=True, help="m (trainer.clients_per_round)")
     parser.add_argument("--rounds", type=int, required=True, help="trainer.rounds")
-    parser.add_argument("--sampling", choices=["poisson", "fixed"], default="poisson", help="trainer.sampling")
+    parser.add_argument("--sampling", choices=["poisson", "fixed"], default="fixed",
+                        help="trainer.sampling (default: fixed, as the trainer's)")  # fmt: skip
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp", help="trainer.privacy.accountant")
     parser.add_argument("--delta", type=float, default=None, help="default: min(1e-5, N^-1.1), as CentralDP")
     parser.add_argument("--clip", type=float, default=1.0, help="the clip bound S, for the noise on the mean")
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--epsilon", type=float, nargs="+", help="target epsilon(s): the z each needs")
     group.add_argument("--noise-multiplier", type=float, nargs="+", help="z: the epsilon each spends")
     args = parser.parse_args(argv)
+    if args.accountant == "pld" and args.sampling == "fixed":
+        print("error: --accountant pld has no event for fixed-size sampling (the default, as trainer.sampling's): "
+              "add --sampling poisson, or use --accountant rdp", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         accountant = Accountant(args.clients, args.per_round, args.sampling, args.accountant)
         delta = args.delta if args.delta is not None else min(1e-5, args.clients**-1.1)
@@ -48,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"N = {args.clients:,}, m = {args.per_round:g} per round ({args.sampling}), {args.rounds} rounds, "
+    how = "fixed-size sampling without replacement, replace-one" if args.sampling == "fixed" else \
+        "Poisson sampling, add/remove-one"  # fmt: skip
+    print(f"N = {args.clients:,}, m = {args.per_round:g} per round ({how} neighbours), {args.rounds} rounds, "
           f"delta = {delta:.3g}, {args.accountant.upper()} accounting")  # fmt: skip
     print(f"| noise multiplier z | epsilon | noise std on the mean update (S = {args.clip:g}) |")
     print("|---:|---:|---:|")
