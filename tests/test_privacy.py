@@ -516,3 +516,27 @@ def test_the_planner_assumes_the_trainers_sampling_and_says_so(capsys):
     assert main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--noise-multiplier", "1.0",
                  "--accountant", "pld", "--sampling", "poisson"]) == 0  # fmt: skip
     assert "Poisson sampling, add/remove-one neighbours" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mechanism", ["CentralDP", "DistributedDP", "LocalDP"])
+def test_a_delta_not_below_one_over_the_population_is_refused_naming_the_key(mechanism):
+    from lightning_fl import privacy as dp
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import Plan
+
+    kind = getattr(dp, mechanism)
+    with pytest.raises(
+        ConfigError, match=r"trainer.privacy.delta=0.001 is not below 1 / 1,000 \(clients\).*below 0.001"
+    ):
+        kind(noise_multiplier=1.0, delta=1e-3).setup(Plan(1000, 10.0, "fixed", 5, 0, FedAvg()))
+    kind(noise_multiplier=1.0, delta=9.9e-4).setup(Plan(1000, 10.0, "fixed", 5, 0, FedAvg()))  # below: fine
+
+
+def test_a_dp_sgd_delta_not_below_one_over_a_clients_records_is_refused():
+    from lightning_fl.federated import LocalTraining
+    from lightning_fl.privacy import DPSGD
+
+    dp = DPSGD(max_grad_norm=1.0, noise_multiplier=1.0, delta=1e-2)
+    with pytest.raises(ConfigError, match=r"trainer.dp_sgd.delta=0.01 is not below 1 / 100 \(the client's records\)"):
+        dp.plan(100, 10, LocalTraining())
+    assert dp.plan(99, 10, LocalTraining()).q == pytest.approx(10 / 99)  # 1 / 99 is above delta: fine

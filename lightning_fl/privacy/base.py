@@ -66,6 +66,9 @@ class Privacy:
     def setup(self, plan: Plan) -> None:
         """Check the run's other settings and prepare (calibrate noise, build the accountant) before round 1."""
         self.plan = plan
+        if (problem := delta_problem("trainer.privacy.delta", getattr(self, "delta", None), plan.num_clients,
+                                     "clients")) is not None:  # fmt: skip
+            raise ConfigError(problem)
         if plan.strategy.weighted:
             name = type(self).__name__
             raise ConfigError(
@@ -174,6 +177,18 @@ def randomness(noise_seed: int | None, *parts: int, device: torch.device | str =
     if noise_seed is None:
         return SystemRandomness()
     return SeededRandomness(derive_seed(noise_seed, *parts) % 2**63, device)
+
+
+def delta_problem(key: str, delta: float | None, population: int, what: str) -> str | None:
+    """Why ``delta`` is too large for ``population`` members (``None``: it is not): with ``delta >= 1 / N`` a
+    mechanism may release one member's data in the clear and still be (epsilon, delta)-DP, so a guarantee at that
+    delta promises nothing (the usual rule asks for ``delta`` well below ``1 / N``)."""
+    if delta is None or delta < 1 / population:
+        return None
+    return (
+        f"{key}={delta:g} is not below 1 / {population:,} ({what}): at that delta a mechanism may publish one of "
+        f"them in the clear; set {key} below {1 / population:.3g} (e.g. {min(1e-5, population**-1.1):.3g})"
+    )
 
 
 def positive(key: str, value: float | None, allow_zero: bool = False, allow_none: bool = False) -> list[str]:

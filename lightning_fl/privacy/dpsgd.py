@@ -54,7 +54,7 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import dp_accounting
-from lightning_fl.privacy.base import Randomness, check_noise_seed, positive, randomness
+from lightning_fl.privacy.base import Randomness, check_noise_seed, delta_problem, positive, randomness
 from lightning_fl.seeding import STREAM_DPSGD_NOISE, STREAM_DPSGD_SAMPLING
 
 Engine = Literal["auto", "opacus", "functorch"]
@@ -191,6 +191,8 @@ class DPSGD:
         if records < 1 or batch_size < 1:
             raise ConfigError(f"trainer.dp_sgd needs clients with records and a batch size >= 1, got {records} "
                               f"records and batch size {batch_size}")  # fmt: skip
+        if (problem := delta_problem("trainer.dp_sgd.delta", self.delta, records, "the client's records")) is not None:
+            raise ConfigError(problem)
         q = min(1.0, batch_size / records)
         steps = local.steps if local.steps is not None else local.epochs * -(-records // batch_size)
         if self.z is not None:
