@@ -540,3 +540,13 @@ def test_a_dp_sgd_delta_not_below_one_over_a_clients_records_is_refused():
     with pytest.raises(ConfigError, match=r"trainer.dp_sgd.delta=0.01 is not below 1 / 100 \(the client's records\)"):
         dp.plan(100, 10, LocalTraining())
     assert dp.plan(99, 10, LocalTraining()).q == pytest.approx(10 / 99)  # 1 / 99 is above delta: fine
+
+
+def test_upload_policy_raise_is_refused_where_the_server_sees_updates_it_must_protect():
+    from lightning_fl.federated import FederatedTrainer
+    from lightning_fl.privacy import DistributedDP, LocalDP
+
+    for kind in (CentralDP, DistributedDP):
+        with pytest.raises(ConfigError, match=rf"trainer.upload_policy 'raise' with trainer.privacy {kind.__name__}"):
+            FederatedTrainer(privacy=kind(noise_multiplier=1.0), upload_policy="raise")
+    FederatedTrainer(privacy=LocalDP(noise_multiplier=1.0), upload_policy="raise")  # every upload already private

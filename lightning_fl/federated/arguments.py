@@ -193,6 +193,10 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         problems.insert(0, f"trainer.client_fraction must be in (0, 1] (or null with trainer.clients_per_round set), "
                            f"got {fraction}")  # fmt: skip
     problems += _devices_problems(a["devices"], a["accelerator"], a["num_nodes"])
+    if isinstance(a["privacy"], Privacy) and a["privacy"].central and a["upload_policy"] == "raise":
+        problems.append(f"trainer.upload_policy 'raise' with trainer.privacy {type(a['privacy']).__name__}: one "
+                        "client's upload (its data) would decide whether the whole run stops, which the guarantee "
+                        "does not cover; use trainer.upload_policy drop")  # fmt: skip
     if a["dp_sgd"] is not None and a["gradient_clip_val"] is not None:
         problems.append("trainer.gradient_clip_val clips a batch's gradient, which DP-SGD replaces by clipping each "
                         "record's (trainer.dp_sgd.max_grad_norm): remove trainer.gradient_clip_val")  # fmt: skip
