@@ -213,10 +213,10 @@ def test_record_level_dp_sgd_on_flower_equals_in_process_bitwise(in_tmp):
 
 def test_nodes_report_their_dp_sgd_plans_to_the_servers_accountant(in_tmp):
     """Every node reports the record count and batch size it trained with; the server's accountant uses them (here
-    node 1 reports batch size 16 where the config says 32, as a node with its own data settings would): Opacus'
-    accountant on the same numbers; the checkpoint keeps the reports. A report that is not two positive integers
-    is named and the server's data module used instead."""
-    from opacus.accountants import RDPAccountant
+    node 1 reports batch size 16 where the config says 32, as a node with its own data settings would):
+    dp-accounting's replace-one PLD accountant on the same numbers; the checkpoint keeps the reports. A report that
+    is not two positive integers is named and the server's data module used instead."""
+    import dp_accounting as dpa
 
     def batch(value):
         def tamper(reply, message):
@@ -236,8 +236,9 @@ def test_nodes_report_their_dp_sgd_plans_to_the_servers_accountant(in_tmp):
         records = rows[client]["records"]
         steps = -(-records // size)  # one local epoch of expected batches
         assert rows[client]["sample_rate"] == size / records and rows[client]["steps_per_round"] == steps
-        accountant = RDPAccountant()
-        accountant.history = [(1.0, size / records, 2 * steps)]
+        accountant = dpa.pld.PLDAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+        step = dpa.PoissonSampledDpEvent(size / records, dpa.GaussianDpEvent(1.0))
+        accountant.compose(dpa.SelfComposedDpEvent(step, 2 * steps))
         assert rows[client]["epsilon"] == pytest.approx(accountant.get_epsilon(dp.delta), rel=2e-3)
     assert got["dp_sgd"]["reported"][:, 2].tolist() == [16, 32, 32]
 
@@ -618,6 +619,7 @@ def test_distributed_dp_under_secagg_on_flower_equals_in_process_bitwise(in_tmp)
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert_same_state(got, reference)
+    assert not any(k.startswith("train/") for h in trainer.history for k in h)  # the nodes' losses stay with them
     eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
     assert eps == [h["privacy/epsilon"] for h in reference["history"][1:]] and 0 < eps[0] < eps[1]
 

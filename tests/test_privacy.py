@@ -550,3 +550,40 @@ def test_upload_policy_raise_is_refused_where_the_server_sees_updates_it_must_pr
         with pytest.raises(ConfigError, match=rf"trainer.upload_policy 'raise' with trainer.privacy {kind.__name__}"):
             FederatedTrainer(privacy=kind(noise_multiplier=1.0), upload_policy="raise")
     FederatedTrainer(privacy=LocalDP(noise_multiplier=1.0), upload_policy="raise")  # every upload already private
+
+
+@pytest.mark.parametrize("mechanism", ["local", "distributed", "dp_sgd", "central"])
+def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload_leaves_a_client(
+    tmp_path, monkeypatch, mechanism
+):
+    """Local DP, distributed DP's shares and DP-SGD: no sample count, no logged loss or accuracy reach the server
+    (uploads weigh alike); central DP trusts the server, which gets them as without DP."""
+    from lightning_fl.federated import FedAvg, FederatedTrainer, LocalTraining
+    from lightning_fl.federated.local import ClientResult
+    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.privacy import DPSGD, DistributedDP, LocalDP
+
+    kinds = {"local": {"privacy": LocalDP(noise_multiplier=1.0)},
+             "central": {"privacy": CentralDP(noise_multiplier=1.0)},
+             "distributed": {"privacy": DistributedDP(noise_multiplier=1.0)},
+             "dp_sgd": {"dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=1.0)}}  # fmt: skip
+    trainer = make_trainer(tmp_path, rounds=1, logger=False, **DP_ARGS, **kinds[mechanism])
+    seen = []
+    inner = InProcess.replies
+
+    def spy(self, *args, **kwargs):
+        for reply in inner(self, *args, **kwargs):
+            seen.append(reply)
+            yield reply
+
+    monkeypatch.setattr(InProcess, "replies", spy)
+    fit(trainer)
+    trusted = mechanism == "central"
+    assert seen and all((r.num_samples > 0 and bool(r.logged)) == trusted for r in seen)
+    assert ("train/loss" in trainer.history[-1]) == trusted
+    failed = ClientResult(0, 10, None, {"train/loss": (1e9, 1.0)}, "local training failed: train/loss became inf")
+    assert failed.released(LocalTraining(upload_stage=LocalDP(noise_multiplier=1.0)))[2] == (
+        "local training failed (details withheld under local privacy)")  # fmt: skip
+    if not trusted:  # a strategy weighing by sample counts would need what is withheld
+        with pytest.raises(ConfigError, match=r"trainer.strategy weighted: true .* set weighted: false"):
+            FederatedTrainer(strategy=FedAvg(weighted=True), **kinds[mechanism])

@@ -197,6 +197,11 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         problems.append(f"trainer.upload_policy 'raise' with trainer.privacy {type(a['privacy']).__name__}: one "
                         "client's upload (its data) would decide whether the whole run stops, which the guarantee "
                         "does not cover; use trainer.upload_policy drop")  # fmt: skip
+    private = a["dp_sgd"] is not None or (isinstance(a["privacy"], Privacy) and a["privacy"].client_stage)
+    if private and getattr(a["strategy"], "weighted", False):
+        problems.append("trainer.strategy weighted: true weighs uploads by their clients' sample counts, which a "
+                        "client under local DP, distributed DP or DP-SGD does not send (they are its data); set "
+                        "weighted: false")  # fmt: skip
     if a["dp_sgd"] is not None and a["gradient_clip_val"] is not None:
         problems.append("trainer.gradient_clip_val clips a batch's gradient, which DP-SGD replaces by clipping each "
                         "record's (trainer.dp_sgd.max_grad_norm): remove trainer.gradient_clip_val")  # fmt: skip

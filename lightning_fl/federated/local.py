@@ -44,6 +44,13 @@ class LocalTraining:
     dp_sgd: Any = None
     secure: Any = None
 
+    @property
+    def withholds_metadata(self) -> bool:
+        """Whether the client sends its noised upload alone: under a mechanism that does not trust the server
+        (local DP, distributed DP's noise shares, DP-SGD) nothing data-dependent leaves the client un-noised, so
+        neither its sample count nor what its ``training_step`` logged does (the server weighs uploads alike)."""
+        return self.upload_stage is not None or self.dp_sgd is not None
+
 
 @dataclass
 class ClientResult:
@@ -63,6 +70,13 @@ class ClientResult:
     @property
     def up_bytes(self) -> int:
         return self.payload.nbytes if self.payload is not None else 0
+
+    def released(self, local: LocalTraining) -> tuple[int, dict[str, tuple[float, float]], str | None]:
+        """What of the result may leave the client besides its payload: its sample count, logged values and
+        failure; under ``local.withholds_metadata`` none of them (0, nothing, only that training failed)."""
+        if not local.withholds_metadata:
+            return self.num_samples, self.logged, self.failure
+        return 0, {}, None if self.failure is None else "local training failed (details withheld under local privacy)"
 
 
 @functools.cache

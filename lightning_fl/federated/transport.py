@@ -23,7 +23,7 @@ from lightning_fl.federated.callbacks import Callback
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
 from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
-from lightning_fl.federated.local import LocalTraining
+from lightning_fl.federated.local import ClientResult, LocalTraining
 from lightning_fl.federated.state import State
 
 
@@ -75,6 +75,13 @@ class SecureRound:
     total: torch.Tensor | None = None
     included: list[int] = field(default_factory=list)
     problem: str | None = None
+
+
+def reply_of(result: ClientResult, local: LocalTraining) -> Reply:
+    """What reaches the server of a client's result: its payload and what else it releases
+    (:meth:`~lightning_fl.federated.local.ClientResult.released`)."""
+    num_samples, logged, failure = result.released(local)
+    return Reply(result.client, num_samples, result.payload, logged, failure)
 
 
 class Transport(Callback):
@@ -145,11 +152,11 @@ class InProcess(Transport):
                 cohort = list(clients[start : start + self.cohort_size])
                 results = train(model, datamodule, state, cohort, round, seed, codec=codec, local=local, fabric=fabric)
                 for result in results:
-                    yield Reply(result.client, result.num_samples, result.payload, result.logged, result.failure)
+                    yield reply_of(result, local)
             return
         for cid in clients:
             result = run_client(model, datamodule, state, cid, round, seed, codec=codec, local=local, fabric=fabric)
-            yield Reply(cid, result.num_samples, result.payload, result.logged, result.failure)
+            yield reply_of(result, local)
 
     sums_securely = True
 

@@ -209,7 +209,8 @@ def train(message: Message, context: Context) -> Message:
                 codec=codec, local=node.local, fabric=node.fabric,
             )  # fmt: skip
             _save_codec_state(codec, context)
-            failure, payload, num_samples, logged = result.failure, result.payload, result.num_samples, result.logged
+            payload = result.payload
+            num_samples, logged, failure = result.released(node.local)  # (nothing data-dependent under local DP)
             if (dp := node.local.dp_sgd) is not None and client in dp.plans:
                 plan = (dp.plans[client].records, dp.plans[client].batch_size)
     if secure:

@@ -111,16 +111,9 @@ def noise_multiplier(target_epsilon: float, delta: float, q: float, steps: int) 
     """The ``z`` for which ``steps`` Poisson-subsampled Gaussians with rate ``q`` spend ``target_epsilon`` at
     ``delta`` (replace-one neighbours; dp-accounting's calibration over its PLD accountant)."""
     dpa = dp_accounting()
-
     try:
-        z = dpa.calibrate_dp_mechanism(
-            _accountant,
-            lambda z: _event(q, z, steps),
-            target_epsilon,
-            delta,
-            dpa.LowerEndpointAndGuess(0.05, 1.0),
-            tol=1e-4,
-        )
+        event, guess = (lambda m: _event(q, m, steps)), dpa.LowerEndpointAndGuess(0.05, 1.0)
+        z = dpa.calibrate_dp_mechanism(_accountant, event, target_epsilon, delta, guess, tol=1e-4)
     except dpa.mechanism_calibration.NoBracketIntervalFoundError as err:
         raise ConfigError(
             f"trainer.dp_sgd.target_epsilon={target_epsilon:g} at delta={delta:g} cannot be met for {steps} steps at "
