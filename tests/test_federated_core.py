@@ -449,6 +449,51 @@ def test_a_users_callbacks_see_every_round_after_it_is_saved_and_a_resume_starts
     assert again.calls == [("start", 2, 3), ("round", 2, 3, 3, True), ("end", 4)]
 
 
+class ThreadsSeen(Callback):
+    """The torch threads the rounds run with."""
+
+    def on_rounds_start(self, trainer, start):
+        self.threads = torch.get_num_threads()
+
+
+def test_a_fit_from_python_runs_with_the_clis_threads_unless_they_were_chosen(tmp_path, monkeypatch):
+    """README's Python example ran with torch's default threads (one per core), several times slower than the CLI
+    on 2 shared cores: ``FederatedTrainer`` applies the CLI's rule unless the user chose, and ``threads`` says how
+    many."""
+    from lightning_fl import threads
+
+    before = torch.get_num_threads()
+    rule = before + 1  # the CLI's rule on before + 2 cores, never torch's count
+    monkeypatch.setattr(threads, "usable_cores", lambda: before + 2)
+    monkeypatch.setattr(threads, "_torch_at_import", before)
+    monkeypatch.setattr(threads, "_explicit", threads._explicit)
+
+    def fit(chosen=False, environment=None, **kwargs):
+        """The threads of a fit (``chosen``: lightning_fl.set_threads or the CLI's key ran before)."""
+        monkeypatch.setattr(threads, "_chosen", chosen)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # restored after the test
+            monkeypatch.setenv(name, "1")
+            monkeypatch.delenv(name)
+        if environment is not None:  # the user's, or as a process that Fabric starts inherits it
+            monkeypatch.setenv("OMP_NUM_THREADS", environment)
+        seen = ThreadsSeen()
+        quiet_fit(make_trainer(tmp_path, rounds=1, logger=False, callbacks=[seen], **kwargs), make_model(), make_dm())
+        return seen.threads
+
+    try:
+        assert fit() == rule and threads.os.environ["OMP_NUM_THREADS"] == str(rule)
+        assert fit(threads=2) == 2 and threads.os.environ["OMP_NUM_THREADS"] == "2"
+        assert fit(chosen=True) == 2 and fit(chosen=True, threads=1) == 1
+        torch.set_num_threads(rule + 1)  # the user's own choice is kept
+        assert fit() == rule + 1
+        torch.set_num_threads(before)
+        assert fit(environment=str(before)) == before
+        with pytest.raises(ConfigError, match="trainer.threads must be a whole number >= 1 or null, got 0"):
+            make_trainer(tmp_path, threads=0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_callbacks_come_from_the_config_by_class_path(in_tmp, capsys):
     recorder = '[{"class_path": "test_federated_core.Recorder", "init_args": {"tag": "x"}}]'
     args = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--trainer.callbacks", recorder]

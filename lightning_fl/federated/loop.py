@@ -31,7 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_fl import runs
+from lightning_fl import runs, threads
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
@@ -186,6 +186,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
     # ============================================================================ set-up
     def _launch(self, find_checkpoint: Callable[[], Path | None] = lambda: None) -> Path | None:
         """Start Fabric and claim the run folder (rank 0 decides); the checkpoint to resume, if any."""
+        threads.for_run(self.threads)  # before Fabric starts its processes (they inherit it; each shares the cores)
         restart = self.resume in (True, "auto")  # a named run that died before its first checkpoint starts over
         self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(
             self.fabric_args, self.logger, self.default_root_dir, self.name, self.version, find_checkpoint, restart
