@@ -1,8 +1,13 @@
 """What a federated run prints: plain progress lines when output is not a terminal, and a summary at the end."""
 
+import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from conftest import make_dm, make_model, make_trainer
+from lightning_fl.federated.callbacks import ProgressReport
 from lightning_fl.federated.summary import best_round, run_summary
 
 
@@ -18,8 +23,11 @@ def test_best_round_follows_the_metric_direction():
     assert best_round(history, "val/ppl") is None
 
 
-def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, capsys):
-    trainer = make_trainer(tmp_path, rounds=4, enable_progress_bar=True)
+@pytest.mark.parametrize("bar", [True, False])
+def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, capsys, bar):
+    """Output to a file or a CI log gets the plain lines whatever ``enable_progress_bar`` says (17 of the configs set it
+    false, and printed nothing for minutes)."""
+    trainer = make_trainer(tmp_path, rounds=4, enable_progress_bar=bar)
     trainer.fit(make_model(), datamodule=make_dm())
     out = capsys.readouterr().out
     progress = [line for line in out.splitlines() if line.startswith("round ")]
@@ -38,6 +46,25 @@ def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, cap
     assert f"run folder: {trainer.log_dir} (config.yaml, checkpoints/last.ckpt)" in summary
     assert f"TensorBoard: tensorboard --logdir {trainer.log_dir.parent}" in summary
     assert "\r" not in out  # no carriage-return bars when output is not a terminal
+
+
+@pytest.mark.parametrize(("terminal", "bar", "lines"), [(False, True, True), (False, False, True), (True, True, False),
+                                                      (True, False, True)])  # fmt: skip
+def test_progress_is_a_bar_on_a_terminal_if_enabled_else_a_line_every_tenth_of_the_run(
+    monkeypatch, capsys, terminal, bar, lines
+):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    trainer = SimpleNamespace(rounds=20, enable_progress_bar=bar, fabric=SimpleNamespace(is_global_zero=True))
+    report = ProgressReport()
+    report.on_rounds_start(trainer, 0)
+    for r in range(1, 21):
+        report.on_round_end(trainer, r - 1, {"val/acc": 0.5, "comm/cum_client_bytes": 2.0**20 * r})
+    report.on_rounds_end(trainer)
+    shown = [f"round {r}/20: val/acc 0.5000, MiB/client {r:.3f}" for r in range(2, 21, 2)]
+    out, err = capsys.readouterr()
+    assert out.splitlines() == (shown if lines else [])
+    assert ("round: 100%" in err) is (terminal and bar)  # the bar
 
 
 def test_the_summary_of_a_run_without_rounds_says_so():

@@ -121,7 +121,8 @@ class TrainerArguments:
     check_identity: bool = True
     """Log the averaging identity error (modules with ``averaging_identity_error``, linear strategies only)."""
     enable_progress_bar: bool = True
-    """Show progress over rounds."""
+    """Progress bars on a terminal (over rounds, and over a round's clients); ``false``: no bars. Wherever there is no
+    bar (output to a file or a CI log, or the bars off) a plain line reports every tenth of the run."""
     save_every_n_rounds: int = 0
     """Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept)."""
     client_batching: Literal["sequential", "vmap"] = "sequential"

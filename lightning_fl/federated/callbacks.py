@@ -31,14 +31,15 @@ class Callback:
 
 
 class ProgressReport(Callback):
-    """A bar over rounds on a terminal; elsewhere (CI logs, files) a plain line every tenth of the run. Shows the
-    metric and the cumulative bytes per client (both directions) in MiB. From rank 0 only."""
+    """A bar over rounds on a terminal (``trainer.enable_progress_bar``); elsewhere (CI logs, files), or with the bar
+    off, a plain line every tenth of the run. Shows the metric and the cumulative bytes per client (both directions)
+    in MiB. From rank 0 only."""
 
     def on_rounds_start(self, trainer: Any, start: int) -> None:
-        self.show = trainer.enable_progress_bar and trainer.fabric.is_global_zero
-        self.terminal = sys.stderr.isatty()
+        rank_zero, terminal = trainer.fabric.is_global_zero, sys.stderr.isatty()
+        self.lines = rank_zero and not (terminal and trainer.enable_progress_bar)
         self.bar = tqdm(total=trainer.rounds, initial=start, desc="round", dynamic_ncols=True,
-                        disable=not (self.show and self.terminal))  # fmt: skip
+                        disable=not (rank_zero and terminal and trainer.enable_progress_bar))  # fmt: skip
 
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
         shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl") if k in metrics}
@@ -46,7 +47,7 @@ class ProgressReport(Callback):
         self.bar.update(1)
         self.bar.set_postfix(shown)
         done, total = round + 1, trainer.rounds
-        if self.show and not self.terminal and (done % max(1, total // 10) == 0 or done == total):
+        if self.lines and (done % max(1, total // 10) == 0 or done == total):
             print(f"round {done}/{total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
 
     def on_rounds_end(self, trainer: Any) -> None:
