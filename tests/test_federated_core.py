@@ -432,6 +432,7 @@ class Recorder(Callback):
 
     def on_round_end(self, trainer, round, metrics):
         saved = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", weights_only=True)["round"]
+        assert round == metrics["fed/round"]  # 1-based, as logged
         self.calls.append(("round", round, saved, trainer.history[-1]["round"], "val/acc" in metrics))
 
     def on_rounds_end(self, trainer):
@@ -442,11 +443,11 @@ def test_a_users_callbacks_see_every_round_after_it_is_saved_and_a_resume_starts
     first = Recorder()
     trainer = quiet_fit(make_trainer(tmp_path, rounds=2, name="cb", callbacks=[first]), make_model(), make_dm())
     # round 0 (the base) is evaluated before the rounds start; each round is checkpointed before its hook
-    assert first.calls == [("start", 0, 1), ("round", 0, 1, 1, True), ("round", 1, 2, 2, True), ("end", 3)]
+    assert first.calls == [("start", 0, 1), ("round", 1, 1, 1, True), ("round", 2, 2, 2, True), ("end", 3)]
     again = Recorder()
     ckpt = str(trainer.log_dir / "checkpoints" / "last.ckpt")
     quiet_fit(make_trainer(tmp_path, rounds=3, name="cb", callbacks=[again]), make_model(), make_dm(), ckpt_path=ckpt)
-    assert again.calls == [("start", 2, 3), ("round", 2, 3, 3, True), ("end", 4)]
+    assert again.calls == [("start", 2, 3), ("round", 3, 3, 3, True), ("end", 4)]
 
 
 class ThreadsSeen(Callback):
@@ -522,7 +523,7 @@ def test_the_transport_is_a_constructor_argument_and_sees_every_round(tmp_path):
 
     transport = Counting()
     trainer = quiet_fit(make_trainer(tmp_path, rounds=2, transport=transport), make_model(), make_dm())
-    assert trainer.transport is transport and transport.finished == [0, 1]
+    assert trainer.transport is transport and transport.finished == [1, 2]  # 1-based, as logged
     assert [r for r, _ in transport.delivered] == [0, 1] and all(c == [0, 1, 2, 3] for _, c in transport.delivered)
     with pytest.raises(ConfigError, match="trainer.transport must be a Transport or null, got str"):
         make_trainer(tmp_path, transport="flower")

@@ -59,7 +59,7 @@ def test_progress_is_a_bar_on_a_terminal_if_enabled_else_a_line_every_tenth_of_t
     report = ProgressReport()
     report.on_rounds_start(trainer, 0)
     for r in range(1, 21):
-        report.on_round_end(trainer, r - 1, {"val/acc": 0.5, "comm/cum_client_bytes": 2.0**20 * r})
+        report.on_round_end(trainer, r, {"val/acc": 0.5, "comm/cum_client_bytes": 2.0**20 * r})
     report.on_rounds_end(trainer)
     shown = [f"round {r}/20: val/acc 0.5000, MiB/client {r:.3f}" for r in range(2, 21, 2)]
     out, err = capsys.readouterr()

@@ -138,7 +138,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.callback_metrics = metrics
             round_ckpt.save_trainer(self, r + 1, seed, fingerprint, num_clients)
             for callback in callbacks:
-                callback.on_round_end(self, r, metrics)
+                callback.on_round_end(self, r + 1, metrics)  # (1-based, as logged)
         for callback in callbacks:
             callback.on_rounds_end(self)
         self._finish()
