@@ -38,6 +38,8 @@ def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, cap
     ]
     assert progress == expected
     summary = out[out.index("Finished round 4") :]
+    test_data = "  val/* is the test split (no validation split: data.val_fraction 0): each best round below is chosen"
+    assert summary.splitlines()[1] == test_data + " on test data"  # (make_dm's val_fraction is 0)
     acc = [h["val/acc"] for h in trainer.history]
     best = max(range(1, 5), key=lambda r: acc[r])
     assert f"val/acc: {acc[0]:.4f} at round 0, {acc[4]:.4f} at the end, best {acc[best]:.4f} (round {best})" in summary
@@ -67,6 +69,23 @@ def test_progress_is_a_bar_on_a_terminal_if_enabled_else_a_line_every_tenth_of_t
     assert ("round: 100%" in err) is (terminal and bar)  # the bar
 
 
+def test_the_summary_says_when_the_best_rounds_are_chosen_on_test_data(tmp_path):
+    from lightning_fl.data import FederatedDataModule, Synthetic
+    from lightning_fl.data.text import FederatedTextDataModule
+
+    history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.7}]
+    on_test = run_summary(history, tmp_path, logger=False, val_is_test=True).splitlines()
+    assert on_test[1] == "  val/* is the test split (no validation split: data.val_fraction 0): each best round " \
+                         "below is chosen on test data"  # fmt: skip
+    assert on_test[2:] == run_summary(history, tmp_path, logger=False).splitlines()[1:]
+    assert "test split" not in run_summary([{"round": 1}], tmp_path, False, val_is_test=True)  # no val/*
+    source = Synthetic(train_size=40, test_size=10)
+    assert FederatedDataModule(source, val_fraction=0).val_is_test
+    assert not FederatedDataModule(source, val_fraction=0.25).val_is_test
+    assert FederatedTextDataModule(None, val_fraction=0).val_is_test is True
+    assert FederatedTextDataModule(None, val_fraction=0.1).val_is_test is False
+
+
 def test_the_summary_of_a_run_without_rounds_says_so():
     assert run_summary([], Path("runs/x/version_0"), logger=False) == "No round ran. Run folder: runs/x/version_0"
 
@@ -80,6 +99,7 @@ def test_a_lightning_trainer_fit_ends_with_a_summary(in_tmp, capsys):
     summary = out[out.index("Finished after 1 epoch(s)") :]
     run = Path("runs") / "pretrain_digits" / "version_0"
     assert "  val/acc: " in summary and "  val/loss: " in summary
+    assert "  val/* is the test split (no validation split: data.val_fraction 0)\n" in summary
     assert f"  checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in summary
     assert f"  run folder: {run} (config.yaml)" in summary
 

@@ -65,8 +65,12 @@ class RunSummaryCallback(Callback):
 
 def lightning_summary(trainer: L.Trainer, log_dir: str | None) -> str:
     """The final ``val/*`` metrics, the epochs and steps, the checkpoint and the run folder (``log_dir``) of a fit."""
+    from lightning_fl.federated.summary import TEST_AS_VAL
+
     lines = [f"Finished after {trainer.current_epoch} epoch(s) ({trainer.global_step} optimiser steps)."]
     metrics = trainer.callback_metrics
+    if getattr(trainer.datamodule, "val_is_test", False) is True and any(k.startswith("val/") for k in metrics):
+        lines.append(f"  {TEST_AS_VAL}")
     for key in sorted(k for k in metrics if k.startswith("val/")):
         lines.append(f"  {key}: {float(metrics[key]):.4f} at the end")
     checkpoint = trainer.checkpoint_callback

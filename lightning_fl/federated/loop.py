@@ -144,7 +144,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self._finish()
         if self.dp_sgd is not None and self.fabric.is_global_zero:
             write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
-        self.fabric.print(run_summary(self.history, self.log_dir, self.logger, self.stopped, self.alarm))
+        val_is_test = getattr(datamodule, "val_is_test", False) is True  # (a data module may not say)
+        self.fabric.print(run_summary(self.history, self.log_dir, self.logger, self.stopped, self.alarm, val_is_test))
 
     def _set_up_rounds(self, model: L.LightningModule, hooks: ModuleHooks, num_clients: int, seed: int) -> str | None:
         """The global state, ledger, round runner and transport of a fresh fit; the model's fingerprint."""

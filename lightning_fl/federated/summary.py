@@ -8,6 +8,8 @@ from typing import Any
 
 #: Evaluation metrics where lower is better (every other ``val/*`` metric: higher is better).
 LOWER_IS_BETTER = ("loss", "ppl", "ece")
+#: What ``val/*`` is when the data module has no validation split (its ``val_is_test``).
+TEST_AS_VAL = "val/* is the test split (no validation split: data.val_fraction 0)"
 
 
 def best_round(history: list[dict[str, float]], key: str) -> tuple[int, float] | None:
@@ -34,15 +36,23 @@ def collapse(start: dict[str, float], now: dict[str, float], num_classes: int | 
 
 
 def run_summary(
-    history: list[dict[str, float]], log_dir: Path, logger: bool, stopped: str | None = None, alarm: str | None = None
+    history: list[dict[str, float]],
+    log_dir: Path,
+    logger: bool,
+    stopped: str | None = None,
+    alarm: str | None = None,
+    val_is_test: bool = False,
 ) -> str:
     """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
-    early (``stopped``), and where the run's files are."""
+    early (``stopped``), and where the run's files are. ``val_is_test``: the data module's ``val/*`` is its test split
+    (said first: each best round is then chosen on test data)."""
     if not history:
         return f"No round ran. Run folder: {log_dir}"
     last = history[-1]
     start = next((h for h in history if h.get("round") == 0), None)
     lines = [f"Finished round {int(last['round'])} in {last.get('time/elapsed_s', 0.0):.1f} s of rounds."]
+    if val_is_test and any(k.startswith("val/") for k in last):
+        lines.append(f"  {TEST_AS_VAL}: each best round below is chosen on test data")
     for key in sorted(k for k in last if k.startswith("val/")):
         best = best_round(history, key)
         begin = f"{start[key]:.4f} at round 0, " if start is not None and key in start else ""
