@@ -45,7 +45,7 @@ from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner, RoundSettings
 from lightning_fl.federated.stages import round_stages
-from lightning_fl.federated.summary import evaluation_lines, run_summary, write_client_epsilons
+from lightning_fl.federated.summary import evaluation_lines, trainer_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.base import Plan
 from lightning_fl.runs import RunLock
@@ -144,8 +144,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self._finish()
         if self.dp_sgd is not None and self.fabric.is_global_zero:
             write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
-        val_is_test = getattr(datamodule, "val_is_test", False) is True  # (a data module may not say)
-        self.fabric.print(run_summary(self.history, self.log_dir, self.logger, self.stopped, self.alarm, val_is_test))
+        self.fabric.print(trainer_summary(self, datamodule))
 
     def _set_up_rounds(self, model: L.LightningModule, hooks: ModuleHooks, num_clients: int, seed: int) -> str | None:
         """The global state, ledger, round runner and transport of a fresh fit; the model's fingerprint."""

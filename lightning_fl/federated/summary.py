@@ -35,17 +35,42 @@ def collapse(start: dict[str, float], now: dict[str, float], num_classes: int | 
     return None
 
 
+def trainer_summary(trainer: Any, datamodule: Any) -> str:
+    """:func:`run_summary` of ``trainer`` (a :class:`~lightning_fl.federated.FederatedTrainer`) after its fit on
+    ``datamodule``."""
+    ledger, privacy, dp_sgd = trainer.ledger, trainer.privacy, trainer.dp_sgd
+    return run_summary(
+        trainer.history, trainer.log_dir, trainer.logger, trainer.stopped, trainer.alarm,
+        val_is_test=getattr(datamodule, "val_is_test", False) is True,  # (a data module may not say)
+        took_part=(*ledger.took_part(), ledger.num_clients) if ledger is not None else None,
+        privacy=privacy.guarantee(trainer.secure_aggregation is not None) if privacy is not None else "",
+        record_privacy=dp_sgd.guarantee() if dp_sgd is not None else "",
+    )  # fmt: skip
+
+
 def run_summary(
     history: list[dict[str, float]],
     log_dir: Path,
     logger: bool,
     stopped: str | None = None,
     alarm: str | None = None,
+    *,
     val_is_test: bool = False,
+    took_part: tuple[int, float, int] | None = None,
+    privacy: str = "",
+    record_privacy: str = "",
 ) -> str:
     """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
-    early (``stopped``), and where the run's files are. ``val_is_test``: the data module's ``val/*`` is its test split
-    (said first: each best round is then chosen on test data)."""
+    early (``stopped``), and where the run's files are.
+
+    Args:
+        val_is_test: The data module's ``val/*`` is its test split (said first: each best round is then chosen on
+            test data).
+        took_part: The clients that took part, their mean bytes and the number of clients (the ledger's): said when
+            not every client took part.
+        privacy, record_privacy: What user-level DP's and DP-SGD's epsilons protect (the mechanisms' ``guarantee``),
+            each on a line under its epsilon.
+    """
     if not history:
         return f"No round ran. Run folder: {log_dir}"
     last = history[-1]
@@ -65,16 +90,22 @@ def run_summary(
         if last.get("comm/cum_rejected_bytes"):
             text += f"; refused uploads: {last['comm/cum_rejected_bytes']:,.0f} bytes in all"
         lines.append(text)
+        if took_part is not None and 0 < took_part[0] < took_part[2]:
+            count, mean, clients = took_part
+            lines.append(f"  bytes per client that took part ({count:,} of {clients:,} clients): {mean:,.0f} "
+                         f"({mean / 2**20:.3f} MiB)")  # fmt: skip
     if "privacy/epsilon" in last:
         eps, delta = last["privacy/epsilon"], last.get("privacy/delta")
         at = f" at delta {delta:.3g}" if delta is not None else ""
-        lines.append(f"  privacy: epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
+        lines.append(f"  privacy: user-level epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
                      f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
+        lines += [f"    {privacy}"] if privacy else []
     if "privacy/record_epsilon_max" in last:
         worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
         lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
                      f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
                      "dp_sgd_clients.csv)")  # fmt: skip
+        lines += [f"    {record_privacy}"] if record_privacy else []
     if alarm is not None:
         lines.append(f"  warning: {alarm}")
     if stopped is not None:

@@ -37,7 +37,15 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import RoundEvent
-from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, noise_generator
+from lightning_fl.privacy.base import (
+    Plan,
+    apply_update,
+    clip,
+    flat_update,
+    layer_slices,
+    neighbours,
+    noise_generator,
+)
 from lightning_fl.privacy.central import CentralDP
 from lightning_fl.seeding import STREAM_DISTRIBUTED_NOISE
 
@@ -88,6 +96,11 @@ class DistributedDP(CentralDP):
     def sum_multiplier(self, arrived: float) -> float:
         """The noise multiplier (std / S) of a sum of ``arrived`` shares, as the accountant counts it."""
         return self.z * math.sqrt(self.counted_shares(arrived) / self.plan.expected_clients)
+
+    def guarantee(self, secure_sum: bool = False) -> str:
+        seen = ("the server sees only their sum (secure aggregation)" if secure_sum else "without secure aggregation "
+                "the server sees each upload, with 1/sqrt(m) of the noise")  # fmt: skip
+        return f"trust: distributed, each client adds a share of the noise and {seen}; {neighbours(self.plan.sampling)}"
 
     def event(self) -> RoundEvent:
         """A planned round's release (every expected share arrives): for ``max_epsilon``."""

@@ -228,6 +228,11 @@ class DPSGD:
             "privacy/record_noise_multiplier_max": max(self.plans[c].z for c in self.participations),
         }
 
+    def guarantee(self) -> str:
+        """What the logged epsilons protect, for the run's summary (as :meth:`Privacy.guarantee`)."""
+        return ("trust: local, each client runs DP-SGD on its own records (neither the server nor other clients "
+                "trusted); neighbours: one record of a client added or removed")  # fmt: skip
+
     def report(self) -> list[dict[str, float]]:
         """One row per client that trained: records, rate, steps per round, z, rounds taken part in, epsilon."""
         rows = []
