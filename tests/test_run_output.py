@@ -86,6 +86,26 @@ def test_the_summary_says_when_the_best_rounds_are_chosen_on_test_data(tmp_path)
     assert FederatedTextDataModule(None, val_fraction=0.1).val_is_test is False
 
 
+def test_a_federated_evaluation_writes_a_new_folder_of_its_own_and_says_where(tmp_path, capsys):
+    """``validate`` and ``test`` never reuse the fit's folder, even one named by ``version``, nor take a fit's
+    ``version_N``: they write ``validate_N`` and ``test_N`` and print where."""
+    fit = make_trainer(tmp_path, rounds=1, version="named")
+    fit.fit(make_model(), datamodule=make_dm())
+    ckpt = str(fit.log_dir / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
+    runs = tmp_path / "runs" / "federated"
+    for command, folder in [("validate", "validate_0"), ("test", "test_0"), ("validate", "validate_1")]:
+        evaluation = make_trainer(tmp_path, version="named")
+        (metrics,) = getattr(evaluation, command)(make_model(), datamodule=make_dm(), ckpt_path=ckpt)
+        assert evaluation.log_dir == runs / folder and (runs / folder / "config.yaml").exists() is False
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == f"{command}: 3 metric(s), written to {runs / folder} (a new folder for this evaluation)"
+        if command == "validate":  # (make_dm's val_fraction is 0)
+            assert lines[1] == "  val/* is the test split (no validation split: data.val_fraction 0)"
+        assert len(lines) == 1 + (command == "validate") + len(metrics)
+    assert sorted(p.name for p in runs.iterdir()) == ["named", "test_0", "validate_0", "validate_1"]
+
+
 def test_the_summary_of_a_run_without_rounds_says_so():
     assert run_summary([], Path("runs/x/version_0"), logger=False) == "No round ran. Run folder: runs/x/version_0"
 

@@ -103,11 +103,12 @@ class TrainerArguments:
     CLI's default: one fewer than the cores (at least 1), shared among a node's processes. In a config, set the
     top-level ``threads`` key instead, which also covers what is built before the trainer runs."""
     default_root_dir: str = "runs"
-    """Runs go to ``<default_root_dir>/<name>/<version>/``."""
+    """Runs go to ``<default_root_dir>/<name>/<version>/``; ``validate`` and ``test`` write a new ``validate_N`` or
+    ``test_N`` folder beside them."""
     name: str = "federated"
     """Experiment name (folder under ``default_root_dir``)."""
     version: int | str | None = None
-    """Run folder name or number; ``null`` picks the next ``version_N``."""
+    """Run folder name or number of a fit; ``null`` picks the next ``version_N``."""
     logger: bool = True
     """Write TensorBoard logs."""
     resume: bool | Literal["auto"] = False

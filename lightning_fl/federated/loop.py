@@ -178,19 +178,24 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         return fingerprint
 
     def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
+        """Evaluate on the validation split (weights from ``ckpt_path``). Its metrics, config and TensorBoard events go
+        to a new folder ``<default_root_dir>/<name>/validate_N`` (never the fit's; ``version`` names fits only),
+        whose path the printed results name."""
         return self._evaluate_only(model, datamodule, ckpt_path, "val")
 
     def test(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
+        """Evaluate on the test split, into a new folder ``<default_root_dir>/<name>/test_N`` (as :meth:`validate`)."""
         return self._evaluate_only(model, datamodule, ckpt_path, "test")
 
     # ============================================================================ set-up
-    def _launch(self, find_checkpoint: Callable[[], Path | None] = lambda: None) -> Path | None:
-        """Start Fabric and claim the run folder (rank 0 decides); the checkpoint to resume, if any."""
+    def _launch(self, find_checkpoint: Callable[[], Path | None] = lambda: None, evaluation: str = "") -> Path | None:
+        """Start Fabric and claim the run folder (rank 0 decides; ``evaluation``: a new ``<evaluation>_N``); the
+        checkpoint to resume, if any."""
         threads.for_run(self.threads)  # before Fabric starts its processes (they inherit it; each shares the cores)
         restart = self.resume in (True, "auto")  # a named run that died before its first checkpoint starts over
-        self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(
-            self.fabric_args, self.logger, self.default_root_dir, self.name, self.version, find_checkpoint, restart
-        )
+        version = None if evaluation else self.version
+        self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(self.fabric_args, self.logger,
+            self.default_root_dir, self.name, version, find_checkpoint, restart, evaluation or "version")  # fmt: skip
         return ckpt
 
     def _release(self) -> None:
@@ -257,9 +262,10 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         return evaluate(model, datamodule, stage, self.fabric, self.limit_val_batches)
 
     def _evaluate_only(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
-        self._launch()
+        command = "validate" if stage == "val" else "test"
+        self._launch(evaluation=command)
         try:
-            model, _ = self._prepare(model, datamodule, stage="validate" if stage == "val" else "test")
+            model, _ = self._prepare(model, datamodule, stage=command)
             if ckpt_path is not None:
                 round_ckpt.load_for_evaluation(model, Path(ckpt_path).expanduser(), self.fabric.device)
             metrics = self._evaluate(model, datamodule, stage)
@@ -268,7 +274,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.callback_metrics = metrics
             self._finish()
             if self.fabric.is_global_zero:
-                print(evaluation_lines(metrics, "validate" if stage == "val" else "test", self.log_dir))
+                val_is_test = stage == "val" and getattr(datamodule, "val_is_test", False) is True
+                print(evaluation_lines(metrics, command, self.log_dir, val_is_test))
             return [metrics]
         except BaseException:
             self._discard_empty_folder()

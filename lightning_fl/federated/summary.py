@@ -8,6 +8,8 @@ from typing import Any
 
 #: Evaluation metrics where lower is better (every other ``val/*`` metric: higher is better).
 LOWER_IS_BETTER = ("loss", "ppl", "ece")
+#: Where ``validate`` and ``test`` write (their config and logs): a new ``validate_N`` or ``test_N`` folder.
+EVALUATION_FOLDER = "written to {} (a new folder for this evaluation)"
 #: What ``val/*`` is when the data module has no validation split (its ``val_is_test``).
 TEST_AS_VAL = "val/* is the test split (no validation split: data.val_fraction 0)"
 
@@ -129,9 +131,13 @@ def write_client_epsilons(dp_sgd: Any, path: Path) -> None:
     tmp.replace(path)
 
 
-def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | None) -> str:
-    """What ``validate``/``test`` print: each metric on its line, and a NaN or Inf one said plainly."""
-    lines = [f"{command}: {len(metrics)} metric(s)" + (f" (logged under {log_dir})" if log_dir is not None else "")]
+def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | None, val_is_test: bool = False) -> str:
+    """What ``validate``/``test`` print: where the results went (the evaluation's own folder), each metric on its line
+    (``val_is_test``: ``val/*`` is the test split, said first), and a NaN or Inf one said plainly."""
+    lines = [f"{command}: {len(metrics)} metric(s)"]
+    if log_dir is not None:
+        lines[0] += f", {EVALUATION_FOLDER.format(log_dir)}"
+    lines += [f"  {TEST_AS_VAL}"] if val_is_test and any(k.startswith("val/") for k in metrics) else []
     width = max((len(k) for k in metrics), default=0)
     for key in sorted(metrics):
         value = metrics[key]
