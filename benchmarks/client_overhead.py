@@ -119,7 +119,7 @@ class FloorBetweenRounds(InProcess):
 
     def __init__(self, floor: Callable[[], None], rounds: int) -> None:
         super().__init__()
-        self.floor, self.last = floor, rounds - 1
+        self.floor, self.last = floor, rounds  # (rounds are 1-based)
         self.rounds: list[Sample] = []
         self.floors: list[Sample] = []
         self.mark: tuple[float, float] | None = None

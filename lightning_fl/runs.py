@@ -5,7 +5,7 @@ same moment must never share a folder, and a run that resumes must never attach 
 process is writing. So:
 
 - a new folder is claimed with an exclusive ``mkdir`` (``version_N``, the next free ``N``; a process that
-  loses the race takes ``N + 1``);
+  loses the race takes ``N + 1``; an evaluation, ``validate`` or ``test``, claims ``validate_N`` or ``test_N``);
 - the claiming process holds an exclusive ``flock`` on ``<folder>/.lock`` (which records its pid and host)
   until the run ends; the kernel drops the lock when the process dies, even by ``kill -9``, so a stale lock
   never blocks a later resume;
@@ -112,34 +112,40 @@ def holds_run(folder: Path) -> bool:
     return folder.is_dir() and any(p.name != LOCK_NAME for p in folder.iterdir())
 
 
-def _next_free(parent: Path) -> int:
+def _next_free(parent: Path, prefix: str = "version") -> int:
     numbers = [
         int(p.name.split("_", 1)[1])
-        for p in parent.glob("version_*")
+        for p in parent.glob(f"{prefix}_*")
         if p.name.split("_", 1)[1].isdigit()
     ]  # fmt: skip
     return max(numbers, default=-1) + 1
 
 
 def claim(
-    parent: str | Path, version: int | str | None = None, resume: Path | None = None, restart_incomplete: bool = False
+    parent: str | Path,
+    version: int | str | None = None,
+    resume: Path | None = None,
+    restart_incomplete: bool = False,
+    prefix: str = "version",
 ) -> RunLock:
     """Claim and lock the run folder under ``parent`` (``<root>/<name>``); the lock says which folder.
 
     Args:
         parent: The experiment folder.
-        version: ``None``: a new ``version_N`` (exclusive ``mkdir``, so concurrent runs get distinct folders);
+        version: ``None``: a new ``<prefix>_N`` (exclusive ``mkdir``, so concurrent runs get distinct folders);
             an int ``N``: ``version_N``; a string: that folder name.
         resume: The folder of the run being resumed (it may hold a run; it must not be locked by another process).
         restart_incomplete: A named folder whose run never saved a checkpoint (it died in its first round) may be
             started over; without it, any folder holding a run is refused.
+        prefix: A new folder's name before ``_N``: ``version`` for training runs, ``validate`` or ``test`` for
+            evaluations.
     """
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
     if version is None and resume is None:
-        n = _next_free(parent)
+        n = _next_free(parent, prefix)
         while True:
-            folder = parent / f"version_{n}"
+            folder = parent / f"{prefix}_{n}"
             try:
                 folder.mkdir()
             except FileExistsError:  # another run took it between our scan and our mkdir
@@ -171,8 +177,8 @@ def claim(
     return lock
 
 
-def claim_for_lightning(trainer: Any) -> RunLock | None:
-    """Claim a new run folder for a ``lightning.Trainer``'s loggers before it creates one itself.
+def claim_for_lightning(trainer: Any, prefix: str = "version") -> RunLock | None:
+    """Claim a new run folder (``<prefix>_N``) for a ``lightning.Trainer``'s loggers before it creates one itself.
 
     Lightning picks ``version_N`` by listing the folder, so two runs started together would share one. On the
     process of rank 0 (other ranks receive rank 0's folder from Lightning), the first logger without a version
@@ -184,7 +190,7 @@ def claim_for_lightning(trainer: Any) -> RunLock | None:
     if not loggers:
         return None
     parent = Path(loggers[0].root_dir)
-    lock = claim(parent)
+    lock = claim(parent, prefix=prefix)
     for lg in loggers:
         if Path(lg.root_dir) == parent:
             lg._version = lock.folder.name  # Lightning's loggers keep the version here; no public setter exists

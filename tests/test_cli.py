@@ -47,14 +47,27 @@ def test_fit_writes_config_events_and_checkpoints_then_resumes_at_epoch_2(in_tmp
     assert [e.step for e in events(resumed).Scalars("epoch")][-1] == state["global_step"] - 1
 
 
-def test_validate_and_test_load_the_checkpoint(in_tmp):
+def test_validate_and_test_load_the_checkpoint_and_say_where_they_wrote(in_tmp, capsys):
+    """An evaluation writes its config and logs to a new folder of its own (``test_N``, ``validate_N``), named in
+    what it prints; fits keep numbering ``version_N``."""
     assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "2", *QUIET) == 0
-    ckpt = str(in_tmp / "runs" / "pretrain_digits" / "version_0" / "checkpoints" / "last.ckpt")
+    runs = Path("runs") / "pretrain_digits"  # (in in_tmp)
+    ckpt = str(runs / "version_0" / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
     (metrics,) = main(["test", "--config", DIGITS, "--ckpt_path", ckpt, *QUIET])
     assert set(metrics) == {"test/acc", "test/ece", "test/loss"} and metrics["test/acc"] > 0.8
     (val,) = main(["validate", "--config", DIGITS, "--ckpt_path", ckpt, *QUIET])
     assert val["val/acc"] == pytest.approx(metrics["test/acc"])  # val is the test split without val_fraction
-    assert (in_tmp / "runs" / "pretrain_digits" / "version_2" / "config.yaml").is_file()
+    out = capsys.readouterr().out
+    for folder in ("test_0", "validate_0"):
+        assert f"{folder.split('_')[0]}: written to {runs / folder} (a new folder for this evaluation)\n" in out
+        assert (runs / folder / "config.yaml").is_file()
+    assert out.endswith(
+        "validate_0 (a new folder for this evaluation)\n  val/* is the test split (no validation "
+        "split: data.val_fraction 0)\n"
+    )
+    assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "1", *QUIET) == 0
+    assert sorted(p.name for p in runs.iterdir()) == ["test_0", "validate_0", "version_0", "version_1"]
 
 
 def test_print_config_shows_every_default(capsys):

@@ -372,7 +372,7 @@ def test_a_diverging_client_fails_in_a_dp_sgd_cohort_with_the_message_it_gives_a
         run_cohort(module, dm, state, [0], 0, 0, codec=FP32(), local=local, fabric=fabric)
 
 
-def test_record_level_and_user_level_dp_run_together(tmp_path):
+def test_record_level_and_user_level_dp_run_together(tmp_path, capsys):
     from lightning_fl.privacy import CentralDP
 
     trainer = make_trainer(tmp_path, rounds=2, clients_per_round=2, max_update_norm_ratio=None,
@@ -381,6 +381,15 @@ def test_record_level_and_user_level_dp_run_together(tmp_path):
     trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
     last = trainer.history[-1]
     assert 0 < last["privacy/epsilon"] < math.inf and 0 < last["privacy/record_epsilon_max"] < math.inf
+    out = capsys.readouterr().out.splitlines()  # the summary: what each epsilon protects, under it
+    user = next(i for i, line in enumerate(out) if line.startswith("  privacy: user-level epsilon "))
+    assert out[user + 1] == ("    trust: central, the server clips and noises the sum; neighbours: one client's data "
+                             "replaced (fixed-size sampling)")  # fmt: skip
+    record = next(i for i, line in enumerate(out) if line.startswith("  record-level DP-SGD: worst client's epsilon"))
+    assert out[record + 1] == (
+        "    trust: local, each client runs DP-SGD on its own records (neither the server "
+        "nor other clients trusted); neighbours: one record of a client replaced (its record count is public)"
+    )
 
 
 def test_the_planning_command_prints_each_budgets_noise_and_refuses_bad_input(capsys):

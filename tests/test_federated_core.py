@@ -432,6 +432,7 @@ class Recorder(Callback):
 
     def on_round_end(self, trainer, round, metrics):
         saved = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", weights_only=True)["round"]
+        assert round == metrics["fed/round"]  # 1-based, as logged
         self.calls.append(("round", round, saved, trainer.history[-1]["round"], "val/acc" in metrics))
 
     def on_rounds_end(self, trainer):
@@ -442,11 +443,56 @@ def test_a_users_callbacks_see_every_round_after_it_is_saved_and_a_resume_starts
     first = Recorder()
     trainer = quiet_fit(make_trainer(tmp_path, rounds=2, name="cb", callbacks=[first]), make_model(), make_dm())
     # round 0 (the base) is evaluated before the rounds start; each round is checkpointed before its hook
-    assert first.calls == [("start", 0, 1), ("round", 0, 1, 1, True), ("round", 1, 2, 2, True), ("end", 3)]
+    assert first.calls == [("start", 0, 1), ("round", 1, 1, 1, True), ("round", 2, 2, 2, True), ("end", 3)]
     again = Recorder()
     ckpt = str(trainer.log_dir / "checkpoints" / "last.ckpt")
     quiet_fit(make_trainer(tmp_path, rounds=3, name="cb", callbacks=[again]), make_model(), make_dm(), ckpt_path=ckpt)
-    assert again.calls == [("start", 2, 3), ("round", 2, 3, 3, True), ("end", 4)]
+    assert again.calls == [("start", 2, 3), ("round", 3, 3, 3, True), ("end", 4)]
+
+
+class ThreadsSeen(Callback):
+    """The torch threads the rounds run with."""
+
+    def on_rounds_start(self, trainer, start):
+        self.threads = torch.get_num_threads()
+
+
+def test_a_fit_from_python_runs_with_the_clis_threads_unless_they_were_chosen(tmp_path, monkeypatch):
+    """README's Python example ran with torch's default threads (one per core), several times slower than the CLI
+    on 2 shared cores: ``FederatedTrainer`` applies the CLI's rule unless the user chose, and ``threads`` says how
+    many."""
+    from lightning_fl import threads
+
+    before = torch.get_num_threads()
+    rule = before + 1  # the CLI's rule on before + 2 cores, never torch's count
+    monkeypatch.setattr(threads, "usable_cores", lambda: before + 2)
+    monkeypatch.setattr(threads, "_torch_at_import", before)
+    monkeypatch.setattr(threads, "_explicit", threads._explicit)
+
+    def fit(chosen=False, environment=None, **kwargs):
+        """The threads of a fit (``chosen``: lightning_fl.set_threads or the CLI's key ran before)."""
+        monkeypatch.setattr(threads, "_chosen", chosen)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # restored after the test
+            monkeypatch.setenv(name, "1")
+            monkeypatch.delenv(name)
+        if environment is not None:  # the user's, or as a process that Fabric starts inherits it
+            monkeypatch.setenv("OMP_NUM_THREADS", environment)
+        seen = ThreadsSeen()
+        quiet_fit(make_trainer(tmp_path, rounds=1, logger=False, callbacks=[seen], **kwargs), make_model(), make_dm())
+        return seen.threads
+
+    try:
+        assert fit() == rule and threads.os.environ["OMP_NUM_THREADS"] == str(rule)
+        assert fit(threads=2) == 2 and threads.os.environ["OMP_NUM_THREADS"] == "2"
+        assert fit(chosen=True) == 2 and fit(chosen=True, threads=1) == 1
+        torch.set_num_threads(rule + 1)  # the user's own choice is kept
+        assert fit() == rule + 1
+        torch.set_num_threads(before)
+        assert fit(environment=str(before)) == before
+        with pytest.raises(ConfigError, match="trainer.threads must be a whole number >= 1 or null, got 0"):
+            make_trainer(tmp_path, threads=0)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_callbacks_come_from_the_config_by_class_path(in_tmp, capsys):
@@ -477,7 +523,7 @@ def test_the_transport_is_a_constructor_argument_and_sees_every_round(tmp_path):
 
     transport = Counting()
     trainer = quiet_fit(make_trainer(tmp_path, rounds=2, transport=transport), make_model(), make_dm())
-    assert trainer.transport is transport and transport.finished == [0, 1]
+    assert trainer.transport is transport and transport.finished == [1, 2]  # 1-based, as logged
     assert [r for r, _ in transport.delivered] == [0, 1] and all(c == [0, 1, 2, 3] for _, c in transport.delivered)
     with pytest.raises(ConfigError, match="trainer.transport must be a Transport or null, got str"):
         make_trainer(tmp_path, transport="flower")

@@ -758,11 +758,11 @@ def test_rounds_whose_clients_were_all_unavailable_are_not_silent():
                    "fed/dropped_clients": 0.0}  # fmt: skip
         transport.finished_round(r, metrics)
 
-    round_(0, 0.0, 4.0)  # silent
-    for r in range(1, 6):
+    round_(1, 0.0, 4.0)  # silent (rounds are 1-based, as logged)
+    for r in range(2, 7):
         round_(r, 4.0, 0.0)  # nobody asked
     with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-7"):
-        round_(6, 1.0, 3.0)
+        round_(7, 1.0, 3.0)
 
 
 # ------------------------------------------------------------------------------------------ pushing and pulling

@@ -297,9 +297,48 @@ def test_private_runs_from_the_command_line_and_their_refusals(in_tmp, capsys, m
           "--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2"]  # fmt: skip
     assert run_cli("fit", *ok) == 0
     out = capsys.readouterr().out
-    assert "privacy: epsilon" in out and "at delta" in out
+    assert "privacy: user-level epsilon" in out and "at delta" in out
+    assert "    trust: central, the server clips and noises the sum; neighbours: one client's data added or removed " \
+           "(poisson sampling)\n" in out  # fmt: skip
     config = (in_tmp / "runs" / "quickstart" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_fl.privacy.CentralDP" in config and "sampling: poisson" in config
+
+
+def test_the_summary_says_what_the_epsilon_protects_and_the_bytes_of_the_clients_that_took_part(tmp_path, capsys):
+    """Cross-device runs average the bytes over every client, most never sampled: the summary adds the mean over the
+    clients that took part, and under the epsilon the trust model and the accountant's neighbouring relation."""
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DistributedDP, Plan
+
+    capsys.readouterr()
+    args = {**DP_ARGS, "clients_per_round": 2}  # of 8 clients
+    trainer = fit(make_trainer(tmp_path, rounds=1, logger=False, privacy=LocalDP(clip_norm=0.1, epsilon=4.0), **args))
+    out = capsys.readouterr().out.splitlines()
+    ledger = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", weights_only=True)["ledger"]
+    sent = (ledger["up"] + ledger["down"])[ledger["down"] > 0]
+    assert len(sent) == 2 and sent.double().mean() > trainer.history[-1]["comm/cum_client_bytes"]
+    mean = float(sent.double().mean())
+    bytes_line = out.index(next(line for line in out if line.startswith("  bytes per client (")))
+    assert out[bytes_line + 1] == f"  bytes per client that took part (2 of 8 clients): {mean:,.0f} " \
+                                  f"({mean / 2**20:.3f} MiB)"  # fmt: skip
+    epsilon = out.index(next(line for line in out if line.startswith("  privacy: user-level epsilon 4 at delta")))
+    local = "    trust: local, each client noises its own upload (the server is not trusted); epsilon of the client "
+    assert out[epsilon + 1] == local + "that uploaded most; neighbours: one client's data replaced"
+    every = fit(make_trainer(tmp_path, rounds=1, logger=False, **DP_ARGS, name="every"), dm=make_dm(num_clients=4))
+    assert "took part" not in capsys.readouterr().out and every.ledger.took_part()[0] == 4  # every client took part
+    for sampling, relation in [("fixed", "one client's data replaced (fixed-size sampling)"),
+                               ("poisson", "one client's data added or removed (poisson sampling)")]:  # fmt: skip
+        central, shares = CentralDP(noise_multiplier=1.0), DistributedDP(noise_multiplier=1.0)
+        for privacy in (central, shares):
+            privacy.setup(Plan(100, 10.0, sampling, 5, 0, FedAvg()))
+        assert central.guarantee() == f"trust: central, the server clips and noises the sum; neighbours: {relation}"
+        assert shares.guarantee(secure_sum=True) == (
+            "trust: distributed, each client adds a share of the noise and the server sees only their sum (secure "
+            "aggregation); epsilon of the client whose shares reached most sums, not amplified by sampling (the "
+            "server sees who takes part); neighbours: one client's data replaced"
+        )  # whatever the sampling
+        assert "without secure aggregation the server sees each upload, with 1/sqrt(m) of the noise" in \
+               shares.guarantee(secure_sum=False)  # fmt: skip
 
 
 def test_plan_refusals_are_one_line_config_errors():

@@ -322,7 +322,7 @@ def test_rejected_uploads_are_counted_apart_and_left_out_of_the_round_metrics(tm
     events = EventAccumulator(str(trainer.log_dir), size_guidance={"tensors": 0})
     events.Reload()
     texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("fed/dropped_clients/text_summary")]
-    assert texts == ["0", "0"]
+    assert texts == ["0", "0"] and [e.step for e in events.Tensors("fed/dropped_clients/text_summary")] == [1, 2]
 
 
 # ------------------------------------------------------------------------------------------ empty clients

@@ -1,8 +1,13 @@
 """What a federated run prints: plain progress lines when output is not a terminal, and a summary at the end."""
 
+import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from conftest import make_dm, make_model, make_trainer
+from lightning_fl.federated.callbacks import ProgressReport
 from lightning_fl.federated.summary import best_round, run_summary
 
 
@@ -18,8 +23,11 @@ def test_best_round_follows_the_metric_direction():
     assert best_round(history, "val/ppl") is None
 
 
-def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, capsys):
-    trainer = make_trainer(tmp_path, rounds=4, enable_progress_bar=True)
+@pytest.mark.parametrize("bar", [True, False])
+def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, capsys, bar):
+    """Output to a file or a CI log gets the plain lines whatever ``enable_progress_bar`` says (17 of the configs set it
+    false, and printed nothing for minutes)."""
+    trainer = make_trainer(tmp_path, rounds=4, enable_progress_bar=bar)
     trainer.fit(make_model(), datamodule=make_dm())
     out = capsys.readouterr().out
     progress = [line for line in out.splitlines() if line.startswith("round ")]
@@ -30,6 +38,8 @@ def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, cap
     ]
     assert progress == expected
     summary = out[out.index("Finished round 4") :]
+    test_data = "  val/* is the test split (no validation split: data.val_fraction 0): each best round below is chosen"
+    assert summary.splitlines()[1] == test_data + " on test data"  # (make_dm's val_fraction is 0)
     acc = [h["val/acc"] for h in trainer.history]
     best = max(range(1, 5), key=lambda r: acc[r])
     assert f"val/acc: {acc[0]:.4f} at round 0, {acc[4]:.4f} at the end, best {acc[best]:.4f} (round {best})" in summary
@@ -38,6 +48,62 @@ def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, cap
     assert f"run folder: {trainer.log_dir} (config.yaml, checkpoints/last.ckpt)" in summary
     assert f"TensorBoard: tensorboard --logdir {trainer.log_dir.parent}" in summary
     assert "\r" not in out  # no carriage-return bars when output is not a terminal
+
+
+@pytest.mark.parametrize(("terminal", "bar", "lines"), [(False, True, True), (False, False, True), (True, True, False),
+                                                      (True, False, True)])  # fmt: skip
+def test_progress_is_a_bar_on_a_terminal_if_enabled_else_a_line_every_tenth_of_the_run(
+    monkeypatch, capsys, terminal, bar, lines
+):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    trainer = SimpleNamespace(rounds=20, enable_progress_bar=bar, fabric=SimpleNamespace(is_global_zero=True))
+    report = ProgressReport()
+    report.on_rounds_start(trainer, 0)
+    for r in range(1, 21):
+        report.on_round_end(trainer, r, {"val/acc": 0.5, "comm/cum_client_bytes": 2.0**20 * r})
+    report.on_rounds_end(trainer)
+    shown = [f"round {r}/20: val/acc 0.5000, MiB/client {r:.3f}" for r in range(2, 21, 2)]
+    out, err = capsys.readouterr()
+    assert out.splitlines() == (shown if lines else [])
+    assert ("round: 100%" in err) is (terminal and bar)  # the bar
+
+
+def test_the_summary_says_when_the_best_rounds_are_chosen_on_test_data(tmp_path):
+    from lightning_fl.data import FederatedDataModule, Synthetic
+    from lightning_fl.data.text import FederatedTextDataModule
+
+    history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.7}]
+    on_test = run_summary(history, tmp_path, logger=False, val_is_test=True).splitlines()
+    assert on_test[1] == "  val/* is the test split (no validation split: data.val_fraction 0): each best round " \
+                         "below is chosen on test data"  # fmt: skip
+    assert on_test[2:] == run_summary(history, tmp_path, logger=False).splitlines()[1:]
+    assert "test split" not in run_summary([{"round": 1}], tmp_path, False, val_is_test=True)  # no val/*
+    source = Synthetic(train_size=40, test_size=10)
+    assert FederatedDataModule(source, val_fraction=0).val_is_test
+    assert not FederatedDataModule(source, val_fraction=0.25).val_is_test
+    assert FederatedTextDataModule(None, val_fraction=0).val_is_test is True
+    assert FederatedTextDataModule(None, val_fraction=0.1).val_is_test is False
+
+
+def test_a_federated_evaluation_writes_a_new_folder_of_its_own_and_says_where(tmp_path, capsys):
+    """``validate`` and ``test`` never reuse the fit's folder, even one named by ``version``, nor take a fit's
+    ``version_N``: they write ``validate_N`` and ``test_N`` and print where."""
+    fit = make_trainer(tmp_path, rounds=1, version="named")
+    fit.fit(make_model(), datamodule=make_dm())
+    ckpt = str(fit.log_dir / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
+    runs = tmp_path / "runs" / "federated"
+    for command, folder in [("validate", "validate_0"), ("test", "test_0"), ("validate", "validate_1")]:
+        evaluation = make_trainer(tmp_path, version="named")
+        (metrics,) = getattr(evaluation, command)(make_model(), datamodule=make_dm(), ckpt_path=ckpt)
+        assert evaluation.log_dir == runs / folder and (runs / folder / "config.yaml").exists() is False
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == f"{command}: 3 metric(s), written to {runs / folder} (a new folder for this evaluation)"
+        if command == "validate":  # (make_dm's val_fraction is 0)
+            assert lines[1] == "  val/* is the test split (no validation split: data.val_fraction 0)"
+        assert len(lines) == 1 + (command == "validate") + len(metrics)
+    assert sorted(p.name for p in runs.iterdir()) == ["named", "test_0", "validate_0", "validate_1"]
 
 
 def test_the_summary_of_a_run_without_rounds_says_so():
@@ -53,6 +119,7 @@ def test_a_lightning_trainer_fit_ends_with_a_summary(in_tmp, capsys):
     summary = out[out.index("Finished after 1 epoch(s)") :]
     run = Path("runs") / "pretrain_digits" / "version_0"
     assert "  val/acc: " in summary and "  val/loss: " in summary
+    assert "  val/* is the test split (no validation split: data.val_fraction 0)\n" in summary
     assert f"  checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in summary
     assert f"  run folder: {run} (config.yaml)" in summary
 

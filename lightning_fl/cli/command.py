@@ -65,8 +65,12 @@ class RunSummaryCallback(Callback):
 
 def lightning_summary(trainer: L.Trainer, log_dir: str | None) -> str:
     """The final ``val/*`` metrics, the epochs and steps, the checkpoint and the run folder (``log_dir``) of a fit."""
+    from lightning_fl.federated.summary import TEST_AS_VAL
+
     lines = [f"Finished after {trainer.current_epoch} epoch(s) ({trainer.global_step} optimiser steps)."]
     metrics = trainer.callback_metrics
+    if getattr(trainer.datamodule, "val_is_test", False) is True and any(k.startswith("val/") for k in metrics):
+        lines.append(f"  {TEST_AS_VAL}")
     for key in sorted(k for k in metrics if k.startswith("val/")):
         lines.append(f"  {key}: {float(metrics[key]):.4f} at the end")
     checkpoint = trainer.checkpoint_callback
@@ -214,9 +218,17 @@ def main(argv: list[str] | None = None) -> Any:
         method = getattr(run.trainer, run.subcommand)
         if not isinstance(run.trainer, L.Trainer):
             return method(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
-        lock = runs.claim_for_lightning(run.trainer)  # its own version_N, even when runs start together
+        # its own version_N (validate_N, test_N for an evaluation), even when runs start together
+        lock = runs.claim_for_lightning(run.trainer, "version" if run.subcommand == "fit" else run.subcommand)
         # weights_only passed explicitly: Lightning's torch.load then ignores TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD too
-        return method(run.model, datamodule=run.data, ckpt_path=run.ckpt_path, weights_only=True)
+        out = method(run.model, datamodule=run.data, ckpt_path=run.ckpt_path, weights_only=True)
+        if run.subcommand != "fit" and (log_dir := run.trainer.log_dir) is not None and run.trainer.is_global_zero:
+            from lightning_fl.federated.summary import EVALUATION_FOLDER, TEST_AS_VAL
+
+            print(f"{run.subcommand}: {EVALUATION_FOLDER.format(log_dir)}", flush=True)  # (a fit's summary says it)
+            if run.subcommand == "validate" and getattr(run.data, "val_is_test", False) is True:
+                print(f"  {TEST_AS_VAL}", flush=True)
+        return out
     except UserError as err:
         _fail(f"{run.subcommand}: {err}")
     except (MisconfigurationException, ValueError, TypeError) as err:  # Lightning/Fabric refusing trainer settings

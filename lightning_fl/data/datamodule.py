@@ -352,9 +352,14 @@ class FederatedDataModule(L.LightningDataModule):
         self._require_setup()
         return self._loader(self._train_subset(self._splits[self.train_split]), train=True)
 
+    @property
+    def val_is_test(self) -> bool:
+        """Whether ``val_dataloader`` serves the test split (``val_fraction`` 0): ``val/*`` is then test data."""
+        return self.val_fraction == 0
+
     def val_dataloader(self) -> DataLoader:
         self._require_setup()
-        if self.val_fraction == 0:
+        if self.val_is_test:
             return self.test_dataloader()
         transform = self.source.transform(train=False)
         return self._loader(TransformedSubset(self._train, self._splits["val"], transform), train=False)

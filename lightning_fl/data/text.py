@@ -251,8 +251,13 @@ class FederatedTextDataModule(L.LightningDataModule):
         """Central training: the pretraining plays, or with ``pretrain_plays`` 0 the pooled client windows."""
         return self._loader("public" if self.pretrain_plays else "clients", train=True)
 
+    @property
+    def val_is_test(self) -> bool:
+        """Whether ``val_dataloader`` serves the test windows (``val_fraction`` 0): ``val/*`` is then test data."""
+        return self.val_fraction == 0
+
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val" if self.val_fraction > 0 else "test")
+        return self._loader("test" if self.val_is_test else "val")
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test")

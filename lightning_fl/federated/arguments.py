@@ -97,12 +97,18 @@ class TrainerArguments:
     exchange uploads)."""
     precision: str | None = None
     """Fabric precision (``32-true``, ``bf16-mixed``, ``16-mixed``, ...); ``null``: 32-bit."""
+    threads: int | None = None
+    """CPU threads per process for torch while the trainer runs; ``null``: those chosen already are kept (the CLI's
+    top-level ``threads`` key, ``lightning_fl.set_threads``, ``torch.set_num_threads``, ``OMP_NUM_THREADS``), else the
+    CLI's default: one fewer than the cores (at least 1), shared among a node's processes. In a config, set the
+    top-level ``threads`` key instead, which also covers what is built before the trainer runs."""
     default_root_dir: str = "runs"
-    """Runs go to ``<default_root_dir>/<name>/<version>/``."""
+    """Runs go to ``<default_root_dir>/<name>/<version>/``; ``validate`` and ``test`` write a new ``validate_N`` or
+    ``test_N`` folder beside them."""
     name: str = "federated"
     """Experiment name (folder under ``default_root_dir``)."""
     version: int | str | None = None
-    """Run folder name or number; ``null`` picks the next ``version_N``."""
+    """Run folder name or number of a fit; ``null`` picks the next ``version_N``."""
     logger: bool = True
     """Write TensorBoard logs."""
     resume: bool | Literal["auto"] = False
@@ -116,7 +122,8 @@ class TrainerArguments:
     check_identity: bool = True
     """Log the averaging identity error (modules with ``averaging_identity_error``, linear strategies only)."""
     enable_progress_bar: bool = True
-    """Show progress over rounds."""
+    """Progress bars on a terminal (over rounds, and over a round's clients); ``false``: no bars. Wherever there is no
+    bar (output to a file or a CI log, or the bars off) a plain line reports every tenth of the run."""
     save_every_n_rounds: int = 0
     """Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept)."""
     client_batching: Literal["sequential", "vmap"] = "sequential"
@@ -172,6 +179,8 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
             math.isfinite(a["client_state_memory_mb"]) and a["client_state_memory_mb"] >= 0), ">= 0 or null"),
         "sampling": (a["sampling"] in ("fixed", "poisson"), "'fixed' or 'poisson'"),
         "fold_groups": (isinstance(a["fold_groups"], int) and a["fold_groups"] >= 1, "a whole number >= 1"),
+        "threads": (a["threads"] is None or (isinstance(a["threads"], int) and not isinstance(a["threads"], bool)
+                                             and a["threads"] >= 1), "a whole number >= 1 or null"),
     }  # fmt: skip
     for key in ("max_update_norm", "max_update_norm_ratio", "max_client_weight"):
         value = a[key]
@@ -183,7 +192,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         "secure_aggregation": (SecureAggregation, "SecureAggregation or null"),
         "transport": (Transport, "a Transport or null"),
     }
-    quoted = {"upload_policy", "resume", "client_batching", "sampling", "fold_groups"}
+    quoted = {"upload_policy", "resume", "client_batching", "sampling", "fold_groups", "threads"}
     shown = {key: repr(a[key]) if key in quoted else str(a[key]) for key in ranges}
     problems = [f"trainer.{key} must be {what}, got {shown[key]}" for key, (ok, what) in ranges.items() if not ok]
     problems += [f"trainer.{key} must be {names}, got {type(a[key]).__name__}" for key, (kind, names) in kinds.items()

@@ -1,9 +1,9 @@
 """What varies around :class:`~lightning_fl.federated.FederatedTrainer`'s rounds, as callbacks.
 
 Each callback sees the rounds start (``start``: the rounds already done, by a resumed run), every round's end
-(after the round is logged and checkpointed) and the rounds' end. The trainer's own: the progress report, the
-module's text samples and the dropped clients in TensorBoard, the collapse alarm; a transport (Flower's) is one
-too, and reports each finished round to its federation.
+(after the round is logged and checkpointed; ``round`` is 1-based, as in the logs) and the rounds' end. The
+trainer's own: the progress report, the module's text samples and the dropped clients in TensorBoard, the collapse
+alarm; a transport (Flower's) is one too, and reports each finished round to its federation.
 """
 
 from __future__ import annotations
@@ -18,36 +18,43 @@ from lightning_fl.federated.summary import collapse
 
 
 class Callback:
-    """Base class: every hook does nothing."""
+    """Base class: every hook does nothing.
+
+    Rounds are numbered from 1, as everywhere a run reports them (``fed/round``, TensorBoard's step, the checkpoints,
+    the summary); round 0 is the starting model, evaluated before the first round.
+    """
 
     def on_rounds_start(self, trainer: Any, start: int) -> None:
-        """Before the first round this fit runs (``start`` rounds are done already)."""
+        """Before the first round this fit runs: ``start`` rounds are done already (0, or a resumed run's), so the
+        next round is ``start + 1``."""
 
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
-        """After round ``round`` (0-based) is evaluated, logged and checkpointed."""
+        """After round ``round`` (1-based: the number of rounds done, ``metrics["fed/round"]``) is evaluated, logged
+        and checkpointed."""
 
     def on_rounds_end(self, trainer: Any) -> None:
         """After the last round (or the round the privacy budget stopped at)."""
 
 
 class ProgressReport(Callback):
-    """A bar over rounds on a terminal; elsewhere (CI logs, files) a plain line every tenth of the run. Shows the
-    metric and the cumulative bytes per client (both directions) in MiB. From rank 0 only."""
+    """A bar over rounds on a terminal (``trainer.enable_progress_bar``); elsewhere (CI logs, files), or with the bar
+    off, a plain line every tenth of the run. Shows the metric and the cumulative bytes per client (both directions)
+    in MiB. From rank 0 only."""
 
     def on_rounds_start(self, trainer: Any, start: int) -> None:
-        self.show = trainer.enable_progress_bar and trainer.fabric.is_global_zero
-        self.terminal = sys.stderr.isatty()
+        rank_zero, terminal = trainer.fabric.is_global_zero, sys.stderr.isatty()
+        self.lines = rank_zero and not (terminal and trainer.enable_progress_bar)
         self.bar = tqdm(total=trainer.rounds, initial=start, desc="round", dynamic_ncols=True,
-                        disable=not (self.show and self.terminal))  # fmt: skip
+                        disable=not (rank_zero and terminal and trainer.enable_progress_bar))  # fmt: skip
 
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
         shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl") if k in metrics}
         shown["MiB/client"] = f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}"
         self.bar.update(1)
         self.bar.set_postfix(shown)
-        done, total = round + 1, trainer.rounds
-        if self.show and not self.terminal and (done % max(1, total // 10) == 0 or done == total):
-            print(f"round {done}/{total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+        total = trainer.rounds
+        if self.lines and (round % max(1, total // 10) == 0 or round == total):
+            print(f"round {round}/{total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
 
     def on_rounds_end(self, trainer: Any) -> None:
         self.bar.close()
@@ -68,7 +75,7 @@ class TensorBoardText(Callback):
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
         dropped = trainer.round_runner.dropped
         if dropped and (experiment := _experiment(trainer)) is not None:
-            experiment.add_text("fed/dropped_clients", ", ".join(map(str, dropped)), round + 1)
+            experiment.add_text("fed/dropped_clients", ", ".join(map(str, dropped)), round)
 
     def on_rounds_end(self, trainer: Any) -> None:
         if self.ran:
@@ -94,7 +101,7 @@ class CollapseAlarm(Callback):
         if why is None:
             return
         largest = ", ".join(f"client {c} (norm {n:.3g})" for n, c in trainer.round_runner.update_norms[:3])
-        trainer.alarm = (f"round {round + 1}: the global model collapsed: {why}; the largest updates aggregated: "
+        trainer.alarm = (f"round {round}: the global model collapsed: {why}; the largest updates aggregated: "
                          f"{largest or 'none known'}; a robust strategy (trainer.strategy Median or Krum) or a lower "
                          "trainer.max_update_norm_ratio may hold it")  # fmt: skip
         warnings.warn(trainer.alarm, stacklevel=2)

@@ -90,6 +90,13 @@ class ByteLedger:
             "comm/cum_rejected_bytes": float(self.rejected.sum()),
         }
 
+    def took_part(self) -> tuple[int, float]:
+        """How many clients took part (sampled at least once: a byte of theirs is counted) and their mean bytes,
+        uploads and downloads (``comm/cum_client_bytes`` is the mean over every client)."""
+        reached = (self.up + self.down + self.rejected) > 0
+        count = int(reached.sum())
+        return count, float((self.up + self.down)[reached].double().mean()) if count else 0.0
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {"up": self.up.clone(), "down": self.down.clone(), "rejected": self.rejected.clone()}
         if bool(self.msg_up.any() or self.msg_down.any()):

@@ -31,7 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_fl import runs
+from lightning_fl import runs, threads
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
@@ -45,7 +45,7 @@ from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner, RoundSettings
 from lightning_fl.federated.stages import round_stages
-from lightning_fl.federated.summary import evaluation_lines, run_summary, write_client_epsilons
+from lightning_fl.federated.summary import evaluation_lines, trainer_summary, write_client_epsilons
 from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.base import Plan
 from lightning_fl.runs import RunLock
@@ -138,13 +138,13 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.callback_metrics = metrics
             round_ckpt.save_trainer(self, r + 1, seed, fingerprint, num_clients)
             for callback in callbacks:
-                callback.on_round_end(self, r, metrics)
+                callback.on_round_end(self, r + 1, metrics)  # (1-based, as logged)
         for callback in callbacks:
             callback.on_rounds_end(self)
         self._finish()
         if self.dp_sgd is not None and self.fabric.is_global_zero:
             write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
-        self.fabric.print(run_summary(self.history, self.log_dir, self.logger, self.stopped, self.alarm))
+        self.fabric.print(trainer_summary(self, datamodule))
 
     def _set_up_rounds(self, model: L.LightningModule, hooks: ModuleHooks, num_clients: int, seed: int) -> str | None:
         """The global state, ledger, round runner and transport of a fresh fit; the model's fingerprint."""
@@ -178,18 +178,24 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         return fingerprint
 
     def validate(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
+        """Evaluate on the validation split (weights from ``ckpt_path``). Its metrics, config and TensorBoard events go
+        to a new folder ``<default_root_dir>/<name>/validate_N`` (never the fit's; ``version`` names fits only),
+        whose path the printed results name."""
         return self._evaluate_only(model, datamodule, ckpt_path, "val")
 
     def test(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None):
+        """Evaluate on the test split, into a new folder ``<default_root_dir>/<name>/test_N`` (as :meth:`validate`)."""
         return self._evaluate_only(model, datamodule, ckpt_path, "test")
 
     # ============================================================================ set-up
-    def _launch(self, find_checkpoint: Callable[[], Path | None] = lambda: None) -> Path | None:
-        """Start Fabric and claim the run folder (rank 0 decides); the checkpoint to resume, if any."""
+    def _launch(self, find_checkpoint: Callable[[], Path | None] = lambda: None, evaluation: str = "") -> Path | None:
+        """Start Fabric and claim the run folder (rank 0 decides; ``evaluation``: a new ``<evaluation>_N``); the
+        checkpoint to resume, if any."""
+        threads.for_run(self.threads)  # before Fabric starts its processes (they inherit it; each shares the cores)
         restart = self.resume in (True, "auto")  # a named run that died before its first checkpoint starts over
-        self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(
-            self.fabric_args, self.logger, self.default_root_dir, self.name, self.version, find_checkpoint, restart
-        )
+        version = None if evaluation else self.version
+        self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(self.fabric_args, self.logger,
+            self.default_root_dir, self.name, version, find_checkpoint, restart, evaluation or "version")  # fmt: skip
         return ckpt
 
     def _release(self) -> None:
@@ -256,9 +262,10 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         return evaluate(model, datamodule, stage, self.fabric, self.limit_val_batches)
 
     def _evaluate_only(self, model, datamodule, ckpt_path: str | None, stage: str) -> list[dict[str, float]]:
-        self._launch()
+        command = "validate" if stage == "val" else "test"
+        self._launch(evaluation=command)
         try:
-            model, _ = self._prepare(model, datamodule, stage="validate" if stage == "val" else "test")
+            model, _ = self._prepare(model, datamodule, stage=command)
             if ckpt_path is not None:
                 round_ckpt.load_for_evaluation(model, Path(ckpt_path).expanduser(), self.fabric.device)
             metrics = self._evaluate(model, datamodule, stage)
@@ -267,7 +274,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.callback_metrics = metrics
             self._finish()
             if self.fabric.is_global_zero:
-                print(evaluation_lines(metrics, "validate" if stage == "val" else "test", self.log_dir))
+                val_is_test = stage == "val" and getattr(datamodule, "val_is_test", False) is True
+                print(evaluation_lines(metrics, command, self.log_dir, val_is_test))
             return [metrics]
         except BaseException:
             self._discard_empty_folder()

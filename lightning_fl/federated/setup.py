@@ -34,12 +34,13 @@ def launch(
     version: int | str | None,
     find_checkpoint: Callable[[], Path | None] = lambda: None,
     restart_incomplete: bool = False,
+    prefix: str = "version",
 ) -> tuple[L.Fabric, Path, RunLock | None, Path | None]:
     """Start Fabric's processes and claim the run folder; return Fabric, the folder, its lock and the checkpoint.
 
     Rank 0 decides for every process (nodes without a shared disk may see no checkpoint): it looks for the
     checkpoint to resume (``find_checkpoint``) and claims the run folder (:func:`lightning_fl.runs.claim`: a new
-    ``version_N``, the folder named by ``version``, or the resumed run's folder, to keep logging where it left
+    ``<prefix>_N``, the folder named by ``version``, or the resumed run's folder, to keep logging where it left
     off; ``restart_incomplete``: a named folder whose run saved no checkpoint may be started over). Only rank 0
     holds the lock; the other processes get ``None``.
     """
@@ -54,7 +55,7 @@ def launch(
         try:
             ckpt = find_checkpoint()
             resume_dir = run_folder_of(ckpt) if ckpt is not None else None
-            lock = runs.claim(Path(root) / name, version, resume_dir, restart_incomplete)
+            lock = runs.claim(Path(root) / name, version, resume_dir, restart_incomplete, prefix)
         except UserError as err:
             error = (type(err), str(err))
     folder, ckpt, error = fabric.broadcast((str(lock.folder) if lock else None, str(ckpt) if ckpt else None, error))

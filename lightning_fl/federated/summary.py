@@ -8,6 +8,10 @@ from typing import Any
 
 #: Evaluation metrics where lower is better (every other ``val/*`` metric: higher is better).
 LOWER_IS_BETTER = ("loss", "ppl", "ece")
+#: Where ``validate`` and ``test`` write (their config and logs): a new ``validate_N`` or ``test_N`` folder.
+EVALUATION_FOLDER = "written to {} (a new folder for this evaluation)"
+#: What ``val/*`` is when the data module has no validation split (its ``val_is_test``).
+TEST_AS_VAL = "val/* is the test split (no validation split: data.val_fraction 0)"
 
 
 def best_round(history: list[dict[str, float]], key: str) -> tuple[int, float] | None:
@@ -33,16 +37,49 @@ def collapse(start: dict[str, float], now: dict[str, float], num_classes: int | 
     return None
 
 
+def trainer_summary(trainer: Any, datamodule: Any) -> str:
+    """:func:`run_summary` of ``trainer`` (a :class:`~lightning_fl.federated.FederatedTrainer`) after its fit on
+    ``datamodule``."""
+    ledger, privacy, dp_sgd = trainer.ledger, trainer.privacy, trainer.dp_sgd
+    return run_summary(
+        trainer.history, trainer.log_dir, trainer.logger, trainer.stopped, trainer.alarm,
+        val_is_test=getattr(datamodule, "val_is_test", False) is True,  # (a data module may not say)
+        took_part=(*ledger.took_part(), ledger.num_clients) if ledger is not None else None,
+        privacy=privacy.guarantee(trainer.secure_aggregation is not None) if privacy is not None else "",
+        record_privacy=dp_sgd.guarantee() if dp_sgd is not None else "",
+    )  # fmt: skip
+
+
 def run_summary(
-    history: list[dict[str, float]], log_dir: Path, logger: bool, stopped: str | None = None, alarm: str | None = None
+    history: list[dict[str, float]],
+    log_dir: Path,
+    logger: bool,
+    stopped: str | None = None,
+    alarm: str | None = None,
+    *,
+    val_is_test: bool = False,
+    took_part: tuple[int, float, int] | None = None,
+    privacy: str = "",
+    record_privacy: str = "",
 ) -> str:
     """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
-    early (``stopped``), and where the run's files are."""
+    early (``stopped``), and where the run's files are.
+
+    Args:
+        val_is_test: The data module's ``val/*`` is its test split (said first: each best round is then chosen on
+            test data).
+        took_part: The clients that took part, their mean bytes and the number of clients (the ledger's): said when
+            not every client took part.
+        privacy, record_privacy: What user-level DP's and DP-SGD's epsilons protect (the mechanisms' ``guarantee``),
+            each on a line under its epsilon.
+    """
     if not history:
         return f"No round ran. Run folder: {log_dir}"
     last = history[-1]
     start = next((h for h in history if h.get("round") == 0), None)
     lines = [f"Finished round {int(last['round'])} in {last.get('time/elapsed_s', 0.0):.1f} s of rounds."]
+    if val_is_test and any(k.startswith("val/") for k in last):
+        lines.append(f"  {TEST_AS_VAL}: each best round below is chosen on test data")
     for key in sorted(k for k in last if k.startswith("val/")):
         best = best_round(history, key)
         begin = f"{start[key]:.4f} at round 0, " if start is not None and key in start else ""
@@ -55,16 +92,22 @@ def run_summary(
         if last.get("comm/cum_rejected_bytes"):
             text += f"; refused uploads: {last['comm/cum_rejected_bytes']:,.0f} bytes in all"
         lines.append(text)
+        if took_part is not None and 0 < took_part[0] < took_part[2]:
+            count, mean, clients = took_part
+            lines.append(f"  bytes per client that took part ({count:,} of {clients:,} clients): {mean:,.0f} "
+                         f"({mean / 2**20:.3f} MiB)")  # fmt: skip
     if "privacy/epsilon" in last:
         eps, delta = last["privacy/epsilon"], last.get("privacy/delta")
         at = f" at delta {delta:.3g}" if delta is not None else ""
-        lines.append(f"  privacy: epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
+        lines.append(f"  privacy: user-level epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
                      f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
+        lines += [f"    {privacy}"] if privacy else []
     if "privacy/record_epsilon_max" in last:
         worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
         lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
                      f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
                      "dp_sgd_clients.csv)")  # fmt: skip
+        lines += [f"    {record_privacy}"] if record_privacy else []
     if alarm is not None:
         lines.append(f"  warning: {alarm}")
     if stopped is not None:
@@ -88,9 +131,13 @@ def write_client_epsilons(dp_sgd: Any, path: Path) -> None:
     tmp.replace(path)
 
 
-def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | None) -> str:
-    """What ``validate``/``test`` print: each metric on its line, and a NaN or Inf one said plainly."""
-    lines = [f"{command}: {len(metrics)} metric(s)" + (f" (logged under {log_dir})" if log_dir is not None else "")]
+def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | None, val_is_test: bool = False) -> str:
+    """What ``validate``/``test`` print: where the results went (the evaluation's own folder), each metric on its line
+    (``val_is_test``: ``val/*`` is the test split, said first), and a NaN or Inf one said plainly."""
+    lines = [f"{command}: {len(metrics)} metric(s)"]
+    if log_dir is not None:
+        lines[0] += f", {EVALUATION_FOLDER.format(log_dir)}"
+    lines += [f"  {TEST_AS_VAL}"] if val_is_test and any(k.startswith("val/") for k in metrics) else []
     width = max((len(k) for k in metrics), default=0)
     for key in sorted(metrics):
         value = metrics[key]

@@ -97,7 +97,8 @@ class Transport(Callback):
         """Called once before the first round of a fit (a network transport finds its clients here)."""
 
     def finished_round(self, round: int, metrics: dict[str, float]) -> None:
-        """Called after each round is logged and checkpointed (a network transport reports progress here)."""
+        """Called after round ``round`` (1-based, as logged) is logged and checkpointed (a network transport reports
+        progress here)."""
 
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
         self.finished_round(round, metrics)

@@ -129,15 +129,16 @@ class FlowerTransport(Transport):
 
     # ------------------------------------------------------------------------------------ rounds
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
-        self.finished_round(round, metrics, last=round + 1 >= trainer.rounds)
+        self.finished_round(round, metrics, last=round >= trainer.rounds)
 
     def finished_round(self, round: int, metrics: dict[str, float], last: bool = False) -> None:
-        """One line per round in the ServerApp's log (``flwr log``): who answered, accuracy, bytes. Stops the run
-        with an error after ``max_silent_rounds`` rounds in a row without a reply, or at its ``last`` round when no
-        round of this fit had one (a run shorter than ``max_silent_rounds`` never ends looking trained)."""
+        """One line per round (``round``: 1-based, as logged) in the ServerApp's log (``flwr log``): who answered,
+        accuracy, bytes. Stops the run with an error after ``max_silent_rounds`` rounds in a row without a reply, or at
+        its ``last`` round when no round of this fit had one (a run shorter than ``max_silent_rounds`` never ends
+        looking trained)."""
         answered = metrics["fed/clients"] - metrics["fed/unavailable_clients"] - metrics["fed/lost_clients"]
         parts = [
-            f"round {round + 1}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
+            f"round {round}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
             f"{metrics['fed/lost_clients']:.0f} lost, {metrics['fed/dropped_clients']:.0f} rejected",
         ]
         if "val/acc" in metrics:
@@ -150,7 +151,7 @@ class FlowerTransport(Transport):
         self.rounds_seen += 1
         if asked > 0:
             self.silent_rounds = self.silent_rounds + 1 if answered == 0 else 0
-            self.first_silent = round + 1 if self.silent_rounds == 1 else self.first_silent
+            self.first_silent = round if self.silent_rounds == 1 else self.first_silent
         never = last and 0 < self.silent_rounds == self.rounds_seen  # no reply in any round of this fit
         limit = self.max_silent_rounds is not None and self.silent_rounds >= self.max_silent_rounds
         if self.max_silent_rounds is not None and (limit or never):
@@ -160,7 +161,7 @@ class FlowerTransport(Transport):
             streak = f"{n} rounds in a row" if limit else f"any of this run's {n} round(s)"
             raise UserError(
                 f"no sampled client replied in {streak} (rounds "
-                f"{self.first_silent}-{round + 1}; SuperNodes known: {nodes}): check that the SuperNodes "
+                f"{self.first_silent}-{round}; SuperNodes known: {nodes}): check that the SuperNodes "
                 "run and reach this SuperLink (after a SuperLink restart, restart them too), then resume the run "
                 "(its checkpoint is saved); run config 'max-silent-rounds' sets how many rounds to allow "
                 "(0: never stop)"

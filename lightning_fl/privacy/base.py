@@ -89,12 +89,25 @@ class Privacy:
         """Account for round ``round`` (0-based), whose uploads came from ``participants``; metrics to log."""
         return {}
 
+    def guarantee(self, secure_sum: bool = False) -> str:
+        """What the logged epsilon protects, for the run's summary: whom the mechanism trusts and the neighbouring
+        relation its accountant uses (``secure_sum``: the server sees only each round's sum). ``""``: not said."""
+        return ""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ConfigError(f"{type(self).__name__} keeps no state but the checkpoint has {sorted(state)}")
+
+
+def neighbours(sampling: str) -> str:
+    """The neighbouring relation user-level accounting uses under ``sampling`` (:mod:`~lightning_fl.privacy.accountant`:
+    the sampling event fixes it)."""
+    if sampling == "poisson":
+        return "neighbours: one client's data added or removed (poisson sampling)"
+    return "neighbours: one client's data replaced (fixed-size sampling)"
 
 
 def check_noise_seed(noise_seed: int | None) -> int | None:

@@ -34,6 +34,7 @@ from lightning_fl.privacy.base import (
     Privacy,
     check_noise_seed,
     clip,
+    neighbours,
     positive,
     randomness,
 )
@@ -209,6 +210,9 @@ class CentralDP(Privacy):
 
     def epsilon(self) -> float:
         return self.accountant.epsilon(self.delta) if self.z > 0 else math.inf
+
+    def guarantee(self, secure_sum: bool = False) -> str:
+        return f"trust: central, the server clips and noises the sum; {neighbours(self.plan.sampling)}"
 
     def stop_reason(self) -> str | None:
         if self.max_epsilon is None:

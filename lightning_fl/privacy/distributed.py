@@ -115,6 +115,13 @@ class DistributedDP(CentralDP):
         return (f"a client taking part in the next round could spend epsilon {after:.4g} at delta {self.delta:.3g}, "
                 f"more than trainer.privacy.max_epsilon={self.max_epsilon:g}")  # fmt: skip
 
+    def guarantee(self, secure_sum: bool = False) -> str:
+        seen = ("the server sees only their sum (secure aggregation)" if secure_sum else "without secure aggregation "
+                "the server sees each upload, with 1/sqrt(m) of the noise")  # fmt: skip
+        return (f"trust: distributed, each client adds a share of the noise and {seen}; epsilon of the client whose "
+                "shares reached most sums, not amplified by sampling (the server sees who takes part); neighbours: "
+                "one client's data replaced")  # fmt: skip
+
     # ------------------------------------------------------------------------------------------ the client
     def share_std(self) -> float:
         """The standard deviation of one client's noise share per coordinate: ``z S / sqrt(m)``."""

@@ -243,15 +243,17 @@ class DPSGD:
             "privacy/record_noise_multiplier_max": max(self.plans[c].z for c in self.participations),
         }
 
+    def guarantee(self) -> str:
+        """What the logged epsilons protect, for the run's summary (as :meth:`Privacy.guarantee`)."""
+        return ("trust: local, each client runs DP-SGD on its own records (neither the server nor other clients "
+                "trusted); neighbours: one record of a client replaced (its record count is public)")  # fmt: skip
+
     def report(self) -> list[dict[str, float]]:
         """One row per client that trained: records, rate, steps per round, z, rounds taken part in, epsilon."""
-        rows = []
-        for c in sorted(self.participations):
-            p = self.plans[c]
-            rows.append({"client": c, "records": p.records, "sample_rate": p.q, "steps_per_round": p.steps,
-                         "noise_multiplier": p.z, "rounds": self.participations[c],
-                         "epsilon": self.client_epsilon(c), "delta": self.delta})  # fmt: skip
-        return rows
+        plans = [(c, self.plans[c]) for c in sorted(self.participations)]
+        return [{"client": c, "records": p.records, "sample_rate": p.q, "steps_per_round": p.steps,
+                 "noise_multiplier": p.z, "rounds": self.participations[c], "epsilon": self.client_epsilon(c),
+                 "delta": self.delta} for c, p in plans]  # fmt: skip
 
     def settings(self) -> list[float]:
         """What fixes every client's noise: ``C``, ``z`` or the target with the rounds it is calibrated for, delta."""
@@ -282,9 +284,7 @@ class DPSGD:
         self.plans, self.spent = {}, {}
 
     # ------------------------------------------------------------------------------------------ generators
-    def generators(
-        self, seed: int, round: int, client: int, device: torch.device | str = "cpu"
-    ) -> tuple[Randomness, Randomness]:
+    def generators(self, seed: int, round: int, client: int, device: Any = "cpu") -> tuple[Randomness, Randomness]:
         """The client's record sampling (on the CPU, where its records are) and its noise (on ``device``, where the
         parameters are: a seeded noise generator lives there) for this round."""
         sampling = randomness(self.noise_seed, seed, round, client, STREAM_DPSGD_SAMPLING)

@@ -98,6 +98,10 @@ class LocalDP(Privacy):
             return 0.0
         return gaussian_epsilon_closed_form(self.z / 2 / math.sqrt(k), self.delta)
 
+    def guarantee(self, secure_sum: bool = False) -> str:
+        return ("trust: local, each client noises its own upload (the server is not trusted); epsilon of the client "
+                "that uploaded most; neighbours: one client's data replaced")  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         return {"noise_multiplier": self.z, "uploads": torch.tensor(sorted(self.uploads.items()), dtype=torch.int64)}
 
