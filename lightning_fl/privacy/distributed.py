@@ -52,7 +52,10 @@ class DistributedDP(CentralDP):
         noise_multiplier: ``z`` of the sum's noise when all ``m`` expected shares arrive. Give this or
             ``target_epsilon``.
         target_epsilon: Calibrate ``z`` (for ``n = m`` shares a round) to spend this over ``trainer.rounds``.
-        delta, max_epsilon, per_layer, accountant: As :class:`~lightning_fl.privacy.CentralDP`.
+        delta: As :class:`~lightning_fl.privacy.CentralDP`.
+        max_epsilon: As :class:`~lightning_fl.privacy.CentralDP`.
+        per_layer: As :class:`~lightning_fl.privacy.CentralDP`.
+        accountant: As :class:`~lightning_fl.privacy.CentralDP`.
         noise_seed: Seed of each client's share, with the run's seed, the round and the client; ``null``: each
             client's operating system.
     """
