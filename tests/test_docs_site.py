@@ -141,3 +141,21 @@ def test_the_privacy_page_quotes_what_the_planner_prints(capsys):
         row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1.0000 |"))
         printed[name] = float(row.split("|")[2])
     assert (f"{printed['fixed']:.1f}", f"{printed['poisson']:.1f}") == (fixed, poisson)
+
+
+# ------------------------------------------------------------------------------------ what the package carries
+def test_the_package_carries_its_license_changelog_types_and_one_version():
+    import lightning_fl
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    version = project["project"]["version"]
+    assert lightning_fl.__version__ == version
+    assert f"## [{version}] - " in (REPO / "CHANGELOG.md").read_text()
+    license_text = (REPO / "LICENSE").read_text()
+    assert project["project"]["license"] == {"text": "Apache-2.0"}
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text
+    assert (REPO / "lightning_fl" / "py.typed").is_file()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["lightning_fl"]
