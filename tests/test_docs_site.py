@@ -159,3 +159,13 @@ def test_the_package_carries_its_license_changelog_types_and_one_version():
     assert "END OF TERMS AND CONDITIONS" in license_text
     assert (REPO / "lightning_fl" / "py.typed").is_file()
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["lightning_fl"]
+
+
+def test_readme_and_the_install_page_list_every_extra():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    readme = (REPO / "README.md").read_text()
+    paragraph = readme[readme.index("Extras (") :].split("\n\n", 1)[0]
+    assert set(re.findall(r"`([\w-]+)`\s\(", paragraph)) == extras
+    install = (DOCS / "tutorials" / "quickstart.md").read_text()
+    assert set(re.findall(r"^\| `([\w-]+)` \|", install, re.M)) == extras
