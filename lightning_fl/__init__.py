@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # the plug-in packages: every class the CLI can name lives under one of them
 PLUGINS = ("compress", "data", "mapping", "methods", "models", "oneshot", "privacy")

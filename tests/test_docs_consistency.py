@@ -69,7 +69,7 @@ def test_report_without_figures_writes_none(tmp_path, monkeypatch, capsys):
 # A bound, then (without another number in scientific notation between them) the command that prints it.
 BOUND = re.compile(r"(\d\.\de-\d+)((?:(?!\d\.\de-\d).){0,120}?)`python tools/identity_bounds\.py([^`]*)`", re.DOTALL)
 # How many quoted bounds each file holds: a bound that loses its command (or a command its bound) fails the count.
-QUOTED = {"README.md": 0, "docs/results.md": 8, "configs/quickstart.yaml": 1}
+QUOTED = {"README.md": 0, "docs/results.md": 8, "configs/quickstart.yaml": 1, "docs/tutorials/quickstart.md": 1}
 
 
 def quoted_bounds(name: str) -> list[tuple[str, list[str]]]:
@@ -140,14 +140,29 @@ def _same(value: float, written: str) -> bool:
     return f"{value:.{decimals}f}" == written
 
 
-def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_md_state(tmp_path, monkeypatch):
-    """One run of ``fit --config configs/quickstart.yaml``: accuracy (base, final, best), bytes per client and the
-    identity bound as README's configs table, the config's header and results.md write them."""
+def summary_block(text: str, where: str) -> list[str]:
+    """The quickstart's run summary as a page shows it: the code block that opens with ``Finished round``."""
+    blocks = [b.split("```", 1)[0] for b in text.split("```\n")[1:] if b.startswith("Finished round")]
+    assert len(blocks) == 1, f"{where}: {len(blocks)} blocks open with 'Finished round'"
+    return blocks[0].strip().splitlines()
+
+
+def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_md_state(tmp_path, monkeypatch, capsys):
+    """One run of ``fit --config configs/quickstart.yaml``: what it prints is the block README and the quickstart
+    tutorial show (the seconds aside), and its accuracy (base, final, best), bytes per client and identity bound are
+    what the configs page, README's claims, the config's header and results.md write."""
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # the run folder is runs/quickstart/version_0, as on the pages
     config = REPO / "configs" / "quickstart.yaml"
-    args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "runs"),
-            "--trainer.enable_progress_bar", "false"]  # fmt: skip
-    assert run_cli(*args) == 0
+    capsys.readouterr()
+    assert run_cli("fit", "--config", str(config), "--trainer.enable_progress_bar", "false") == 0
+    printed = capsys.readouterr().out.splitlines()
+    start = max(i for i, line in enumerate(printed) if line.startswith("Finished round"))
+    seconds = re.compile(r"in [\d.]+ s of rounds")
+    printed = [seconds.sub("in S s of rounds", line) for line in printed[start:] if line.strip()]
+    for page in ("README.md", "docs/tutorials/quickstart.md"):
+        shown = [seconds.sub("in S s of rounds", line) for line in summary_block((REPO / page).read_text(), page)]
+        assert shown == printed, f"{page}'s quickstart output differs from what it prints:\n" + "\n".join(printed)
     import torch
 
     ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
@@ -157,20 +172,23 @@ def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_md_state
     cum_bytes = history[-1]["comm/cum_client_bytes"]
     identity = max(h.get("fed/identity_error", 0.0) for h in history)
 
+    configs = (DOCS / "reference" / "configs.md").read_text()
+    row = next(line for line in configs.splitlines() if line.startswith("| `quickstart.yaml`"))
+    row_pattern = r"base (0\.\d+) -> (0\.\d+) test accuracy, ([\d,]+) B per client"
+    r_base, r_final, r_bytes = _written(row_pattern, row, "docs/reference/configs.md")
     readme = (REPO / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| `quickstart.yaml`"))
-    readme_pattern = r"base (0\.\d+) -> (0\.\d+) test accuracy, ([\d,]+) B per client"
-    r_base, r_final, r_bytes = _written(readme_pattern, row, "README")
+    claim_pattern = r"base (0\.\d+) -> (0\.\d+) test accuracy at ([\d,]+) B per client over 30 rounds"
+    q_base, q_final, q_bytes = _written(claim_pattern, readme, "README")
     header = config.read_text()
     c_base, c_final = _written(r"(0\.\d+) for the base \(round 0\) -> (0\.\d+) after 30 rounds", header, "config")
     c_bytes, c_bound = _written(r"= ([\d,]+) bytes, fed/identity_error at most (\S+) over", header, "config")
     results = (DOCS / "results.md").read_text()
     results_pattern = r"Test accuracy\s+(0\.\d+) \(base, round 0\) -> (0\.\d+) after 30 rounds \(best (0\.\d+)\)"
     m_base, m_final, m_best = _written(results_pattern, results, "results.md")
-    for value, written in ((base, r_base), (base, c_base), (base, m_base), (final, r_final), (final, c_final),
-                           (final, m_final), (best, m_best)):  # fmt: skip
+    for value, written in ((base, r_base), (base, q_base), (base, c_base), (base, m_base), (final, r_final),
+                           (final, q_final), (final, c_final), (final, m_final), (best, m_best)):  # fmt: skip
         assert _same(value, written), (value, written)
-    assert {int(r_bytes.replace(",", "")), int(c_bytes.replace(",", ""))} == {int(cum_bytes)}
+    assert {int(b.replace(",", "")) for b in (r_bytes, q_bytes, c_bytes)} == {int(cum_bytes)}
     assert 0 < identity <= float(c_bound)
 
 
@@ -190,7 +208,8 @@ def _slugs(text: str) -> set[str]:
 
 def test_every_relative_link_and_anchor_in_readme_and_docs_resolves():
     broken = []
-    for doc in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
+    pages = sorted(p for p in DOCS.rglob("*.md") if p.parent != DOCS / "results")
+    for doc in [REPO / "README.md", REPO / "CONTRIBUTING.md", REPO / "CHANGELOG.md", *pages]:
         text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target):
@@ -198,7 +217,7 @@ def test_every_relative_link_and_anchor_in_readme_and_docs_resolves():
             path, _, anchor = target.partition("#")
             file = (doc.parent / path).resolve() if path else doc
             if not file.exists():
-                broken.append(f"{doc.name}: {target} (no such file)")
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
             elif anchor and file.suffix == ".md" and anchor not in _slugs(file.read_text()):
-                broken.append(f"{doc.name}: {target} (no such heading)")
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)

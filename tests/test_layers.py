@@ -1,5 +1,5 @@
-"""The package's layers (README's code map): each part imports only the parts above it and the shared modules; no
-module of the package imports itself round a loop of imports; a long module says why it is one file."""
+"""The package's layers (CONTRIBUTING.md's code map): each part imports only the parts above it and the shared
+modules; no module of the package imports itself round a loop of imports; a long module says why it is one file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "lightning_fl"
 SHARED = {"errors", "checkpoint", "seeding", "runs", "context", "steps", "metrics", "threads", "quiet", "trainer_api"}
-# Top to bottom as in README's code map; a part may import the parts before it.
+# Top to bottom as in CONTRIBUTING.md's code map; a part may import the parts before it.
 LAYERS = [
     {"data"},
     {"models", "mapping", "compress", "privacy"},
@@ -47,7 +47,8 @@ def imported_parts(path) -> set[str]:
 def test_every_part_imports_only_the_parts_above_it():
     rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
     parts = {part_of(p) for p in PACKAGE.rglob("*.py")} - {"__init__"}
-    assert parts - SHARED - set(rank) == set(), "a new part of the package: place it in LAYERS and README's code map"
+    new = "a new part of the package: place it in LAYERS and CONTRIBUTING.md's code map"
+    assert parts - SHARED - set(rank) == set(), new
     back_edges = []
     for path in sorted(PACKAGE.rglob("*.py")):
         mine = part_of(path)

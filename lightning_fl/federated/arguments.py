@@ -82,7 +82,7 @@ class TrainerArguments:
     fold_groups: int = 1
     """Running sums a linear strategy adds uploads into (client ``c`` into sum ``c % fold_groups``); the global state
     depends on this number, never on the number of processes; a multiple of the number of processes lets each stream its
-    own groups (README, "Memory")."""
+    own groups (docs/explanations/round.md, "Streaming")."""
     seed: int | None = None
     """Seed of client sampling and client training; default: the run's ``seed_everything``."""
     accelerator: str = "auto"

@@ -20,7 +20,8 @@ class FedProx(Classifier):
 
     Args:
         mu: Proximal weight (the paper tunes it in {0.001, 0.01, 0.1, 1}).
-        *args, **kwargs: As :class:`Classifier`.
+        *args: As :class:`Classifier`.
+        **kwargs: As :class:`Classifier`.
     """
 
     def __init__(self, *args, mu: float = 0.01, **kwargs) -> None:

@@ -199,12 +199,19 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
 
     Args:
         network: The network architecture (weights come from the base).
-        base, base_checkpoint, pretraining: as for :class:`~lightning_fl.methods.LatentLanguageModel` (the same
-            cached base).
-        variant, rank, alpha, adapter_seed: as for :class:`LoRAClassifier`.
+        base: As for :class:`~lightning_fl.methods.LatentLanguageModel` (the same cached base).
+        base_checkpoint: As for :class:`~lightning_fl.methods.LatentLanguageModel` (the same cached base).
+        pretraining: As for :class:`~lightning_fl.methods.LatentLanguageModel` (the same cached base).
+        variant: As for :class:`LoRAClassifier`.
+        rank: As for :class:`LoRAClassifier`.
+        alpha: As for :class:`LoRAClassifier`.
+        adapter_seed: As for :class:`LoRAClassifier`.
         layers: Which network weights get adapters: ``linear`` (every projection) or a list of name patterns.
         recipe: As for :class:`LoRAClassifier` (default ``LORA_RECIPE``).
-        sample_prompt, sample_tokens, sample_top_k, sample_seed: as for :class:`~lightning_fl.methods.LanguageModel`.
+        sample_prompt: As for :class:`~lightning_fl.methods.LanguageModel`.
+        sample_tokens: As for :class:`~lightning_fl.methods.LanguageModel`.
+        sample_top_k: As for :class:`~lightning_fl.methods.LanguageModel`.
+        sample_seed: As for :class:`~lightning_fl.methods.LanguageModel`.
     """
 
     adapted_attr = "network"

@@ -58,8 +58,9 @@ class DistributedDP(CentralDP):
             ``target_epsilon``.
         target_epsilon: Calibrate ``z`` so that a client taking part in the expected number of rounds, with every
             expected share arriving, spends this (module docstring).
-        delta, max_epsilon, per_layer: As :class:`~lightning_fl.privacy.CentralDP`; ``max_epsilon`` bounds the worst
-            client's epsilon.
+        delta: As :class:`~lightning_fl.privacy.CentralDP`.
+        max_epsilon: As :class:`~lightning_fl.privacy.CentralDP`; it bounds the worst client's epsilon.
+        per_layer: As :class:`~lightning_fl.privacy.CentralDP`.
         noise_seed: Seed of each client's share, with the run's seed, the round and the client; ``null``: each
             client's operating system.
     """

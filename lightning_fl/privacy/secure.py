@@ -132,7 +132,9 @@ class SecureAggregation(SecureSum):
     and are refused; the aggregate's own checks (finite, step norm) stay.
 
     Args:
-        clipping_range, quantization_range, modulus_range: As :class:`SecureSum` (powers of two).
+        clipping_range: As :class:`SecureSum` (a power of two).
+        quantization_range: As :class:`SecureSum` (a power of two).
+        modulus_range: As :class:`SecureSum` (a power of two).
         rounding_seed: Seed of the stochastic rounding, with the run's seed, the round and the client; ``null``:
             the operating system's randomness.
         num_shares: On Flower: how many nodes hold shares of each node's secrets (its neighbours on SecAgg+'s

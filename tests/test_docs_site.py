@@ -1,0 +1,171 @@
+"""The documentation site: it builds with ``mkdocs build --strict`` from this tree, offline, and fails on a broken link;
+every page opens with its title and is in the navigation; the metric-name page names every key the code logs; the
+commands the pages give agree with what the package defines and prints."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+DOCS = REPO / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if p.parent != DOCS / "results")
+needs_mkdocs = pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None, reason='mkdocs is not installed (pip install -e ".[docs]")'
+)
+
+
+def mkdocs_build(config, site, cwd=REPO) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` in a fresh process, this tree first on the path (mkdocstrings reads its source)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "NO_MKDOCS_2_WARNING": "1"}  # fmt: skip
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@needs_mkdocs
+def test_the_site_builds_strict(tmp_path):
+    """Every page, link, anchor and generated reference page: a warning fails the build (``--strict``)."""
+    proc = mkdocs_build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    built = tmp_path / "site"
+    reference = (built / "reference" / "trainer" / "index.html").read_text()
+    assert 'id="lightning_fl.federated.arguments.TrainerArguments.rounds"' in reference  # generated from the code
+    assert "Communication rounds R." in reference  # the field's docstring
+    fetched = re.compile(r"<(?:link|script)[^>]+(?:href|src)=\"https?://", re.I)
+    assert not [p for p in built.rglob("*.html") if fetched.search(p.read_text())], "a page loads a remote resource"
+
+
+@needs_mkdocs
+def test_the_site_build_fails_on_a_broken_link_or_anchor(tmp_path):
+    """The repository's own settings (``INHERIT``) make a link to a missing page, or to a missing heading, fail."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# Home\n\n[a page](missing.md) and [a heading](#no-such-heading)\n")
+    config = tmp_path / "mkdocs.yml"
+    config.write_text(yaml.safe_dump({"INHERIT": str(REPO / "mkdocs.yml"), "docs_dir": str(docs),
+                                      "nav": [{"Home": "index.md"}], "plugins": ["search"]}))  # fmt: skip
+    proc = mkdocs_build(config, tmp_path / "site", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "missing.md" in proc.stderr and "no-such-heading" in proc.stderr
+
+
+def nav_pages(entries) -> set[str]:
+    found: set[str] = set()
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        found |= nav_pages(value) if isinstance(value, list) else {value}
+    return found
+
+
+def test_every_page_is_in_the_navigation_and_opens_with_its_title():
+    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    listed = nav_pages(config["nav"])
+    pages = {str(p.relative_to(DOCS)) for p in PAGES}
+    assert pages == listed, (sorted(pages - listed), sorted(listed - pages))
+    for page in PAGES:
+        first = next(line for line in page.read_text().splitlines() if line.strip())
+        assert first.startswith("# "), f"{page.relative_to(REPO)} opens with {first[:60]!r}, not its title"
+
+
+# -------------------------------------------------------------------------------------------------- metric names
+PREFIXES = ("val", "test", "train", "fed", "comm", "privacy", "time", "strategy", "generator", "samples")
+LITERAL = re.compile(rf"""(?<!\w)["']((?:{"|".join(PREFIXES)})/[A-Za-z0-9_/]*[A-Za-z0-9_])["']""")
+TEMPLATE = re.compile(rf"""f["']((?:{"|".join(PREFIXES)})/[A-Za-z0-9_/]*)\{{""")  # f"comm/msg_client_{direction}..."
+STRATEGY_METRIC = re.compile(r"""["'](\w+)["']: float\(""")  # what a strategy's step returns, logged as strategy/<key>
+
+
+def logged_keys() -> tuple[set[str], set[str]]:
+    """Every metric name written out in the package's code, and the fixed beginnings of the templated ones."""
+    literal, template = set(), set()
+    for path in (REPO / "lightning_fl").rglob("*.py"):
+        text = path.read_text()
+        literal |= set(LITERAL.findall(text))
+        template |= {t for t in TEMPLATE.findall(text) if not t.endswith("/")}
+        if path.parent.name == "strategies":
+            literal |= {f"strategy/{k}" for k in STRATEGY_METRIC.findall(text)}
+    return literal, template
+
+
+def test_the_metric_names_page_names_every_key_the_code_logs():
+    page = (DOCS / "reference" / "metrics.md").read_text()
+    named = set(re.findall(r"`([a-z]+/[^`\s]+)`", page))
+    literal, template = logged_keys()
+    assert len(literal) > 50, sorted(literal)  # the search finds the keys (an empty search would pass anything)
+    missing = sorted(k for k in literal if k not in named)
+    assert not missing, f"logged by the code, not on docs/reference/metrics.md: {missing}"
+    unmatched = sorted(t for t in template if not any(n.startswith(t) for n in named))
+    assert not unmatched, f"templated keys with no entry on docs/reference/metrics.md: {unmatched}"
+    # and the page names no fed/comm/privacy/time key the code does not log (<...> is a template, * a family)
+    strict = {n for n in named if n.split("/")[0] in ("fed", "comm", "privacy", "time") and not set("<*") & set(n)}
+    invented = sorted(n for n in strict if n not in literal and not any(n.startswith(t) for t in template))
+    assert not invented, f"on docs/reference/metrics.md but logged nowhere: {invented}"
+
+
+# --------------------------------------------------------------------------------------- commands the pages give
+def test_every_flwr_run_names_a_connection_the_docs_define():
+    texts = {p: p.read_text() for p in [REPO / "README.md", *PAGES]}
+    defined = {name for text in texts.values() for name in re.findall(r"^\[superlink\.([\w-]+)\]", text, re.M)}
+    assert "local-deployment" in defined
+    runs = {p.relative_to(REPO): re.findall(r"flwr run \. ([\w-]+)", text) for p, text in texts.items()}
+    used = [(page, name) for page, names in runs.items() for name in names]
+    assert used and [u for u in used if u[1] not in defined] == [], (defined, used)
+
+
+def test_the_python_quickstart_is_the_same_in_readme_and_the_tutorial():
+    def python_block(text: str, after: str) -> str:
+        return text[text.index(after) :].split("```python\n", 1)[1].split("```", 1)[0]
+
+    readme = python_block((REPO / "README.md").read_text(), "## The same in Python")
+    tutorial = python_block((DOCS / "tutorials" / "quickstart.md").read_text(), "## The same in Python")
+    assert readme == tutorial
+
+
+def test_the_privacy_page_quotes_what_the_planner_prints(capsys):
+    """docs/privacy.md: epsilon 34.3 under fixed sampling and 4.0 under Poisson, from the command it gives."""
+    from lightning_fl.privacy.__main__ import main
+
+    page = " ".join((DOCS / "privacy.md").read_text().split())
+    fixed, poisson = re.search(r"z = 1: epsilon ([\d.]+) fixed, ([\d.]+) Poisson, RDP\)", page).groups()
+    command = re.search(r"`python -m lightning_fl\.privacy ([^`]*--sampling fixed)`", page).group(1).split()
+    printed = {}
+    for name, argv in (("fixed", command), ("poisson", [a for a in command if a not in ("--sampling", "fixed")])):
+        assert main(argv) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1.0000 |"))
+        printed[name] = float(row.split("|")[2])
+    assert (f"{printed['fixed']:.1f}", f"{printed['poisson']:.1f}") == (fixed, poisson)
+
+
+# ------------------------------------------------------------------------------------ what the package carries
+def test_the_package_carries_its_license_changelog_types_and_one_version():
+    import lightning_fl
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    version = project["project"]["version"]
+    assert lightning_fl.__version__ == version
+    assert f"## [{version}] - " in (REPO / "CHANGELOG.md").read_text()
+    license_text = (REPO / "LICENSE").read_text()
+    assert project["project"]["license"] == {"text": "Apache-2.0"}
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text
+    assert (REPO / "lightning_fl" / "py.typed").is_file()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["lightning_fl"]
+
+
+def test_readme_and_the_install_page_list_every_extra():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    readme = (REPO / "README.md").read_text()
+    paragraph = readme[readme.index("Extras (") :].split("\n\n", 1)[0]
+    assert set(re.findall(r"`([\w-]+)`\s\(", paragraph)) == extras
+    install = (DOCS / "tutorials" / "quickstart.md").read_text()
+    assert set(re.findall(r"^\| `([\w-]+)` \|", install, re.M)) == extras
