@@ -65,7 +65,7 @@ def test_the_opacus_engine_equals_opacus_used_directly(dm):
     from opacus.optimizers import DPOptimizer
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
-    dp = DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="opacus")
+    dp = DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=1.1, engine="opacus")
     ours, _ = trained(classifier(), dm, dp)
     # Opacus directly: its Poisson loader over the same records with the same generators, its wrappers, Adam
     x, y = client_records(dm)
@@ -95,8 +95,8 @@ def test_the_opacus_engine_equals_opacus_used_directly(dm):
 
 
 def test_the_torch_func_engine_equals_the_opacus_engine(dm):
-    a, ra = trained(classifier(), dm, DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="opacus"))
-    b, rb = trained(classifier(), dm, DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="functorch"))
+    a, ra = trained(classifier(), dm, DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=1.1, engine="opacus"))
+    b, rb = trained(classifier(), dm, DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=1.1, engine="functorch"))
     for name, value in a.items():
         torch.testing.assert_close(value, b[name], rtol=0, atol=1e-6)
     assert ra.logged["train/loss"] == pytest.approx(rb.logged["train/loss"], rel=1e-6)
@@ -110,7 +110,7 @@ def test_the_torch_func_engine_is_torch_func_gradients_stepped_by_opacus_dpoptim
     from opacus.optimizers import DPOptimizer
     from torch.func import functional_call, grad, vmap
 
-    dp = DPSGD(max_grad_norm=0.5, noise_multiplier=1.1, engine="functorch")
+    dp = DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=1.1, engine="functorch")
     ours, _ = trained(classifier(), dm, dp)
     x, y = client_records(dm)
     plan = dp.client_plan(dm, CLIENT, LocalTraining(epochs=1))
@@ -162,7 +162,7 @@ def test_per_record_clipping_equals_hand_computed_per_record_gradients(dm, engin
     """One SGD step (lr 1), no noise: the update is minus the sum of the drawn records' gradients, each clipped
     to C, over the expected batch size."""
     C = 0.05  # below every record's gradient norm here, so every record is clipped
-    dp = DPSGD(max_grad_norm=C, noise_multiplier=0.0, engine=engine)
+    dp = DPSGD(noise_seed=0, max_grad_norm=C, noise_multiplier=0.0, engine=engine)
     module = classifier("sgd", lr=1.0)
     before = module.federated_state()
     after, _ = trained(module, dm, dp, LocalTraining(steps=1, dp_sgd=dp))
@@ -273,15 +273,15 @@ def test_a_run_logs_each_clients_budget_and_reports_it(tmp_path):
 
 
 def test_a_resumed_run_continues_its_clients_budgets_exactly(tmp_path):
-    whole = dp_fit(tmp_path, 3, "whole", DPSGD(max_grad_norm=1.0, noise_multiplier=1.2))
-    dp_fit(tmp_path, 2, "part", DPSGD(max_grad_norm=1.0, noise_multiplier=1.2))
-    resumed = dp_fit(tmp_path, 3, "part", DPSGD(max_grad_norm=1.0, noise_multiplier=1.2), resume=True)
+    whole = dp_fit(tmp_path, 3, "whole", DPSGD(noise_seed=0, max_grad_norm=1.0, noise_multiplier=1.2))
+    dp_fit(tmp_path, 2, "part", DPSGD(noise_seed=0, max_grad_norm=1.0, noise_multiplier=1.2))
+    resumed = dp_fit(tmp_path, 3, "part", DPSGD(noise_seed=0, max_grad_norm=1.0, noise_multiplier=1.2), resume=True)
     for name, value in whole.global_state.items():
         assert torch.equal(value, resumed.global_state[name])
     assert resumed.dp_sgd.participations == whole.dp_sgd.participations
     assert resumed.history[-1]["privacy/record_epsilon_max"] == whole.history[-1]["privacy/record_epsilon_max"]
     with pytest.raises(ConfigError, match="resume with the same trainer.dp_sgd"):
-        dp_fit(tmp_path, 4, "part", DPSGD(max_grad_norm=1.0, noise_multiplier=0.9), resume=True)
+        dp_fit(tmp_path, 4, "part", DPSGD(noise_seed=0, max_grad_norm=1.0, noise_multiplier=0.9), resume=True)
 
 
 def test_bad_settings_name_the_key(tmp_path):
@@ -309,7 +309,7 @@ def test_a_vectorised_cohort_equals_its_clients_trained_one_at_a_time(tmp_path, 
 
     def fit(batching):
         trainer = make_trainer(tmp_path, rounds=2, name=batching, client_batching=batching, cohort_size=4,
-                               dp_sgd=DPSGD(max_grad_norm=0.5, noise_multiplier=0.8))  # fmt: skip
+                               dp_sgd=DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=0.8))  # fmt: skip
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(make(), datamodule=make_dm(**dm_args))
@@ -333,7 +333,7 @@ def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_al
 
     dm = make_dm(augment=False, batch_size=1)
     dm.setup("fit")
-    module, dp = make_model(), DPSGD(max_grad_norm=0.5, noise_multiplier=0.8, engine="functorch")
+    module, dp = make_model(), DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=0.8, engine="functorch")
     state, local = module.federated_state(), LocalTraining(steps=6, dp_sgd=dp)
     plan = dp.client_plan(dm, 0, local)
     first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0].generator) < plan.q).sum())

@@ -260,7 +260,7 @@ EXTRAS = [
 PRIVATE = [
     "--trainer.check_identity", "false", "--trainer.max_update_norm_ratio", "null", "--trainer.privacy", "CentralDP",
     "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5", "--trainer.privacy.adaptive",
-    "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2",
+    "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2", "--trainer.privacy.noise_seed", "0",
 ]  # fmt: skip
 
 # per-client codec memory: a client sampled again must find its residual, on whichever process trains it

@@ -191,7 +191,8 @@ def test_flower_transport_equals_in_process_bitwise(in_tmp, config):
 )
 def test_private_rounds_on_flower_equal_in_process_bitwise(in_tmp, privacy):
     """Central DP runs in the ServerApp, local DP on each node inside run_client: the same noise, state and budget."""
-    extra = [*privacy, "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5"]
+    extra = [*privacy, "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5",
+             "--trainer.privacy.noise_seed", "0"]  # fmt: skip
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert_same_state(got, reference)
@@ -202,7 +203,8 @@ def test_private_rounds_on_flower_equal_in_process_bitwise(in_tmp, privacy):
 
 def test_record_level_dp_sgd_on_flower_equals_in_process_bitwise(in_tmp):
     """Each node runs DP-SGD inside run_client (built from the run's config): the same state and per-client budget."""
-    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0"]
+    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0",
+             "--trainer.dp_sgd.noise_seed", "0"]  # fmt: skip
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert_same_state(got, reference)
@@ -225,7 +227,8 @@ def test_nodes_report_their_dp_sgd_plans_to_the_servers_accountant(in_tmp):
 
         return tamper
 
-    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0"]
+    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0",
+             "--trainer.dp_sgd.noise_seed", "0"]  # fmt: skip
     with pytest.warns(UserWarning, match=r"round 1, client 2: its DP-SGD plan \(records \d+, batch size -4\) is not"):
         trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml",
                                  LocalGrid(nodes(), tamper={1: batch(16), 3: batch(-4)}), *extra)  # fmt: skip
@@ -615,7 +618,8 @@ def test_distributed_dp_under_secagg_on_flower_equals_in_process_bitwise(in_tmp)
     """Each node clips its update and adds its noise share before SecAgg+ masks it: the in-process run's state and
     budget (the server never sees a single noised update either)."""
     extra = [*SECURE, "--trainer.privacy", "lightning_fl.privacy.DistributedDP",
-             "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5"]  # fmt: skip
+             "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5",
+             "--trainer.privacy.noise_seed", "0"]  # fmt: skip
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert_same_state(got, reference)

@@ -232,7 +232,7 @@ def test_per_layer_clipping_gives_each_tensor_its_share_of_the_bound():
 
 def test_central_noise_has_the_promised_scale_is_seeded_per_round_and_can_come_from_the_os():
     m, z, bound, size = 50, 1.3, 0.7, 200_000
-    privacy = CentralDP(clip_norm=bound, noise_multiplier=z)
+    privacy = CentralDP(clip_norm=bound, noise_multiplier=z, noise_seed=0)
     privacy.setup(Plan(1000, float(m), "poisson", 10, 0, FedAvg()))
     zero = torch.zeros(size, dtype=torch.float64)
     draws = torch.stack([privacy.release(zero, 0, 0, r)[0] for r in range(3)])
@@ -241,13 +241,13 @@ def test_central_noise_has_the_promised_scale_is_seeded_per_round_and_can_come_f
         assert abs(float(d.mean())) < 5 * std / math.sqrt(size)
         assert float(d.std()) == pytest.approx(std, rel=0.01)
     assert float(torch.corrcoef(draws)[0, 1]).__abs__() < 0.01  # rounds draw independent noise
-    again = CentralDP(clip_norm=bound, noise_multiplier=z)
+    again = CentralDP(clip_norm=bound, noise_multiplier=z, noise_seed=0)
     again.setup(Plan(1000, float(m), "poisson", 10, 0, FedAvg()))
     assert torch.equal(again.release(zero, 0, 0, 1)[0], draws[1])  # reproducible: a resumed run draws the same
-    other_run = CentralDP(clip_norm=bound, noise_multiplier=z)
+    other_run = CentralDP(clip_norm=bound, noise_multiplier=z, noise_seed=0)
     other_run.setup(Plan(1000, float(m), "poisson", 10, 1, FedAvg()))  # another run seed: other noise
     assert not torch.equal(other_run.release(zero, 0, 0, 1)[0], draws[1])
-    system = CentralDP(clip_norm=bound, noise_multiplier=z, noise_seed=None)
+    system = CentralDP(clip_norm=bound, noise_multiplier=z)  # the default: the OS's secure generator
     system.setup(Plan(1000, float(m), "poisson", 10, 0, FedAvg()))
     a, b = system.release(zero, 0, 0, 1)[0], system.release(zero, 0, 0, 1)[0]
     assert not torch.equal(a, b) and float(a.std()) == pytest.approx(std, rel=0.01)

@@ -152,7 +152,7 @@ def test_clip_scales_to_the_bound_and_says_whether_the_update_was_within():
 def test_local_dp_clips_then_adds_noise_of_the_calibrated_scale_on_the_client():
     import dp_accounting as dpa
 
-    privacy = LocalDP(clip_norm=0.5, epsilon=2.0, delta=DELTA)
+    privacy = LocalDP(clip_norm=0.5, epsilon=2.0, delta=DELTA, noise_seed=0)
 
     def pld_epsilon(uploads):  # the reference: dp-accounting's tight accountant, sensitivity 2 S, std z S
         accountant = dpa.pld.PLDAccountant()
@@ -248,7 +248,11 @@ def test_central_dp_accounts_every_round_even_one_without_an_accepted_upload(tmp
 def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_a_resume_keeps_the_budget(tmp_path, capsys):
     def private(max_epsilon=None):
         return CentralDP(
-            clip_norm=0.5, noise_multiplier=1.0, max_epsilon=max_epsilon, adaptive=AdaptiveClipping(count_std=2.0)
+            clip_norm=0.5,
+            noise_multiplier=1.0,
+            max_epsilon=max_epsilon,
+            adaptive=AdaptiveClipping(count_std=2.0),
+            noise_seed=0,
         )
 
     full = fit(make_trainer(tmp_path / "a", rounds=4, name="dp", privacy=private(), **DP_ARGS))
@@ -324,19 +328,23 @@ def test_the_summary_says_what_the_epsilon_protects_and_the_bytes_of_the_clients
     epsilon = out.index(next(line for line in out if line.startswith("  privacy: user-level epsilon 4 at delta")))
     local = "    trust: local, each client noises its own upload (the server is not trusted); epsilon of the client "
     assert out[epsilon + 1] == local + "that uploaded most; neighbours: one client's data replaced"
+    assert out[epsilon + 2] == "    noise from the operating system's secure generator"  # noise_seed null
     every = fit(make_trainer(tmp_path, rounds=1, logger=False, **DP_ARGS, name="every"), dm=make_dm(num_clients=4))
     assert "took part" not in capsys.readouterr().out and every.ledger.took_part()[0] == 4  # every client took part
     for sampling, relation in [("fixed", "one client's data replaced (fixed-size sampling)"),
                                ("poisson", "one client's data added or removed (poisson sampling)")]:  # fmt: skip
-        central, shares = CentralDP(noise_multiplier=1.0), DistributedDP(noise_multiplier=1.0)
+        central, shares = CentralDP(noise_multiplier=1.0, noise_seed=2), DistributedDP(noise_multiplier=1.0)
         for privacy in (central, shares):
             privacy.setup(Plan(100, 10.0, sampling, 5, 0, FedAvg()))
-        assert central.guarantee() == f"trust: central, the server clips and noises the sum; neighbours: {relation}"
+        assert central.guarantee() == (
+            f"trust: central, the server clips and noises the sum; neighbours: {relation}\nnoise and cohorts seeded "
+            "by noise_seed 2 and the run's seed: the guarantee assumes the seeds stay secret (noise_seed null for a "
+            "deployment)")  # fmt: skip
         assert shares.guarantee(secure_sum=True) == (
             "trust: distributed, each client adds a share of the noise and the server sees only their sum (secure "
             "aggregation); epsilon of the client whose shares reached most sums, not amplified by sampling (the "
-            "server sees who takes part); neighbours: one client's data replaced"
-        )  # whatever the sampling
+            "server sees who takes part); neighbours: one client's data replaced\nnoise from the operating system's "
+            "secure generator")  # whatever the sampling  # fmt: skip
         assert "without secure aggregation the server sees each upload, with 1/sqrt(m) of the noise" in \
                shares.guarantee(secure_sum=False)  # fmt: skip
 
@@ -626,3 +634,86 @@ def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload
     if not trusted:  # a strategy weighing by sample counts would need what is withheld
         with pytest.raises(ConfigError, match=r"trainer.strategy weighted: true .* set weighted: false"):
             FederatedTrainer(strategy=FedAvg(weighted=True), **kinds[mechanism])
+
+
+# ------------------------------------------------------------------------------------------ secret cohorts
+def test_a_secret_cohort_is_uniform_and_changes_with_every_draw():
+    """Seed ``None``: the OS's secure generator. Fixed-size sampling: ``count`` distinct clients, every client as
+    often as any other (chi-square over 4,000 draws); Poisson: each client with probability ``q``; two draws at the
+    same round and seed differ, where a seeded draw repeats itself."""
+    from scipy import stats
+
+    from lightning_fl.federated import FedAvg
+
+    strategy, n = FedAvg(), 10
+    cohorts = [strategy.sample(0, n, 3, None) for _ in range(4000)]
+    assert all(len(set(c)) == 3 and c == sorted(c) and c[0] >= 0 and c[-1] < n for c in cohorts)
+    counts = np.bincount(np.concatenate(cohorts), minlength=n)
+    assert stats.chisquare(counts).pvalue > 1e-4 and len({tuple(c) for c in cohorts}) == 120  # every 3 of 10
+    sizes = [len(strategy.sample_poisson(0, 1000, 0.05, None)) for _ in range(200)]
+    assert abs(np.mean(sizes) - 50) < 4 * math.sqrt(1000 * 0.05 * 0.95 / 200)
+    assert strategy.sample(5, n, 3, 7) == strategy.sample(5, n, 3, 7)
+    assert len({tuple(strategy.sample_poisson(5, 1000, 0.05, None)) for _ in range(5)}) == 5
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+def test_central_dp_with_noise_seed_null_draws_its_cohorts_where_no_seed_reveals_them(tmp_path, sampling):
+    """Amplification by sampling assumes nobody can tell who was sampled: under CentralDP with ``noise_seed`` null
+    (the default) two runs with the same seed sample different clients, and the summary says so; with an integer
+    ``noise_seed`` the cohorts are the run seed's (those of a run without DP) and the summary says the guarantee
+    assumes the seeds stay secret. DistributedDP is not amplified: its cohorts stay seeded."""
+    from lightning_fl.federated.round import RoundRunner
+    from lightning_fl.privacy import DistributedDP
+
+    def cohorts(privacy, name):
+        drawn, inner = [], RoundRunner.sample
+
+        def spy(self, *args):
+            drawn.append(inner(self, *args))
+            return drawn[-1]
+
+        RoundRunner.sample = spy
+        try:
+            trainer = make_trainer(tmp_path, rounds=4, logger=False, name=name, sampling=sampling,
+                                   max_update_norm_ratio=None, clients_per_round=2, privacy=privacy)  # fmt: skip
+            fit(trainer, dm=make_dm(num_clients=12))
+        finally:
+            RoundRunner.sample = inner
+        return drawn, trainer
+
+    seeded, _ = cohorts(None, "plain")
+    first, trainer = cohorts(CentralDP(noise_multiplier=1.0), "a")
+    second, _ = cohorts(CentralDP(noise_multiplier=1.0), "b")
+    assert trainer.round_runner.settings.secret_cohorts and first != second and seeded not in (first, second)
+    assert "noise and cohorts from the operating system's secure generator" in trainer.privacy.guarantee()
+    pinned, trainer = cohorts(CentralDP(noise_multiplier=1.0, noise_seed=3), "c")
+    assert pinned == seeded and not trainer.round_runner.settings.secret_cohorts
+    assert ("noise and cohorts seeded by noise_seed 3 and the run's seed: the guarantee assumes the seeds stay "
+            "secret") in trainer.privacy.guarantee()  # fmt: skip
+    shares, trainer = cohorts(DistributedDP(noise_multiplier=1.0), "d")
+    assert shares == seeded and "noise from the operating system's secure generator" in trainer.privacy.guarantee()
+
+
+def test_a_secret_cohort_is_rank_zeros_on_every_process():
+    """Processes draw from their own OS generators: the round trains and folds rank 0's cohort everywhere."""
+    from types import SimpleNamespace
+
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.federated.round import RoundRunner, RoundSettings
+
+    class TwoProcesses:
+        world_size = 2
+
+        def __init__(self):
+            self.sent = []
+
+        def broadcast(self, obj, src=0):
+            self.sent.append((obj, src))
+            return [101, 202]  # what rank 0 drew
+
+    fabric = TwoProcesses()
+    runner = SimpleNamespace(fabric=fabric, strategy=FedAvg(), settings=RoundSettings(secret_cohorts=True))
+    assert RoundRunner.sample(runner, 0, 10, 2, 0) == [101, 202] and fabric.sent[0][1] == 0
+    assert len(fabric.sent[0][0]) == 2
+    runner.settings = RoundSettings()
+    assert RoundRunner.sample(runner, 0, 10, 2, 0) == FedAvg().sample(0, 10, 2, 0) and len(fabric.sent) == 1

@@ -167,7 +167,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                 )
             self.downlink.start(num_clients)
         stages = round_stages(self, fabric, self.local, self.downlink, identity)
-        settings = RoundSettings(self.sampling, self.dropout, self.upload_policy)
+        secret = self.privacy is not None and self.privacy.amplified and self.privacy.noise_seed is None
+        settings = RoundSettings(self.sampling, self.dropout, self.upload_policy, secret_cohorts=secret)
         self.round_runner = RoundRunner(fabric, self.strategy, collection, stages, self.ledger, settings)
         weighted = self.strategy.weighted and self.strategy.linear
         if weighted and self.max_client_weight is None and not in_process:

@@ -35,7 +35,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.stages.base import Stage, Step
 from lightning_fl.federated.state import State, flatten, unflatten
 from lightning_fl.federated.strategies import Strategy
-from lightning_fl.federated.uploads import LOST, Round, mean_over_clients, record_bytes
+from lightning_fl.federated.uploads import LOST, Round, mean_over_clients, rank_zeros, record_bytes
 from lightning_fl.seeding import STREAM_DROPOUT, derive_seed
 
 
@@ -48,11 +48,15 @@ class RoundSettings:
             ``count / num_clients``).
         dropout: Probability that a sampled client is unavailable (seeded per client and round).
         upload_policy: ``drop`` a refused upload from its round (warned), or ``raise``.
+        secret_cohorts: Draw each round's clients from the operating system's secure generator (rank 0's, sent to
+            every process), not from the run's seed: what a DP mechanism amplified by sampling needs when its
+            ``noise_seed`` is null (:attr:`~lightning_fl.privacy.Privacy.amplified`).
     """
 
     sampling: Literal["fixed", "poisson"] = "fixed"
     dropout: float = 0.0
     upload_policy: Literal["drop", "raise"] = "drop"
+    secret_cohorts: bool = False
 
 
 class RoundRunner:
@@ -105,10 +109,13 @@ class RoundRunner:
 
     def sample(self, r: int, num_clients: int, count: int, seed: int) -> list[int]:
         """Round ``r``'s clients: ``count`` without replacement (``fixed``), or each with probability
-        ``count / num_clients`` (``poisson``)."""
+        ``count / num_clients`` (``poisson``); from the run's seed, or secret (``settings.secret_cohorts``)."""
+        drawn = None if self.settings.secret_cohorts else seed
         if self.settings.sampling == "poisson":
-            return self.strategy.sample_poisson(r, num_clients, count / num_clients, seed)
-        return self.strategy.sample(r, num_clients, count, seed)
+            cohort = self.strategy.sample_poisson(r, num_clients, count / num_clients, drawn)
+        else:
+            cohort = self.strategy.sample(r, num_clients, count, drawn)
+        return cohort if drawn is not None else rank_zeros(self.fabric, cohort)  # the same cohort on every process
 
     def process_of(self, client: int, world: int) -> int:
         """The process that trains ``client`` among ``world`` (the collection's placement)."""

@@ -101,13 +101,13 @@ def run_summary(
         at = f" at delta {delta:.3g}" if delta is not None else ""
         lines.append(f"  privacy: user-level epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
                      f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
-        lines += [f"    {privacy}"] if privacy else []
+        lines += [f"    {line}" for line in privacy.splitlines()]
     if "privacy/record_epsilon_max" in last:
         worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
         lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
                      f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
                      "dp_sgd_clients.csv)")  # fmt: skip
-        lines += [f"    {record_privacy}"] if record_privacy else []
+        lines += [f"    {line}" for line in record_privacy.splitlines()]
     if alarm is not None:
         lines.append(f"  warning: {alarm}")
     if stopped is not None:

@@ -261,3 +261,8 @@ def gather(fabric: L.Fabric, t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(mine) for _ in range(fabric.world_size)]
     dist.all_gather(parts, mine)
     return torch.cat(parts).cpu()
+
+
+def rank_zeros(fabric: L.Fabric, cohort: list[int]) -> list[int]:
+    """Rank 0's ``cohort`` on every process (a cohort each process drew from its own secure generator)."""
+    return cohort if fabric.world_size == 1 else list(fabric.broadcast(cohort, src=0))

@@ -62,6 +62,11 @@ class Privacy:
     central: ClassVar[bool] = False
     #: Each client transforms its update before encoding it (:meth:`privatize`: local DP, distributed noise).
     client_stage: ClassVar[bool] = False
+    #: The accountant counts amplification by sampling, which assumes nobody can tell who was sampled: with
+    #: ``noise_seed`` null the round then draws its clients from the operating system's secure generator.
+    amplified: ClassVar[bool] = False
+    #: Seed of the mechanism's draws (``None``: the operating system's secure generator).
+    noise_seed: int | None = None
 
     def setup(self, plan: Plan) -> None:
         """Check the run's other settings and prepare (calibrate noise, build the accountant) before round 1."""
@@ -108,6 +113,16 @@ def neighbours(sampling: str) -> str:
     if sampling == "poisson":
         return "neighbours: one client's data added or removed (poisson sampling)"
     return "neighbours: one client's data replaced (fixed-size sampling)"
+
+
+def seeding(noise_seed: int | None, cohorts: bool = False) -> str:
+    """How a mechanism's draws (and, ``cohorts``, the round's clients) are made, for a guarantee's line: a seeded
+    guarantee holds only while its seeds stay secret."""
+    what = "noise and cohorts" if cohorts else "noise"
+    if noise_seed is None:
+        return f"{what} from the operating system's secure generator"
+    seeds = f"noise_seed {noise_seed} and the run's seed" if cohorts else f"noise_seed {noise_seed}"
+    return f"{what} seeded by {seeds}: the guarantee assumes the seeds stay secret (noise_seed null for a deployment)"
 
 
 def check_noise_seed(noise_seed: int | None) -> int | None:

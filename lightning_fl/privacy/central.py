@@ -37,6 +37,7 @@ from lightning_fl.privacy.base import (
     neighbours,
     positive,
     randomness,
+    seeding,
 )
 from lightning_fl.seeding import STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE
 
@@ -87,11 +88,14 @@ class CentralDP(Privacy):
             whole update to ``S``: the same bound overall, no tensor can use up another's share.
         adaptive: Adaptive clipping (:class:`AdaptiveClipping`); ``null``: ``S`` stays fixed.
         accountant: ``rdp`` or ``pld`` (``pld``: tighter, Poisson sampling only).
-        noise_seed: Seed of the noise, combined with the run's seed and the round; ``null``: the operating
-            system's randomness (a deployment: a seeded generator's noise can be recomputed).
+        noise_seed: ``null`` (default): the noise and each round's clients come from the operating system's
+            secure generator. An integer seeds the noise (with the run's seed and the round), and the clients are
+            drawn from the run's seed: a reproducible simulation whose guarantee assumes both seeds stay secret
+            (anyone who knows them can recompute the noise and who was sampled).
     """
 
     central = True
+    amplified = True
 
     def __init__(
         self,
@@ -103,7 +107,7 @@ class CentralDP(Privacy):
         per_layer: bool = False,
         adaptive: AdaptiveClipping | None = None,
         accountant: Literal["rdp", "pld"] = "rdp",
-        noise_seed: int | None = 0,
+        noise_seed: int | None = None,
     ) -> None:
         problems = positive("clip_norm", clip_norm)
         problems += positive("noise_multiplier", noise_multiplier, allow_zero=True, allow_none=True)
@@ -212,7 +216,8 @@ class CentralDP(Privacy):
         return self.accountant.epsilon(self.delta) if self.z > 0 else math.inf
 
     def guarantee(self, secure_sum: bool = False) -> str:
-        return f"trust: central, the server clips and noises the sum; {neighbours(self.plan.sampling)}"
+        trust = f"trust: central, the server clips and noises the sum; {neighbours(self.plan.sampling)}"
+        return f"{trust}\n{seeding(self.noise_seed, cohorts=self.amplified)}"
 
     def stop_reason(self) -> str | None:
         if self.max_epsilon is None:

@@ -42,7 +42,7 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import gaussian_epsilon_closed_form, gaussian_noise_multiplier
-from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, randomness
+from lightning_fl.privacy.base import Plan, apply_update, clip, flat_update, layer_slices, randomness, seeding
 from lightning_fl.privacy.central import CentralDP
 from lightning_fl.seeding import STREAM_DISTRIBUTED_NOISE
 
@@ -61,10 +61,11 @@ class DistributedDP(CentralDP):
         delta: As :class:`~lightning_fl.privacy.CentralDP`.
         max_epsilon: As :class:`~lightning_fl.privacy.CentralDP`; it bounds the worst client's epsilon.
         per_layer: As :class:`~lightning_fl.privacy.CentralDP`.
-        noise_seed: Seed of each client's share, with the run's seed, the round and the client; ``null``: each
-            client's operating system.
+        noise_seed: ``null`` (default): each client's share from its operating system's secure generator; an
+            integer seeds it (with the run's seed, the round and the client) for a reproducible simulation.
     """
 
+    amplified = False  # the server sees who takes part (module docstring)
     central = True  # the server folds the (already clipped, already noised) updates and divides by m
     client_stage = True  # every client clips and adds its share before encoding
 
@@ -76,7 +77,7 @@ class DistributedDP(CentralDP):
         delta: float | None = None,
         max_epsilon: float | None = None,
         per_layer: bool = False,
-        noise_seed: int | None = 0,
+        noise_seed: int | None = None,
     ) -> None:
         super().__init__(clip_norm, noise_multiplier, target_epsilon, delta, max_epsilon, per_layer, None, "rdp",
                          noise_seed)  # fmt: skip
@@ -121,7 +122,7 @@ class DistributedDP(CentralDP):
                 "the server sees each upload, with 1/sqrt(m) of the noise")  # fmt: skip
         return (f"trust: distributed, each client adds a share of the noise and {seen}; epsilon of the client whose "
                 "shares reached most sums, not amplified by sampling (the server sees who takes part); neighbours: "
-                "one client's data replaced")  # fmt: skip
+                f"one client's data replaced\n{seeding(self.noise_seed)}")  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the client
     def share_std(self) -> float:

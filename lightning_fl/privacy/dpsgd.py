@@ -54,7 +54,7 @@ import torch
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy.accountant import dp_accounting
-from lightning_fl.privacy.base import Randomness, check_noise_seed, delta_problem, positive, randomness
+from lightning_fl.privacy.base import Randomness, check_noise_seed, delta_problem, positive, randomness, seeding
 from lightning_fl.seeding import STREAM_DPSGD_NOISE, STREAM_DPSGD_SAMPLING
 
 Engine = Literal["auto", "opacus", "functorch"]
@@ -133,8 +133,9 @@ class DPSGD:
             sampling rate and steps, taking part in every round.
         delta: Delta of each client's guarantee (well below ``1 / records`` of the smallest client).
         engine: ``auto``, ``opacus`` or ``functorch`` (how per-record gradients are computed).
-        noise_seed: Seed of the batch sampling and the noise, combined with the run's seed, the round and the
-            client; ``null``: the operating system's randomness (what a deployment should use).
+        noise_seed: ``null`` (default): the batch sampling and the noise from the operating system's secure
+            generator; an integer seeds them (with the run's seed, the round and the client) for a reproducible
+            simulation.
     """
 
     def __init__(
@@ -144,7 +145,7 @@ class DPSGD:
         target_epsilon: float | None = None,
         delta: float = 1e-5,
         engine: Engine = "auto",
-        noise_seed: int | None = 0,
+        noise_seed: int | None = None,
     ) -> None:
         problems = [p.replace("trainer.privacy.", "trainer.dp_sgd.") for p in positive("max_grad_norm", max_grad_norm)]
         if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
@@ -246,7 +247,8 @@ class DPSGD:
     def guarantee(self) -> str:
         """What the logged epsilons protect, for the run's summary (as :meth:`Privacy.guarantee`)."""
         return ("trust: local, each client runs DP-SGD on its own records (neither the server nor other clients "
-                "trusted); neighbours: one record of a client replaced (its record count is public)")  # fmt: skip
+                "trusted); neighbours: one record of a client replaced (its record count is public)\n"
+                f"record {seeding(self.noise_seed).replace('noise', 'sampling and noise', 1)}")  # fmt: skip
 
     def report(self) -> list[dict[str, float]]:
         """One row per client that trained: records, rate, steps per round, z, rounds taken part in, epsilon."""

@@ -34,6 +34,7 @@ from lightning_fl.privacy.base import (
     flat_update,
     positive,
     randomness,
+    seeding,
 )
 from lightning_fl.seeding import STREAM_LOCAL_NOISE
 
@@ -47,8 +48,8 @@ class LocalDP(Privacy):
             mechanism). Give this or ``noise_multiplier``.
         noise_multiplier: ``z``: noise standard deviation over ``S``, instead of ``epsilon``.
         delta: Delta of one upload, and of a client's total.
-        noise_seed: Seed of the noise, combined with the run's seed, the round and the client; ``null``: the
-            operating system's randomness.
+        noise_seed: ``null`` (default): the noise from the operating system's secure generator; an integer seeds
+            it (with the run's seed, the round and the client) for a reproducible simulation.
     """
 
     client_stage = True
@@ -59,7 +60,7 @@ class LocalDP(Privacy):
         epsilon: float | None = None,
         noise_multiplier: float | None = None,
         delta: float = 1e-5,
-        noise_seed: int | None = 0,
+        noise_seed: int | None = None,
     ) -> None:
         problems = positive("clip_norm", clip_norm) + positive("epsilon", epsilon, allow_none=True)
         problems += positive("noise_multiplier", noise_multiplier, allow_none=True)
@@ -100,7 +101,7 @@ class LocalDP(Privacy):
 
     def guarantee(self, secure_sum: bool = False) -> str:
         return ("trust: local, each client noises its own upload (the server is not trusted); epsilon of the client "
-                "that uploaded most; neighbours: one client's data replaced")  # fmt: skip
+                f"that uploaded most; neighbours: one client's data replaced\n{seeding(self.noise_seed)}")  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {"noise_multiplier": self.z, "uploads": torch.tensor(sorted(self.uploads.items()), dtype=torch.int64)}

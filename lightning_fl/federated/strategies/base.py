@@ -22,12 +22,14 @@ in attributes and return it from ``state_dict`` (it is saved in every round chec
 
 from __future__ import annotations
 
+import random
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from lightning_fl.errors import ConfigError
+from lightning_fl.privacy.base import SystemRandomness
 from lightning_fl.seeding import STREAM_POISSON, STREAM_SAMPLING, derive_seed
 
 
@@ -51,21 +53,28 @@ class Strategy:
         self.min_clients = min_clients
 
     # ------------------------------------------------------------------------------------- sampling
-    def sample(self, round: int, num_clients: int, count: int, seed: int) -> list[int]:
-        """The ``count`` clients (sorted ids) that train in ``round``: uniform without replacement, seeded."""
+    def sample(self, round: int, num_clients: int, count: int, seed: int | None) -> list[int]:
+        """The ``count`` clients (sorted ids) that train in ``round``: uniform without replacement, seeded by
+        ``(seed, round)``; ``seed`` ``None``: drawn from the operating system's secure generator (a cohort no seed
+        can reveal, which amplification by sampling assumes)."""
         if count > num_clients:
             raise ConfigError(f"trainer.clients_per_round={count} exceeds data.num_clients={num_clients}")
+        if seed is None:
+            return sorted(random.SystemRandom().sample(range(num_clients), count))
         rng = np.random.default_rng(derive_seed(seed, round, STREAM_SAMPLING))
         return sorted(int(c) for c in rng.choice(num_clients, size=count, replace=False))
 
-    def sample_poisson(self, round: int, num_clients: int, rate: float, seed: int) -> list[int]:
-        """Poisson sampling: every client takes part independently with probability ``rate`` (seeded per round).
+    def sample_poisson(self, round: int, num_clients: int, rate: float, seed: int | None) -> list[int]:
+        """Poisson sampling: every client takes part independently with probability ``rate`` (seeded per round;
+        ``seed`` ``None``: from the operating system's secure generator, as :meth:`sample`).
 
         The cohort's size varies from round to round (it may be empty); most DP analyses of federated learning
         assume this sampling (:mod:`lightning_fl.privacy.accountant`).
         """
         if not 0 < rate <= 1:
             raise ConfigError(f"Poisson sampling needs a rate in (0, 1], got {rate}")
+        if seed is None:
+            return [int(c) for c in np.flatnonzero(SystemRandomness.uniform(num_clients) < rate)]
         rng = np.random.default_rng(derive_seed(seed, round, STREAM_POISSON))
         return [int(c) for c in np.flatnonzero(rng.random(num_clients) < rate)]
 
