@@ -165,3 +165,29 @@ def test_a_malformed_secure_upload_is_named_and_a_dropped_client_leaves_a_correc
                                                                            for h in plain.history[1:]]  # fmt: skip
     assert sum(h["fed/unavailable_clients"] for h in dropped.history[1:]) > 0
     assert float(gap) <= 2 * SecureAggregation(clipping_range=1.0).step
+
+
+def test_one_client_shifting_its_masked_vector_cannot_move_the_model_it_loses_the_round(tmp_path, monkeypatch):
+    """A hostile client adds M/2 to its quantised vector: the modular sum leaves [0, n T] (an honest one never
+    does), so the round has no aggregate and says why; without the range check the shift reaches the model."""
+    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    secure = SecureAggregation(clipping_range=1.0)
+    inner = InProcess.replies
+
+    def hostile(self, *args, **kwargs):
+        for reply in inner(self, *args, **kwargs):
+            if reply.client == 2 and reply.payload is not None:
+                q = reply.payload.tensors["secure"].parts["q"]
+                reply.payload.tensors["secure"].parts["q"] = torch.remainder(q + secure.M // 2, secure.M)
+            yield reply
+
+    monkeypatch.setattr(InProcess, "replies", hostile)
+    from conftest import make_dm, make_model, make_trainer
+
+    attacked = make_trainer(tmp_path, rounds=1, max_update_norm_ratio=None, check_identity=False,
+                            secure_aggregation=secure)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"round 1: secure aggregation failed: the secure sum lies outside \[0, n T\]"):
+        attacked.fit(make_model(), datamodule=make_dm(num_clients=4))
+    assert attacked.history[-1]["fed/round_skipped"] == 1  # the global state stays where it was

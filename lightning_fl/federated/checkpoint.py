@@ -4,10 +4,20 @@ A round checkpoint holds everything the next round depends on (global state, str
 such as error-feedback residuals, the byte ledger, history, round, seed, number of clients, the model's
 fingerprint), written atomically, loaded with ``weights_only=True``. Resuming checks that the run matches
 (seed, clients, fingerprint, state layout, strategy), so a resumed run ends equal to an uninterrupted one.
+
+Each checkpoint carries the SHA-256 of its content: it catches a flipped bit or a damaged copy, not a deliberate
+edit (whoever edits the file can recompute it). With the environment variable ``LIGHTNING_FL_CHECKPOINT_KEY``
+set, every checkpoint also carries an HMAC-SHA256 of that digest under the key, and reading one requires a
+valid HMAC under the same key: an edit by anyone without the key is refused (keep the key away from whoever can
+write the run folder). A private run's budget is also checked against what it logged on every resume
+(:mod:`lightning_fl.federated.budget`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +35,19 @@ from lightning_fl.checkpoint import (
     zip_problem,
 )
 from lightning_fl.errors import CheckpointError
+from lightning_fl.federated import budget
 
 FORMAT = "lightning_fl.federated"
 VERSION = 3  # the layout read and written here; a file of another version is refused
 DIGEST = "content_sha256"
+KEYED = "content_hmac_sha256"
+KEY_ENV = "LIGHTNING_FL_CHECKPOINT_KEY"
+
+
+def keyed_digest(digest: str) -> str | None:
+    """HMAC-SHA256 of ``digest`` under ``LIGHTNING_FL_CHECKPOINT_KEY`` (``None`` when it is not set)."""
+    key = os.environ.get(KEY_ENV)
+    return hmac.new(key.encode(), digest.encode(), hashlib.sha256).hexdigest() if key else None
 
 
 def save_round(state: dict[str, Any], folder: Path, completed: int, every: int) -> None:
@@ -36,6 +55,8 @@ def save_round(state: dict[str, Any], folder: Path, completed: int, every: int) 
     everything it holds (:func:`~lightning_fl.checkpoint.content_digest`), verified when it is read."""
     payload = {"format": FORMAT, "version": VERSION, "round": completed, **state}
     payload[DIGEST] = content_digest(payload)
+    if (keyed := keyed_digest(payload[DIGEST])) is not None:
+        payload[KEYED] = keyed
     atomic_save(payload, folder / "last.ckpt")
     if every and completed % every == 0:
         atomic_save(payload, folder / f"round_{completed:04d}.ckpt")
@@ -112,9 +133,11 @@ def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
     name = f"trainer checkpoint {path}"
     if (problem := zip_problem(path)) is not None:
         raise CheckpointError(f"{name}: {problem}; {FIX}")
-    if DIGEST in ckpt and ckpt[DIGEST] != content_digest({k: v for k, v in ckpt.items() if k != DIGEST}):
+    if DIGEST in ckpt and ckpt[DIGEST] != content_digest({k: v for k, v in ckpt.items() if k not in (DIGEST, KEYED)}):
         raise CheckpointError(f"{name} is corrupt: its content differs from the digest written with it (a flipped "
                               f"bit or a damaged copy); {FIX}")  # fmt: skip
+    if (problem := _keyed_problem(ckpt)) is not None:
+        raise CheckpointError(f"{name}: {problem}")
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{name} has layout version {ckpt.get('version')!r}, this lightning_fl reads {VERSION}; "
                               "resume it with the lightning_fl that wrote it, or start afresh")  # fmt: skip
@@ -132,6 +155,19 @@ def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
     if bad:
         raise CheckpointError(f"{name}: the global state has NaN or Inf values in {bad[:4]} (the run diverged before "
                               f"it was saved); {FIX}")  # fmt: skip
+
+
+def _keyed_problem(ckpt: dict[str, Any]) -> str | None:
+    want, have = keyed_digest(str(ckpt.get(DIGEST))), ckpt.get(KEYED)
+    if want is None:
+        return None if have is None else (f"it carries a keyed digest: set {KEY_ENV} to the key it was written with "
+                                          "to read it")  # fmt: skip
+    if have is None:
+        return f"{KEY_ENV} is set but the checkpoint has no keyed digest (written without the key): {FIX}"
+    if not hmac.compare_digest(str(have), want):
+        return (f"its keyed digest does not match {KEY_ENV}: it was edited after it was written, or written under "
+                f"another key; {FIX}")  # fmt: skip
+    return None
 
 
 def to_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -166,6 +202,8 @@ def save_trainer(trainer: Any, completed: int, seed: int, fingerprint: str | Non
         }
         if trainer.downlink is not None:  # its memory and which state each client holds
             state["downlink"] = trainer.downlink.state_dict()
+        if budget.private(trainer):  # the release is recorded before the checkpoint that could rewind it
+            budget.record_release(trainer.log_dir, completed, trainer.history[-1])
         save_round(state, trainer.log_dir / "checkpoints", completed, every)
     codec.client_state_saved(pin=bool(every) and completed % every == 0)
     fabric.barrier()
@@ -180,6 +218,9 @@ def restore_trainer(trainer: Any, path: Path, model: Any, seed: int, fingerprint
     if fabric.is_global_zero:
         try:
             ckpt = load_round(path, expect, list(trainer.global_state), trainer.rounds)
+            problem = budget.check_release(trainer.log_dir, int(ckpt["round"]), path, budget.private(trainer))
+            if problem is not None:
+                raise CheckpointError(f"cannot resume from {path}: {problem}")
         except CheckpointError as err:
             error = str(err)
     ckpt, error = fabric.broadcast((ckpt, error))
@@ -195,12 +236,15 @@ def restore_trainer(trainer: Any, path: Path, model: Any, seed: int, fingerprint
     _restore_downlink(trainer.downlink, path, ckpt)
     budgets = (("privacy", trainer.privacy, "a private run", "its budget"),
                ("dp_sgd", trainer.dp_sgd, "a run with trainer.dp_sgd", "its clients' budgets"))  # fmt: skip
-    for key, plugin, writer, budget in budgets:
+    for key, plugin, writer, spent in budgets:
         if plugin is not None:
             plugin.load_state_dict(ckpt[key])
         elif ckpt[key]:
             raise CheckpointError(f"cannot resume from {path}: it was written by {writer} (trainer.{key}); set the "
-                                  f"same trainer.{key} to continue {budget}")  # fmt: skip
+                                  f"same trainer.{key} to continue {spent}")  # fmt: skip
+    if (problem := budget.budget_problem(trainer, ckpt)) is not None:
+        raise CheckpointError(f"cannot resume from {path}: {problem}: the checkpoint was edited after it was written "
+                              f"(its plain digest recomputed; {KEY_ENV} catches that); {FIX}")  # fmt: skip
     trainer.history = list(ckpt["history"])
     if fabric.is_global_zero:
         remove_stale_temps(path.parent)

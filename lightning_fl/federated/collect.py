@@ -234,6 +234,8 @@ class SecureUploads(Uploads):
             model, datamodule, rnd.state, rnd.available, rnd.index, rnd.seed, codec=self.codec, local=self.local,
             fabric=rnd.fabric,
         )  # fmt: skip
+        if result.problem is None and result.included:  # (Flower's path checked it already)
+            result.problem = secure.range_problem(result.total, len(result.included))
         for reply in result.replies:
             entry = entry_of(reply, rnd, stages)
             if reply.lost:

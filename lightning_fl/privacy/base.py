@@ -99,6 +99,11 @@ class Privacy:
         relation its accountant uses (``secure_sum``: the server sees only each round's sum). ``""``: not said."""
         return ""
 
+    def rounds_accounted(self) -> int | None:
+        """How many rounds the accountant has composed (``None``: it keeps no per-round history); a resume checks it
+        against the checkpoint's round."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

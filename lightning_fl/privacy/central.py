@@ -231,6 +231,9 @@ class CentralDP(Privacy):
         )
 
     # ------------------------------------------------------------------------------------------ state
+    def rounds_accounted(self) -> int | None:
+        return self.accountant.num_rounds
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "noise_multiplier": self.z,
@@ -256,11 +259,12 @@ class CentralDP(Privacy):
                 f"the checkpoint's noise was calibrated to trainer.privacy.target_epsilon={saved}, this run asks for "
                 f"{self.target_epsilon}: resume with the same target (or set max_epsilon to stop earlier)"
             )
-        self.z, self.bound, self.delta = (
-            float(state["noise_multiplier"]),
-            float(state["clip_norm"]),
-            float(state["delta"]),
-        )
+        if float(state["delta"]) != self.delta:
+            raise ConfigError(
+                f"the checkpoint's delta is {float(state['delta']):g}, this run's trainer.privacy.delta is "
+                f"{self.delta:g}: resume with the same delta (a budget is spent at one delta)"
+            )
+        self.z, self.bound = float(state["noise_multiplier"]), float(state["clip_norm"])
         self.accountant.load_state_dict(state["accountant"])
 
     def __repr__(self) -> str:

@@ -161,6 +161,9 @@ class DistributedDP(CentralDP):
         return {"privacy/epsilon": self.epsilon(), "privacy/noise_multiplier": self.z, "privacy/delta": self.delta,
                 "privacy/round_noise_multiplier": z_sum}  # fmt: skip
 
+    def rounds_accounted(self) -> int | None:
+        return None  # (a precision per client, no accountant history)
+
     def state_dict(self) -> dict[str, Any]:
         spent = torch.tensor([[c, p] for c, p in sorted(self.precision.items())], dtype=torch.float64).reshape(-1, 2)
         return {"distributed": 2, "noise_multiplier": self.z, "target_epsilon": self.target_epsilon,
@@ -189,11 +192,12 @@ class DistributedDP(CentralDP):
                 f"the checkpoint's noise was calibrated to trainer.privacy.target_epsilon={saved}, this run asks for "
                 f"{self.target_epsilon}: resume with the same target (or set max_epsilon to stop earlier)"
             )
-        self.z, self.bound, self.delta = (
-            float(state["noise_multiplier"]),
-            float(state["clip_norm"]),
-            float(state["delta"]),
-        )
+        if float(state["delta"]) != self.delta:
+            raise ConfigError(
+                f"the checkpoint's delta is {float(state['delta']):g}, this run's trainer.privacy.delta is "
+                f"{self.delta:g}: resume with the same delta (a budget is spent at one delta)"
+            )
+        self.z, self.bound = float(state["noise_multiplier"]), float(state["clip_norm"])
         self.precision = {int(c): float(p) for c, p in state["precision"].tolist()}
 
     def __repr__(self) -> str:

@@ -104,6 +104,14 @@ class SecureSum:
             total = torch.remainder(total + q, self.M)
         return total
 
+    def range_problem(self, total: torch.Tensor, clients: int) -> str | None:
+        """Why ``total`` cannot be the modular sum of ``clients`` uploads in ``[0, T]`` (``None``: it can): an honest
+        sum never wraps, so it lies in ``[0, n T]`` (the check Flower's path makes, ``recover_sum``)."""
+        if total.numel() and (int(total.min()) < 0 or int(total.max()) > clients * self.T):
+            return (f"the secure sum lies outside [0, n T] = [0, {clients * self.T}] for its {clients} uploads (a "
+                    "client masked values outside [0, T]); the server cannot tell whose")  # fmt: skip
+        return None
+
     def recover(self, total: torch.Tensor, clients: int) -> torch.Tensor:
         """The sum of the ``clients`` dequantised updates from their modular sum (float64, exact)."""
         if clients > self.max_clients:
