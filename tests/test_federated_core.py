@@ -421,6 +421,34 @@ def test_a_collapse_under_defaults_is_warned_once_and_repeated_in_the_summary(in
     assert not [w for w in caught if "collapsed" in str(w.message)]
 
 
+def test_the_collapse_alarm_advises_what_the_run_can_use(tmp_path):
+    """Under user-level DP the noise is named first and no robust strategy is offered (central DP refuses them);
+    under secure aggregation no update is named and the aggregate's norm bound is offered; a plain run keeps the
+    robust strategies. A private run at tiny epsilon collapses and says so."""
+    import warnings
+    from types import SimpleNamespace
+
+    from conftest import make_dm, make_model, make_trainer
+    from lightning_fl.federated.callbacks import collapse_advice
+    from lightning_fl.privacy import CentralDP
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    trainer = make_trainer(tmp_path, rounds=2, logger=False, clients_per_round=4, max_update_norm_ratio=None,
+                           privacy=CentralDP(clip_norm=5.0, noise_multiplier=200.0))  # fmt: skip
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
+    assert "under trainer.privacy the noise (noise multiplier 200) may be" in (trainer.alarm or "")
+    assert "Median" not in trainer.alarm and "Krum" not in trainer.alarm
+    plain = SimpleNamespace(privacy=None, dp_sgd=None, secure_aggregation=None)
+    assert "trainer.strategy Median or Krum" in collapse_advice(plain)
+    secure = SimpleNamespace(privacy=None, dp_sgd=None, secure_aggregation=SecureAggregation())
+    assert collapse_advice(secure).startswith("trainer.max_update_norm bounds") and "Median" not in collapse_advice(
+        secure)  # fmt: skip
+    dp_sgd = SimpleNamespace(privacy=None, dp_sgd=object(), secure_aggregation=None)
+    assert collapse_advice(dp_sgd).startswith("DP-SGD's noise inside the clients may be what moved it")
+
+
 class Recorder(Callback):
     """A user's callback: what the trainer told it, in order."""
 

@@ -101,10 +101,30 @@ class CollapseAlarm(Callback):
         if why is None:
             return
         largest = ", ".join(f"client {c} (norm {n:.3g})" for n, c in trainer.round_runner.update_norms[:3])
-        trainer.alarm = (f"round {round}: the global model collapsed: {why}; the largest updates aggregated: "
-                         f"{largest or 'none known'}; a robust strategy (trainer.strategy Median or Krum) or a lower "
-                         "trainer.max_update_norm_ratio may hold it")  # fmt: skip
+        seen = "no single update is seen (secure aggregation)" if trainer.secure_aggregation is not None else (
+            f"the largest updates aggregated: {largest or 'none known'}")  # fmt: skip
+        trainer.alarm = f"round {round}: the global model collapsed: {why}; {seen}; {collapse_advice(trainer)}"
         warnings.warn(trainer.alarm, stacklevel=2)
+
+
+def collapse_advice(trainer: Any) -> str:
+    """What may hold a collapsed model in this run: the noise first where there is noise, a robust strategy only
+    where one may run (not under user-level DP or secure aggregation, which refuse them)."""
+    privacy, dp_sgd = trainer.privacy, trainer.dp_sgd
+    if privacy is not None:
+        z = getattr(privacy, "z", None)
+        noise = f" (noise multiplier {z:.4g})" if isinstance(z, float) else ""
+        return (f"under trainer.privacy the noise{noise} may be what moved it: more clients per round, a larger "
+                "epsilon or fewer rounds lower it; a lower trainer.privacy.clip_norm bounds each update")  # fmt: skip
+    if trainer.secure_aggregation is not None:
+        return ("trainer.max_update_norm bounds the aggregate's step (a robust strategy needs single updates, which "
+                "secure aggregation hides)")  # fmt: skip
+    robust = ("a robust strategy (trainer.strategy Median or Krum) or a lower trainer.max_update_norm_ratio may hold "
+              "it")  # fmt: skip
+    if dp_sgd is not None:
+        return (f"DP-SGD's noise inside the clients may be what moved it (a larger trainer.dp_sgd.target_epsilon or "
+                f"more records per client lower it); else {robust}")  # fmt: skip
+    return robust
 
 
 def _experiment(trainer: Any) -> Any:
