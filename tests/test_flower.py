@@ -1011,3 +1011,52 @@ def test_a_node_whose_worker_is_missing_is_named_and_left_out(in_tmp):
     assert len(refusals) == 1 and "SuperNode 2 is not used: it failed to start" in refusals[0]
     assert "node config worker='/nowhere/node1.sock'" in refusals[0]
     assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
+
+
+def test_a_node_pins_secure_aggregation_and_its_noise_and_no_server_message_switches_them_off(in_tmp):
+    """The red team's move: a node serving a secure run gets a second hello without secure aggregation. A node
+    that pins require-secure-aggregation refuses that hello and keeps serving the secure run (a plain train
+    message is refused, nothing uploaded in the clear); require-privacy and min-noise-multiplier refuse a run
+    without that mechanism or with less noise; a malformed pin is named."""
+    from lightning_fl.flower.pins import pin_problem
+
+    secure_yaml, plain_yaml = _yaml(in_tmp, *SECURE), _yaml(in_tmp)
+    pinned = {"partition-id": 0, "num-partitions": 4, "require-secure-aggregation": True}
+    grid = LocalGrid([pinned])
+
+    def hello(config):
+        (reply,) = grid.send_and_receive([Message(messages.hello_content(config), dst_node_id=1,
+                                                  message_type=messages.HELLO)])  # fmt: skip
+        return reply.content[messages.RUN]["refusal"]
+
+    assert hello(secure_yaml) == ""
+    assert hello(plain_yaml) == ("refused: this node pins require-secure-aggregation, and the run does not set "
+                                 "trainer.secure_aggregation")  # fmt: skip
+    assert grid.contexts[1].state[messages.RUN]["config"] == secure_yaml  # the refused hello changed nothing
+    node = flower_node.build_node(secure_yaml, pinned)
+    state = messages.state_to_record(node.model.federated_state())
+    train = Message(messages.train_content(state, 0, 0, 0, node.fingerprint), dst_node_id=1,
+                    message_type=messages.TRAIN)  # fmt: skip
+    (reply,) = grid.send_and_receive([train])
+    payload, _, failure, _ = messages.read_reply(reply)
+    assert payload is None and failure.startswith("refused: this run uploads through secure aggregation only")
+    # the checks themselves, on the runs' client sides
+    local_yaml = _yaml(in_tmp, "--trainer.privacy", "LocalDP", "--trainer.privacy.noise_multiplier", "0.5")
+    local = flower_node.build_node(local_yaml, {"partition-id": 0}).local
+    plain = flower_node.build_node(plain_yaml, {"partition-id": 0}).local
+    assert pin_problem(plain, {"require-privacy": "LocalDP"}) == (
+        "this node pins require-privacy LocalDP, and the run's client-side trainer.privacy is none"
+    )
+    assert pin_problem(local, {"require-privacy": "LocalDP"}) is None
+    assert pin_problem(local, {"require-privacy": "LocalDP", "min-noise-multiplier": 1.0}) == (
+        "this node pins min-noise-multiplier 1, and the run's trainer.privacy noise multiplier is 0.5"
+    )
+    assert pin_problem(plain, {"min-noise-multiplier": 1.0}).endswith("the run adds no noise on the client")
+    assert pin_problem(local, {"require-privacy": "DPSGD"}).endswith("the run does not set trainer.dp_sgd")
+    with pytest.raises(ValueError, match="node config require-privacy must be one of LocalDP, DistributedDP, DPSGD"):
+        pin_problem(local, {"require-privacy": "CentralDP"})
+    bad = LocalGrid([{"partition-id": 0, "min-noise-multiplier": "lots"}])
+    (reply,) = bad.send_and_receive([Message(messages.hello_content(plain_yaml), dst_node_id=1,
+                                             message_type=messages.HELLO)])  # fmt: skip
+    refusal = reply.content[messages.RUN]["refusal"]
+    assert "node config min-noise-multiplier must be a number >= 0, got 'lots'" in refusal

@@ -10,6 +10,8 @@ is and where its data lives:
   a silo that holds exactly its own data sets ``overrides="--data.num_clients 1"`` and ``data-partition=0``.
 - ``overrides`` (optional): more dotted overrides applied on this node only (e.g. ``--data.batch_size 16``).
 - ``worker`` (optional): the Unix socket of this node's warm worker (see :mod:`lightning_fl.flower.worker`).
+- ``require-secure-aggregation``, ``require-privacy``, ``min-noise-multiplier`` (optional): what no server
+  message can switch off (:mod:`lightning_fl.flower.pins`).
 
 The node builds the run from the YAML the server sends (so model, codec and local training match the
 server's), plus the node's own data settings, refuses to train when its model fingerprint differs from the
@@ -37,6 +39,7 @@ from lightning_fl.errors import UserError
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.setup import prepare
 from lightning_fl.flower import messages as wire_msg
+from lightning_fl.flower.pins import pin_problem
 
 
 def _secure_aggregation_if_asked(message: Message, context: Context, call_next):
@@ -159,11 +162,13 @@ def hello(message: Message, context: Context) -> Message:
     elif not isinstance(partition, int) or isinstance(partition, bool):
         refusal = f"node config partition-id must be an integer, got {partition!r}"
     else:
-        context.state[wire_msg.RUN] = ConfigRecord({"config": config_yaml})
         try:
-            build_node(config_yaml, dict(context.node_config))
+            node = build_node(config_yaml, dict(context.node_config))
+            refusal = f"refused: {why}" if (why := pin_problem(node.local, dict(context.node_config))) else ""
         except (UserError, ValueError, TypeError, OSError) as err:
             refusal = f"could not build the run on this node: {err}"
+        if not refusal:  # (a refused hello leaves the run this node serves as it was)
+            context.state[wire_msg.RUN] = ConfigRecord({"config": config_yaml})
     answer = {"partition-id": partition if isinstance(partition, int) else -1, "refusal": refusal}
     return Message(RecordDict({wire_msg.RUN: ConfigRecord(answer)}), reply_to=message)
 
@@ -195,6 +200,8 @@ def train(message: Message, context: Context) -> Message:
             failure = "refused: this run uploads through secure aggregation only (trainer.secure_aggregation)"
         elif (failure := _plan_noise_share(node, instructions)) is not None:
             pass
+        elif (why := pin_problem(node.local, dict(context.node_config))) is not None:
+            failure = f"refused: {why}"
         else:
             client = int(instructions["client"])
             data = node.datamodule
@@ -213,6 +220,8 @@ def train(message: Message, context: Context) -> Message:
             num_samples, logged, failure = result.released(node.local)  # (nothing data-dependent under local DP)
             if (dp := node.local.dp_sgd) is not None and client in dp.plans:
                 plan = (dp.plans[client].records, dp.plans[client].batch_size)
+                if (why := pin_problem(node.local, dict(context.node_config), dp.plans[client].z)) is not None:
+                    failure, payload, num_samples, logged, plan = f"refused: {why}", None, 0, {}, None
     if secure:
         if failure is not None:  # raising drops this node from the round; SecAgg+ removes its masks
             raise RuntimeError(failure)
