@@ -16,6 +16,7 @@ from lightning_fl.federated.callbacks import Callback
 from lightning_fl.federated.strategies import FedAvg, Strategy
 from lightning_fl.federated.strategies.base import configured_name
 from lightning_fl.federated.transport import Transport
+from lightning_fl.privacy.audit import PrivacyAudit
 from lightning_fl.privacy.base import Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
 from lightning_fl.privacy.secure import SecureAggregation
@@ -73,6 +74,10 @@ class TrainerArguments:
     dp_sgd: DPSGD | None = None
     """Record-level DP-SGD inside every client (``DPSGD``), with each client's own accountant; combines with
     ``privacy``. ``null``: plain local training. See docs/privacy.md."""
+    privacy_audit: PrivacyAudit | None = None
+    """Canary clients that measure what the released states leak (``PrivacyAudit``: Andrew et al.'s one-shot
+    epsilon-hat and Steinke et al.'s one-run lower bound), printed beside the accountant's epsilon and written to
+    ``privacy_audit.json``; needs ``privacy``. ``null``: no audit. See docs/privacy.md."""
     secure_aggregation: SecureAggregation | None = None
     """The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s clipping, quantisation
     and modular sum); linear, unweighted strategies only. ``null``: off."""
@@ -188,6 +193,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
     kinds = {  # key: (class, its names in the message)
         "strategy": (Strategy, "a Strategy"),
         "privacy": (Privacy, "CentralDP, DistributedDP, LocalDP or null"),
+        "privacy_audit": (PrivacyAudit, "PrivacyAudit or null"),
         "dp_sgd": (DPSGD, "DPSGD or null"),
         "secure_aggregation": (SecureAggregation, "SecureAggregation or null"),
         "transport": (Transport, "a Transport or null"),
@@ -206,6 +212,9 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         problems.append(f"trainer.upload_policy 'raise' with trainer.privacy {type(a['privacy']).__name__}: one "
                         "client's upload (its data) would decide whether the whole run stops, which the guarantee "
                         "does not cover; use trainer.upload_policy drop")  # fmt: skip
+    if a["privacy_audit"] is not None and a["privacy"] is None:
+        problems.append("trainer.privacy_audit audits trainer.privacy (user-level DP; DP-SGD's record-level canaries "
+                        "are not implemented): set trainer.privacy, or remove trainer.privacy_audit")  # fmt: skip
     private = a["dp_sgd"] is not None or (isinstance(a["privacy"], Privacy) and a["privacy"].client_stage)
     if private and getattr(a["strategy"], "weighted", False):
         problems.append("trainer.strategy weighted: true weighs uploads by their clients' sample counts, which a "

@@ -45,7 +45,7 @@ from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner, RoundSettings
 from lightning_fl.federated.stages import round_stages
-from lightning_fl.federated.summary import evaluation_lines, trainer_summary, write_client_epsilons
+from lightning_fl.federated.summary import evaluation_lines, trainer_summary, write_audit, write_client_epsilons
 from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.base import Plan
 from lightning_fl.runs import RunLock
@@ -110,6 +110,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self._check_plan(datamodule.num_clients)
         seed, num_clients = self._run_seed(), datamodule.num_clients
         fingerprint = self._set_up_rounds(model, hooks, num_clients, seed)
+        if ckpt is not None and self.privacy_audit is not None:  # (its canaries' scores live in memory only)
+            raise ConfigError("trainer.privacy_audit covers one uninterrupted run: resume without it, or start afresh")
         start = 0 if ckpt is None else round_ckpt.restore_trainer(self, ckpt, model, seed, fingerprint, num_clients)
         self._write_config()
         if start == 0:  # round 0: the starting model (for FLITE, exactly the pretrained base)
@@ -144,7 +146,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self._finish()
         if self.dp_sgd is not None and self.fabric.is_global_zero:
             write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
-        self.fabric.print(trainer_summary(self, datamodule))
+        audit = write_audit(self) if self.privacy_audit is not None else None
+        self.fabric.print(trainer_summary(self, datamodule, audit))
 
     def _set_up_rounds(self, model: L.LightningModule, hooks: ModuleHooks, num_clients: int, seed: int) -> str | None:
         """The global state, ledger, round runner and transport of a fresh fit; the model's fingerprint."""

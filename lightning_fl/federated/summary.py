@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from lightning_fl.privacy.audit import audit_lines, write_report
+
 #: Evaluation metrics where lower is better (every other ``val/*`` metric: higher is better).
 LOWER_IS_BETTER = ("loss", "ppl", "ece")
 #: Where ``validate`` and ``test`` write (their config and logs): a new ``validate_N`` or ``test_N`` folder.
@@ -37,9 +39,17 @@ def collapse(start: dict[str, float], now: dict[str, float], num_classes: int | 
     return None
 
 
-def trainer_summary(trainer: Any, datamodule: Any) -> str:
+def write_audit(trainer: Any) -> dict[str, Any]:
+    """The privacy audit's report (``trainer.privacy_audit``), written to ``privacy_audit.json`` by rank 0."""
+    report = trainer.privacy_audit.report(trainer.privacy.epsilon(), trainer.privacy.delta)
+    if trainer.fabric.is_global_zero:
+        write_report(report, trainer.log_dir / "privacy_audit.json")
+    return report
+
+
+def trainer_summary(trainer: Any, datamodule: Any, audit: dict[str, Any] | None = None) -> str:
     """:func:`run_summary` of ``trainer`` (a :class:`~lightning_fl.federated.FederatedTrainer`) after its fit on
-    ``datamodule``."""
+    ``datamodule`` (``audit``: the privacy audit's report)."""
     ledger, privacy, dp_sgd = trainer.ledger, trainer.privacy, trainer.dp_sgd
     return run_summary(
         trainer.history, trainer.log_dir, trainer.logger, trainer.stopped, trainer.alarm,
@@ -47,6 +57,7 @@ def trainer_summary(trainer: Any, datamodule: Any) -> str:
         took_part=(*ledger.took_part(), ledger.num_clients) if ledger is not None else None,
         privacy=privacy.guarantee(trainer.secure_aggregation is not None) if privacy is not None else "",
         record_privacy=dp_sgd.guarantee() if dp_sgd is not None else "",
+        audit=audit_lines(audit) if audit is not None else [],
     )  # fmt: skip
 
 
@@ -61,6 +72,7 @@ def run_summary(
     took_part: tuple[int, float, int] | None = None,
     privacy: str = "",
     record_privacy: str = "",
+    audit: list[str] | None = None,
 ) -> str:
     """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
     early (``stopped``), and where the run's files are.
@@ -72,6 +84,7 @@ def run_summary(
             not every client took part.
         privacy, record_privacy: What user-level DP's and DP-SGD's epsilons protect (the mechanisms' ``guarantee``),
             each on a line under its epsilon.
+        audit: The privacy audit's lines (:func:`~lightning_fl.privacy.audit.audit_lines`), under the epsilon.
     """
     if not history:
         return f"No round ran. Run folder: {log_dir}"
@@ -102,6 +115,7 @@ def run_summary(
         lines.append(f"  privacy: user-level epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
                      f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
         lines += [f"    {line}" for line in privacy.splitlines()]
+        lines += [f"  {line}" for line in audit or []]
     if "privacy/record_epsilon_max" in last:
         worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
         lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "

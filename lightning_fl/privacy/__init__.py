@@ -8,6 +8,7 @@ from lightning_fl.privacy.accountant import (
     gaussian_epsilon_closed_form,
     update_noise_multiplier,
 )
+from lightning_fl.privacy.audit import PrivacyAudit
 from lightning_fl.privacy.base import Plan, Privacy, clip
 from lightning_fl.privacy.central import AdaptiveClipping, CentralDP
 from lightning_fl.privacy.distributed import DistributedDP
@@ -23,6 +24,7 @@ __all__ = [
     "LocalDP",
     "Plan",
     "Privacy",
+    "PrivacyAudit",
     "RoundEvent",
     "clip",
     "gaussian_epsilon_closed_form",

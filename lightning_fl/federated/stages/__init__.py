@@ -10,6 +10,7 @@ import lightning as L
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.local import LocalTraining
+from lightning_fl.federated.stages.audit import CanaryStage
 from lightning_fl.federated.stages.base import Stage, Step
 from lightning_fl.federated.stages.privacy import CentralPrivacy, ClientPrivacy, RecordPrivacy
 from lightning_fl.federated.stages.screening import NormGate, SimulatedAttack, WeightCap
@@ -17,6 +18,7 @@ from lightning_fl.federated.stages.server import CompressedBroadcast, IdentityCh
 from lightning_fl.federated.state import State
 
 __all__ = [
+    "CanaryStage",
     "CentralPrivacy",
     "ClientPrivacy",
     "CompressedBroadcast",
@@ -61,6 +63,8 @@ def round_stages(
     stages.append(NormGate(strategy, settings.max_update_norm, settings.max_update_norm_ratio))
     if privacy is not None:  # on the server's sum, or (local DP) accounted only: each client noised its own upload
         stages.append(CentralPrivacy(privacy, fabric) if privacy.central else ClientPrivacy(privacy))
+    if settings.privacy_audit is not None:  # (after the privacy stage: it scores what that stage released)
+        stages.append(CanaryStage(settings.privacy_audit, privacy, fabric))
     if settings.dp_sgd is not None:
         stages.append(RecordPrivacy(settings.dp_sgd, local))
     if downlink is not None:

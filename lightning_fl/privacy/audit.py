@@ -1,0 +1,244 @@
+"""An empirical audit of a private run with canary clients (``trainer.privacy_audit``).
+
+The accountant's epsilon is an upper bound proved for the mechanism as written. An audit measures what the
+released states actually leak, so that a mechanism that does not do what the accountant assumes (less noise than
+accounted, a clip that does not clip) is caught. Two measurements from one run, after
+
+- Andrew, Chien, Hardt, Kairouz, Ramage, Sun, Thakurta (2024), "One-shot Empirical Privacy Estimation for
+  Federated Learning" (ICLR): ``k`` canary clients, each a fixed random unit direction ``c_i`` in the space of the
+  federated state; each is *inserted* with probability 1/2, and an inserted canary is sampled in every round with
+  the rate of a real client (``m / N``) and then uploads ``S c_i`` (``S`` the clip bound of that round: an update at
+  the bound). The score of a canary is the cosine between ``c_i`` and the released mean update of a round (its
+  largest over the rounds: *every iterate*), or the released model's total update (*final model*). Scores of the
+  canaries not inserted are what a random direction scores; those of the inserted ones are shifted by what the
+  mechanism lets through. With a Gaussian fitted to each set, the estimate ``epsilon-hat`` is the epsilon at
+  ``delta`` of telling the two Gaussians apart (their privacy curve, computed numerically), with a bootstrap
+  confidence interval over the canaries. It is an estimate, not a bound.
+- Steinke, Nasr, Jagielski (2023), "Privacy Auditing with One (1) Training Run" (NeurIPS): the auditor guesses
+  "inserted" for the 10% highest every-iterate scores and "not inserted" for the 10% lowest (fixed in advance); if
+  the mechanism were (epsilon, delta)-DP, ``v`` correct guesses of ``r`` would be at most as likely as under
+  ``Binomial(r, e^eps / (1 + e^eps))``, up to a term in ``delta`` (their Theorem 5.2). The largest epsilon that
+  this rejects at the chosen confidence is a **lower bound** that holds with that confidence.
+
+Where the canaries enter (:class:`~lightning_fl.federated.stages.audit.CanaryStage`): under central and
+distributed DP their clipped updates join the round's clipped sum before the noise of the same release, so the
+audited release is ``(sum + canaries + noise) / m``; under local DP each canary's upload goes through the
+mechanism's own ``privatize`` (clip and noise), and an inserted canary is scored on its own uploads, a canary not
+inserted on the uploads a replaced client would have sent in its place. The canaries never touch the model users
+get: the stage scores the release with them added and the round goes on with the release without them (the same
+bits as a run without the audit). What it does not cover: codecs and secure aggregation (the canaries are added to
+the decoded sum), adaptive clipping's count (canaries are not counted), DP-SGD (record-level canaries are not
+implemented). Canary directions come from the OS (``seed`` null) or a seed; the directions are kept in memory as
+float32 (``canaries x D x 4`` bytes, at most ``max_memory_mb``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import stats
+
+from lightning_fl.errors import ConfigError
+
+
+def gaussian_pair_epsilon(mu0: float, sd0: float, mu1: float, sd1: float, delta: float) -> float:
+    """Epsilon at ``delta`` of telling ``N(mu0, sd0^2)`` from ``N(mu1, sd1^2)``, both ways: the smallest epsilon
+    whose hockey-stick divergence ``int (p - e^eps q)_+`` is at most ``delta`` for ``(p, q)`` either way round, by
+    numerical integration (capped at 100)."""
+    if not (sd0 > 0 and sd1 > 0):
+        return math.inf if mu0 != mu1 else 0.0
+    width = 14 * max(sd0, sd1)
+    x = np.linspace(min(mu0, mu1) - width, max(mu0, mu1) + width, 8_001)
+    dx = x[1] - x[0]
+    log0, log1 = stats.norm.logpdf(x, mu0, sd0), stats.norm.logpdf(x, mu1, sd1)
+
+    def divergence(eps: float) -> float:
+        one = np.exp(log1) * np.clip(1 - np.exp(np.minimum(eps + log0 - log1, 50)), 0, None)
+        other = np.exp(log0) * np.clip(1 - np.exp(np.minimum(eps + log1 - log0, 50)), 0, None)
+        return max(float(one.sum()), float(other.sum())) * dx
+
+    if divergence(0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, 100.0
+    if divergence(hi) > delta:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if divergence(mid) <= delta else (mid, hi)
+    return hi
+
+
+def one_shot_epsilon(inserted: np.ndarray, absent: np.ndarray, delta: float) -> float:
+    """Andrew et al.'s estimate: a Gaussian fitted to each set of scores, the epsilon between them."""
+    return gaussian_pair_epsilon(float(np.mean(absent)), float(np.std(absent, ddof=1)), float(np.mean(inserted)),
+                                 float(np.std(inserted, ddof=1)), delta)  # fmt: skip
+
+
+def bootstrap_interval(inserted, absent, delta, confidence, rng, resamples=200) -> tuple[float, float]:
+    """A percentile bootstrap interval of :func:`one_shot_epsilon` (both sets resampled)."""
+    draws = [one_shot_epsilon(rng.choice(inserted, len(inserted)), rng.choice(absent, len(absent)), delta)
+             for _ in range(resamples)]  # fmt: skip
+    tail = (1 - confidence) / 2
+    return float(np.quantile(draws, tail)), float(np.quantile(draws, 1 - tail))
+
+
+def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
+    """The probability, were the run (eps, delta)-DP, of ``v`` or more correct guesses of ``r`` about ``m`` canaries
+    each inserted with probability 1/2 (Steinke et al., Theorem 5.2): ``P[Binom(r, p) >= v] + 2 m delta alpha``,
+    ``p = e^eps / (1 + e^eps)``, ``alpha = max_i P[v - i <= Binom(r, p) < v] / i``."""
+    p = 1 / (1 + math.exp(-eps))
+    tail = float(stats.binom.sf(v - 1, r, p))
+    below = np.cumsum(stats.binom.pmf(v - np.arange(1, v + 1), r, p))  # P[v - i <= B < v], i = 1..v
+    alpha = float(np.max(below / np.arange(1, v + 1))) if v > 0 else 0.0
+    return min(1.0, tail + 2 * m * delta * alpha)
+
+
+def one_run_lower_bound(m: int, r: int, v: int, delta: float, confidence: float) -> float:
+    """The largest epsilon that ``v`` correct guesses of ``r`` rule out at ``confidence`` (0: none)."""
+    level = 1 - confidence
+    if r == 0 or one_run_p_value(m, r, v, 0.0, delta) >= level:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while one_run_p_value(m, r, v, hi, delta) < level and hi < 100:
+        lo, hi = hi, hi * 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if one_run_p_value(m, r, v, mid, delta) < level else (lo, mid)
+    return lo
+
+
+class PrivacyAudit:
+    """Canary clients that measure what a private run leaks (module docstring); ``trainer.privacy_audit``.
+
+    Args:
+        canaries: How many canary clients (each inserted with probability 1/2).
+        confidence: Of the bootstrap interval and of the one-run lower bound.
+        guess_fraction: The share of canaries guessed "inserted" (highest scores), and as many "not inserted"
+            (lowest), for the one-run bound.
+        seed: Of the canaries' directions and insertions (``null``: the operating system's randomness).
+        max_memory_mb: The most memory the directions may take (``canaries x D x 4`` bytes).
+    """
+
+    def __init__(self, canaries: int = 1000, confidence: float = 0.95, guess_fraction: float = 0.1,
+                 seed: int | None = None, max_memory_mb: float = 1024.0) -> None:  # fmt: skip
+        problems = [f"trainer.privacy_audit.canaries must be an integer >= 10, got {canaries!r}"] * (
+            isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < 10)  # fmt: skip
+        problems += [f"trainer.privacy_audit.confidence must be in (0, 1), got {confidence!r}"] * (
+            not 0 < confidence < 1)  # fmt: skip
+        problems += [f"trainer.privacy_audit.guess_fraction must be in (0, 0.5], got {guess_fraction!r}"] * (
+            not 0 < guess_fraction <= 0.5)  # fmt: skip
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.canaries, self.confidence, self.guess_fraction = canaries, confidence, guess_fraction
+        self.seed, self.max_memory_mb = seed, max_memory_mb
+
+    def setup(self, dim: int, rate: float, seed: int | None = None) -> None:
+        """Draw the canaries for a federated state of ``dim`` numbers, sampled at ``rate`` per round."""
+        if self.canaries * dim * 4 > self.max_memory_mb * 2**20:
+            raise ConfigError(
+                f"trainer.privacy_audit: {self.canaries} canaries of {dim:,} numbers take "
+                f"{self.canaries * dim * 4 / 2**20:,.0f} MiB, more than max_memory_mb={self.max_memory_mb:g}: lower "
+                "canaries or raise max_memory_mb"
+            )
+        self.drawn_seed = seed if seed is not None else (self.seed if self.seed is not None else secrets.randbits(63))
+        rng = np.random.default_rng(self.drawn_seed)
+        directions = rng.standard_normal((self.canaries, dim), dtype=np.float32)
+        self.directions = torch.from_numpy(directions / np.linalg.norm(directions, axis=1, keepdims=True))
+        self.inserted = rng.random(self.canaries) < 0.5
+        self.rate, self.rng = rate, rng
+        self.every = torch.full((self.canaries,), -math.inf, dtype=torch.float64)  # max over rounds
+        self.total = torch.zeros(dim, dtype=torch.float64)  # the audited releases, summed: the final model's
+        self.rounds = 0
+
+    def sampled(self) -> np.ndarray:
+        """This round's canaries (indices): each with the real clients' rate (the draw is made for every canary, so
+        an inserted one's rounds do not depend on which others are inserted)."""
+        return np.flatnonzero(self.rng.random(self.canaries) < self.rate)
+
+    def observe(self, release: torch.Tensor) -> None:
+        """Score a round's audited release (float64 ``(D,)``, canaries included) against every canary."""
+        self.total += release
+        self.rounds += 1
+        norm = float(release.norm())
+        if norm > 0:
+            scores = (self.directions @ release.float()).double() / norm
+            self.every = torch.maximum(self.every, scores)
+
+    def observe_each(self, indices: np.ndarray, uploads: torch.Tensor) -> None:
+        """Score canary uploads seen one by one (local DP): canary ``indices[j]`` against its row ``uploads[j]``."""
+        self.rounds += 1
+        if len(indices):
+            rows = self.directions[torch.from_numpy(indices)]
+            scores = (rows * uploads.float()).sum(1).double() / uploads.double().norm(dim=1).clamp_min(1e-300)
+            self.every[indices] = torch.maximum(self.every[indices], scores)
+
+    def report(self, epsilon: float, delta: float) -> dict[str, Any]:
+        """The estimates (and what they are next to: the accountant's ``epsilon`` at ``delta``)."""
+        seen = torch.isfinite(self.every).numpy()
+        inserted, absent = self.inserted & seen, ~self.inserted & seen
+        every = self.every.numpy()
+        out: dict[str, Any] = {"canaries": self.canaries, "inserted": int(self.inserted.sum()),
+                               "rounds": self.rounds, "accountant_epsilon": epsilon, "delta": delta,
+                               "confidence": self.confidence}  # fmt: skip
+        if min(inserted.sum(), absent.sum()) < 5:
+            return {**out, "problem": "too few canaries were seen to estimate anything"}
+        boot = np.random.default_rng(self.drawn_seed + 1)
+        out["epsilon_hat_every_round"] = one_shot_epsilon(every[inserted], every[absent], delta)
+        out["interval_every_round"] = bootstrap_interval(every[inserted], every[absent], delta, self.confidence, boot)
+        if float(self.total.norm()) > 0 and bool(seen.all()):
+            final = ((self.directions @ self.total.float()).double() / float(self.total.norm())).numpy()
+            out["epsilon_hat_final_model"] = one_shot_epsilon(final[self.inserted], final[~self.inserted], delta)
+        k = max(1, int(self.guess_fraction * int(seen.sum())))
+        order = np.argsort(every[seen])
+        truth = self.inserted[seen]
+        correct = int(truth[order[-k:]].sum()) + int((~truth[order[:k]]).sum())
+        out["one_run_guesses"], out["one_run_correct"] = 2 * k, correct
+        out["one_run_lower_bound"] = one_run_lower_bound(int(seen.sum()), 2 * k, correct, delta, self.confidence)
+        out["violation"] = violation(out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"PrivacyAudit(canaries={self.canaries}, confidence={self.confidence}, seed={self.seed})"
+
+
+def violation(report: dict[str, Any]) -> str | None:
+    """Whether the audit contradicts the accountant: its lower bound above the accountant's epsilon (the guarantee
+    is broken, at the audit's confidence), or the estimate's whole interval above it (the mechanism very likely
+    leaks more than it accounts)."""
+    epsilon = report["accountant_epsilon"]
+    if report["one_run_lower_bound"] > epsilon:
+        return (f"the one-run lower bound {report['one_run_lower_bound']:.3g} exceeds the accountant's epsilon "
+                f"{epsilon:.4g}: the mechanism does not give the guarantee it accounts")  # fmt: skip
+    if report["interval_every_round"][0] > epsilon:
+        return (f"the estimate's whole interval lies above the accountant's epsilon {epsilon:.4g}: the mechanism "
+                "very likely leaks more than it accounts (less noise or a weaker clip than assumed)")  # fmt: skip
+    return None
+
+
+def audit_lines(report: dict[str, Any]) -> list[str]:
+    """The run summary's lines for an audit ``report``."""
+    head = f"privacy audit ({report['canaries']:,} canary clients, {report['inserted']:,} inserted)"
+    if "problem" in report:
+        return [f"{head}: {report['problem']}"]
+    lo, hi = report["interval_every_round"]
+    conf = f"{report['confidence']:.0%}"
+    lines = [f"{head}: epsilon-hat {report['epsilon_hat_every_round']:.3g} ({conf} interval {lo:.3g}-{hi:.3g}) from "
+             "every released round (Andrew et al. 2024: an estimate)"]  # fmt: skip
+    if "epsilon_hat_final_model" in report:
+        lines[0] += f", {report['epsilon_hat_final_model']:.3g} from the final model"
+    lines.append(f"  one-run lower bound {report['one_run_lower_bound']:.3g} at {conf} confidence ("
+                 f"{report['one_run_correct']} of {report['one_run_guesses']} guesses right; Steinke et al. 2023); "
+                 f"the accountant's epsilon {report['accountant_epsilon']:.4g} is an upper bound")  # fmt: skip
+    if report.get("violation"):
+        lines.append(f"  warning: {report['violation']}")
+    return lines
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1, default=float) + "\n")
