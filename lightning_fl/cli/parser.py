@@ -12,7 +12,7 @@ import sys
 import lightning as L
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
-from lightning_fl.cli.precheck import SUBCOMMANDS, TOP_KEYS
+from lightning_fl.cli.precheck import DESCRIPTION, PROG, SUBCOMMANDS, TOP_KEYS
 from lightning_fl.trainer_api import TrainerLike, lazy_instance
 
 TrainerType = L.Trainer | TrainerLike
@@ -54,11 +54,7 @@ def build_parsers(*, field_docs: bool = False) -> tuple[ArgumentParser, dict[str
 
     load_plugins()  # every plug-in imported, so short class names resolve
     set_parsing_settings(docstring_parse_attribute_docstrings=field_docs)
-    root = ArgumentParser(
-        prog="python -m lightning_fl",
-        description="Federated learning experiments: FLITE, FMP and their baselines.",
-        exit_on_error=False,
-    )
+    root = ArgumentParser(prog=PROG, description=DESCRIPTION, exit_on_error=False)
     subcommands = root.add_subcommands(required=True, dest="subcommand")
     parsers = {name: _subcommand_parser(name) for name in SUBCOMMANDS}
     for name, parser in parsers.items():
