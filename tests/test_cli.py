@@ -542,6 +542,25 @@ def test_class_help_names_the_whole_key(capsys):
     assert "--trainer.strategy.server_lr" in out and " --strategy.server_lr" not in out and "[--strategy." not in out
 
 
+def test_a_class_help_is_named_as_typed_and_opens_with_a_whole_sentence(capsys):
+    """``--KEY.help CLASS`` prints ``usage: python -m lightning_fl SUBCOMMAND ...`` (jsonargparse names the parser
+    it makes for it after ``sys.argv[0]``: ``__main__.py``), and heads the options with the docstring's whole first
+    sentence (docstring_parser's short description is the first line, cut where the sentence wraps)."""
+    quickstart = str(CONFIGS / "quickstart.yaml")
+    headings = {
+        ("validate", "--trainer.help", "FederatedTrainer"): "Federated training of a LightningModule over the "
+        "clients of a federated data module",
+        ("fit", "--config", quickstart, "--trainer.privacy.help", "DistributedDP"): "User-level DP with the noise "
+        "drawn by the clients: each clips its update and adds a ``1 / m`` share of the central noise's variance; "
+        "the server sums and divides by ``m``",
+    }
+    for argv, heading in headings.items():
+        assert run_cli(*argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m lightning_fl {argv[0]} [--trainer."), out[:200]
+        assert f"\n\n{heading}:\n  --trainer." in out, argv
+
+
 def test_the_trainer_help_shows_the_doc_under_each_field(capsys):
     """TrainerArguments documents each field with the string under it (an attribute docstring, as Sphinx and
     mkdocstrings read it); ``--trainer.help FederatedTrainer`` prints every one beside its key."""
