@@ -1,24 +1,22 @@
 """The command line's parsers: the root parser, one subcommand parser each for ``fit``, ``validate`` and ``test``
 (their keys are :data:`~lightning_fl.cli.precheck.TOP_KEYS`), and the YAML they write of a parsed config.
 
-A class's help (``--KEY.help CLASS``) is named as users type it (``usage: python -m lightning_fl fit ...``) and
-opens with the whole first sentence of the class's docstring (:func:`whole_first_sentences`).
+A class's help (``--KEY.help CLASS``) is named as users type it (``usage: python -m lightning_fl fit ...``); what
+else the parsers do differently from jsonargparse's own is in :mod:`lightning_fl.cli.corrections`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 import io
 import re
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
+from lightning_fl.cli.corrections import correct_jsonargparse
 from lightning_fl.cli.precheck import DESCRIPTION, PROG, SUBCOMMANDS, TOP_KEYS
 from lightning_fl.trainer_api import TrainerLike, lazy_instance
 
@@ -85,7 +83,7 @@ def build_parsers(*, field_docs: bool = False) -> tuple[ArgumentParser, dict[str
 
     load_plugins()  # every plug-in imported, so short class names resolve
     set_parsing_settings(docstring_parse_attribute_docstrings=field_docs)
-    whole_first_sentences()
+    correct_jsonargparse()
     root = ArgumentParser(prog=PROG, description=DESCRIPTION, exit_on_error=False)
     subcommands = root.add_subcommands(required=True, dest="subcommand")
     parsers = {name: _subcommand_parser(name) for name in SUBCOMMANDS}
@@ -131,52 +129,3 @@ def full_keys_in_class_help(argv: list[str]):
         text = re.sub(rf"--{re.escape(short)}\.(?=[\w])", f"--{key}.", out.getvalue())
         text = text.replace(f"--{short}.help", f"--{key}.help")
         sys.stdout.write(text)
-
-
-# ------------------------------------------------------------------------------ the headings of a class's help
-_SENTENCE_END = re.compile(r"\.(?=\s+[A-Z]|\s*$)")  # (not "e.g. the", nor "trainer.rounds")
-
-
-def first_sentence(doc: str | None) -> str | None:
-    """The first sentence of a docstring's first paragraph, its lines joined, without its full stop."""
-    if not doc or not doc.strip():
-        return None
-    paragraph = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
-    end = _SENTENCE_END.search(paragraph)
-    return paragraph[: end.start()] if end else paragraph
-
-
-def _docstrings(component: Any, method_name: str | None) -> list[str]:
-    """The docstrings jsonargparse may take a heading from: the method's, else the class's and its bases' and their
-    constructors'."""
-    if method_name:
-        component = getattr(component, method_name, None)
-    owners = inspect.getmro(component) if inspect.isclass(component) else (component,)
-    inits = [c.__dict__["__init__"] for c in owners if inspect.isclass(component) and "__init__" in c.__dict__]
-    return [doc for obj in (*owners, *inits) if isinstance(doc := getattr(obj, "__doc__", None), str)]
-
-
-def whole_first_sentences() -> None:
-    """Make the heading of a class's options (``--KEY.help CLASS``) the docstring's whole first sentence.
-
-    jsonargparse heads them with docstring_parser's short description: the docstring's first line, which breaks off
-    mid-sentence when the sentence wraps onto the next line ("... adds a ``1 / m`` share of the:"). Its lookup is
-    kept (which docstring); the heading becomes that docstring's first sentence. jsonargparse keeps the lookup as a
-    module global, replaced here once per process; a jsonargparse without it keeps its own headings.
-    """
-    signatures = importlib.import_module("jsonargparse._signatures")
-    original: Callable[..., str | None] | None = getattr(signatures, "get_doc_short_description", None)
-    if original is None or getattr(original, "whole_sentence", False):
-        return
-
-    def short_description(component: Any, method_name: str | None = None, logger: Any = None) -> str | None:
-        short = original(component, method_name, logger=logger)
-        if not short:
-            return short
-        for doc in _docstrings(component, method_name):
-            if inspect.cleandoc(doc).split("\n", 1)[0].strip() == short.strip():
-                return first_sentence(doc)
-        return short
-
-    short_description.whole_sentence = True  # type: ignore[attr-defined]
-    signatures.get_doc_short_description = short_description
