@@ -1,8 +1,9 @@
 """``python -m lightning_fl fit|validate|test ...``: :func:`lightning_fl.cli.main`, after the pre-check.
 
-The pre-check (:mod:`lightning_fl.cli.precheck`) answers a mistyped subcommand and a ``--config`` file that does not
-exist, breaks YAML's syntax or has an unknown top-level key before torch and Lightning are imported (a fraction of
-a second instead of five on a small machine); everything else goes to the full parser.
+The pre-check (:mod:`lightning_fl.cli.precheck`) answers ``--help`` (``-h``, no arguments), a mistyped subcommand
+and a ``--config`` file that does not exist, breaks YAML's syntax or has an unknown top-level key before torch and
+Lightning are imported (a fraction of a second instead of five on a small machine); everything else goes to the
+full parser.
 """
 
 import sys

@@ -200,6 +200,8 @@ def test_yaml_typos_are_named(in_tmp, capsys):
 
 QUICKSTART = str(CONFIGS / "quickstart.yaml")  # a FederatedTrainer
 FMP = str(CONFIGS / "fmp_digits.yaml")  # lightning.Trainer, a model with an optional summariser class
+DP = str(CONFIGS / "dp_fedavg_fashion_mnist.yaml")  # CentralDP, noise_seed: 0
+DP_SGD = str(CONFIGS / "dp_sgd_fashion_mnist.yaml")  # DPSGD, noise_seed: 0
 
 
 class StrictDigits(Digits):
@@ -259,6 +261,22 @@ REAL_CAUSES = {
         DIGITS,
         ["--trainer.logger", "Foo"],
         ["error: fit: trainer.logger: unknown class 'Foo'. Accepted short names: CSVLogger", "TensorBoardLogger"],
+    ),
+    # a float key given nan: YAML reads nan as text (jsonargparse: "expected float") and .nan as NaN
+    "nan": (
+        DP,
+        ["--trainer.privacy.clip_norm", "nan"],
+        ["error: fit: trainer.privacy.clip_norm must be a finite number, got nan\n"],
+    ),
+    "nan to a float or null": (
+        DP,
+        ["--trainer.privacy.target_epsilon", "NaN"],
+        ["error: fit: trainer.privacy.target_epsilon must be a finite number, got nan\n"],
+    ),
+    "YAML's nan": (
+        QUICKSTART,
+        ["--trainer.max_update_norm", ".nan"],
+        ["error: fit: trainer.max_update_norm must be a finite number, got nan\n"],
     ),
     "refused by the federated trainer": (
         QUICKSTART,
@@ -321,6 +339,26 @@ def test_the_real_cause_comes_first_in_one_line_naming_the_key(case, in_tmp, cap
     assert len(err.splitlines()) == 2  # the reason, then the --help hint
     for noise in ("Traceback", "Given value", "Namespace(", "Union subtypes", "lightning_fl.FederatedTrainer"):
         assert noise not in err
+
+
+def test_null_on_the_command_line_reaches_a_class_inside_the_trainer(in_tmp):
+    """``--trainer.privacy.noise_seed null``: jsonargparse read ``null`` for the trainer, then handed the privacy
+    class the text ``None`` (refused: "expected int or null, got 'None'"); the DP configs set 0 and say null for a
+    deployment. The same from a YAML config, for DP-SGD, and one class deeper."""
+    from lightning_fl.cli import build
+
+    central = build(["fit", "--config", DP, "--trainer.privacy.noise_seed", "null"])
+    assert central.trainer.privacy.noise_seed is None
+    assert "noise_seed: null" in central.config_yaml
+    dp_sgd = build(["fit", "--config", DP_SGD, "--trainer.dp_sgd.noise_seed", "null"])
+    assert dp_sgd.trainer.dp_sgd.noise_seed is None
+    config = write(
+        in_tmp / "seed.yaml", "trainer:\n  init_args:\n    privacy:\n      init_args:\n        noise_seed: null\n"
+    )
+    assert build(["fit", "--config", DP, "--config", config]).trainer.privacy.noise_seed is None
+    adaptive = ["--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std"]
+    assert build(["fit", "--config", DP, *adaptive, "null"]).trainer.privacy.adaptive.count_std is None
+    assert build(["fit", "--config", DP, *adaptive, "0.5"]).trainer.privacy.adaptive.count_std == 0.5
 
 
 # Without a config: help for a class, and keys given before their class is chosen.
@@ -540,6 +578,25 @@ def test_class_help_names_the_whole_key(capsys):
     assert run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.strategy.help", "FedAdam") == 0
     out = capsys.readouterr().out
     assert "--trainer.strategy.server_lr" in out and " --strategy.server_lr" not in out and "[--strategy." not in out
+
+
+def test_a_class_help_is_named_as_typed_and_opens_with_a_whole_sentence(capsys):
+    """``--KEY.help CLASS`` prints ``usage: python -m lightning_fl SUBCOMMAND ...`` (jsonargparse names the parser
+    it makes for it after ``sys.argv[0]``: ``__main__.py``), and heads the options with the docstring's whole first
+    sentence (docstring_parser's short description is the first line, cut where the sentence wraps)."""
+    quickstart = str(CONFIGS / "quickstart.yaml")
+    headings = {
+        ("validate", "--trainer.help", "FederatedTrainer"): "Federated training of a LightningModule over the "
+        "clients of a federated data module",
+        ("fit", "--config", quickstart, "--trainer.privacy.help", "DistributedDP"): "User-level DP with the noise "
+        "drawn by the clients: each clips its update and adds a ``1 / m`` share of the central noise's variance; "
+        "the server sums and divides by ``m``",
+    }
+    for argv, heading in headings.items():
+        assert run_cli(*argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m lightning_fl {argv[0]} [--trainer."), out[:200]
+        assert f"\n\n{heading}:\n  --trainer." in out, argv
 
 
 def test_the_trainer_help_shows_the_doc_under_each_field(capsys):

@@ -10,29 +10,39 @@ import sys
 import pytest
 
 from conftest import CONFIGS, REPO
-from lightning_fl.cli.precheck import TOP_KEYS, check
+from lightning_fl.cli.precheck import SUBCOMMANDS, TOP_KEYS, check
 
 DIGITS = str(CONFIGS / "pretrain_digits.yaml")
 BAD_YAML = "trainer:\n  init_args:\n    rounds: 1\n   devices: 1\n"
 
-# Runs ``python -m lightning_fl ARGS`` (as runpy does) once per case in one process; after each, what it said, its
-# exit code and which heavy modules were loaded by then.
+# Runs ``python -m lightning_fl ARGS`` (as runpy does) once per case in one process; after each, what it said (on
+# stdout and stderr), its exit code and which heavy modules were loaded by then.
 PROBE = """
 import contextlib, io, json, runpy, sys
 out = []
 for argv in json.loads(sys.argv[1]):
     sys.argv = ["lightning_fl", *argv]
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    said, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(err):
         try:
             runpy.run_module("lightning_fl", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as stop:
             code = stop.code
     heavy = [m for m in ("torch", "lightning", "jsonargparse", "numpy") if m in sys.modules]
-    out.append({"code": code, "err": err.getvalue(), "heavy": heavy})
+    out.append({"code": code, "out": said.getvalue(), "err": err.getvalue(), "heavy": heavy})
 print(json.dumps(out))
 """
+
+
+def probe(argvs: list[list[str]], cwd) -> list[dict]:
+    """:data:`PROBE`'s report of each ``python -m lightning_fl ARGV``, run one after another in one process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(argvs)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
 def test_mistakes_are_answered_before_torch_is_imported(tmp_path):
@@ -44,17 +54,29 @@ def test_mistakes_are_answered_before_torch_is_imported(tmp_path):
         "top key": (["fit", "--config", DIGITS, "--config=typo.yaml"], "error: fit: unknown key 'modle'. Did you"),
         "subcommand": (["fitt", "--config", DIGITS], "error: unknown subcommand 'fitt'. Did you mean 'fit'?"),
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    argvs = json.dumps([argv for argv, _ in cases.values()])
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, argvs], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    for (name, (_, expected)), result in zip(cases.items(), json.loads(done.stdout), strict=True):
+    results = probe([argv for argv, _ in cases.values()], tmp_path)
+    for (name, (_, expected)), result in zip(cases.items(), results, strict=True):
         assert result["code"] == 2, name
         assert result["err"].startswith(expected), (name, result["err"])
         assert len(result["err"].splitlines()) == 2, name  # the line and the hint
         assert result["heavy"] == [], f"{name}: answered after importing {result['heavy']}"
+
+
+def test_the_top_level_help_is_answered_before_torch_is_imported(tmp_path):
+    """``--help``, ``-h`` and no arguments (an error: code 2) print the subcommands, an example, where the configs
+    and the docs are, without the seconds of torch's and Lightning's imports (a subcommand's help needs them)."""
+    results = probe([["--help"], ["-h"], []], tmp_path)
+    for argv, result in zip(["--help", "-h", "no arguments"], results, strict=True):
+        assert result["heavy"] == [], f"{argv}: answered after importing {result['heavy']}"
+        missing = argv == "no arguments"
+        text = result["err"] if missing else result["out"]
+        assert result["code"] == (2 if missing else 0), argv
+        start = "error: give a subcommand: fit, validate, test.\n\n" if missing else ""
+        assert text.startswith(f"{start}usage: python -m lightning_fl {{fit,validate,test}} --config FILE"), argv
+        for name, what in SUBCOMMANDS.items():
+            assert f"  {name} " in text and what in text, (argv, name)
+        assert "  python -m lightning_fl fit --config configs/quickstart.yaml\n" in text, argv
+        assert "configs/ in the repository" in text and "docs/index.md" in text and "mkdocs serve" in text, argv
 
 
 def full_parser_message(argv: list[str]) -> str:

@@ -62,6 +62,27 @@ def test_missing_data_set_error_names_paths_and_fixes(in_tmp, monkeypatch):
     assert f"{in_tmp / 'empty'} (root given)" in str(info.value) and "not-installed" not in str(info.value)
 
 
+def test_the_not_found_message_says_what_each_folder_searched_is(in_tmp, monkeypatch):
+    """CIFAR-10 not found (download off): each folder searched is labelled for what it is; only a folder under /usr
+    is a system location (the cache and ./data were labelled so too)."""
+    home = in_tmp / "home"
+    monkeypatch.setenv("HOME", str(home))  # (Path.home())
+    fake_cifar(in_tmp / "data" / "cifar-10-batches-py", ["data_batch_1"], b"labels")  # ./data holds one batch of six
+    with pytest.raises(DatasetNotFoundError) as info:
+        CIFAR10(download=False).prepare()
+    msg = str(info.value)
+    assert msg.startswith("CIFAR-10 was not found. Looked for cifar-10-batches-py/{data_batch_1, ")
+    folder = "cifar-10-batches-py"
+    assert f"\n  - {in_tmp / 'cache' / folder} ($LIGHTNING_FL_DATA)\n" in msg  # (in_tmp sets it)
+    assert f"\n  - {home / '.cache' / 'lightning_fl' / 'data' / folder} (cache)\n" in msg
+    assert f"\n  - {in_tmp / 'data' / folder} (working directory)\n" in msg
+    assert f"\n  - /usr/share/datasets/{folder} (system location)\n" in msg and msg.count("(system location)") == 1
+    monkeypatch.delenv("LIGHTNING_FL_DATA")  # downloads then go to the cache, listed once
+    with pytest.raises(DatasetNotFoundError) as info:
+        CIFAR10(download=False).prepare()
+    assert str(info.value).count(f"{home / '.cache' / 'lightning_fl' / 'data' / folder} (cache)\n") == 1
+
+
 def test_failed_download_is_reported(in_tmp, monkeypatch):
     def offline(self, target):
         raise OSError("Name or service not known")

@@ -7,6 +7,8 @@
 - :mod:`~lightning_fl.cli.parse_errors`, :mod:`~lightning_fl.cli.build_errors`: jsonargparse's errors (parsing, then
   building the classes) in one line naming the key; :mod:`~lightning_fl.cli.classes`: what those messages know
   about the classes a key takes.
+- :mod:`~lightning_fl.cli.corrections`: where the parsers correct jsonargparse (``null`` given to a class inside a
+  class, the headings of a class's help).
 
 Importing this package imports no torch (the pre-check must not pay for it): :func:`main`, :func:`build` and the
 other names below are imported from their modules when first used.

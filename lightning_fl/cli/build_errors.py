@@ -7,6 +7,7 @@ and class that raised; :func:`name_key` puts the dotted key in front of the mess
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -81,6 +82,23 @@ def _config_classes(value: Any, key: str = "") -> Iterator[tuple[str, Namespace]
     elif isinstance(value, list):
         for i, sub in enumerate(value):
             yield from _config_classes(sub, f"{key}[{i}]")
+
+
+def nan_key(value: Any, key: str = "") -> str | None:
+    """The dotted key of the first NaN in a parsed config (``.nan``, YAML's NaN), or None: no key takes one."""
+    if isinstance(value, float) and math.isnan(value):
+        return key
+    if isinstance(value, Namespace):
+        value = vars(value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for name, sub in items:
+        if isinstance(name, int):
+            sub_key = f"{key}[{name}]"
+        else:
+            sub_key = key if name == "init_args" else f"{key}.{name}" if key else str(name)
+        if (found := nan_key(sub, sub_key)) is not None:
+            return found
+    return None
 
 
 def _plain_init_args(node: Namespace) -> dict[str, Any]:

@@ -27,8 +27,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
 from lightning_fl import runs
-from lightning_fl.cli.build_errors import FailedBuild, build_error, instantiate, name_key, quoted_argument
-from lightning_fl.cli.parse_errors import format_parse_error, yaml_syntax_error
+from lightning_fl.cli.build_errors import FailedBuild, build_error, instantiate, name_key, nan_key, quoted_argument
+from lightning_fl.cli.parse_errors import format_parse_error, not_finite, yaml_syntax_error
 from lightning_fl.cli.parser import asks_for_help, build_parsers, dump_config, full_keys_in_class_help
 from lightning_fl.cli.precheck import SUBCOMMANDS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
@@ -183,6 +183,8 @@ def build(argv: list[str]) -> Run:
         raise ConfigParseError(format_parse_error(str(err), subcommand)) from None
     subcommand = cfg.subcommand
     sub_cfg = cfg[subcommand]
+    if (key := nan_key(sub_cfg)) is not None:
+        raise ConfigParseError(f"{subcommand}: {not_finite(key)}")
     try:
         set_threads(sub_cfg.threads)  # before anything is built: data loading and pretraining use them too
     except ConfigError as err:

@@ -238,11 +238,18 @@ def format_parse_error(message: str, subcommand: str | None) -> str:
             got = given.group(1)
         types = _merge_literals([_clean_type(t) for t, _ in expected])
         key = ".".join(chain) or "?"
+        if "float" in types and got is not None and re.fullmatch(r"[+-]?\.?nan", got.strip(), flags=re.I):
+            return prefix + not_finite(key)
         got_text = f", got {got.strip()!r}" if got is not None else ""
         return f"{prefix}{key}: expected {' or '.join(types)}{got_text}."
 
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     return prefix + " ".join(lines[:6])
+
+
+def not_finite(key: str) -> str:
+    """A NaN given to ``key`` (``nan``, which YAML reads as text, or ``.nan``)."""
+    return f"{key} must be a finite number, got nan"
 
 
 def _clean_type(text: str) -> str:

@@ -1,5 +1,8 @@
 """The command line's parsers: the root parser, one subcommand parser each for ``fit``, ``validate`` and ``test``
 (their keys are :data:`~lightning_fl.cli.precheck.TOP_KEYS`), and the YAML they write of a parsed config.
+
+A class's help (``--KEY.help CLASS``) is named as users type it (``usage: python -m lightning_fl fit ...``); what
+else the parsers do differently from jsonargparse's own is in :mod:`lightning_fl.cli.corrections`.
 """
 
 from __future__ import annotations
@@ -8,14 +11,40 @@ import contextlib
 import io
 import re
 import sys
+from typing import Any
 
 import lightning as L
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, set_parsing_settings
 
-from lightning_fl.cli.precheck import SUBCOMMANDS, TOP_KEYS
+from lightning_fl.cli.corrections import correct_jsonargparse
+from lightning_fl.cli.precheck import DESCRIPTION, PROG, SUBCOMMANDS, TOP_KEYS
 from lightning_fl.trainer_api import TrainerLike, lazy_instance
 
 TrainerType = L.Trainer | TrainerLike
+
+
+class _SubcommandParser(ArgumentParser):
+    """A subcommand's parser, named ``python -m lightning_fl SUBCOMMAND`` (:attr:`name`) unless told otherwise.
+
+    jsonargparse prints one class's help (``--KEY.help CLASS``) with a parser it makes as ``type(parser)(...)``
+    without a ``prog``, which argparse then names after ``sys.argv[0]`` (``__main__.py``): made from this class,
+    it is named after the subcommand too.
+    """
+
+    name = PROG
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not args:  # (argparse's first positional argument is prog)
+            kwargs.setdefault("prog", self.name)
+        super().__init__(*args, **kwargs)
+
+
+# One parser class per subcommand, each naming its own (module attributes, so that they pickle like any class).
+_NAMED_PARSERS: dict[str, type[_SubcommandParser]] = {}
+for _name in SUBCOMMANDS:
+    _NAMED_PARSERS[_name] = globals()[f"_{_name.capitalize()}Parser"] = type(
+        f"_{_name.capitalize()}Parser", (_SubcommandParser,), {"name": f"{PROG} {_name}", "__module__": __name__}
+    )
 
 
 def _subcommand_parser(name: str) -> ArgumentParser:
@@ -32,7 +61,7 @@ def _subcommand_parser(name: str) -> ArgumentParser:
     }
     if arguments.keys() != TOP_KEYS.keys():
         raise AssertionError(f"the CLI's keys {list(arguments)} are not cli.precheck.TOP_KEYS {list(TOP_KEYS)}")
-    parser = ArgumentParser(exit_on_error=False, description=SUBCOMMANDS[name])
+    parser = _NAMED_PARSERS[name](exit_on_error=False, description=SUBCOMMANDS[name])
     for key, kwargs in arguments.items():
         flags = ["-c", "--config"] if key == "config" else [f"--{key}"]
         parser.add_argument(*flags, help=TOP_KEYS[key], **kwargs)
@@ -54,11 +83,8 @@ def build_parsers(*, field_docs: bool = False) -> tuple[ArgumentParser, dict[str
 
     load_plugins()  # every plug-in imported, so short class names resolve
     set_parsing_settings(docstring_parse_attribute_docstrings=field_docs)
-    root = ArgumentParser(
-        prog="python -m lightning_fl",
-        description="Federated learning experiments: FLITE, FMP and their baselines.",
-        exit_on_error=False,
-    )
+    correct_jsonargparse()
+    root = ArgumentParser(prog=PROG, description=DESCRIPTION, exit_on_error=False)
     subcommands = root.add_subcommands(required=True, dest="subcommand")
     parsers = {name: _subcommand_parser(name) for name in SUBCOMMANDS}
     for name, parser in parsers.items():

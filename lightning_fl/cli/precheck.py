@@ -1,5 +1,8 @@
 """What the command line can answer before torch and Lightning are imported (5 s on a small machine).
 
+``python -m lightning_fl --help`` (``-h``, or no arguments) is answered here with :data:`USAGE`: the subcommands,
+where the configs and the docs are, and an example (a subcommand's ``--help`` needs the full parser).
+
 The shape of the command line lives here, in a module that imports neither: the subcommands and the top-level keys
 every config has (:mod:`lightning_fl.cli.parser` builds its parsers from these,
 :mod:`lightning_fl.cli.parse_errors` cites them). :func:`precheck` runs first in ``python -m lightning_fl`` and
@@ -38,6 +41,33 @@ TOP_KEYS = {
     "node's processes. More threads than free cores slow small models down when the machine is shared.",
     "config": "Path to a YAML config file.",
 }
+# The program as users type it, and what it is: the full parser's prog and description (lightning_fl.cli.parser).
+PROG = "python -m lightning_fl"
+DESCRIPTION = "Federated learning experiments: FLITE, FMP and their baselines."
+_WIDTH = max(len(name) for name in SUBCOMMANDS) + 2
+
+# ``python -m lightning_fl --help``: printed before anything heavy is imported.
+USAGE = "\n".join(
+    [
+        f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} --config FILE [--KEY.SUB VALUE ...]",
+        "",
+        DESCRIPTION,
+        "",
+        "subcommands:",
+        *(f"  {name:<{_WIDTH}}{text}" for name, text in SUBCOMMANDS.items()),
+        "",
+        "example:",
+        f"  {PROG} fit --config configs/quickstart.yaml",
+        "",
+        "configs:  configs/ in the repository, one YAML file per experiment; override any key with a dotted",
+        "          option, e.g. --trainer.rounds 5.",
+        f"keys:     {PROG} fit --help lists every key; --KEY.help CLASS the options of one class",
+        "          (e.g. --trainer.help FederatedTrainer).",
+        'docs:     docs/ in the repository (start at docs/index.md); the site: pip install -e ".[docs]", then',
+        "          mkdocs serve.",
+    ]
+)
+
 # What jsonargparse accepts at the top of a config file besides the keys: its record of the file's path.
 _IGNORED_KEYS = {"__path__"}
 
@@ -172,6 +202,13 @@ def check(argv: list[str]) -> str | None:
 
 
 def precheck(argv: list[str]) -> None:
-    """Exit with code 2 and one line (:func:`fail`) if :func:`check` finds a mistake in ``argv``."""
+    """Print :data:`USAGE` and exit for ``--help``/``-h`` (code 0) or no arguments (code 2, after one line saying
+    what is missing); exit with code 2 and one line (:func:`fail`) if :func:`check` finds a mistake in ``argv``."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        raise SystemExit(0)
+    if not argv:
+        print(f"error: give a subcommand: {', '.join(SUBCOMMANDS)}.\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
     if (problem := check(argv)) is not None:
         fail(problem)

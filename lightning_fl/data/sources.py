@@ -3,9 +3,9 @@
 A :class:`DataSource` is the plug-in a user subclasses to bring a new data set: it says how many
 classes there are, the input shape, the normalisation constants and the augmentation the papers
 use, and it loads each split as uint8 images. :class:`FileDataSource` adds the lookup every
-on-disk data set shares: the ``root`` given, then well-known system locations, then a download
-when online; when all fail, :class:`~lightning_fl.errors.DatasetNotFoundError` names the paths
-tried and the fixes.
+on-disk data set shares: the ``root`` given, then well-known folders (``$LIGHTNING_FL_DATA``, the
+cache, ``./data``, ``/usr/share/datasets``), then a download when online; when all fail,
+:class:`~lightning_fl.errors.DatasetNotFoundError` names the paths tried, what each is, and the fixes.
 """
 
 from __future__ import annotations
@@ -155,8 +155,28 @@ def system_data_dirs() -> list[Path]:
     return out
 
 
+# Folders an administrator or a system package fills (``/usr/share/datasets``), as opposed to the user's own.
+SYSTEM_ROOTS = (Path("/usr"), Path("/opt"), Path("/srv"), Path("/var"))
+
+
+def place(folder: Path) -> str:
+    """What a searched folder is, as the not-found message labels it: ``$LIGHTNING_FL_DATA``, the cache (where
+    downloads go without it), the working directory, a system location (``/usr/share/...``), else a data folder."""
+    folder = folder.expanduser()
+    env = os.environ.get("LIGHTNING_FL_DATA")
+    if env and folder.is_relative_to(Path(env).expanduser()):
+        return "$LIGHTNING_FL_DATA"
+    if folder.is_relative_to(Path.home() / ".cache"):
+        return "cache"
+    if folder.is_relative_to(Path.cwd() / "data"):
+        return "working directory"
+    if any(folder.is_relative_to(root) for root in SYSTEM_ROOTS):
+        return "system location"
+    return "working directory" if folder.is_relative_to(Path.cwd()) else "data folder"
+
+
 class FileDataSource(DataSource):
-    """A data set read from files: in ``root`` when one is given (only there), else system locations; then download.
+    """A data set read from files: in ``root`` when one is given (only there), else well-known folders; then download.
 
     Subclasses implement :meth:`candidates` (folders under a base directory that may hold the
     files), :meth:`is_complete` (the folder holds every file needed), :meth:`read` and, when the
@@ -202,9 +222,9 @@ class FileDataSource(DataSource):
         if self.root is not None:  # an explicit root is authoritative: nothing else is searched
             out += [(p, "root given") for p in self.candidates(Path(self.root).expanduser())]
             return list(dict.fromkeys(out))
-        out += [(Path(p), "system location") for p in self.system_paths]
+        out += [(Path(p), place(Path(p))) for p in self.system_paths]
         for base in system_data_dirs():
-            out += [(p, "system location") for p in self.candidates(base)]
+            out += [(p, place(base)) for p in self.candidates(base)]
         seen: set[Path] = set()
         unique = []
         for p, why in out:

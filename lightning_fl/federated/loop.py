@@ -53,7 +53,7 @@ from lightning_fl.trainer_api import TrainerLike, write_config
 
 
 class FederatedTrainer(TrainerArguments, TrainerLike):
-    """Federated training of a LightningModule over the clients of a federated data module
+    """Federated training of a LightningModule over the clients of a federated data module.
 
     Its arguments, the CLI's ``trainer.*`` keys, are the fields of
     :class:`~lightning_fl.federated.arguments.TrainerArguments`."""
