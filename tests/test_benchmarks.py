@@ -109,6 +109,13 @@ CASES = {
         outputs=["flower_overhead.csv", "flower_overhead.md"],
         needs="flwr",  # the "flower" extra
     ),
+    "privacy_audit.py": Case(
+        ["--sides", "latent", "--z", "2", "--canaries", "10", "--rounds", "2", "--json", "audit.json"],
+        "| latent | 2 |",
+        slow=True,  # (it pretrains the quickstart's base)
+        timeout=900.0,
+        outputs=["audit.json"],
+    ),
     "threads.py": Case(
         ["--rounds", "1", "--repeats", "1", "--root", "runs", "--out", "threads.json"],
         "wrote threads.json",
