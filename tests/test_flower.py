@@ -475,52 +475,58 @@ def test_every_wait_is_a_validated_run_config_key():
             settings({"config": "x.yaml", "max-silent-rounds": bad})
 
 
-def test_a_run_without_replies_stops_with_an_error_naming_the_nodes(in_tmp):
-    """Rounds in which no sampled client replies (SuperNodes gone, e.g. after a SuperLink restart) do not end as a
-    completed run: after ``max-silent-rounds`` of them the run stops with one error, its checkpoint saved."""
+def test_a_round_without_replies_is_not_done_and_runs_again_until_the_limit(in_tmp):
+    """No sampled client replies (SuperNodes gone, e.g. after a SuperLink restart): the round is not done (nothing
+    aggregated, released, accounted or saved) and runs again; after ``max-silent-rounds`` silent attempts the run
+    stops with one error naming the nodes, its last completed round saved."""
     from lightning_fl.errors import UserError
 
-    silent = LocalGrid(nodes(), tamper={n: lambda reply, message: None for n in range(1, 5)})
-    overrides = [*SMALL, "--trainer.rounds", "5", "--trainer.default_root_dir", str(in_tmp / "runs"),
-                 "--trainer.name", "silent"]  # fmt: skip
+    mute = dict.fromkeys(range(1, 5), lambda reply, message: None)
+    overrides = [*SMALL, "--trainer.rounds", "3", "--trainer.default_root_dir", str(in_tmp / "runs")]
+    mute_from_round_2 = {n: (lambda reply, message: None if message.metadata.group_id != "1" else reply)
+                         for n in range(1, 5)}  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-2; "
-                           r"SuperNodes known: \[1, 2, 3, 4\]\).*'max-silent-rounds'"):  # fmt: skip
-            serve(silent, str(CONFIGS / "quickstart.yaml"), overrides, wait_for_nodes=0, max_silent_rounds=2, **QUICK)
-        assert final(in_tmp / "runs", "silent")["round"] == 2  # saved: it resumes once nodes are back
-        done = serve(LocalGrid(nodes(), tamper={n: lambda reply, message: None for n in range(1, 5)}),
-                     str(CONFIGS / "quickstart.yaml"), [*overrides[:-1], "quiet"], wait_for_nodes=0,
-                     max_silent_rounds=None, **QUICK)  # fmt: skip
-    assert len(done.history) == 6 and all(h["fed/lost_clients"] == 4 for h in done.history[1:])
+        gone = r"no sampled client replied in 2 attempts in a row at round 2 \(SuperNodes known: \[1, 2, 3, 4\]\)"
+        with pytest.raises(UserError, match=gone + r".*checkpoint of round 1 is saved.*'max-silent-rounds'"):
+            serve(LocalGrid(nodes(), tamper=mute_from_round_2), str(CONFIGS / "quickstart.yaml"),
+                  [*overrides, "--trainer.name", "gone"], wait_for_nodes=0, max_silent_rounds=2, **QUICK)  # fmt: skip
+        saved = final(in_tmp / "runs", "gone")
+        assert saved["round"] == 1 and [h["round"] for h in saved["history"]] == [0, 1]
+        with pytest.raises(UserError, match=r"in 3 attempts in a row at round 1 "):
+            serve(LocalGrid(nodes(), tamper=mute), str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name",
+                  "never"], wait_for_nodes=0, max_silent_rounds=3, **QUICK)  # fmt: skip
+        assert not list((in_tmp / "runs" / "never").glob("*/checkpoints/last.ckpt"))  # no round was done
 
 
-def test_a_run_shorter_than_max_silent_rounds_without_any_reply_is_an_error_too(in_tmp):
-    """Two rounds, no reply in either, ``max_silent_rounds`` 3: the run does not end looking trained (its global
-    state untouched); a run whose last round alone is silent ends normally."""
-    from lightning_fl.errors import UserError
+def test_nodes_that_come_back_finish_the_run_as_if_they_had_never_left_and_the_silence_spends_nothing(in_tmp):
+    """Every node drops its first two train messages (two silent attempts of round 1) and then serves: with
+    ``max-silent-rounds`` 0 (keep trying) the run ends with the same global state, history of rounds and epsilon as
+    a run in process, bit for bit: the silent attempts released and accounted nothing."""
+    seen = dict.fromkeys(range(1, 5), 0)
 
-    overrides = [*SMALL, "--trainer.rounds", "2", "--trainer.default_root_dir", str(in_tmp / "runs")]
-    mute = {n: lambda reply, message: None for n in range(1, 5)}
+    def back_after_two(node):
+        def tamper(reply, message):
+            seen[node] += 1
+            return None if seen[node] <= 2 else reply
+
+        return tamper
+
+    extra = ["--trainer.rounds", "3", "--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0",
+             "--trainer.privacy.noise_seed", "0", "--trainer.max_update_norm_ratio", "null"]  # fmt: skip
+    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
+    grid = LocalGrid(nodes(), tamper={n: back_after_two(n) for n in range(1, 5)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        with pytest.raises(
-            UserError, match=r"no sampled client replied in any of this run's 2 round\(s\) \(rounds 1-2;"
-        ):
-            serve(LocalGrid(nodes(), tamper=mute), str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name",
-                  "mute"], wait_for_nodes=0, max_silent_rounds=3, **QUICK)  # fmt: skip
-        assert final(in_tmp / "runs", "mute")["round"] == 2  # saved, as after max_silent_rounds
-        with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-2;"):
-            serve(LocalGrid(nodes(), tamper=mute), str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name",
-                  "limit"], wait_for_nodes=0, max_silent_rounds=2, **QUICK)  # fmt: skip  # the limit, reached last
-
-        def mute_in_round_2(reply, message):
-            return None if message.metadata.group_id == "2" else reply
-
-        done = serve(LocalGrid(nodes(), tamper=dict.fromkeys(range(1, 5), mute_in_round_2)),
-                     str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name", "late"], wait_for_nodes=0,
-                     max_silent_rounds=3, **QUICK)  # fmt: skip
-    assert [h["fed/lost_clients"] for h in done.history[1:]] == [0, 4]
+        trainer = serve(grid, str(CONFIGS / "quickstart.yaml"), [*SMALL, *extra, "--trainer.default_root_dir",
+                        str(in_tmp / "runs"), "--trainer.name", "back"], wait_for_nodes=0, max_silent_rounds=None,
+                        **QUICK)  # fmt: skip
+    got = final(in_tmp / "runs", "back")
+    assert_same_state(got, reference) and seen == dict.fromkeys(range(1, 5), 5)  # 2 dropped, then 3 rounds
+    assert [h["privacy/epsilon"] for h in trainer.history[1:]] == [h["privacy/epsilon"]
+                                                                   for h in reference["history"][1:]]  # fmt: skip
+    assert trainer.privacy.accountant.num_rounds == 3
+    assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [0] * 3
 
 
 def test_a_timed_out_round_says_so_and_a_late_reply_is_never_another_rounds(in_tmp):
@@ -750,23 +756,20 @@ def test_the_simulation_entry_refuses_a_bad_wait_in_one_line(flag, capsys):
     assert len(err.splitlines()) == 1 and f"{flag} must be a finite number of seconds" in err
 
 
-def test_rounds_whose_clients_were_all_unavailable_are_not_silent():
-    """Simulated dropout asks nobody: such a round neither counts towards ``max-silent-rounds`` nor resets it."""
+def test_silent_attempts_count_in_a_row_and_a_completed_round_ends_the_streak():
+    """``max-silent-rounds`` counts silent attempts in a row; any completed round (one where a client replied, or
+    where simulated dropout asked nobody) starts the count again."""
     from lightning_fl.errors import UserError
     from lightning_fl.flower.transport import FlowerTransport
 
     transport = FlowerTransport(LocalGrid(nodes()), "", max_silent_rounds=2)
-
-    def round_(r, unavailable, lost):
-        metrics = {"fed/clients": 4.0, "fed/unavailable_clients": unavailable, "fed/lost_clients": lost,
-                   "fed/dropped_clients": 0.0}  # fmt: skip
-        transport.finished_round(r, metrics)
-
-    round_(1, 0.0, 4.0)  # silent (rounds are 1-based, as logged)
-    for r in range(2, 7):
-        round_(r, 4.0, 0.0)  # nobody asked
-    with pytest.raises(UserError, match=r"no sampled client replied in 2 rounds in a row \(rounds 1-7"):
-        round_(7, 1.0, 3.0)
+    nobody_asked = {"fed/clients": 4.0, "fed/unavailable_clients": 4.0, "fed/lost_clients": 0.0,
+                    "fed/dropped_clients": 0.0}  # fmt: skip
+    transport.silent_round(1, [0, 1, 2, 3])
+    transport.finished_round(1, nobody_asked)
+    transport.silent_round(2, [0, 1, 2, 3])
+    with pytest.raises(UserError, match=r"no sampled client replied in 2 attempts in a row at round 2 "):
+        transport.silent_round(2, [0, 1, 2, 3])
 
 
 # ------------------------------------------------------------------------------------------ pushing and pulling

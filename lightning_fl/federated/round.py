@@ -125,7 +125,19 @@ class RoundRunner:
     def run(
         self, model: L.LightningModule, datamodule: Any, state: State, r: int, seed: int, count: int
     ) -> tuple[State, dict[str, float]]:
-        """Round ``r`` from global ``state`` with ``count`` sampled clients: the next global state and metrics."""
+        """Round ``r`` from global ``state`` with ``count`` sampled clients: the next global state and metrics.
+
+        A round in which none of the clients asked replied (a transport that can lose replies: Flower's nodes gone)
+        is not a round: nothing is aggregated, released, accounted or saved; the transport is told
+        (:meth:`~lightning_fl.federated.transport.Transport.silent_round`, which stops the run after its limit) and
+        the round runs again, with the same clients."""
+        while (done := self._attempt(model, datamodule, state, r, seed, count)) is None:
+            pass
+        return done
+
+    def _attempt(
+        self, model: L.LightningModule, datamodule: Any, state: State, r: int, seed: int, count: int
+    ) -> tuple[State, dict[str, float]] | None:
         names = sorted(state)
         sampled = self.sample(r, datamodule.num_clients, count, seed)
         away = [c for c in sampled if self.unavailable(seed, r, c)]
@@ -137,6 +149,9 @@ class RoundRunner:
             stage.start(rnd)
         self.collection.collect(rnd, self.strategy, self.stages, model, datamodule)
         lost = [e.client for e in rnd.in_order if e.status == LOST]
+        if available and len(lost) == len(available):
+            self.collection.transport.silent_round(r + 1, available)
+            return None
         if lost:
             warnings.warn(f"round {r + 1}: no reply from client(s) {lost}; they miss this round", stacklevel=2)
         aggregated = set(rnd.folded)

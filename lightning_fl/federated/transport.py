@@ -19,6 +19,7 @@ import lightning as L
 import torch
 
 from lightning_fl.compress.base import Codec, Payload
+from lightning_fl.errors import UserError
 from lightning_fl.federated.callbacks import Callback
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
@@ -102,6 +103,12 @@ class Transport(Callback):
 
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
         self.finished_round(round, metrics)
+
+    def silent_round(self, round: int, asked: list[int]) -> None:
+        """Called when none of the ``asked`` clients of round ``round`` (1-based) replied: the round is not done
+        (nothing aggregated, released, accounted or saved) and runs again after this returns. Raise to stop the run;
+        a transport that never loses a reply never gets here (this one stops at once)."""
+        raise UserError(f"round {round}: none of the clients asked ({asked[:8]}) replied")
 
     def replies(
         self,

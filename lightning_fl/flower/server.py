@@ -9,8 +9,8 @@ Keys: ``config`` (a YAML path, relative to the app folder or absolute), ``overri
 after ``python -m lightning_fl fit``), ``round-timeout`` (seconds to wait for a round's replies; 0 waits
 for all), ``wait-for-nodes`` (seconds to wait before round 1 until every client has a node), ``hello-timeout``
 (seconds a new node has to say which client it serves; default 60: raise it on a busy machine, where a ClientApp
-process takes long to import) and ``max-silent-rounds`` (stop with an error after this many rounds in a row
-without one reply, or at the last round of a shorter run without any; default 3, 0: never). The trainer
+process takes long to import) and ``max-silent-rounds`` (a round without one reply is not done and runs again;
+stop with an error after this many such attempts in a row; default 3, 0: never). The trainer
 is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, resume and TensorBoard logs.
 """
 

@@ -26,7 +26,7 @@ from lightning_fl.flower import secure as secagg
 from lightning_fl.flower.grid import exchange  # (also lightning_fl.flower.transport.exchange, as before)
 
 NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
-INFO = 20  # logging.INFO
+INFO, WARNING = 20, 30  # logging.INFO, logging.WARNING
 
 
 class FlowerTransport(Transport):
@@ -40,9 +40,9 @@ class FlowerTransport(Transport):
         hello_timeout: Seconds to wait for new nodes to say which client they are (a node whose ClientApp is
             still importing on a busy machine needs more).
         wait_for_nodes: Seconds to wait, before the first round, until a node answers for every client.
-        max_silent_rounds: Stop the run with an error (after saving the round's checkpoint, so it resumes) when
-            this many rounds in a row get no reply from any sampled client, or at the run's last round when none of
-            its rounds got one; ``None`` or 0: never stop.
+        max_silent_rounds: A round in which no sampled client replies is not done (nothing is aggregated,
+            released, accounted or saved) and runs again; stop the run with an error after this many silent attempts
+            in a row (the last completed round's checkpoint is saved, so it resumes); ``None`` or 0: keep trying.
     """
 
     spreads_over_processes = False
@@ -60,9 +60,7 @@ class FlowerTransport(Transport):
         self.grid, self.config_yaml = grid, config_yaml
         self.round_timeout, self.hello_timeout, self.wait_for_nodes = round_timeout, hello_timeout, wait_for_nodes
         self.max_silent_rounds = max_silent_rounds or None
-        self.silent_rounds = 0  # rounds in a row in which no sampled client replied
-        self.first_silent = 0  # the first of them (1-based)
-        self.rounds_seen = 0  # rounds finished in this fit
+        self.silent_rounds = 0  # attempts in a row in which no sampled client replied
         self.unanswered: set[int] = set()  # nodes asked which client they are that have not answered yet
         self.node_of: dict[int, int] = {}  # client id -> node id
         self.client_of: dict[int, int] = {}  # node id -> client id
@@ -128,14 +126,9 @@ class FlowerTransport(Transport):
         return client, None
 
     # ------------------------------------------------------------------------------------ rounds
-    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
-        self.finished_round(round, metrics, last=round >= trainer.rounds)
-
-    def finished_round(self, round: int, metrics: dict[str, float], last: bool = False) -> None:
+    def finished_round(self, round: int, metrics: dict[str, float]) -> None:
         """One line per round (``round``: 1-based, as logged) in the ServerApp's log (``flwr log``): who answered,
-        accuracy, bytes. Stops the run with an error after ``max_silent_rounds`` rounds in a row without a reply, or at
-        its ``last`` round when no round of this fit had one (a run shorter than ``max_silent_rounds`` never ends
-        looking trained)."""
+        accuracy, bytes. A completed round ends a streak of silent attempts."""
         answered = metrics["fed/clients"] - metrics["fed/unavailable_clients"] - metrics["fed/lost_clients"]
         parts = [
             f"round {round}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
@@ -147,23 +140,22 @@ class FlowerTransport(Transport):
             payload, message = metrics["comm/client_up_bytes"], metrics["comm/msg_client_up_bytes"]
             parts.append(f"upload {payload:.0f} B payload in a {message:.0f} B message per client")
         log(INFO, "%s", "; ".join(parts))
-        asked = metrics["fed/clients"] - metrics["fed/unavailable_clients"]  # (simulated dropout asks nobody)
-        self.rounds_seen += 1
-        if asked > 0:
-            self.silent_rounds = self.silent_rounds + 1 if answered == 0 else 0
-            self.first_silent = round if self.silent_rounds == 1 else self.first_silent
-        never = last and 0 < self.silent_rounds == self.rounds_seen  # no reply in any round of this fit
-        limit = self.max_silent_rounds is not None and self.silent_rounds >= self.max_silent_rounds
-        if self.max_silent_rounds is not None and (limit or never):
+        self.silent_rounds = 0
+
+    def silent_round(self, round: int, asked: list[int]) -> None:
+        """No sampled client of round ``round`` replied: log it and let the round run again, or stop the run once
+        ``max_silent_rounds`` attempts in a row were silent."""
+        self.silent_rounds += 1
+        n, limit = self.silent_rounds, self.max_silent_rounds
+        log(WARNING, "round %d: none of the %d sampled clients replied (attempt %d%s): the round is not done and "
+            "runs again", round, len(asked), n, f" of {limit}" if limit else "")  # fmt: skip
+        if limit is not None and n >= limit:
             nodes = sorted(self.client_of) or "none"
-            # the limit names itself when it is reached; else the run was too short to reach it
-            n = self.silent_rounds
-            streak = f"{n} rounds in a row" if limit else f"any of this run's {n} round(s)"
             raise UserError(
-                f"no sampled client replied in {streak} (rounds "
-                f"{self.first_silent}-{round}; SuperNodes known: {nodes}): check that the SuperNodes "
-                "run and reach this SuperLink (after a SuperLink restart, restart them too), then resume the run "
-                "(its checkpoint is saved); run config 'max-silent-rounds' sets how many rounds to allow "
+                f"no sampled client replied in {n} attempts in a row at round {round} (SuperNodes known: {nodes}): "
+                "check that the SuperNodes run and reach this SuperLink (after a SuperLink restart, restart them "
+                f"too), then resume the run (its checkpoint of round {round - 1} is saved; the silent attempts "
+                "released and spent nothing); run config 'max-silent-rounds' sets how many attempts to allow "
                 "(0: never stop)"
             )
 
