@@ -699,6 +699,34 @@ def test_a_hostile_or_dropped_node_leaves_the_sum_of_the_others(in_tmp, key, cha
     assert_same_state(got, reference)
 
 
+def test_a_node_that_spoils_every_secure_sum_it_is_in_is_named_and_left_out(in_tmp):
+    """Node 3 (client 2) shifts its masked vector by M/2 (well-formed, so SecAgg+ cannot refuse it): each sum it is
+    in comes back off the grid and its round keeps the global state; with 2 of 4 clients a round, the server names
+    the one client in every invalid sum and in no valid one, leaves it out, and the rounds after aggregate."""
+    import numpy as np
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+
+    def shifted(reply, record):
+        factor, vector = (bytes_to_ndarray(b) for b in record["masked_params"])
+        modulus = 2**32  # SecureAggregation's default modulus_range, which SECURE keeps
+        vector = np.remainder(vector.astype(np.int64) + modulus // 2, modulus).astype(vector.dtype)
+        record["masked_params"] = [ndarray_to_bytes(factor), ndarray_to_bytes(vector)]
+        return reply
+
+    grid = LocalGrid(nodes(), tamper={3: secagg_reply("masked_params", shifted)})
+    with pytest.warns(UserWarning, match="secure aggregation failed") as caught:
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE, "--trainer.rounds", "10",
+                               "--trainer.clients_per_round", "2")  # fmt: skip
+    said = [str(w.message) for w in caught if "secure aggregation failed" in str(w.message)]
+    left = [s for s in said if "client 2 was in all" in s and "it is left out of the secure rounds that follow" in s]
+    assert len(left) == 1 and trainer.round_runner.collection.suspects.left_out == {2}
+    when = int(left[0].split(":")[0].removeprefix("round "))
+    spoiled = [int(s.split(":")[0].removeprefix("round ")) for s in said if "off the quantisation grid" in s]
+    assert spoiled and max(spoiled) == when < 10  # no spoiled sum once it is left out
+    later = [h for h in trainer.history if h["round"] > when]  # (a cohort of client 2 and one other has no sum:
+    assert any(h["fed/round_skipped"] == 0 for h in later)  # SecAgg+ needs two nodes) the others aggregate again
+
+
 @pytest.mark.parametrize(
     "change",
     [

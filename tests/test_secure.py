@@ -191,3 +191,47 @@ def test_one_client_shifting_its_masked_vector_cannot_move_the_model_it_loses_th
     with pytest.warns(UserWarning, match=r"round 1: secure aggregation failed: the secure sum lies outside \[0, n T\]"):
         attacked.fit(make_model(), datamodule=make_dm(num_clients=4))
     assert attacked.history[-1]["fed/round_skipped"] == 1  # the global state stays where it was
+
+
+def test_the_client_in_every_invalid_sum_is_named_and_left_out_so_the_honest_clients_keep_training(
+    tmp_path, monkeypatch
+):
+    """Client 2 shifts its masked vector by M/2 whenever it is sampled (8 clients, 4 a round): its rounds lose their
+    sum; the server, which sees only sums and who was in them, names the one client in every invalid sum and in no
+    valid one, leaves it out, and the later rounds aggregate again."""
+    from conftest import make_dm, make_model, make_trainer
+    from lightning_fl.federated.suspects import Suspects
+    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    secure = SecureAggregation(clipping_range=1.0)
+    inner = InProcess.replies
+
+    def hostile(self, *args, **kwargs):
+        for reply in inner(self, *args, **kwargs):
+            if reply.client == 2 and reply.payload is not None:
+                q = reply.payload.tensors["secure"].parts["q"]
+                reply.payload.tensors["secure"].parts["q"] = torch.remainder(q + secure.M // 2, secure.M)
+            yield reply
+
+    monkeypatch.setattr(InProcess, "replies", hostile)
+    trainer = make_trainer(tmp_path, rounds=12, max_update_norm_ratio=None, check_identity=False, logger=False,
+                           secure_aggregation=secure, clients_per_round=4)  # fmt: skip
+    with pytest.warns(UserWarning, match="secure aggregation failed") as caught:
+        trainer.fit(make_model(), datamodule=make_dm(num_clients=8))
+    said = [str(w.message) for w in caught if "secure aggregation failed" in str(w.message)]
+    left = [s for s in said if "client 2 was in all" in s and "left out of the secure rounds that follow" in s]
+    assert len(left) == 1 and trainer.round_runner.collection.suspects.left_out == {2}
+    out = said.index(left[0])
+    assert all("suspects" in s for s in said[:out])  # named as one of the suspects before that
+    when = int(left[0].split(":")[0].removeprefix("round "))
+    after = [h for h in trainer.history[1:] if h["round"] > when]
+    assert sum(h["fed/round_skipped"] for h in trainer.history[1:]) == len(said) == out + 1
+    assert len(after) >= 3 and all(h["fed/round_skipped"] == 0 for h in after)  # the honest clients train on
+    # the record alone: two culprits leave no one in every invalid sum, and nothing is concluded from one sum
+    record = Suspects()
+    assert record.record([0, 1, 2], valid=False) == "suspects (in every invalid secure sum so far, in no valid one): " \
+                                                    "[0, 1, 2]"  # fmt: skip
+    assert record.record([0, 3], valid=True) is None
+    assert record.record([3, 4], valid=False).startswith("no client was in every invalid secure sum")
+    assert not record.left_out

@@ -20,6 +20,7 @@ is that of one process with the same G, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from typing import Any
@@ -36,6 +37,7 @@ from lightning_fl.federated.stages.base import Stage
 from lightning_fl.federated.state import State, flatten
 from lightning_fl.federated.strategies import Strategy
 from lightning_fl.federated.strategies.base import GroupedSums
+from lightning_fl.federated.suspects import Suspects
 from lightning_fl.federated.transport import Reply, Transport
 from lightning_fl.federated.uploads import (
     ACCEPTED,
@@ -214,6 +216,11 @@ class SecureUploads(Uploads):
 
     sum_only = True
 
+    @functools.cached_property
+    def suspects(self) -> Suspects:
+        """The record of valid and invalid sums, and the clients left out (:mod:`lightning_fl.federated.suspects`)."""
+        return Suspects()
+
     def keeps_rows(self, strategy: Strategy, stages: list[Stage], fabric: L.Fabric) -> bool:
         return False
 
@@ -229,13 +236,16 @@ class SecureUploads(Uploads):
                               "reads every upload of a round: remove its setting")  # fmt: skip
 
     def collect(self, rnd: Round, strategy: Strategy, stages: list[Stage], model: Any, datamodule: Any) -> None:
-        secure = self.local.secure
+        secure, suspects = self.local.secure, self.suspects
+        asked = [c for c in rnd.available if c not in suspects.left_out]
         result = self.transport.secure_round(
-            model, datamodule, rnd.state, rnd.available, rnd.index, rnd.seed, codec=self.codec, local=self.local,
+            model, datamodule, rnd.state, asked, rnd.index, rnd.seed, codec=self.codec, local=self.local,
             fabric=rnd.fabric,
         )  # fmt: skip
         if result.problem is None and result.included:  # (Flower's path checked it already)
             result.problem = secure.range_problem(result.total, len(result.included))
+            result.invalid = result.problem is not None
+        note = suspects.record(result.included, not result.invalid) if result.included else None
         for reply in result.replies:
             entry = entry_of(reply, rnd, stages)
             if reply.lost:
@@ -247,7 +257,7 @@ class SecureUploads(Uploads):
                 entry.status = ACCEPTED
         if result.problem is not None:
             warnings.warn(f"round {rnd.index + 1}: secure aggregation failed: {result.problem}; the round has no "
-                          "aggregate", stacklevel=3)  # fmt: skip
+                          f"aggregate{f'; {note}' if note else ''}", stacklevel=3)  # fmt: skip
         else:
             rnd.folded = list(result.included)
         n = len(rnd.folded)

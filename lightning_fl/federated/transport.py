@@ -70,12 +70,15 @@ class SecureRound:
             when none was included.
         included: The clients whose uploads are in ``total``, in client order.
         problem: Why the round has no sum at all (the secure aggregation failed as a whole), else ``None``.
+        invalid: The sum of the ``included`` clients came back but cannot be theirs (off the grid, outside
+            ``[0, n T]``): one of them masked something else (``problem`` says what).
     """
 
     replies: list[Reply] = field(default_factory=list)
     total: torch.Tensor | None = None
     included: list[int] = field(default_factory=list)
     problem: str | None = None
+    invalid: bool = False
 
 
 def reply_of(result: ClientResult, local: LocalTraining) -> Reply:

@@ -54,6 +54,7 @@ class SecAggOutcome:
     included: list[int] = field(default_factory=list)  # nodes whose masked vectors are in the sum
     traffic: dict[int, NodeTraffic] = field(default_factory=dict)
     problem: str | None = None
+    invalid: bool = False  # the nodes' sum came back off the grid (``included`` says whose)
     attempts: int = 0
 
 
@@ -171,7 +172,8 @@ def secure_round(
             problem = "SecAgg+ halted (too few nodes answered, or too few shares to remove the masks)"
         if problem is None:
             outcome.total, problem = recover_sum(strategy.aggregate, len(strategy.included), secure)
-        if problem is None:
+            outcome.invalid = problem is not None  # a sum came back, but not one of quantised updates
+        if problem is None or outcome.invalid:
             outcome.included = strategy.included
         outcome.problem = problem
         return outcome

@@ -231,7 +231,7 @@ class FlowerTransport(Transport):
         if contents:
             outcome = secagg.secure_round(self.grid, contents, round, secure, size, wire_msg.message_bytes,
                                           self.round_timeout)  # fmt: skip
-        out = SecureRound(problem=outcome.problem)
+        out = SecureRound(problem=outcome.problem, invalid=outcome.invalid)
         included = set(outcome.included)
         for cid in clients:
             node = self.node_of.get(cid)
@@ -262,6 +262,7 @@ class FlowerTransport(Transport):
             out.replies.append(reply)
         if outcome.total is not None:
             out.total = torch.remainder(outcome.total, secure.M)
+        if outcome.included:
             out.included = sorted(self.client_of[n] for n in outcome.included)
         if outcome.attempts > 1 and outcome.problem is None:
             log(INFO, "round %s: SecAgg+ ran again without the nodes that failed before training", round + 1)
