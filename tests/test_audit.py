@@ -13,7 +13,7 @@ from scipy import stats
 
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.errors import ConfigError
-from lightning_fl.privacy import CentralDP, LocalDP, PrivacyAudit, gaussian_epsilon_closed_form
+from lightning_fl.privacy import DPSGD, CentralDP, LocalDP, PrivacyAudit, gaussian_epsilon_closed_form
 from lightning_fl.privacy.audit import gaussian_pair_epsilon, one_run_lower_bound, one_run_p_value
 
 
@@ -42,6 +42,8 @@ def test_the_one_run_bound_is_the_binomial_tail_without_delta_and_pays_for_delta
 
 # ------------------------------------------------------------------------------------------ through a run
 def audited(tmp_path, name, privacy, audit=True, rounds=10, ckpt_path=None, **kwargs):
+    if isinstance(privacy, DPSGD):  # record-level: the canaries are one client's records
+        privacy, kwargs = None, {**kwargs, "dp_sgd": privacy}
     trainer = make_trainer(tmp_path, rounds=rounds, logger=False, name=name, clients_per_round=4,
                            max_update_norm_ratio=None, privacy=privacy,
                            privacy_audit=PrivacyAudit(canaries=100, seed=1) if audit else None, **kwargs)  # fmt: skip
@@ -53,20 +55,29 @@ def audited(tmp_path, name, privacy, audit=True, rounds=10, ckpt_path=None, **kw
     return trainer, report, out.getvalue()
 
 
-def test_without_noise_the_audit_sees_the_canaries(tmp_path):
-    _, report, out = audited(tmp_path, "off", CentralDP(clip_norm=1.0, noise_multiplier=0.0, noise_seed=0))
+@pytest.mark.parametrize("mechanism", ["central", "dp_sgd"])
+def test_without_noise_the_audit_sees_the_canaries(tmp_path, mechanism):
+    privacy = {"central": CentralDP(clip_norm=1.0, noise_multiplier=0.0, noise_seed=0),
+               "dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=0.0, noise_seed=0)}[mechanism]  # fmt: skip
+    _, report, out = audited(tmp_path, "off", privacy)
     assert report["epsilon_hat_every_round"] >= 50 and report["one_run_correct"] == report["one_run_guesses"]
-    assert report["one_run_lower_bound"] > 1 and "privacy audit (100 canary clients, " in out
+    what = {"central": "canary clients, ", "dp_sgd": "canary records of client "}[mechanism]
+    assert report["one_run_lower_bound"] > 1 and f"privacy audit (100 {what}" in out
 
 
-@pytest.mark.parametrize("mechanism", ["central", "local"])
+@pytest.mark.parametrize("mechanism", ["central", "local", "dp_sgd"])
 def test_an_honest_mechanism_leaks_less_than_its_accountant_says(tmp_path, mechanism):
     privacy = {"central": CentralDP(clip_norm=1.0, noise_multiplier=5.0, noise_seed=0),
-               "local": LocalDP(clip_norm=1.0, noise_multiplier=5.0, noise_seed=0)}[mechanism]  # fmt: skip
+               "local": LocalDP(clip_norm=1.0, noise_multiplier=5.0, noise_seed=0),
+               "dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=3.0, noise_seed=0)}[mechanism]  # fmt: skip
     trainer, report, out = audited(tmp_path, mechanism, privacy)
-    assert 0 < report["epsilon_hat_every_round"] < report["accountant_epsilon"] == trainer.privacy.epsilon()
+    if mechanism == "dp_sgd":  # the audited client's record-level epsilon
+        epsilon = trainer.dp_sgd.client_epsilon(trainer.dp_sgd.canaries.client)
+    else:
+        epsilon = trainer.privacy.epsilon()
+    assert 0 < report["epsilon_hat_every_round"] < report["accountant_epsilon"] == epsilon
     assert report["one_run_lower_bound"] <= report["accountant_epsilon"] and report["violation"] is None
-    assert f"the accountant's epsilon {trainer.privacy.epsilon():.4g} is an upper bound" in out
+    assert f"the accountant's epsilon {epsilon:.4g} is an upper bound" in out
 
 
 def test_noise_cut_behind_the_accountants_back_is_caught(tmp_path, monkeypatch):
@@ -100,11 +111,17 @@ def test_the_canaries_never_reach_the_model(tmp_path):
     with_audit, _, _ = audited(tmp_path, "lwith", LocalDP(**local))
     without, _, _ = audited(tmp_path, "lwithout", LocalDP(**local), audit=False)
     assert all(torch.equal(t, with_audit.global_state[n]) for n, t in without.global_state.items())
+    record = {"max_grad_norm": 1.0, "noise_multiplier": 2.0, "noise_seed": 0}
+    with_audit, _, _ = audited(tmp_path, "rwith", DPSGD(**record))
+    without, _, _ = audited(tmp_path, "rwithout", DPSGD(**record), audit=False)
+    assert all(torch.equal(t, with_audit.global_state[n]) for n, t in without.global_state.items())
 
 
 def test_what_the_audit_cannot_do_is_refused_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="trainer.privacy_audit audits trainer.privacy .* set trainer.privacy"):
+    with pytest.raises(ConfigError, match="trainer.privacy_audit audits trainer.privacy or trainer.dp_sgd: set one"):
         make_trainer(tmp_path, privacy_audit=PrivacyAudit())
+    with pytest.raises(ConfigError, match="scores each step of one client trained alone: set trainer.client_batching"):
+        make_trainer(tmp_path, privacy_audit=PrivacyAudit(), dp_sgd=DPSGD(noise_multiplier=1.0), client_batching="vmap")
     with pytest.raises(ConfigError, match="trainer.privacy_audit.canaries must be an integer >= 10"):
         PrivacyAudit(canaries=3)
     run, _, _ = audited(tmp_path, "once", CentralDP(clip_norm=1.0, noise_multiplier=2.0), rounds=2)

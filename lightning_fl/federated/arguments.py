@@ -77,7 +77,7 @@ class TrainerArguments:
     privacy_audit: PrivacyAudit | None = None
     """Canary clients that measure what the released states leak (``PrivacyAudit``: Andrew et al.'s one-shot
     epsilon-hat and Steinke et al.'s one-run lower bound), printed beside the accountant's epsilon and written to
-    ``privacy_audit.json``; needs ``privacy``. ``null``: no audit. See docs/privacy.md."""
+    ``privacy_audit.json``; needs ``privacy`` or ``dp_sgd``. ``null``: no audit. See docs/privacy.md."""
     secure_aggregation: SecureAggregation | None = None
     """The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s clipping, quantisation
     and modular sum); linear, unweighted strategies only. ``null``: off."""
@@ -212,9 +212,12 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         problems.append(f"trainer.upload_policy 'raise' with trainer.privacy {type(a['privacy']).__name__}: one "
                         "client's upload (its data) would decide whether the whole run stops, which the guarantee "
                         "does not cover; use trainer.upload_policy drop")  # fmt: skip
-    if a["privacy_audit"] is not None and a["privacy"] is None:
-        problems.append("trainer.privacy_audit audits trainer.privacy (user-level DP; DP-SGD's record-level canaries "
-                        "are not implemented): set trainer.privacy, or remove trainer.privacy_audit")  # fmt: skip
+    if a["privacy_audit"] is not None and a["privacy"] is None and a["dp_sgd"] is None:
+        problems.append("trainer.privacy_audit audits trainer.privacy or trainer.dp_sgd: set one, or remove "
+                        "trainer.privacy_audit")  # fmt: skip
+    if a["privacy_audit"] is not None and a["privacy"] is None and a["client_batching"] == "vmap":
+        problems.append("trainer.privacy_audit of DP-SGD scores each step of one client trained alone: set "
+                        "trainer.client_batching sequential")  # fmt: skip
     private = a["dp_sgd"] is not None or (isinstance(a["privacy"], Privacy) and a["privacy"].client_stage)
     if private and getattr(a["strategy"], "weighted", False):
         problems.append("trainer.strategy weighted: true weighs uploads by their clients' sample counts, which a "

@@ -159,6 +159,9 @@ def train_dp_sgd(
                 else:
                     fill(fabric.to_device(batch) if fabric.device.type != "cpu" else batch, t)
                 dp_optimizer.step()
+                if dp.canaries is not None:  # the privacy audit scores the step's noised gradient (not changing it)
+                    gradient = torch.cat([p.grad.detach().reshape(-1).cpu() for p in dp_optimizer.params])
+                    dp.canaries.step(context.client_id, gradient, plan.q, dp.max_grad_norm / plan.batch_size)
                 dp_optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None:
                     scheduler.step()

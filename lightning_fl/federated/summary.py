@@ -41,7 +41,12 @@ def collapse(start: dict[str, float], now: dict[str, float], num_classes: int | 
 
 def write_audit(trainer: Any) -> dict[str, Any]:
     """The privacy audit's report (``trainer.privacy_audit``), written to ``privacy_audit.json`` by rank 0."""
-    report = trainer.privacy_audit.report(trainer.privacy.epsilon(), trainer.privacy.delta)
+    if trainer.privacy is not None:
+        report = trainer.privacy_audit.report(trainer.privacy.epsilon(), trainer.privacy.delta)
+    else:  # DP-SGD's: the audited client's record-level epsilon
+        dp, client = trainer.dp_sgd, trainer.dp_sgd.canaries.client
+        report = trainer.privacy_audit.report(dp.client_epsilon(client) if client is not None else math.nan, dp.delta)
+        report["level"], report["unit"] = f"canary records of client {client}", "step"
     if trainer.fabric.is_global_zero:
         write_report(report, trainer.log_dir / "privacy_audit.json")
     return report
@@ -115,13 +120,13 @@ def run_summary(
         lines.append(f"  privacy: user-level epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
                      f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
         lines += [f"    {line}" for line in privacy.splitlines()]
-        lines += [f"  {line}" for line in audit or []]
     if "privacy/record_epsilon_max" in last:
         worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
         lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
                      f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
                      "dp_sgd_clients.csv)")  # fmt: skip
         lines += [f"    {line}" for line in record_privacy.splitlines()]
+    lines += [f"  {line}" for line in audit or []]
     if alarm is not None:
         lines.append(f"  warning: {alarm}")
     if stopped is not None:

@@ -26,10 +26,13 @@ audited release is ``(sum + canaries + noise) / m``; under local DP each canary'
 mechanism's own ``privatize`` (clip and noise), and an inserted canary is scored on its own uploads, a canary not
 inserted on the uploads a replaced client would have sent in its place. The canaries never touch the model users
 get: the stage scores the release with them added and the round goes on with the release without them (the same
-bits as a run without the audit). What it does not cover: codecs and secure aggregation (the canaries are added to
-the decoded sum), adaptive clipping's count (canaries are not counted), DP-SGD (record-level canaries are not
-implemented). Canary directions come from the OS (``seed`` null) or a seed; the directions are kept in memory as
-float32 (``canaries x D x 4`` bytes, at most ``max_memory_mb``).
+bits as a run without the audit). Under DP-SGD alone (no ``trainer.privacy``) the canaries are records of the first
+client to train (:class:`RecordCanaries`): each of its steps draws every inserted canary with the records' rate
+and scores the step's noised gradient sum with the drawn canaries' gradients (``C c_i``) added; the white-box view
+of every step, which the accountant's composition covers. What it does not cover: codecs and secure aggregation
+(the canaries are added to the decoded sum), adaptive clipping's count (canaries are not counted), DP-SGD on
+Flower (its steps run on the nodes) or in vectorised cohorts. Canary directions come from the OS (``seed`` null)
+or a seed; the directions are kept in memory as float32 (``canaries x D x 4`` bytes, at most ``max_memory_mb``).
 """
 
 from __future__ import annotations
@@ -180,6 +183,10 @@ class PrivacyAudit:
 
     def report(self, epsilon: float, delta: float) -> dict[str, Any]:
         """The estimates (and what they are next to: the accountant's ``epsilon`` at ``delta``)."""
+        if not hasattr(self, "every"):
+            seen = "no release was seen in this process (on Flower, DP-SGD's steps run on the nodes)"
+            return {"canaries": self.canaries, "inserted": 0, "rounds": 0, "accountant_epsilon": epsilon,
+                    "delta": delta, "confidence": self.confidence, "problem": seen}  # fmt: skip
         seen = torch.isfinite(self.every).numpy()
         inserted, absent = self.inserted & seen, ~self.inserted & seen
         every = self.every.numpy()
@@ -221,15 +228,37 @@ def violation(report: dict[str, Any]) -> str | None:
     return None
 
 
+class RecordCanaries:
+    """The audit's canaries as records of one client under DP-SGD (``trainer.dp_sgd`` without ``trainer.privacy``):
+    the first client to train is audited; at each of its steps every inserted canary is drawn with the records'
+    Poisson rate ``q``, and a drawn canary's gradient (``C c_i``, at the clip bound) joins the step's noised,
+    scaled gradient sum (``scale = C / B``), which is scored; the optimiser steps from the sum without them."""
+
+    def __init__(self, audit: PrivacyAudit) -> None:
+        self.audit, self.client = audit, None
+
+    def step(self, client: int, gradient: torch.Tensor, q: float, scale: float) -> None:
+        if self.client is None:
+            self.client = client
+            self.audit.setup(gradient.numel(), q)
+        if client != self.client:
+            return
+        picked = self.audit.sampled()
+        inserted = picked[self.audit.inserted[picked]]
+        canaries = self.audit.directions[torch.from_numpy(inserted)].double().sum(0) * scale
+        self.audit.observe(gradient.double() + canaries)
+
+
 def audit_lines(report: dict[str, Any]) -> list[str]:
     """The run summary's lines for an audit ``report``."""
-    head = f"privacy audit ({report['canaries']:,} canary clients, {report['inserted']:,} inserted)"
+    what = report.get("level", "canary clients")
+    head = f"privacy audit ({report['canaries']:,} {what}, {report['inserted']:,} inserted)"
     if "problem" in report:
         return [f"{head}: {report['problem']}"]
     lo, hi = report["interval_every_round"]
     conf = f"{report['confidence']:.0%}"
     lines = [f"{head}: epsilon-hat {report['epsilon_hat_every_round']:.3g} ({conf} interval {lo:.3g}-{hi:.3g}) from "
-             "every released round (Andrew et al. 2024: an estimate)"]  # fmt: skip
+             f"every released {report.get('unit', 'round')} (Andrew et al. 2024: an estimate)"]  # fmt: skip
     if "epsilon_hat_final_model" in report:
         lines[0] += f", {report['epsilon_hat_final_model']:.3g} from the final model"
     lines.append(f"  one-run lower bound {report['one_run_lower_bound']:.3g} at {conf} confidence ("

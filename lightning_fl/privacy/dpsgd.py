@@ -138,6 +138,8 @@ class DPSGD:
             simulation.
     """
 
+    canaries: Any = None  # the privacy audit's record canaries (``trainer.privacy_audit`` without ``privacy``)
+
     def __init__(
         self,
         max_grad_norm: float = 1.0,

@@ -16,6 +16,7 @@ from lightning_fl.federated.stages.privacy import CentralPrivacy, ClientPrivacy,
 from lightning_fl.federated.stages.screening import NormGate, SimulatedAttack, WeightCap
 from lightning_fl.federated.stages.server import CompressedBroadcast, IdentityCheck
 from lightning_fl.federated.state import State
+from lightning_fl.privacy.audit import RecordCanaries
 
 __all__ = [
     "CanaryStage",
@@ -63,8 +64,10 @@ def round_stages(
     stages.append(NormGate(strategy, settings.max_update_norm, settings.max_update_norm_ratio))
     if privacy is not None:  # on the server's sum, or (local DP) accounted only: each client noised its own upload
         stages.append(CentralPrivacy(privacy, fabric) if privacy.central else ClientPrivacy(privacy))
-    if settings.privacy_audit is not None:  # (after the privacy stage: it scores what that stage released)
+    if settings.privacy_audit is not None and privacy is not None:  # (after the privacy stage: it scores its release)
         stages.append(CanaryStage(settings.privacy_audit, privacy, fabric))
+    elif settings.privacy_audit is not None:  # DP-SGD alone: canaries as one client's records, inside its steps
+        settings.dp_sgd.canaries = RecordCanaries(settings.privacy_audit)
     if settings.dp_sgd is not None:
         stages.append(RecordPrivacy(settings.dp_sgd, local))
     if downlink is not None:
