@@ -1091,3 +1091,15 @@ def test_a_node_pins_secure_aggregation_and_its_noise_and_no_server_message_swit
                                              message_type=messages.HELLO)])  # fmt: skip
     refusal = reply.content[messages.RUN]["refusal"]
     assert "node config min-noise-multiplier must be a number >= 0, got 'lots'" in refusal
+
+
+def test_the_serverapp_draws_central_dp_cohorts_from_the_os_as_in_process(in_tmp):
+    """On Flower the ServerApp samples with the trainer's rule: under CentralDP with noise_seed null (the default)
+    its cohorts come from the operating system's secure generator, not from the run's seed."""
+    extra = ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0",
+             "--trainer.max_update_norm_ratio", "null", "--trainer.clients_per_round", "2"]  # fmt: skip
+    trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
+    assert trainer.round_runner.settings.secret_cohorts and trainer.privacy.noise_seed is None
+    seeded, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra,
+                          "--trainer.privacy.noise_seed", "0", name="seeded")  # fmt: skip
+    assert not seeded.round_runner.settings.secret_cohorts
