@@ -9,7 +9,7 @@ from conftest import make_dm, make_model, make_trainer
 from lightning_fl.checkpoint import content_digest
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated.checkpoint import DIGEST, KEY_ENV, KEYED
-from lightning_fl.privacy import CentralDP, LocalDP
+from lightning_fl.privacy import CentralDP, DistributedDP, LocalDP
 
 DP_ARGS = {"max_update_norm_ratio": None, "clients_per_round": 4, "save_every_n_rounds": 1}
 
@@ -83,11 +83,15 @@ def test_an_accountant_edited_with_its_digest_recomputed_is_refused(tmp_path, wh
         fit(private_run(tmp_path, 6), ckpt_path=str(last))
 
 
-def test_a_checkpoints_delta_never_replaces_the_runs(tmp_path):
-    run = fit(private_run(tmp_path, 2))
+@pytest.mark.parametrize("kind", [CentralDP, DistributedDP])
+def test_a_checkpoints_delta_and_noise_never_replace_the_runs(tmp_path, kind):
+    run = fit(private_run(tmp_path, 2, kind(clip_norm=0.5, noise_multiplier=1.0)))
+    last = str(run.log_dir / "checkpoints" / "last.ckpt")
     with pytest.raises(ConfigError, match=r"checkpoint's delta is 1e-05, this run's trainer.privacy.delta is 0.001"):
-        fit(private_run(tmp_path, 3, CentralDP(clip_norm=0.5, noise_multiplier=1.0, delta=1e-3)),
-            ckpt_path=str(run.log_dir / "checkpoints" / "last.ckpt"))  # fmt: skip
+        fit(private_run(tmp_path, 3, kind(clip_norm=0.5, noise_multiplier=1.0, delta=1e-3)), ckpt_path=last)
+    with pytest.raises(ConfigError, match=r"checkpoint's noise multiplier is 1, trainer.privacy.noise_multiplier is 2"):
+        fit(private_run(tmp_path, 3, kind(clip_norm=0.5, noise_multiplier=2.0)), ckpt_path=last)
+    fit(private_run(tmp_path, 3, kind(clip_norm=0.5, noise_multiplier=1.0)), ckpt_path=last)  # the same: resumes
 
 
 def test_local_dp_uploads_beyond_the_rounds_run_are_refused(tmp_path):

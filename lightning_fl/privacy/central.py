@@ -244,6 +244,12 @@ class CentralDP(Privacy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_resume(state)
+        self.z, self.bound = float(state["noise_multiplier"]), float(state["clip_norm"])
+        self.accountant.load_state_dict(state["accountant"])
+
+    def check_resume(self, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint's privacy ``state`` this run cannot continue (none, other noise, target or delta)."""
         if not state:
             raise ConfigError(
                 "the checkpoint was written without trainer.privacy: a private run cannot continue a non-private "
@@ -264,8 +270,6 @@ class CentralDP(Privacy):
                 f"the checkpoint's delta is {float(state['delta']):g}, this run's trainer.privacy.delta is "
                 f"{self.delta:g}: resume with the same delta (a budget is spent at one delta)"
             )
-        self.z, self.bound = float(state["noise_multiplier"]), float(state["clip_norm"])
-        self.accountant.load_state_dict(state["accountant"])
 
     def __repr__(self) -> str:
         return f"CentralDP(clip_norm={self.clip_norm}, noise_multiplier={self.z}, delta={self.delta})"

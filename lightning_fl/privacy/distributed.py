@@ -177,26 +177,7 @@ class DistributedDP(CentralDP):
                 "the checkpoint's DistributedDP accounted with amplification by sampling (an earlier version), which "
                 "does not hold against a server that sees who takes part: start the run afresh"
             )
-        if not state:
-            raise ConfigError(
-                "the checkpoint was written without trainer.privacy: a private run cannot continue a non-private "
-                "one (its earlier rounds spent an unbounded budget)"
-            )
-        if self.noise_multiplier is not None and float(state["noise_multiplier"]) != float(self.noise_multiplier):
-            raise ConfigError(
-                f"the checkpoint's noise multiplier is {state['noise_multiplier']:g}, trainer.privacy.noise_multiplier "
-                f"is {self.noise_multiplier:g}: resume with the same value"
-            )
-        if self.target_epsilon is not None and (saved := state.get("target_epsilon")) != self.target_epsilon:
-            raise ConfigError(
-                f"the checkpoint's noise was calibrated to trainer.privacy.target_epsilon={saved}, this run asks for "
-                f"{self.target_epsilon}: resume with the same target (or set max_epsilon to stop earlier)"
-            )
-        if float(state["delta"]) != self.delta:
-            raise ConfigError(
-                f"the checkpoint's delta is {float(state['delta']):g}, this run's trainer.privacy.delta is "
-                f"{self.delta:g}: resume with the same delta (a budget is spent at one delta)"
-            )
+        self.check_resume(state)
         self.z, self.bound = float(state["noise_multiplier"]), float(state["clip_norm"])
         self.precision = {int(c): float(p) for c, p in state["precision"].tolist()}
 
