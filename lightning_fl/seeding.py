@@ -17,6 +17,7 @@ MASK64 = (1 << 64) - 1
 # the same numbers. They are part of every run's results: changing one changes what a seed draws.
 STREAM_U, STREAM_V, STREAM_DENSE = 1, 2, 3  # a mapped layer's factors: (seed, layer, stream, chunk)
 STREAM_KRON_A, STREAM_KRON_B, STREAM_KRON_SIGNS = 4, 5, 6  # kronecker factors' parts, the same tuple
+STREAM_TWO_SIDED_A, STREAM_TWO_SIDED_B = 7, 8  # two-sided factors' output and input sides, the same tuple
 STREAM_SAMPLING = 11  # a round's clients, fixed count: (seed, round, stream)
 STREAM_CLIENT, STREAM_LOADER = 12, 13  # a client's torch seed and its loader's order: (seed, round, client, stream)
 STREAM_ATTACK = 14  # a hostile client's draws: (seed, round, client, stream)

@@ -41,14 +41,14 @@ def assert_same_run(a, b, atol=ATOL):
         assert ha["train/acc"] == pytest.approx(hb["train/acc"], abs=1e-9)
 
 
-def quickstart_model(factors="stored"):
+def quickstart_model(factors="stored", layers="conv+linear"):
     """configs/quickstart.yaml's model (from a random base instead of the pretrained one)."""
     from lightning_fl.methods import LatentClassifier
     from lightning_fl.models import SmallCNN
 
     torch.manual_seed(0)
     backbone = SmallCNN(in_channels=1, image_size=8, channels=[32, 64], feature_dim=128, norm_groups=8)
-    return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear",
+    return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers=layers,
                             factors=factors)  # fmt: skip
 
 
@@ -64,9 +64,10 @@ def test_a_cohort_of_8_clients_equals_8_clients_one_at_a_time_over_3_rounds(tmp_
     assert torch.equal(cohort.global_state["mapping.latent"], again.global_state["mapping.latent"])
 
 
-def test_kronecker_factors_train_in_cohorts_as_one_at_a_time(tmp_path):
-    sequential = fit(tmp_path, "seq", "sequential", rounds=2, model=quickstart_model("kronecker"))
-    cohort = fit(tmp_path, "vmap", "vmap", rounds=2, model=quickstart_model("kronecker"))
+@pytest.mark.parametrize(("factors", "layers"), [("kronecker", "conv+linear"), ("two_sided", "linear")])
+def test_structured_factors_train_in_cohorts_as_one_at_a_time(tmp_path, factors, layers):
+    sequential = fit(tmp_path, "seq", "sequential", rounds=2, model=quickstart_model(factors, layers))
+    cohort = fit(tmp_path, "vmap", "vmap", rounds=2, model=quickstart_model(factors, layers))
     assert not any("one at a time" in w for w in cohort.caught)
     assert_same_run(sequential, cohort)
 

@@ -55,8 +55,8 @@ def cohort_problem(module: L.LightningModule, fabric: L.Fabric) -> str | None:
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()):
         return f"{name} uses dropout (a cohort's forward pass draws no random numbers)"
     mapping = getattr(module, "mapping", None)
-    if mapping is not None and getattr(mapping, "mode", "stored") not in ("stored", "dense", "kronecker"):
-        return f"its factors are {mapping.mode!r} (a cohort needs stored, dense or kronecker factors)"
+    if mapping is not None and getattr(mapping, "mode", "stored") not in ("stored", "dense", "kronecker", "two_sided"):
+        return f"its factors are {mapping.mode!r} (a cohort needs stored, dense, kronecker or two_sided factors)"
     optimizer, scheduler = configure_optimizer(module)
     if scheduler is not None:
         return f"{name} steps a learning-rate scheduler"

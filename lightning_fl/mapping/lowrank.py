@@ -23,6 +23,10 @@ Factor modes (``mode``) trade memory for recomputation; the first three give the
   conv weights do; a prime ``P_l`` falls back to a whole-layer factor), and about ``sqrt(r)`` times fewer
   flops than ``stored``. Its factors
   differ from the first three modes' (another fingerprint): every client of a federation must use it.
+- ``two_sided``: ``U_l = A_l kron B_l`` shaped by the layer's own ``out x in`` matrix (see
+  :mod:`lightning_fl.mapping.two_sided`): for ``nn.Linear`` weights only, the delta ``A C B^T`` is applied to the
+  layer's input (:meth:`LatentMapping.applied`) and never formed, nor is the weight's gradient. Memory
+  ``4 (m p + n q)`` bytes per layer plus V; the family for large language models. Its own fingerprint.
 
 ``rank`` is capped per layer at ``min(rank, d_l, P_l)``: ``U V^T`` cannot have a larger rank.
 
@@ -32,10 +36,11 @@ states in bytes what each mode above keeps; apart, a change to a mode would be m
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -52,9 +57,11 @@ from lightning_fl.mapping.factors import (
     regenerated_projection,
     streamed_projection,
 )
+from lightning_fl.mapping.two_sided import TwoSidedFactor, two_sided_delta, two_sided_hook, two_sided_shape
 from lightning_fl.seeding import STREAM_DENSE, STREAM_U, STREAM_V
 
-FactorMode = Literal["stored", "regenerate", "streamed", "dense", "kronecker"]
+FactorMode = Literal["stored", "regenerate", "streamed", "dense", "kronecker", "two_sided"]
+FACTOR_MODES = ("stored", "regenerate", "streamed", "dense", "kronecker", "two_sided")
 LayerSelection = Literal["conv", "linear", "conv+linear"]
 FLOAT_BYTES = 4
 
@@ -129,21 +136,23 @@ class MemoryReport:
     regenerate_peak_bytes: int  # V stored + the largest layer's U + one float64 chunk
     streamed_peak_bytes: int  # V stored + one chunk of U (float64 draw and product, float32 copy)
     kronecker_bytes: int  # V stored + per layer the signs (P_l) and the two small factors (a p + b q)
+    two_sided_bytes: int | None = None  # V stored + per layer A and B (m p + n q); None: a mapped weight is not 2-D
 
     def as_table(self) -> str:
         mib = 2**20
+        rows = [
+            ("dense projection:       ", self.dense_bytes, ""),
+            ("low-rank stored:        ", self.stored_bytes, ""),
+            ("low-rank regenerate:    ", self.regenerate_peak_bytes, " peak"),
+            ("low-rank streamed:      ", self.streamed_peak_bytes, " peak"),
+            ("low-rank kronecker:     ", self.kronecker_bytes, ""),
+            ("low-rank two-sided:     ", self.two_sided_bytes, ""),
+        ]
+        head = f"mapped layers: {self.layers}, mapped weights P: {self.mapped_weights:,}, "
+        head += f"latent D: {self.latent_size:,}"
         return "\n".join(
-            [
-                f"mapped layers: {self.layers}, mapped weights P: {self.mapped_weights:,}, "
-                f"latent D: {self.latent_size:,}",
-                f"dense projection:        {self.dense_bytes:>16,} bytes ({self.dense_bytes / mib:,.1f} MiB)",
-                f"low-rank stored:         {self.stored_bytes:>16,} bytes ({self.stored_bytes / mib:,.1f} MiB)",
-                f"low-rank regenerate:     {self.regenerate_peak_bytes:>16,} bytes peak "
-                f"({self.regenerate_peak_bytes / mib:,.1f} MiB)",
-                f"low-rank streamed:       {self.streamed_peak_bytes:>16,} bytes peak "
-                f"({self.streamed_peak_bytes / mib:,.1f} MiB)",
-                f"low-rank kronecker:      {self.kronecker_bytes:>16,} bytes ({self.kronecker_bytes / mib:,.1f} MiB)",
-            ]
+            [head]
+            + [f"{label} {n:>16,} bytes{peak} ({n / mib:,.1f} MiB)" for label, n, peak in rows if n is not None]
         )
 
 
@@ -167,7 +176,23 @@ def memory_report(
         regenerate_peak_bytes=v_bytes + max(lay.numel * lay.rank for lay in plan) * FLOAT_BYTES + chunk_bytes,
         streamed_peak_bytes=v_bytes + chunk_bytes,
         kronecker_bytes=v_bytes + sum(kronecker_floats(lay.numel, lay.rank) for lay in plan) * FLOAT_BYTES,
+        two_sided_bytes=two_sided_bytes(plan, v_bytes),
     )
+
+
+def two_sided_bytes(plan: list[MappedLayer], v_bytes: int) -> int | None:
+    """Bytes the two-sided family keeps: V and, per layer, ``A`` (``m x p``) and ``B`` (``n x q``); ``None`` when a
+    mapped weight is not a matrix or its rank does not split."""
+    total = v_bytes
+    for lay in plan:
+        if len(lay.shape) != 2:
+            return None
+        try:
+            p, q = two_sided_shape(*lay.shape, lay.rank)
+        except ValueError:
+            return None
+        total += (lay.shape[0] * p + lay.shape[1] * q) * FLOAT_BYTES
+    return total
 
 
 def kronecker_floats(rows: int, rank: int) -> int:
@@ -184,7 +209,8 @@ class LatentMapping(nn.Module):
         latent_dim: ``d``: one value for every layer, or one per mapped layer.
         rank: ``r``: rank of ``U_l V_l^T`` (capped at ``min(d_l, P_l)`` per layer).
         layers: Which weights to map: ``conv`` (default), ``linear``, ``conv+linear`` or name patterns.
-        mode: ``stored``, ``regenerate``, ``streamed``, ``dense`` or ``kronecker`` (see the module docstring).
+        mode: ``stored``, ``regenerate``, ``streamed``, ``dense``, ``kronecker`` or ``two_sided`` (see the module
+            docstring).
         seed: The 64-bit seed every client shares.
         max_dense_bytes: Refuse ``dense`` mode above this many bytes of projection (reported, not allocated).
     """
@@ -200,10 +226,8 @@ class LatentMapping(nn.Module):
         max_dense_bytes: int = 2**31,
     ) -> None:
         super().__init__()
-        if mode not in ("stored", "regenerate", "streamed", "dense", "kronecker"):
-            raise ConfigError(
-                f"model.factors must be 'stored', 'regenerate', 'streamed', 'dense' or 'kronecker', got {mode!r}"
-            )
+        if mode not in FACTOR_MODES:
+            raise ConfigError(f"model.factors must be one of {', '.join(map(repr, FACTOR_MODES))}, got {mode!r}")
         if not 0 <= seed < 2**64:
             raise ConfigError(f"model.factor_seed must be a 64-bit non-negative integer, got {seed}")
         self.layers = plan_layers(module, latent_dim, rank, layers)
@@ -232,6 +256,7 @@ class LatentMapping(nn.Module):
             for lay in self.layers
             if mode == "kronecker"
         }
+        self._two_sided = {lay.index: two_sided_factor(module, lay, seed) for lay in self.layers if mode == "two_sided"}
         self._materialised = False
 
     def materialise(self) -> None:
@@ -253,6 +278,9 @@ class LatentMapping(nn.Module):
             if self.mode == "kronecker":
                 for name, part in zip(("a", "b", "s"), self._kron[lay.index].parts(), strict=True):
                     self.register_buffer(f"k{name}_{lay.index}", part.to(device), persistent=False)
+            if self.mode == "two_sided":
+                for name, part in zip(("a", "b"), self._two_sided[lay.index].parts(), strict=True):
+                    self.register_buffer(f"t{name}_{lay.index}", part.to(device), persistent=False)
         self._materialised = True
 
     @property
@@ -280,6 +308,9 @@ class LatentMapping(nn.Module):
         if self.mode == "kronecker":
             parts = (getattr(self, f"k{name}_{lay.index}").to(base.dtype) for name in ("a", "b", "s"))
             return kronecker_projection(base, coeff, *parts)
+        if self.mode == "two_sided":
+            left, right = (getattr(self, f"t{name}_{lay.index}").to(base.dtype) for name in ("a", "b"))
+            return base + two_sided_delta(coeff, left, right).reshape(-1)
         if self.mode == "regenerate":
             return regenerated_projection(base, coeff, self._u[lay.index])
         return streamed_projection(base, coeff, self._u[lay.index])
@@ -292,10 +323,34 @@ class LatentMapping(nn.Module):
             for lay, z_l in zip(self.layers, self.split(z), strict=True)
         }
 
+    @contextlib.contextmanager
+    def applied(self, module: nn.Module, z: torch.Tensor | None = None) -> Iterator[None]:
+        """Within the block, ``module``'s mapped linear layers compute with ``theta_pre + U V^T z`` (``z``: the trained
+        latent by default) by adding ``x B C^T A^T`` to their outputs: the ``two_sided`` family's forward pass, which
+        never forms a mapped weight. ``module`` is the network the mapping was built over."""
+        if self.mode != "two_sided":
+            raise ValueError(f"applied() is the two_sided family's forward pass; this mapping is {self.mode!r}")
+        self._materialise()
+        z = self.latent if z is None else z
+        handles = []
+        try:
+            for lay, z_l in zip(self.layers, self.split(z), strict=True):
+                left, right = getattr(self, f"ta_{lay.index}"), getattr(self, f"tb_{lay.index}")
+                coeff = getattr(self, f"v_{lay.index}").to(z_l.dtype).T @ z_l  # (r_l,) in the latent's precision
+                grid = coeff.reshape(left.shape[1], right.shape[1])
+                target = module.get_submodule(lay.name.rpartition(".")[0])
+                handles.append(target.register_forward_hook(two_sided_hook(left, grid, right)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def u_factor(self, lay: MappedLayer) -> torch.Tensor:
         """``U_l`` (``W_l`` in dense mode) as a float32 CPU tensor, for tests and reports."""
         if self.mode == "kronecker":
             return self._kron[lay.index].full()
+        if self.mode == "two_sided":
+            return self._two_sided[lay.index].full()
         return self._u[lay.index].full()
 
     def v_factor(self, lay: MappedLayer) -> torch.Tensor:
@@ -310,7 +365,8 @@ class LatentMapping(nn.Module):
         check never materialises it. ``kronecker`` hashes U's parts (its signs and two small factors).
         """
         h = hashlib.sha256()
-        family = {"dense": "dense-orthonormal", "kronecker": "lowrank-kronecker"}.get(self.mode, "lowrank-orthonormal")
+        families = {"dense": "dense-orthonormal", "kronecker": "lowrank-kronecker", "two_sided": "lowrank-two-sided"}
+        family = families.get(self.mode, "lowrank-orthonormal")
         layout = {"family": family, "seed": self.seed, "chunk_rows": CHUNK_ROWS}
         layout["layers"] = [asdict(lay) for lay in self.layers]
         h.update(json.dumps(layout, sort_keys=True).encode())
@@ -321,10 +377,10 @@ class LatentMapping(nn.Module):
         for lay in self.layers:
             if self.mode != "dense":
                 feed(self._v[lay.index].full())
-            if self.mode == "kronecker":  # its parts are small: the buffers the mapping keeps anyway
+            if self.mode in ("kronecker", "two_sided"):  # small parts: the buffers the mapping keeps anyway
                 self._materialise()
-                for name in ("a", "b", "s"):
-                    feed(getattr(self, f"k{name}_{lay.index}"))
+                for name in ("ka", "kb", "ks") if self.mode == "kronecker" else ("ta", "tb"):
+                    feed(getattr(self, f"{name}_{lay.index}"))
                 continue
             if self._materialised and self.mode in ("stored", "dense"):
                 feed(getattr(self, f"u_{lay.index}"))  # the same bytes as its chunks, already at hand
@@ -336,3 +392,19 @@ class LatentMapping(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, layers={len(self.layers)}, latent_size={self.latent_size}, seed={self.seed}"
+
+
+def two_sided_factor(module: nn.Module, lay: MappedLayer, seed: int) -> TwoSidedFactor:
+    """The two-sided factor of one mapped weight, which must be an ``nn.Linear``'s ``weight`` (the family applies
+    its delta to the layer's input); refused in one line otherwise."""
+    owner_name, _, attr = lay.name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if not isinstance(owner, nn.Linear) or attr != "weight":
+        raise ConfigError(
+            f"model.factors two_sided maps nn.Linear weights only, but model.layers selects {lay.name} "
+            f"({type(owner).__name__}.{attr}): choose linear weights with model.layers, or model.factors kronecker"
+        )
+    try:
+        return TwoSidedFactor(lay.shape[0], lay.shape[1], lay.rank, seed, lay.index)
+    except ValueError as err:
+        raise ConfigError(f"model.rank={lay.rank} for {lay.name} {tuple(lay.shape)}: {err}") from err

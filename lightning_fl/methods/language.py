@@ -254,8 +254,8 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         latent_dim: ``d`` per mapped layer: one value, or one per layer (the FLITE paper's TinyGPT: 1024).
         rank: ``r`` of the factors.
         layers: Which network weights are mapped: ``linear`` (every projection), or a list of name patterns.
-        factors: ``stored``, ``regenerate``, ``streamed``, ``dense`` or ``kronecker`` (see
-            :mod:`lightning_fl.mapping.lowrank`).
+        factors: ``stored``, ``regenerate``, ``streamed``, ``dense``, ``kronecker`` or ``two_sided`` (linear
+            weights only, the family for large models; see :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
         recipe: The latent's optimiser recipe; default ``LATENT_RECIPE``, the paper's: Adam at 1e-2, weight decay
@@ -304,6 +304,8 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         return self.steered_forward(idx)  # (B, T, V) from the mapped network
 
     def logits_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.mapping.mode == "two_sided":  # the deltas ride on the layers' outputs: nothing to prepare
+            return self.steered_forward
         weights = self.mapping.weights(self.mapped_base())  # computed once for the whole generation
         return lambda idx: functional_call(self.network, weights, (idx,), strict=False)
 
