@@ -70,6 +70,13 @@ CASES = {
         ["--batch", "2", "--steps", "1", "--threads", "1", "--width", "8", "--modes", "streamed"],
         '"streamed_extra_peak_bytes":',
     ),
+    "llm_step.py": Case(
+        ["--tiny", "--batch", "1", "--context", "8", "--repeats", "1", "--threads", "1", "--kronecker", "--json",
+         "llm.json"],
+        "[llm_step] wrote llm.json",
+        outputs=["llm.json"],
+        needs="peft",
+    ),
     "round_overhead.py": Case(["--samples", "64", "--batch", "16", "--clients", "2"], '"ratio":'),
     "in_memory_batches.py": Case(
         ["--workload", "quickstart", "--population", "4", "--per-client", "8", "--batch", "4", "--clients", "2",
