@@ -67,7 +67,9 @@ def test_the_hooked_forward_equals_the_forward_with_mapped_weights_and_so_do_gra
 
 def test_the_hooked_gradient_matches_finite_differences():
     net = small_gpt(1)
-    mapping = LatentMapping(net, latent_dim=6, rank=4, layers=["blocks.0.attn.*.weight", "blocks.0.mlp.*.weight"], mode="two_sided", seed=1).double()
+    mapping = LatentMapping(
+        net, latent_dim=6, rank=4, layers=["blocks.0.attn.*.weight", "blocks.0.mlp.*.weight"], mode="two_sided", seed=1
+    ).double()
     x = torch.randint(0, 11, (2, 8))
 
     def loss(z):
