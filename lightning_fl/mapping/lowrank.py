@@ -151,8 +151,7 @@ class MemoryReport:
         head = f"mapped layers: {self.layers}, mapped weights P: {self.mapped_weights:,}, "
         head += f"latent D: {self.latent_size:,}"
         return "\n".join(
-            [head]
-            + [f"{label} {n:>16,} bytes{peak} ({n / mib:,.1f} MiB)" for label, n, peak in rows if n is not None]
+            [head] + [f"{label} {n:>16,} bytes{peak} ({n / mib:,.1f} MiB)" for label, n, peak in rows if n is not None]
         )
 
 
