@@ -46,6 +46,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.factors import (
@@ -321,6 +322,14 @@ class LatentMapping(nn.Module):
             lay.name: self.mapped(lay, base[lay.name], z_l).view(lay.shape)
             for lay, z_l in zip(self.layers, self.split(z), strict=True)
         }
+
+    def call(self, module: nn.Module, base: dict[str, torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+        """``module(*args)`` computed with the mapped weights ``base + U V^T z`` (the trained latent): through
+        :meth:`weights` and ``functional_call``, or for ``two_sided`` factors within :meth:`applied`."""
+        if self.mode != "two_sided":
+            return functional_call(module, self.weights(base), args, strict=False)
+        with self.applied(module):
+            return module(*args)
 
     @contextlib.contextmanager
     def applied(self, module: nn.Module, z: torch.Tensor | None = None) -> Iterator[None]:

@@ -24,7 +24,6 @@ from typing import Literal
 
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
-from torch.func import functional_call
 
 from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
@@ -138,12 +137,8 @@ class LatentSteering:
         return {name: self.steered.get_parameter(name) for name in self.mapping.names}
 
     def steered_forward(self, *args: torch.Tensor) -> torch.Tensor:
-        """``steered(*args)`` with the mapped weights ``theta_pre + U V^T z`` (differentiable in ``z``); the
-        ``two_sided`` family adds each delta to its layer's output instead of forming the weights."""
-        if self.mapping.mode == "two_sided":
-            with self.mapping.applied(self.steered):
-                return self.steered(*args)
-        return functional_call(self.steered, self.mapping.weights(self.mapped_base()), args, strict=False)
+        """``steered(*args)`` with the mapped weights ``theta_pre + U V^T z`` (differentiable in ``z``)."""
+        return self.mapping.call(self.steered, self.mapped_base(), *args)
 
     @torch.no_grad()
     def averaging_identity_error(self, states: list[dict[str, torch.Tensor]]) -> float:
@@ -187,8 +182,8 @@ class LatentClassifier(LatentSteering, Classifier):
         rank: ``r`` of the factors.
         layers: Which backbone weights are mapped: ``conv`` (every conv weight), ``linear``, ``conv+linear``,
             or a list of name patterns.
-        factors: ``stored``, ``regenerate``, ``streamed``, ``dense``, ``kronecker`` or ``two_sided`` (linear
-            weights only; see :mod:`lightning_fl.mapping.lowrank`).
+        factors: ``stored``, ``regenerate``, ``streamed``, ``dense``, ``kronecker`` or ``two_sided`` (see
+            :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
         recipe: The latent's optimiser recipe; default ``LATENT_RECIPE``, the paper's: Adam at 1e-2, weight decay
