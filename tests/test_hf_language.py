@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PLAYS, play_text, write_corpus
+from conftest import PLAYS, play_text, run_cli, write_corpus
 from lightning_fl.data import ByRole, FederatedTextDataModule, Shakespeare, pretrained
 from lightning_fl.errors import ConfigError, DatasetNotFoundError, UserError
 from lightning_fl.methods import LM_RECIPE, LanguageModel, LatentLanguageModel, Pretraining
@@ -270,3 +270,20 @@ def test_smollm2_loads_with_134_515_008_parameters_and_a_finite_loss_on_shakespe
     with torch.no_grad():
         loss = model.compute_loss(model(ids[:, :-1]), ids[:, 1:]).item()
     assert math.isfinite(loss) and loss < 6.0  # far below a uniform guess over 49,152 tokens (10.8)
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def test_a_cli_run_fine_tunes_the_tiny_model_with_lora_and_names_a_data_mismatch(tiny_llama, corpus, in_tmp, capsys):
+    pytest.importorskip("peft")
+    network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_llama}, context: 16}}}}"
+    source = f"{{class_path: lightning_fl.data.Shakespeare, init_args: {{root: {corpus}, download: false}}}}"
+    args = ["fit", "--trainer", "lightning_fl.FederatedTrainer", "--trainer.rounds", "1", "--trainer.accelerator",
+            "cpu", "--trainer.clients_per_round", "2", "--trainer.enable_progress_bar", "false",
+            "--model", "lightning_fl.methods.LoRALanguageModel", "--model.network", network, "--model.layers",
+            '["*.q_proj.weight", "*.v_proj.weight"]', "--model.sample_tokens", "0",
+            "--data", "lightning_fl.data.FederatedTextDataModule", "--data.source", source, "--data.context", "16",
+            "--data.partition.min_lines", "10", "--data.pretrain_plays", "1"]  # fmt: skip
+    assert run_cli(*args, "--data.tokenizer", str(tiny_llama)) == 0
+    assert "round 1/1" in capsys.readouterr().out
+    assert run_cli(*args) == 2  # data.tokenizer null: characters
+    assert "data.tokenizer is null (characters): set data.tokenizer" in capsys.readouterr().err
