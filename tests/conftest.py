@@ -261,3 +261,41 @@ def tool_module(name: str):
 def sweep_tool():
     """``tools/sweep.py`` imported as a module (its command builder, expansion and CSV collection)."""
     return tool_module("sweep")
+
+
+# ------------------------------------------------------------------------------ a tiny Hugging Face causal LM
+def save_tiny_llama(folder: Path, text: str, vocab_size: int = 300, seed: int = 0) -> Path:
+    """A random 2-layer Llama (32 wide, tied embeddings) and a byte-level BPE tokenizer trained on ``text`` (about
+    ``vocab_size`` tokens), both written by ``save_pretrained`` into ``folder``: what ``HFCausalLM`` loads."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A folder holding :func:`save_tiny_llama`'s model, its tokenizer trained on the test plays (``PLAYS``)."""
+    pytest.importorskip("transformers")
+    text = "".join(play_text(name.upper(), roles) for name, roles in PLAYS.items())
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), text)

@@ -6,7 +6,9 @@ least ``partition.min_lines`` lines form the pool; a pool role's last ``test_fra
 the ``val_fraction`` before it validation text (LEAF's per-role split, in time order). The partition deals
 the pool's training windows to clients; val/test windows come from the held-out text of the roles taking
 part. Tokens are characters: id 0 is the unknown character, then the sorted characters of the training
-text (pretraining plays and pool training lines).
+text (pretraining plays and pool training lines). With ``tokenizer`` (a pretrained model's name or path, resolved
+as the network resolves it: :mod:`lightning_fl.data.pretrained`) tokens are that tokenizer's instead: each text is
+encoded without special tokens and windows are ``context`` tokens long.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fl.data import pretrained
 from lightning_fl.errors import ConfigError
 from lightning_fl.trainer_api import lazy_instance
 
@@ -118,20 +121,25 @@ class TextWindows(Dataset):
 
 class FederatedTextDataModule(L.LightningDataModule):
     """Next-character windows of a :class:`TextSource` for clients (splits: module docstring), with the client
-    contract of :class:`~lightning_fl.data.FederatedDataModule`. Set up: ``vocabulary``, ``vocab_size``, ``encode``.
+    contract of :class:`~lightning_fl.data.FederatedDataModule`. Set up: ``vocabulary`` (empty with a tokenizer),
+    ``vocab_size``, ``encode``, ``tokenizer_digest`` (with a tokenizer).
 
     Args:
         source: The corpus (``Shakespeare``).
         num_clients: Null: one per unit (``ByRole``: role, ``ByPlay``: play, ``IID``: as many as pool roles);
             fewer keeps that many units at random (seeded), for tractable runs. Names: ``client_names``.
         partition: ``ByRole(min_lines)`` (LEAF), ``ByPlay`` or ``IID``.
-        context: Window length in characters (LEAF: 80): ``x = ids[i : i+context]``, ``y`` one further.
+        context: Window length in tokens (characters by default; LEAF: 80): ``x = ids[i : i+context]``, ``y`` one
+            further.
         stride: Step between training windows (null: ``context``; LEAF: 1). Val/test windows never overlap.
         pretrain_plays: Plays (a count, or a fraction in [0, 1)) that ``train_dataloader`` serves for central
             pretraining; with 0 it serves the pooled client windows.
         val_fraction: Share of each pool role's lines held out for validation (0: val serves the test windows).
         test_fraction: Share of each pool role's last lines held out for test.
         seed: Seed of the pretraining plays, the units kept and the partition.
+        tokenizer: ``null``: characters (the vocabulary above). Else a pretrained model's tokenizer: the short name
+            ``SmolLM2`` (fetched as ``lightning_fl.models.SmolLM2`` fetches it), a ``save_pretrained`` folder or a
+            ``.gguf`` file; it must be the network's (``HFCausalLM``), which the model checks.
     """
 
     def __init__(
@@ -148,6 +156,7 @@ class FederatedTextDataModule(L.LightningDataModule):
         eval_batch_size: int = 256,
         num_workers: int = 0,
         seed: int = 0,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         fractions = (val_fraction, test_fraction, 1 - val_fraction - test_fraction)
@@ -166,21 +175,39 @@ class FederatedTextDataModule(L.LightningDataModule):
         self.val_fraction, self.test_fraction, self.num_workers = val_fraction, test_fraction, num_workers
         self.batch_size, self.eval_batch_size, self.num_clients = batch_size, eval_batch_size, num_clients
         self.vocabulary, self.vocab_size, self.client_names, self._clients, self._splits = [], 0, [], [], {}
+        self.tokenizer, self.tokenizer_digest, self._tokenizer = tokenizer, None, None
 
     def encode(self, text: str) -> torch.Tensor:
+        if self._tokenizer is not None:
+            return torch.tensor(self._tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
         return torch.tensor([self._index.get(c, 0) for c in text], dtype=torch.long)
+
+    def _encode_all(self, texts: list[str]) -> list[torch.Tensor]:
+        if self._tokenizer is None or not texts:
+            return [self.encode(t) for t in texts]
+        ids = self._tokenizer(texts, add_special_tokens=False)["input_ids"]  # one batch: the fast tokenizer's threads
+        return [torch.tensor(i, dtype=torch.long) for i in ids]
+
+    def _load_tokenizer(self) -> None:
+        files = pretrained.resolve(self.tokenizer, "data.tokenizer")
+        self._tokenizer = pretrained.load_tokenizer(files, "data.tokenizer")
+        self.tokenizer_digest = pretrained.tokenizer_digest(self._tokenizer)
+        self.vocab_size = len(self._tokenizer)
 
     def describe(self) -> dict[str, object]:
         """Everything that determines the vocabulary and the central training batches (cache keys use it)."""
         keys = ("seed", "pretrain_plays", "context", "stride", "val_fraction", "test_fraction", "batch_size")
-        return {k: getattr(self, k) for k in keys} | {k: repr(getattr(self, k)) for k in ("source", "partition")}
+        out = {k: getattr(self, k) for k in keys} | {k: repr(getattr(self, k)) for k in ("source", "partition")}
+        return out if self.tokenizer is None else out | {"tokenizer": self.tokenizer}
 
     def prepare_data(self) -> None:
         self.source.prepare()
+        if self.tokenizer is not None:
+            pretrained.resolve(self.tokenizer, "data.tokenizer")  # fetches a short name's files
 
     def _windows(self, texts: list[str], stride: int) -> tuple[TextWindows, np.ndarray]:
         """Windows inside each text (never across two) and, per window, the index of its text."""
-        encoded = [torch.zeros(0, dtype=torch.long)] + [self.encode(t) for t in texts]
+        encoded = [torch.zeros(0, dtype=torch.long), *self._encode_all(texts)]
         offsets = np.cumsum([len(e) for e in encoded])
         starts = [offsets[j] + np.arange(0, max(len(e) - self.context, 0), stride) for j, e in enumerate(encoded[1:])]
         owner = np.repeat(np.arange(len(starts)), [len(s) for s in starts])
@@ -205,8 +232,11 @@ class FederatedTextDataModule(L.LightningDataModule):
             for name, part in zip(texts, (r.lines[:a], r.lines[a:b], r.lines[b:]), strict=True):
                 texts[name].append("".join(f"{line}\n" for line in part))
         public_text = ["".join(f"{line}\n" for line in r.lines) for r in roles if r.play in public]
-        self.vocabulary = [UNKNOWN, *sorted(set("".join(public_text + texts["train"])) - {UNKNOWN})]
-        self._index, self.vocab_size = {c: i for i, c in enumerate(self.vocabulary)}, len(self.vocabulary)
+        if self.tokenizer is not None:
+            self._load_tokenizer()
+        else:
+            self.vocabulary = [UNKNOWN, *sorted(set("".join(public_text + texts["train"])) - {UNKNOWN})]
+            self._index, self.vocab_size = {c: i for i, c in enumerate(self.vocabulary)}, len(self.vocabulary)
         train, owner = self._windows(texts["train"], self.stride)
         clients = self.partition.split(pool, owner, self.num_clients, self.seed)
         pooled = np.sort(np.concatenate([w for _, w in clients]))
@@ -225,7 +255,8 @@ class FederatedTextDataModule(L.LightningDataModule):
         self.setup()
         sizes = ", ".join(f"{k} {len(self._splits[k])}" for k in ("public", "val", "test"))
         rows = "".join(f"\n| {k} | {name} | {len(self._clients[k])} |" for k, name in enumerate(self.client_names))
-        head = f"{self.partition!r} over {self.num_clients} clients; {self.context}-character windows: {sizes}"
+        unit = "character" if self.tokenizer is None else "token"
+        head = f"{self.partition!r} over {self.num_clients} clients; {self.context}-{unit} windows: {sizes}"
         return f"{head}; vocabulary {self.vocab_size}\n\n| client | name | windows |\n| --- | --- | --- |{rows}"
 
     def _loader(self, data: str | TextWindows, train: bool = False, seed: int | None = None) -> DataLoader:

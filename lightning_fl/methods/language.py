@@ -11,6 +11,12 @@ The vocabulary (the data module's characters, id 0 for unknown ones) is stored w
 ``vocabulary`` buffer of Unicode code points, so checkpoints and cached bases carry it: a model refuses data
 whose vocabulary differs from the one it was trained on, and decodes its generated samples with it.
 
+A network with a ``tokenizer`` (a pretrained Hugging Face model, :class:`~lightning_fl.models.HFCausalLM`) brings
+its own vocabulary instead: there is no ``vocabulary`` buffer, text is encoded and decoded with the tokenizer, and
+the data must be tokenised by the same tokenizer (``data.tokenizer``; the digests must agree). A network with
+``pretrained = True`` is its own base: it is never pretrained (``pretraining`` is not used, ``base`` must be
+``pretrained``), so ``LanguageModel``, ``LatentLanguageModel`` and ``LoRALanguageModel`` all start from its weights.
+
 Kept as one file: :class:`LatentLanguageModel` is :class:`LanguageModel` with
 :class:`~lightning_fl.methods.latent.LatentSteering` (a constructor and four one-line overrides) and shares its
 vocabulary contract; in a file of its own it would be that glue alone, read only beside this one.
@@ -28,13 +34,14 @@ from torch.func import functional_call
 
 from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
-from lightning_fl.mapping.lowrank import FactorMode, LayerSelection
+from lightning_fl.mapping.lowrank import FactorMode, LayerSelection, select_weights
 from lightning_fl.methods.latent import LATENT_RECIPE, LatentSteering
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.recipe import TrainingRecipe
 from lightning_fl.methods.schedules import Recipe
 from lightning_fl.metrics import NextTokenMetrics
 from lightning_fl.models.gpt import generate
+from lightning_fl.models.hf import tied_weights
 
 #: The recipe that pretrains a language-model base when no checkpoint is given: AdamW with a half-epoch warm-up,
 #: then cosine decay, and 10 epochs over the central split. Pretraining always clips gradient norms at 1.0.
@@ -48,7 +55,9 @@ class LanguageModel(TrainingRecipe):
 
     Args:
         network: Token ids ``(B, T)`` to logits ``(B, T, vocab_size)``, with ``vocab_size`` and ``context``
-            attributes (``lightning_fl.models.TinyGPT``). ``vocab_size`` must equal the data's vocabulary.
+            attributes (``lightning_fl.models.TinyGPT``). ``vocab_size`` must equal the data's vocabulary. A
+            network with a ``tokenizer`` (``HFCausalLM``, ``SmolLM2``) needs data tokenised by it; one with
+            ``pretrained = True`` is its own base (``pretraining`` is not used).
         recipe: The optimiser recipe (:class:`~lightning_fl.methods.schedules.Recipe`); default ``LM_RECIPE``:
             AdamW at 1e-3, weight decay 0.01, no warm-up, cosine, gradient norms clipped at 1.0.
         init_from: Checkpoint whose ``network.*`` weights and vocabulary to start from (e.g. the ``last.ckpt``
@@ -58,7 +67,7 @@ class LanguageModel(TrainingRecipe):
             at 1.0) and cache it, so every run with the same architecture, seed, data and recipe starts from
             the same base (FLITE and full-weight FedAvg share it). ``null``: random initialisation.
         sample_prompt: Prompt of the text sample logged to TensorBoard (under ``Text``) before and after training.
-        sample_tokens: Characters generated for the sample (0: no sample).
+        sample_tokens: Tokens (characters, or the tokenizer's tokens) generated for the sample (0: no sample).
         sample_top_k: Sample among the ``top_k`` most likely tokens (temperature 1, seeded by ``sample_seed``);
             ``null``: greedy decoding.
         sample_seed: Seed of the sampled text, so samples before and after training are comparable.
@@ -92,12 +101,14 @@ class LanguageModel(TrainingRecipe):
         self.use_recipe(recipe)
         self.network = network
         self.vocab_size = int(network.vocab_size)
-        # Unicode code points of the vocabulary (-1: not yet known); saved with the weights.
-        self.register_buffer("vocabulary", torch.full((self.vocab_size,), -1, dtype=torch.int32))
+        if self.tokenizer is None:  # Unicode code points of the vocabulary (-1: not yet known); saved with the weights
+            self.register_buffer("vocabulary", torch.full((self.vocab_size,), -1, dtype=torch.int32))
         self.val_metrics = NextTokenMetrics("val/")
         self.test_metrics = NextTokenMetrics("test/")
+        if getattr(network, "pretrained", False):  # its own weights are the base: nothing to pretrain or key
+            pretraining = None
         self.pretraining = pretraining
-        self._init_digest = digest_tensors(self.network.state_dict())
+        self._init_digest = digest_tensors(self.network.state_dict()) if pretraining is not None else ""
         self._base_ready = pretraining is None
         if init_from is not None:
             self.load_weights(init_from, self.init_from_key)
@@ -108,15 +119,31 @@ class LanguageModel(TrainingRecipe):
 
     # ----------------------------------------------------------------------------------- vocabulary
     @property
+    def tokenizer(self):
+        """The network's tokenizer (``HFCausalLM``), or ``None`` for a character model (the ``vocabulary`` buffer)."""
+        return getattr(self.network, "tokenizer", None)
+
+    @property
     def characters(self) -> list[str] | None:
-        """The vocabulary as characters (id ``i`` is ``characters[i]``), or ``None`` before it is known."""
+        """The vocabulary as characters (id ``i`` is ``characters[i]``), or ``None`` before it is known (or with a
+        tokenizer)."""
+        if self.tokenizer is not None:
+            return None
         codes = self.vocabulary.tolist()
         return None if min(codes) < 0 else [chr(c) for c in codes]
 
     def check_data(self, datamodule: object) -> None:
         """Refuse data whose vocabulary or window length does not fit; adopt the data's vocabulary if unset."""
+        if self.tokenizer is not None:
+            self._check_tokenised_data(datamodule)
+            return
         vocabulary = getattr(datamodule, "vocabulary", None) or None  # known once the data is set up
         problems = []
+        if getattr(datamodule, "tokenizer", None) is not None:
+            problems.append(
+                f"data.tokenizer={datamodule.tokenizer!r} but model.network ({type(self.network).__name__}) reads "
+                "characters: set data.tokenizer null, or use the network that tokenizer belongs to (HFCausalLM)"
+            )
         if vocabulary is not None and len(vocabulary) != self.vocab_size:
             problems.append(
                 f"model.network.vocab_size={self.vocab_size} but the data's vocabulary has {len(vocabulary)} "
@@ -142,12 +169,47 @@ class LanguageModel(TrainingRecipe):
         if problems:
             raise ConfigError("; ".join(problems))
 
+    def _check_tokenised_data(self, datamodule: object) -> None:
+        """The data must be tokenised by the network's tokenizer (same digest), within its vocabulary and context."""
+        spec, digest = getattr(datamodule, "tokenizer", None), getattr(datamodule, "tokenizer_digest", None)
+        mine, source = self.network.tokenizer_digest, getattr(self.network, "source", type(self.network).__name__)
+        problems = []
+        if spec is None:
+            problems.append(
+                f"model.network ({source}) reads tokens of its own tokenizer but data.tokenizer is null "
+                "(characters): set data.tokenizer to the network's model (e.g. SmolLM2, or its path)"
+            )
+        elif digest is not None and digest != mine:
+            problems.append(
+                f"data.tokenizer={spec!r} is not model.network's tokenizer ({source}; digests "
+                f"{digest[:12]} vs {mine[:12]}): set data.tokenizer to the network's model or path"
+            )
+        size = getattr(datamodule, "vocab_size", 0) or 0
+        if size > self.vocab_size:
+            problems.append(
+                f"the data's tokenizer has {size} tokens but model.network has {self.vocab_size} "
+                "logits: use the tokenizer saved with the model"
+            )
+        context = getattr(datamodule, "context", None)
+        if context is not None and context > self.network.context:
+            problems.append(
+                f"data.context={context} is longer than model.network.context={self.network.context}: "
+                "shorten the windows or widen the network's context"
+            )
+        if problems:
+            raise ConfigError("; ".join(problems))
+
     def encode(self, text: str) -> torch.Tensor:
-        """Token ids ``(len(text),)`` of ``text`` under the stored vocabulary (unknown characters: id 0)."""
+        """Token ids of ``text``: the network's tokenizer (no special tokens), else the stored vocabulary (one id per
+        character, unknown characters: id 0)."""
+        if self.tokenizer is not None:
+            return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
         index = {c: i for i, c in enumerate(self.characters or [])}
         return torch.tensor([index.get(c, 0) for c in text], dtype=torch.long)
 
     def decode(self, ids: torch.Tensor) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids.tolist())
         chars = self.characters
         if chars is None:
             raise ValueError("the model has no vocabulary yet: train it on data or load a checkpoint first")
@@ -163,11 +225,13 @@ class LanguageModel(TrainingRecipe):
 
     @torch.no_grad()
     def generate_text(self, prompt: str, max_new_tokens: int, top_k: int | None = None, seed: int = 0) -> str:
-        """``prompt`` continued by ``max_new_tokens`` characters: greedy, or top-k sampling seeded by ``seed``."""
+        """``prompt`` continued by ``max_new_tokens`` tokens (characters, or the tokenizer's): greedy, or top-k
+        sampling seeded by ``seed``."""
         was_training = self.training
         self.eval()
         try:
-            idx = self.encode(prompt)[None].to(self.vocabulary.device)
+            device = self.vocabulary.device if self.tokenizer is None else next(self.network.parameters()).device
+            idx = self.encode(prompt)[None].to(device)
             generator = torch.Generator(device=idx.device).manual_seed(seed) if top_k is not None else None
             temperature = 0.0 if top_k is None else 1.0
             out = generate(
@@ -180,12 +244,13 @@ class LanguageModel(TrainingRecipe):
     def text_samples(self) -> dict[str, str]:
         """Markdown samples for TensorBoard's Text tab: ``{tag: text}`` (empty without a vocabulary)."""
         hp = self.hparams
-        if hp.sample_tokens == 0 or self.characters is None:
+        if hp.sample_tokens == 0 or (self.characters is None and self.tokenizer is None):
             return {}
         text = self.generate_text(hp.sample_prompt, hp.sample_tokens, hp.sample_top_k, hp.sample_seed)
         how = "greedy" if hp.sample_top_k is None else f"top-{hp.sample_top_k}, seed {hp.sample_seed}"
         body = "\n".join(f"    {line}" for line in text.split("\n"))  # indented: shown verbatim
-        return {"samples/generated": f"{hp.sample_tokens} characters, {how}:\n\n{body}"}
+        unit = "characters" if self.tokenizer is None else "tokens"
+        return {"samples/generated": f"{hp.sample_tokens} {unit}, {how}:\n\n{body}"}
 
     def _log_samples(self) -> None:
         experiment = getattr(self.logger, "experiment", None) if self._trainer is not None else None
@@ -201,10 +266,11 @@ class LanguageModel(TrainingRecipe):
 
     # ----------------------------------------------------------------------------------- base
     def base_cache_key(self, datamodule: object) -> dict[str, object]:
-        return self.shared_base_key(datamodule) | {
+        key = self.shared_base_key(datamodule) | {
             "network": f"{type(self.network).__module__}.{type(self.network).__qualname__}",
             "vocabulary": "".join(self.characters or []),
         }
+        return key if self.tokenizer is None else key | {"tokenizer": self.network.tokenizer_digest}
 
     def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
         if not self._base_ready:  # the base is trained on, and keyed by, the data's vocabulary
@@ -225,7 +291,8 @@ class LanguageModel(TrainingRecipe):
             recipe=p.recipe(grad_clip=1.0),
             sample_tokens=0,
         )
-        pre.vocabulary.copy_(self.vocabulary)
+        if self.tokenizer is None:
+            pre.vocabulary.copy_(self.vocabulary)
         return pre
 
     # ----------------------------------------------------------------------------------- steps
@@ -253,7 +320,9 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         pretraining: Recipe for pretraining the base when no checkpoint is given.
         latent_dim: ``d`` per mapped layer: one value, or one per layer (the FLITE paper's TinyGPT: 1024).
         rank: ``r`` of the factors.
-        layers: Which network weights are mapped: ``linear`` (every projection), or a list of name patterns.
+        layers: Which network weights are mapped: ``linear`` (every projection; on ``HFCausalLM``, its
+            ``default_layers``: every untied ``nn.Linear``, so not a tied LM head), or a list of name patterns (e.g.
+            ``["*.q_proj.weight", "*.v_proj.weight"]``). A weight tied to another is refused.
         factors: ``stored``, ``regenerate``, ``streamed``, ``dense``, ``kronecker`` or ``two_sided`` (linear
             weights only, the family for large models; see :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
@@ -284,7 +353,8 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         sample_top_k: int | None = None,
         sample_seed: int = 0,
     ) -> None:
-        source = self.base_source(base, base_checkpoint, pretraining)
+        source = language_base_source(network, base, base_checkpoint, pretraining)
+        layers = mapped_layers(network, layers)  # recorded in hparams as resolved
         super().__init__(
             network=network,
             recipe=recipe,
@@ -312,3 +382,29 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
     def factor_fingerprint(self) -> str:
         """Fingerprint of the factors and of the base (with its vocabulary); clients refuse to train on another."""
         return f"factors:{self.mapping.fingerprint()} base:{digest_tensors(self.own_weights())}"
+
+
+def language_base_source(network: nn.Module, base: str, base_checkpoint: str | None, pretraining: Pretraining) -> dict:
+    """:meth:`LatentSteering.base_source` for a language model: a network with pretrained weights is its own base, so
+    ``model.base`` must be ``pretrained`` (``scratch`` would have to throw its weights away)."""
+    if getattr(network, "pretrained", False) and base == "scratch":
+        raise ConfigError(
+            f"model.base is 'scratch' but model.network ({type(network).__name__}) carries pretrained weights, which "
+            "are the base: set model.base pretrained (no pretraining runs), or use an untrained network (TinyGPT)"
+        )
+    return LatentSteering.base_source(base, base_checkpoint, pretraining)
+
+
+def mapped_layers(network: nn.Module, layers: LayerSelection | list[str]) -> LayerSelection | list[str]:
+    """``layers`` as the latent map or the adapters get them: ``linear`` on a network with ``default_layers``
+    (``HFCausalLM``) is that list; a selection that includes a weight tied to another (a tied LM head) is refused,
+    since the tie would make the two one mapped tensor."""
+    if layers == "linear" and callable(getattr(network, "default_layers", None)):
+        layers = network.default_layers()
+    tied = tied_weights(network)
+    if chosen := [n for n in select_weights(network, layers) if n in tied]:
+        raise ConfigError(
+            f"model.layers={layers!r} selects {chosen[0]}, which is tied to {tied[chosen[0]][0]} (one tensor): "
+            "leave it out, e.g. model.layers ['*.q_proj.weight', '*.v_proj.weight']"
+        )
+    return layers

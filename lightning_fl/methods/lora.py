@@ -32,7 +32,7 @@ from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import LayerSelection, select_weights
 from lightning_fl.methods.classifier import Classifier
-from lightning_fl.methods.language import LM_PRETRAINING, LanguageModel
+from lightning_fl.methods.language import LM_PRETRAINING, LanguageModel, language_base_source, mapped_layers
 from lightning_fl.methods.latent import LATENT_RECIPE, LatentSteering
 from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining
 from lightning_fl.methods.schedules import Recipe
@@ -75,8 +75,10 @@ class LoRAAdapters:
             raise ConfigError("; ".join(problems))
         network = getattr(self, self.adapted_attr)
         targets = target_modules(network, layers)  # a selection of nothing is refused there, named
-        # the base as it is pretrained: the network before PEFT wraps it (kept out of the module's state)
-        object.__setattr__(self, "_plain_network", copy.deepcopy(network))
+        # the base as it is pretrained: the network before PEFT wraps it (kept out of the module's state); a network
+        # with pretrained weights is its own base and is never pretrained: no copy
+        plain = None if getattr(network, "pretrained", False) else copy.deepcopy(network)
+        object.__setattr__(self, "_plain_network", plain)
         self.adapted = targets
         network.requires_grad_(False)
         inject(network, targets, rank, alpha if alpha is not None else rank, seed)
@@ -206,7 +208,9 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
         rank: As for :class:`LoRAClassifier`.
         alpha: As for :class:`LoRAClassifier`.
         adapter_seed: As for :class:`LoRAClassifier`.
-        layers: Which network weights get adapters: ``linear`` (every projection) or a list of name patterns.
+        layers: Which network weights get adapters: ``linear`` (every projection; on ``HFCausalLM`` every untied
+            ``nn.Linear``, its ``default_layers``) or a list of name patterns
+            (``["*.q_proj.weight", "*.v_proj.weight"]``).
         recipe: As for :class:`LoRAClassifier` (default ``LORA_RECIPE``).
         sample_prompt: As for :class:`~lightning_fl.methods.LanguageModel`.
         sample_tokens: As for :class:`~lightning_fl.methods.LanguageModel`.
@@ -233,7 +237,8 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
         sample_top_k: int | None = None,
         sample_seed: int = 0,
     ) -> None:
-        source = LatentSteering.base_source(base, base_checkpoint, pretraining)
+        source = language_base_source(network, base, base_checkpoint, pretraining)
+        layers = mapped_layers(network, layers)  # recorded in hparams as resolved
         super().__init__(
             network=network,
             recipe=recipe,
