@@ -21,7 +21,13 @@ def test_configs_are_shipped():
     assert "quickstart.yaml" in names
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def loads_a_pretrained_model(path):
+    """Configs whose network is a real pretrained model (SmolLM2: a 98 MB download and 20 s to load): built here only
+    in the slow suite; tests/test_llm_federated.py runs each of them on a tiny model in the default one."""
+    return pytest.param(path, marks=pytest.mark.slow) if "SmolLM2" in path.read_text() else path
+
+
+@pytest.mark.parametrize("path", [loads_a_pretrained_model(p) for p in CONFIG_FILES], ids=lambda p: p.name)
 def test_config_parses_and_instantiates(path):
     text = path.read_text()
     header = [line for line in text.splitlines() if line.startswith("#")]
