@@ -133,3 +133,24 @@ def test_a_latent_language_model_starts_exactly_at_its_base_and_averages_exactly
     )
     text = latent.logits_function()(x)
     torch.testing.assert_close(text, latent(x), atol=0, rtol=0)
+
+
+def test_with_rank_equal_to_the_latent_v_is_the_identity_and_is_not_kept():
+    net = small_gpt()
+    mapping = LatentMapping(net, latent_dim=16, rank=16, layers="linear", mode="two_sided", seed=2).double()
+    mapping.materialise()
+    assert not any(name.startswith("v_") for name, _ in mapping.named_buffers())
+    lay = mapping.layers[0]
+    assert torch.equal(mapping.v_factor(lay), torch.eye(16))
+    z = torch.randn(mapping.latent_size, dtype=torch.float64)
+    left, right = (getattr(mapping, f"t{part}_0") for part in ("a", "b"))
+    expected = left.double() @ z[:16].reshape(left.shape[1], right.shape[1]) @ right.double().T  # C is z_l itself
+    base = dict(net.named_parameters())
+    torch.testing.assert_close(mapping.weights(base, z)[lay.name] - base[lay.name], expected, atol=1e-12, rtol=0)
+    x = torch.randint(0, 11, (2, 8))
+    with mapping.applied(net, z):
+        hooked = net(x)
+    torch.testing.assert_close(hooked, functional_call(net, mapping.weights(base, z), (x,)), atol=1e-12, rtol=0)
+    report = memory_report(net, 16, 16, "linear")
+    assert report.two_sided_bytes == sum(b.numel() * 4 for b in mapping.buffers())  # A and B only
+    assert mapping.fingerprint() != LatentMapping(net, 16, 8, "linear", "two_sided", seed=2).fingerprint()

@@ -26,7 +26,8 @@ Factor modes (``mode``) trade memory for recomputation; the first three give the
 - ``two_sided``: ``U_l = A_l kron B_l`` shaped by the layer's own ``out x in`` matrix (see
   :mod:`lightning_fl.mapping.two_sided`): for ``nn.Linear`` weights only, the delta ``A C B^T`` is applied to the
   layer's input (:meth:`LatentMapping.applied`) and never formed, nor is the weight's gradient. Memory
-  ``4 (m p + n q)`` bytes per layer plus V; the family for large language models. Its own fingerprint.
+  ``4 (m p + n q)`` bytes per layer plus V; the family for large language models. Its own fingerprint. With
+  ``rank`` equal to ``latent_dim``, ``V`` is the identity (:func:`identity_v`): the latent is the grid itself.
 
 ``rank`` is capped per layer at ``min(rank, d_l, P_l)``: ``U V^T`` cannot have a larger rank.
 
@@ -183,7 +184,7 @@ def memory_report(
 def two_sided_bytes(plan: list[MappedLayer], v_bytes: int) -> int | None:
     """Bytes the two-sided family keeps: V and, per layer, ``A`` (``m x p``) and ``B`` (``n x q``); ``None`` when a
     mapped weight is not a matrix or its rank does not split."""
-    total = v_bytes
+    total = v_bytes - sum(lay.latent_dim * lay.rank for lay in plan if identity_v("two_sided", lay)) * FLOAT_BYTES
     for lay in plan:
         if len(lay.shape) != 2:
             return None
@@ -249,7 +250,7 @@ class LatentMapping(nn.Module):
         self._v = {
             lay.index: OrthonormalFactor(lay.latent_dim, lay.rank, seed, lay.index, STREAM_V)
             for lay in self.layers
-            if mode != "dense"
+            if mode != "dense" and not identity_v(mode, lay)
         }
         self._kron = {
             lay.index: KroneckerFactor(lay.numel, lay.rank, seed, lay.index)
@@ -271,7 +272,7 @@ class LatentMapping(nn.Module):
             return
         device = self.latent.device
         for lay in self.layers:
-            if self.mode != "dense":
+            if lay.index in self._v:
                 self.register_buffer(f"v_{lay.index}", self._v[lay.index].full().to(device), persistent=False)
             if self.mode in ("stored", "dense"):
                 self.register_buffer(f"u_{lay.index}", self._u[lay.index].full().to(device), persistent=False)
@@ -302,7 +303,7 @@ class LatentMapping(nn.Module):
         z_l = z_l.to(base.dtype)
         if self.mode == "dense":
             return torch.addmv(base, getattr(self, f"u_{lay.index}").to(base.dtype), z_l)
-        coeff = getattr(self, f"v_{lay.index}").to(base.dtype).T @ z_l  # (r_l,)
+        coeff = self.coefficients(lay, z_l)  # (r_l,)
         if self.mode == "stored":
             return torch.addmv(base, getattr(self, f"u_{lay.index}").to(base.dtype), coeff)
         if self.mode == "kronecker":
@@ -344,7 +345,7 @@ class LatentMapping(nn.Module):
         try:
             for lay, z_l in zip(self.layers, self.split(z), strict=True):
                 left, right = getattr(self, f"ta_{lay.index}"), getattr(self, f"tb_{lay.index}")
-                coeff = getattr(self, f"v_{lay.index}").to(z_l.dtype).T @ z_l  # (r_l,) in the latent's precision
+                coeff = self.coefficients(lay, z_l)  # (r_l,) in the latent's precision
                 grid = coeff.reshape(left.shape[1], right.shape[1])
                 target = module.get_submodule(lay.name.rpartition(".")[0])
                 handles.append(target.register_forward_hook(two_sided_hook(left, grid, right)))
@@ -361,8 +362,16 @@ class LatentMapping(nn.Module):
             return self._two_sided[lay.index].full()
         return self._u[lay.index].full()
 
+    def coefficients(self, lay: MappedLayer, z_l: torch.Tensor) -> torch.Tensor:
+        """``V_l^T z_l`` (``r_l``), in ``z_l``'s dtype; ``z_l`` itself where ``V_l`` is the identity."""
+        if lay.index not in self._v:
+            return z_l
+        return getattr(self, f"v_{lay.index}").to(z_l.dtype).T @ z_l
+
     def v_factor(self, lay: MappedLayer) -> torch.Tensor:
         """``V_l`` as a float32 CPU tensor (not defined in dense mode)."""
+        if identity_v(self.mode, lay):
+            return torch.eye(lay.latent_dim)
         return self._v[lay.index].full()
 
     def fingerprint(self) -> str:
@@ -383,7 +392,7 @@ class LatentMapping(nn.Module):
             h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
 
         for lay in self.layers:
-            if self.mode != "dense":
+            if lay.index in self._v:  # (an identity V is named by the layout: rank == latent_dim)
                 feed(self._v[lay.index].full())
             if self.mode in ("kronecker", "two_sided"):  # small parts: the buffers the mapping keeps anyway
                 self._materialise()
@@ -400,6 +409,13 @@ class LatentMapping(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, layers={len(self.layers)}, latent_size={self.latent_size}, seed={self.seed}"
+
+
+def identity_v(mode: str, lay: MappedLayer) -> bool:
+    """Whether ``V_l`` is the identity: in the ``two_sided`` family when ``r_l = d_l``. A square orthonormal ``V`` only
+    rotates ``z``; the identity spares its ``d^2`` floats (8.3 MB per projection at ``d = 1444``), so the latent can
+    grow with the bytes it is given: ``z_l`` is then the grid ``C`` itself."""
+    return mode == "two_sided" and lay.rank == lay.latent_dim
 
 
 def two_sided_factor(module: nn.Module, lay: MappedLayer, seed: int) -> TwoSidedFactor:
