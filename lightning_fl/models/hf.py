@@ -20,6 +20,11 @@ A tied LM head is one parameter: the federated state, the optimiser and upload b
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,14 +61,20 @@ class HFCausalLM(nn.Module):
         transformers = pretrained.require("transformers", key)
         tokenizer = pretrained.load_tokenizer(files, key)  # checks for gguf too
         path, kwargs = files.from_pretrained_args()
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # a few seconds of bars per tensor group: noise in a run
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+            with quiet_gguf_bar():
+                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
         except (OSError, ValueError, KeyError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(
                 f"{key}: transformers could not load a causal LM from {files.path} ({first}); pass a "
                 "save_pretrained folder or GGUF file of a causal language model"
             ) from err
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
         limit = getattr(model.config, "max_position_embeddings", None)
         if not isinstance(context, int) or context < 1 or (limit is not None and context > limit):
             raise ConfigError(
@@ -93,6 +104,27 @@ class HFCausalLM(nn.Module):
 
     def extra_repr(self) -> str:
         return f"source={self.source!r}, context={self.context}, vocab_size={self.vocab_size}"
+
+
+@contextlib.contextmanager
+def quiet_gguf_bar() -> Iterator[None]:
+    """Without the bar transformers draws while it dequantises a GGUF file (its own ``tqdm``, which its logging
+    switch does not reach): a run's output stays the run's."""
+    module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if module is None:
+        try:
+            module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+        except ImportError:
+            module = None
+    original = getattr(module, "tqdm", None)
+    if original is None:
+        yield
+        return
+    module.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = original
 
 
 def tied_weights(module: nn.Module) -> dict[str, list[str]]:
