@@ -592,3 +592,37 @@ def test_latent_probe_trains_on_the_pooled_clients_from_the_public_base(tmp_path
     assert "| 4, 2 | " in capsys.readouterr().out
     assert probe.main(["--dims", "4", "fit"]) == 2
     assert "give latent_dim:rank pairs" in capsys.readouterr().err
+
+
+def test_llm_frontier_gives_each_runs_base_final_and_best_as_mean_and_standard_error(tmp_path):
+    """tools/llm_frontier.py on a hand-made CSV: two seeds of one label, one of another; the numbers by hand."""
+    frontier = tool_module("llm_frontier")
+    header = ["sweep", "label", "seed", "method", "round", "final", "val/ppl", "val/acc", "comm/client_up_bytes",
+              "time/round_s"]  # fmt: skip
+    rows = [  # label, seed, round, ppl, acc, bytes, time
+        ("lora_r1", 0, 0, 100.0, 0.20, "", ""), ("lora_r1", 0, 1, "", "", 1000, 10.0),
+        ("lora_r1", 0, 2, 80.0, 0.25, 1000, 12.0), ("lora_r1", 0, 3, "", "", 1000, 11.0),
+        ("lora_r1", 0, 4, 90.0, 0.24, 1000, 30.0),
+        ("lora_r1", 1, 0, 100.0, 0.20, "", ""), ("lora_r1", 1, 2, 70.0, 0.30, 1000, 10.0),
+        ("lora_r1", 1, 4, 60.0, 0.32, 1000, 10.0),
+        ("flite_d8", 0, 0, 100.0, 0.20, "", ""), ("flite_d8", 0, 4, 95.0, 0.21, 32, 9.0),
+    ]  # fmt: skip
+    path = tmp_path / "f.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for label, seed, rnd, ppl, acc, up, t in rows:
+            method = label.split("_")[0]
+            writer.writerow(["s", label, seed, method, rnd, int(rnd == 4), ppl, acc, up, t])
+    text, by_label = frontier.table(frontier.runs_of([path]))
+    lora = {s["final_ppl"] for s in by_label["lora_r1"]}
+    assert lora == {90.0, 60.0}
+    assert sorted(s["best_ppl"] for s in by_label["lora_r1"]) == [60.0, 80.0]  # seed 0's best is round 2, not 4
+    # final: mean 75, SE = stdev(90, 60) / sqrt(2) = 21.2132 / 1.4142 = 15; change -10% and -40%: -25 +/- 15
+    assert (
+        "| lora_r1 | lora | 1,000 | 2 | 100.00 +/- 0.00 | 75.00 +/- 15.00 | -25.0 +/- 15.0% | 70.00 +/- 10.00 (2, 4) |"
+        in text
+    )
+    assert "| flite_d8 | flite | 32 | 1 | 100.00 | 95.00 | -5.0% | 95.00 (4) | 0.2100 | 0.2100 | 9 s |" in text
+    frontier.figure(by_label, tmp_path / "frontier.png")
+    assert (tmp_path / "frontier.png").stat().st_size > 0
