@@ -334,11 +334,16 @@ class FederatedDataModule(L.LightningDataModule):
         A split held in memory, without loader workers and with a seed, is served by :class:`InMemoryBatches`
         (the same batches as the ``DataLoader`` otherwise used, without its per-sample cost).
         """
+        return self.indices_dataloader(self.client_indices(cid), seed)
+
+    def indices_dataloader(self, indices: np.ndarray, seed: int | None = None) -> DataLoader | InMemoryBatches:
+        """Batches of the training split's ``indices`` served as a client's are (:meth:`client_dataloader`): e.g.
+        a public pseudo-client's, drawn from :meth:`split_indices` ``("public")``."""
+        self._require_setup()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         if self._client_transform is None:  # one per run: it holds the normalisation's tensors
             self._client_transform = self.source.transform(train=True, augment=self.augment)
         transform = self._client_transform
-        indices = self.client_indices(cid)
         # Exactly our transform: a subclass may redefine what it does to one image.
         in_memory = isinstance(self._train, TensorImages) and type(transform) is ImageTransform
         if in_memory and generator is not None and self.num_workers == 0:

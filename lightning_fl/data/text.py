@@ -1,14 +1,14 @@
 """Federated character-level text: a corpus of speaking roles (Shakespeare's plays,
 :mod:`lightning_fl.data.shakespeare`), one client per role (LEAF's setting).
 
-**Splits.** ``pretrain_plays`` whole plays (seeded) are for central pretraining. In the others, roles with at
-least ``partition.min_lines`` lines form the pool; a pool role's last ``test_fraction`` of lines is test text,
-the ``val_fraction`` before it validation text (LEAF's per-role split, in time order). The partition deals
-the pool's training windows to clients; val/test windows come from the held-out text of the roles taking
-part. Tokens are characters: id 0 is the unknown character, then the sorted characters of the training
-text (pretraining plays and pool training lines). With ``tokenizer`` (a pretrained model's name or path, resolved
-as the network resolves it: :mod:`lightning_fl.data.pretrained`) tokens are that tokenizer's instead: each text is
-encoded without special tokens and windows are ``context`` tokens long.
+**Splits.** ``pretrain_plays`` whole plays (seeded) are public: central pretraining, public pseudo-clients
+(:meth:`~FederatedTextDataModule.public_groups`). In the others, roles with at least ``partition.min_lines`` lines
+form the pool; a pool role's last ``test_fraction`` of lines is test text, the ``val_fraction`` before it validation
+text (LEAF's per-role split, in time order). The partition deals the pool's training windows to clients; val/test
+windows come from the held-out text of the roles taking part. Tokens are characters: id 0 is the unknown character,
+then the sorted characters of the training text (pretraining plays and pool training lines). With ``tokenizer`` (a
+pretrained model's name or path, resolved as the network resolves it: :mod:`lightning_fl.data.pretrained`) tokens
+are that tokenizer's instead: each text is encoded without special tokens and windows are ``context`` tokens long.
 """
 
 from __future__ import annotations
@@ -129,17 +129,15 @@ class FederatedTextDataModule(L.LightningDataModule):
         num_clients: Null: one per unit (``ByRole``: role, ``ByPlay``: play, ``IID``: as many as pool roles);
             fewer keeps that many units at random (seeded), for tractable runs. Names: ``client_names``.
         partition: ``ByRole(min_lines)`` (LEAF), ``ByPlay`` or ``IID``.
-        context: Window length in tokens (characters by default; LEAF: 80): ``x = ids[i : i+context]``, ``y`` one
-            further.
+        context: Window length in tokens (characters by default; LEAF: 80): ``x = ids[i : i+context]``, ``y`` one on.
         stride: Step between training windows (null: ``context``; LEAF: 1). Val/test windows never overlap.
         pretrain_plays: Plays (a count, or a fraction in [0, 1)) that ``train_dataloader`` serves for central
             pretraining; with 0 it serves the pooled client windows.
         val_fraction: Share of each pool role's lines held out for validation (0: val serves the test windows).
         test_fraction: Share of each pool role's last lines held out for test.
         seed: Seed of the pretraining plays, the units kept and the partition.
-        tokenizer: ``null``: characters (the vocabulary above). Else a pretrained model's tokenizer: the short name
-            ``SmolLM2`` (fetched as ``lightning_fl.models.SmolLM2`` fetches it), a ``save_pretrained`` folder or a
-            ``.gguf`` file; it must be the network's (``HFCausalLM``), which the model checks.
+        tokenizer: ``null``: characters (the vocabulary above); else the network's own tokenizer (``HFCausalLM`` checks
+            it): ``SmolLM2`` (fetched as the network is), a ``save_pretrained`` folder or a ``.gguf`` file.
     """
 
     def __init__(
@@ -191,8 +189,7 @@ class FederatedTextDataModule(L.LightningDataModule):
     def _load_tokenizer(self) -> None:
         files = pretrained.resolve(self.tokenizer, "data.tokenizer")
         self._tokenizer = pretrained.load_tokenizer(files, "data.tokenizer")
-        self.tokenizer_digest = pretrained.tokenizer_digest(self._tokenizer)
-        self.vocab_size = len(self._tokenizer)
+        self.tokenizer_digest, self.vocab_size = pretrained.tokenizer_digest(self._tokenizer), len(self._tokenizer)
 
     def describe(self) -> dict[str, object]:
         """Everything that determines the vocabulary and the central training batches (cache keys use it)."""
@@ -244,11 +241,10 @@ class FederatedTextDataModule(L.LightningDataModule):
         for name in ("val", "test"):  # the held-out text of the roles taking part
             held_out = [t * p for t, p in zip(texts[name], taking_part, strict=True)]
             self._splits[name] = self._windows(held_out, self.context)[0]
-        self._splits["public"] = self._windows(public_text, self.stride)[0]
+        self._splits["public"], self._public_owner = self._windows(public_text, self.stride)
         self._splits["clients"] = TextWindows(train.ids, train.starts[pooled], self.context)
         self._clients = [TextWindows(train.ids, train.starts[w], self.context) for _, w in clients]
-        self.client_names = [name for name, _ in clients]
-        self.num_clients = len(clients)  # configured: null or a count; after setup: the count
+        self.client_names, self.num_clients = [name for name, _ in clients], len(clients)  # (was null or a count)
 
     def partition_table(self) -> str:
         """Markdown: the split sizes in windows, then each client's name and windows."""
@@ -276,7 +272,17 @@ class FederatedTextDataModule(L.LightningDataModule):
 
     def client_dataloader(self, cid: int, seed: int | None = None) -> DataLoader:
         """Shuffled training loader over client ``cid``'s windows; ``seed`` fixes the order."""
-        return self._loader(self._client(cid), train=True, seed=seed)
+        return self.windows_dataloader(self._client(cid), seed)
+
+    def windows_dataloader(self, windows: TextWindows, seed: int | None = None) -> DataLoader:
+        """A client's shuffled training loader (batch size, order) over any ``windows``, e.g. a public group's."""
+        return self._loader(windows, train=True, seed=seed)
+
+    def public_groups(self) -> list[TextWindows]:
+        """The public split's windows (the ``pretrain_plays``, no client's text) by speaking role (none without)."""
+        self.setup()
+        public, owner = self._splits["public"], self._public_owner
+        return [TextWindows(public.ids, public.starts[owner == j], self.context) for j in np.unique(owner)]
 
     def train_dataloader(self) -> DataLoader:
         """Central training: the pretraining plays, or with ``pretrain_plays`` 0 the pooled client windows."""
