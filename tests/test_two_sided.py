@@ -154,3 +154,11 @@ def test_with_rank_equal_to_the_latent_v_is_the_identity_and_is_not_kept():
     report = memory_report(net, 16, 16, "linear")
     assert report.two_sided_bytes == sum(b.numel() * 4 for b in mapping.buffers())  # A and B only
     assert mapping.fingerprint() != LatentMapping(net, 16, 8, "linear", "two_sided", seed=2).fingerprint()
+
+
+def test_a_linear_selection_that_reaches_a_tied_weight_is_refused_by_name():
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False))
+    net[2].weight = net[0].weight  # tied: one tensor, listed once by named_parameters
+    with pytest.raises(ConfigError, match=r"selects 2.weight, which is tied to 0.weight"):
+        LatentMapping(net, 4, 2, "linear", "two_sided")
+    assert [lay.name for lay in LatentMapping(net, 4, 2, ["1.weight"], "two_sided").layers] == ["1.weight"]

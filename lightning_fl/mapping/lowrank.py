@@ -95,6 +95,14 @@ def select_weights(module: nn.Module, layers: LayerSelection | Sequence[str]) ->
             )
         types = tuple(t for part in layers.split("+") for t in kinds[part])
         names = [f"{m}.weight" if m else "weight" for m, mod in module.named_modules() if isinstance(mod, types)]
+        owned = dict(module.named_parameters())  # a tied weight is listed once, under its first name
+        if shared := [n for n in names if n not in owned]:
+            tensor = module.get_parameter(shared[0])
+            other = next((n for n, p in owned.items() if p is tensor), "another parameter")
+            raise ConfigError(
+                f"model.layers={layers!r} selects {shared[0]}, which is tied to {other} (one tensor): choose the "
+                "weights by name patterns that leave it out"
+            )
     else:
         params = [n for n, _ in module.named_parameters()]
         names = [n for n in params if any(fnmatch.fnmatchcase(n, p) for p in layers)]
