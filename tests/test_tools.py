@@ -623,6 +623,8 @@ def test_llm_frontier_gives_each_runs_base_final_and_best_as_mean_and_standard_e
         "| lora_r1 | lora | 1,000 | 2 | 100.00 +/- 0.00 | 75.00 +/- 15.00 | -25.0 +/- 15.0% | 70.00 +/- 10.00 (2, 4) |"
         in text
     )
-    assert "| flite_d8 | flite | 32 | 1 | 100.00 | 95.00 | -5.0% | 95.00 (4) | 0.2100 | 0.2100 | 9 s |" in text
+    assert "| flite_d8 | flite | 32 | 1 | 100.00 | 95.00 | -5.0% | 95.00 (4) | 0.2100 | 0.2100 | 9 / 9 s |" in text
+    # accuracy: final 0.24 and 0.32, best 0.25 and 0.32; round times: min 10, medians 11.5 and 10 -> 10.75
+    assert "| 0.2800 +/- 0.0400 | 0.2850 +/- 0.0350 | 10 / 11 s |" in text
     frontier.figure(by_label, tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 0
