@@ -43,7 +43,7 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ from lightning_fl.mapping.two_sided import TwoSidedFactor, two_sided_delta, two_
 from lightning_fl.seeding import STREAM_DENSE, STREAM_U, STREAM_V
 
 FactorMode = Literal["stored", "regenerate", "streamed", "dense", "kronecker", "two_sided"]
-FACTOR_MODES = ("stored", "regenerate", "streamed", "dense", "kronecker", "two_sided")
+FACTOR_MODES = get_args(FactorMode)
 LayerSelection = Literal["conv", "linear", "conv+linear"]
 FLOAT_BYTES = 4
 
