@@ -628,3 +628,12 @@ def test_llm_frontier_gives_each_runs_base_final_and_best_as_mean_and_standard_e
     assert "| 0.2800 +/- 0.0400 | 0.2850 +/- 0.0350 | 10 / 11 s |" in text
     frontier.figure(by_label, tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 0
+
+
+def test_the_smollm2_frontier_table_regenerates_from_its_csv():
+    """docs/results/smollm2_frontier.md is what tools/llm_frontier.py makes of docs/results/smollm2_frontier.csv."""
+    frontier = tool_module("llm_frontier")
+    csv_path = REPO / "docs" / "results" / "smollm2_frontier.csv"
+    text, _ = frontier.table(frontier.runs_of([csv_path]))
+    assert text in (REPO / "docs" / "results" / "smollm2_frontier.md").read_text()
+    assert text in (REPO / "docs" / "results.md").read_text()  # the table quoted on the results page

@@ -9,7 +9,7 @@ wall time of a round (``time/round_s``, evaluation included where a round evalua
 the one to compare). A figure plots the
 final perplexity against the bytes (log scale), one line per method, the base as a dashed line.
 
-    python tools/llm_frontier.py docs/results/smollm2_frontier.csv --markdown docs/results/smollm2_frontier_tables.md \
+    python tools/llm_frontier.py docs/results/smollm2_frontier.csv --markdown docs/results/smollm2_frontier.md \
         --figure docs/figures/smollm2_frontier.png
 """
 
