@@ -14,8 +14,8 @@ mechanism on one fixed batch of ``--batch x --context`` random tokens:
   weight and its gradient at each step, for comparison.
 
 The sides take turns (``full, lora, ffa, flite, ...``) ``--repeats`` times after one warm-up step each; for each
-the min and median of wall and CPU time per step, and per repeat the ratio of FLITE to LoRA (the issue's target:
-at most 1.5). Factor memory: the bytes the FLITE mapping keeps (measured: its buffers; and the analytic bytes of
+the min and median of wall and CPU time per step, and per repeat the ratio of FLITE to LoRA (at most 1.5, our
+target). Factor memory: the bytes the FLITE mapping keeps (measured: its buffers; and the analytic bytes of
 every other family for the same plan, from ``lightning_fl.mapping.memory_report``; target: at most 256 MiB).
 
     python benchmarks/llm_step.py                                   # SmolLM2 from the cache, d = 1454, r = 32
@@ -23,7 +23,7 @@ every other family for the same plan, from ``lightning_fl.mapping.memory_report`
     python benchmarks/llm_step.py --batch 4 --context 64 --repeats 5 --kronecker --json llm_step.json
     python benchmarks/llm_step.py --tiny --repeats 2           # a random 2-layer Llama: checks the script
 
-Results: docs/results.md, "Language models: SmolLM2".
+Results: docs/results.md, "Pretrained language models: SmolLM2".
 """
 
 from __future__ import annotations
