@@ -299,3 +299,17 @@ def tiny_llama(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     text = "".join(play_text(name.upper(), roles) for name, roles in PLAYS.items())
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), text)
+
+
+def tiny_llama_args(tiny_llama: Path, corpus: Path) -> list[str]:
+    """Command-line arguments that put :func:`tiny_llama`'s model and tokenizer and the test plays in ``corpus`` into
+    a configs/smollm2_*.yaml run, shrunk to 4 clients, 2 rounds of 2 steps, 16-token windows, no logger."""
+    network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_llama}, context: 16}}}}"
+    return [
+        "--model.init_args.network", network, "--data.init_args.tokenizer", str(tiny_llama),
+        "--data.init_args.source.init_args.root", str(corpus), "--data.init_args.source.init_args.download", "false",
+        "--data.init_args.context", "16", "--data.init_args.partition.init_args.min_lines", "10",
+        "--data.init_args.pretrain_plays", "1", "--data.init_args.num_clients", "4", "--trainer.clients_per_round",
+        "4", "--trainer.local_steps", "2", "--trainer.rounds", "2", "--trainer.val_every_n_rounds", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.threads", "1",
+    ]  # fmt: skip

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from conftest import CONFIGS, PLAYS, play_text, run_cli, write_corpus
+from conftest import CONFIGS, PLAYS, play_text, run_cli, tiny_llama_args, write_corpus
 from lightning_fl.checkpoint import read_checkpoint
 
 pytest.importorskip("transformers")  # the llm extra
@@ -42,15 +42,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture
 def tiny(tiny_llama, corpus):
     """Command-line arguments that put the tiny model, its tokenizer and the test plays into a SmolLM2 config."""
-    network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_llama}, context: 16}}}}"
-    return [
-        "--model.init_args.network", network, "--data.init_args.tokenizer", str(tiny_llama),
-        "--data.init_args.source.init_args.root", str(corpus), "--data.init_args.source.init_args.download", "false",
-        "--data.init_args.context", "16", "--data.init_args.partition.init_args.min_lines", "10",
-        "--data.init_args.pretrain_plays", "1", "--data.init_args.num_clients", "4", "--trainer.clients_per_round",
-        "4", "--trainer.local_steps", "2", "--trainer.rounds", "2", "--trainer.val_every_n_rounds", "1",
-        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.threads", "1",
-    ]  # fmt: skip
+    return tiny_llama_args(tiny_llama, corpus)
 
 
 def fit(root, method: str, tiny: list[str], *extra: str, name: str = "run") -> dict:

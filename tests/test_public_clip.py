@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import CONFIGS, PLAYS, play_text, tool_module, write_corpus
+from conftest import CONFIGS, PLAYS, play_text, tiny_llama_args, tool_module, write_corpus
 from lightning_fl.cli import build
 from lightning_fl.data import ByRole, FederatedDataModule, FederatedTextDataModule, Shakespeare
 from lightning_fl.errors import ConfigError
@@ -35,17 +35,8 @@ def corpus(tmp_path_factory):
 def smollm2(method: str, tiny_llama, corpus) -> list[str]:
     """``fit`` of configs/smollm2_{method}.yaml on the tiny model, as tests/test_llm_federated.py's ``tiny``."""
     pytest.importorskip("peft")  # (and transformers, through tiny_llama: the llm extra)
-    network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_llama}, context: 16}}}}"
     latent = ["--model.init_args.latent_dim", "8", "--model.init_args.rank", "4"] if method == "flite" else []
-    return [
-        "fit", "--config", str(CONFIGS / f"smollm2_{method}.yaml"), *latent,
-        "--model.init_args.network", network, "--data.init_args.tokenizer", str(tiny_llama),
-        "--data.init_args.source.init_args.root", str(corpus), "--data.init_args.source.init_args.download", "false",
-        "--data.init_args.context", "16", "--data.init_args.partition.init_args.min_lines", "10",
-        "--data.init_args.pretrain_plays", "1", "--data.init_args.num_clients", "4", "--trainer.clients_per_round",
-        "4", "--trainer.local_steps", "2", "--trainer.rounds", "2", "--trainer.val_every_n_rounds", "1",
-        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.threads", "1",
-    ]  # fmt: skip
+    return ["fit", "--config", str(CONFIGS / f"smollm2_{method}.yaml"), *latent, *tiny_llama_args(tiny_llama, corpus)]
 
 
 @pytest.fixture

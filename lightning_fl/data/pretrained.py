@@ -174,12 +174,17 @@ def load_tokenizer(files: ModelFiles, key: str = "model.network") -> Any:
         try:
             _TOKENIZERS[cache_key] = transformers.AutoTokenizer.from_pretrained(path, **kwargs)
         except (OSError, ValueError, KeyError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(
-                f"{key}: no tokenizer could be loaded from {files.path} ({first}); save the "
+                f"{key}: no tokenizer could be loaded from {files.path} ({first_line(err)}); save the "
                 "tokenizer with save_pretrained into that folder, or pass a GGUF file"
             ) from err
     return _TOKENIZERS[cache_key]
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's first line (its type's name when it has no message), for a one-line error that names it."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def tokenizer_digest(tokenizer: Any) -> str:

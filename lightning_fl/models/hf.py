@@ -23,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -61,20 +60,14 @@ class HFCausalLM(nn.Module):
         transformers = pretrained.require("transformers", key)
         tokenizer = pretrained.load_tokenizer(files, key)  # checks for gguf too
         path, kwargs = files.from_pretrained_args()
-        bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()  # a few seconds of bars per tensor group: noise in a run
         try:
-            with quiet_gguf_bar():
+            with quiet_loading(transformers):
                 model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
         except (OSError, ValueError, KeyError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(
-                f"{key}: transformers could not load a causal LM from {files.path} ({first}); pass a "
-                "save_pretrained folder or GGUF file of a causal language model"
+                f"{key}: transformers could not load a causal LM from {files.path} ({pretrained.first_line(err)}); "
+                "pass a save_pretrained folder or GGUF file of a causal language model"
             ) from err
-        finally:
-            if bars:
-                transformers.utils.logging.enable_progress_bar()
         limit = getattr(model.config, "max_position_embeddings", None)
         if not isinstance(context, int) or context < 1 or (limit is not None and context > limit):
             raise ConfigError(
@@ -107,24 +100,25 @@ class HFCausalLM(nn.Module):
 
 
 @contextlib.contextmanager
-def quiet_gguf_bar() -> Iterator[None]:
-    """Without the bar transformers draws while it dequantises a GGUF file (its own ``tqdm``, which its logging
-    switch does not reach): a run's output stays the run's."""
-    module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    if module is None:
-        try:
-            module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
-        except ImportError:
-            module = None
-    original = getattr(module, "tqdm", None)
-    if original is None:
-        yield
-        return
-    module.tqdm = functools.partial(original, disable=True)
+def quiet_loading(transformers: Any) -> Iterator[None]:
+    """Without the progress bars transformers draws while it loads a model (a few seconds of them: noise in a run's
+    output): its logging switch, and the GGUF dequantisation's own ``tqdm``, which that switch does not reach."""
+    try:
+        gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:
+        gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    if original is not None:
+        gguf_utils.tqdm = functools.partial(original, disable=True)
     try:
         yield
     finally:
-        module.tqdm = original
+        if original is not None:
+            gguf_utils.tqdm = original
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def tied_weights(module: nn.Module) -> dict[str, list[str]]:
