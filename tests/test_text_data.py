@@ -330,6 +330,25 @@ def test_held_out_lines_and_pretraining_plays_never_reach_the_clients(corpus):
     assert len(no_val.val_dataloader().dataset) == len(no_val.test_dataloader().dataset)
 
 
+def test_max_eval_samples_is_a_seeded_subset_of_the_held_out_windows(corpus):
+    full = make_dm(corpus, val_fraction=0.2, test_fraction=0.2)
+    full.setup()
+    for k in (3, 1):
+        dm = make_dm(corpus, val_fraction=0.2, test_fraction=0.2, max_eval_samples=k)
+        dm.setup()
+        for name in ("val", "test"):
+            starts = dm._splits[name].starts
+            assert len(starts) == k < len(full._splits[name])
+            assert set(starts) <= set(full._splits[name].starts) and list(starts) == sorted(starts)
+        assert dm._clients[0].starts.tolist() == full._clients[0].starts.tolist()  # training windows unchanged
+    picks = {tuple(make_dm(corpus, max_eval_samples=3, seed=s).test_dataloader().dataset.starts) for s in (0, 0, 1)}
+    assert len(picks) == 2  # the same subset for a seed, another for another seed
+    assert make_dm(corpus, max_eval_samples=10**6).describe()["max_eval_samples"] == 10**6
+    assert "max_eval_samples" not in full.describe()  # cache keys of runs without it stay as they were
+    with pytest.raises(ConfigError, match="max_eval_samples"):
+        make_dm(corpus, max_eval_samples=0)
+
+
 def test_client_loaders_are_deterministic_per_seed(corpus):
     dm = make_dm(corpus)
     first = [x for x, _ in dm.client_dataloader(1, seed=7)]

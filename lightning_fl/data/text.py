@@ -138,6 +138,8 @@ class FederatedTextDataModule(L.LightningDataModule):
         seed: Seed of the pretraining plays, the units kept and the partition.
         tokenizer: ``null``: characters (the vocabulary above); else the network's own tokenizer (``HFCausalLM`` checks
             it): ``SmolLM2`` (fetched as the network is), a ``save_pretrained`` folder or a ``.gguf`` file.
+        max_eval_samples: Evaluate on at most this many windows of each of val and test: a seeded random subset
+            (``seed``), the same for every method and round (null: all).
     """
 
     def __init__(
@@ -155,11 +157,13 @@ class FederatedTextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         tokenizer: str | None = None,
+        max_eval_samples: int | None = None,
     ) -> None:
         super().__init__()
         fractions = (val_fraction, test_fraction, 1 - val_fraction - test_fraction)
+        counts = [1 if x is None else x for x in (num_clients, stride, max_eval_samples)]
         checks = {
-            "num_clients, stride must be >= 1 or null": min(num_clients or 1, stride or 1) >= 1,
+            "num_clients, stride, max_eval_samples must be >= 1 or null": min(counts) >= 1,
             "context, batch_size, eval_batch_size must be >= 1": min(context, batch_size, eval_batch_size) >= 1,
             "pretrain_plays must be a count or a fraction in [0, 1)": 0 <= pretrain_plays == int(pretrain_plays)
             or 0 <= pretrain_plays < 1,
@@ -174,6 +178,7 @@ class FederatedTextDataModule(L.LightningDataModule):
         self.batch_size, self.eval_batch_size, self.num_clients = batch_size, eval_batch_size, num_clients
         self.vocabulary, self.vocab_size, self.client_names, self._clients, self._splits = [], 0, [], [], {}
         self.tokenizer, self.tokenizer_digest, self._tokenizer = tokenizer, None, None
+        self.max_eval_samples = max_eval_samples
 
     def encode(self, text: str) -> torch.Tensor:
         if self._tokenizer is not None:
@@ -194,6 +199,7 @@ class FederatedTextDataModule(L.LightningDataModule):
     def describe(self) -> dict[str, object]:
         """Everything that determines the vocabulary and the central training batches (cache keys use it)."""
         keys = ("seed", "pretrain_plays", "context", "stride", "val_fraction", "test_fraction", "batch_size")
+        keys += ("max_eval_samples",) * (self.max_eval_samples is not None)  # older cache keys stay valid
         out = {k: getattr(self, k) for k in keys} | {k: repr(getattr(self, k)) for k in ("source", "partition")}
         return out if self.tokenizer is None else out | {"tokenizer": self.tokenizer}
 
@@ -240,7 +246,11 @@ class FederatedTextDataModule(L.LightningDataModule):
         taking_part = np.isin(np.arange(len(pool)), owner[pooled]).tolist()
         for name in ("val", "test"):  # the held-out text of the roles taking part
             held_out = [t * p for t, p in zip(texts[name], taking_part, strict=True)]
-            self._splits[name] = self._windows(held_out, self.context)[0]
+            windows = self._windows(held_out, self.context)[0]
+            if self.max_eval_samples is not None and self.max_eval_samples < len(windows):
+                keep = np.random.default_rng(self.seed + 1).permutation(len(windows))[: self.max_eval_samples]
+                windows = TextWindows(windows.ids, windows.starts[np.sort(keep)], self.context)
+            self._splits[name] = windows
         self._splits["public"], self._public_owner = self._windows(public_text, self.stride)
         self._splits["clients"] = TextWindows(train.ids, train.starts[pooled], self.context)
         self._clients = [TextWindows(train.ids, train.starts[w], self.context) for _, w in clients]
