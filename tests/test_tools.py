@@ -630,6 +630,32 @@ def test_llm_frontier_gives_each_runs_base_final_and_best_as_mean_and_standard_e
     assert (tmp_path / "frontier.png").stat().st_size > 0
 
 
+def test_llm_frontier_adds_epsilon_z_and_the_clip_for_private_sweeps_and_lists_no_noise_first(tmp_path):
+    frontier = tool_module("llm_frontier")
+    header = ["sweep", "label", "seed", "method", "eps", "round", "final", "val/ppl", "val/acc",
+              "comm/client_up_bytes", "time/round_s", "privacy/epsilon", "privacy/noise_multiplier",
+              "privacy/clip_norm"]  # fmt: skip
+    rows = [  # label, eps, round, ppl, epsilon, z
+        ("flite_d8_eps8", "8", 0, 100.0, "", ""), ("flite_d8_eps8", "8", 1, "", 3.5, 0.5),
+        ("flite_d8_eps8", "8", 2, 97.0, 7.99, 0.5),
+        ("flite_d8_epsinf", "inf", 0, 100.0, "", ""), ("flite_d8_epsinf", "inf", 2, 90.0, "inf", 0.0),
+    ]  # fmt: skip
+    path = tmp_path / "dp.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for label, eps, rnd, ppl, epsilon, z in rows:
+            acc = 0.2 if ppl else ""
+            writer.writerow(["s", label, 0, "flite", eps, rnd, int(rnd == 2), ppl, acc, 32, 5.0, epsilon, z, 1.85])
+    text, by_label = frontier.table(frontier.runs_of([path]))
+    lines = text.splitlines()
+    assert "| seeds | epsilon spent | z | S | base ppl |" in lines[0] and lines[1].count("---") == 14
+    assert lines[2].startswith("| flite_d8_epsinf | flite | 32 | 1 | inf (no noise) | 0 | 1.85 | 100.00 | 90.00 |")
+    assert lines[3].startswith("| flite_d8_eps8 | flite | 32 | 1 | 7.99 | 0.5000 | 1.85 | 100.00 | 97.00 | -3.0% |")
+    frontier.figure(by_label, tmp_path / "dp.png", "t")
+    assert (tmp_path / "dp.png").stat().st_size > 0
+
+
 def test_the_smollm2_frontier_table_regenerates_from_its_csv():
     """docs/results/smollm2_frontier.md is what tools/llm_frontier.py makes of docs/results/smollm2_frontier.csv."""
     frontier = tool_module("llm_frontier")

@@ -9,8 +9,14 @@ wall time of a round (``time/round_s``, evaluation included where a round evalua
 the one to compare). A figure plots the
 final perplexity against the bytes (log scale), one line per method, the base as a dashed line.
 
+Private sweeps (rows with ``privacy/epsilon``, e.g. tools/sweeps/smollm2_dp_frontier.yaml): the table adds the
+epsilon spent by the final round, the noise multiplier z and the clip bound S, rows are grouped by the sweep's
+``eps`` tag (no noise first), and the figure draws one line per method and ``eps``.
+
     python tools/llm_frontier.py docs/results/smollm2_frontier.csv --markdown docs/results/smollm2_frontier.md \
         --figure docs/figures/smollm2_frontier.png
+    python tools/llm_frontier.py docs/results/smollm2_dp_frontier.csv --markdown docs/results/smollm2_dp_frontier.md \
+        --figure docs/figures/smollm2_dp_frontier.png --title "... under user-level DP"
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+TITLE = "SmolLM2-135M on Shakespeare roles: the equal-bytes frontier"
 
 
 def number(value: str) -> float | None:
@@ -39,6 +47,12 @@ def runs_of(paths: list[Path]) -> dict[tuple[str, int], list[dict]]:
     return runs
 
 
+def last(rows: list[dict], key: str) -> float | None:
+    """The last value of ``key`` logged in a run (None if it never was)."""
+    values = [number(r.get(key)) for r in rows if number(r.get(key)) is not None]
+    return values[-1] if values else None
+
+
 def summary(rows: list[dict]) -> dict[str, float]:
     """One run: base, final and best perplexity (and accuracy at the same rounds), bytes, round time."""
     evaluated = [r for r in rows if number(r.get("val/ppl")) is not None]
@@ -55,7 +69,9 @@ def summary(rows: list[dict]) -> dict[str, float]:
         "best_acc": max(float(r["val/acc"]) for r in evaluated if int(r["round"]) >= 1),
         "bytes": max(uploads) if uploads else math.nan, "round_s": statistics.median(times) if times else math.nan,
         "round_min_s": min(times) if times else math.nan,
-        "rounds": int(final["round"]), "method": final.get("method", ""),
+        "rounds": int(final["round"]), "method": final.get("method", ""), "eps": final.get("eps", ""),
+        "epsilon": last(rows, "privacy/epsilon"), "z": last(rows, "privacy/noise_multiplier"),
+        "clip": last(rows, "privacy/clip_norm"),
     }  # fmt: skip
 
 
@@ -74,18 +90,31 @@ def table(runs: dict[tuple[str, int], list[dict]]) -> tuple[str, dict[str, list[
     by_label: dict[str, list[dict]] = defaultdict(list)
     for (label, _seed), rows in runs.items():
         by_label[label].append(summary(rows))
+    private = any(x["epsilon"] is not None for s in by_label.values() for x in s)
+    extra = " epsilon spent | z | S |" if private else ""
     lines = [
-        "| run | method | bytes per upload | seeds | base ppl | final ppl | change | best ppl (round) | final acc | "
-        "best acc | round, wall min / median |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| run | method | bytes per upload | seeds |{extra} base ppl | final ppl | change | best ppl (round) | "
+        "final acc | best acc | round, wall min / median |",
+        "| --- " * (11 + 3 * private) + "|",
     ]
-    order = sorted(by_label, key=lambda k: (by_label[k][0]["method"], by_label[k][0]["bytes"]))
-    for label in order:
+
+    def order(label: str) -> tuple:
+        first = by_label[label][0]
+        eps = float(first["eps"]) if first["eps"] not in ("", None) else math.inf
+        return -eps, first["method"], first["bytes"]
+
+    for label in sorted(by_label, key=order):
         s = by_label[label]
         change = [100 * (x["final_ppl"] / x["base_ppl"] - 1) for x in s]
         rounds = sorted({x["best_round"] for x in s})
+        dp = ""
+        if private:
+            eps, z = max(x["epsilon"] or 0.0 for x in s), statistics.fmean(x["z"] or 0.0 for x in s)
+            dp = f" {eps:.2f} | {z:.4f} |" if z else " inf (no noise) | 0 |"
+            dp += f" {s[0]['clip']:.4g} |"
         lines.append(
-            f"| {label} | {s[0]['method']} | {s[0]['bytes']:,.0f} | {len(s)} | {cell([x['base_ppl'] for x in s], 2)} | "
+            f"| {label} | {s[0]['method']} | {s[0]['bytes']:,.0f} | {len(s)} |{dp} "
+            f"{cell([x['base_ppl'] for x in s], 2)} | "
             f"{cell([x['final_ppl'] for x in s], 2)} | {cell(change, 1)}% | {cell([x['best_ppl'] for x in s], 2)} "
             f"({', '.join(map(str, rounds))}) | {cell([x['final_acc'] for x in s], 4)} | "
             f"{cell([x['best_acc'] for x in s], 4)} | {min(x['round_min_s'] for x in s):.0f} / "
@@ -94,7 +123,7 @@ def table(runs: dict[tuple[str, int], list[dict]]) -> tuple[str, dict[str, list[
     return "\n".join(lines), by_label
 
 
-def figure(by_label: dict[str, list[dict]], path: Path) -> None:
+def figure(by_label: dict[str, list[dict]], path: Path, title: str = TITLE) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,7 +133,8 @@ def figure(by_label: dict[str, list[dict]], path: Path) -> None:
     methods: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     for s in by_label.values():
         mean, se = mean_se([x["final_ppl"] for x in s])
-        methods[s[0]["method"]].append((s[0]["bytes"], mean, 0.0 if math.isnan(se) else se))
+        line = s[0]["method"] + (f", epsilon {s[0]['eps']}" if s[0]["eps"] not in ("", None) else "")
+        methods[line].append((s[0]["bytes"], mean, 0.0 if math.isnan(se) else se))
     for method, points in sorted(methods.items()):
         points.sort()
         ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
@@ -114,7 +144,7 @@ def figure(by_label: dict[str, list[dict]], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("bytes per upload (float32)")
     ax.set_ylabel("test perplexity, final round")
-    ax.set_title("SmolLM2-135M on Shakespeare roles: the equal-bytes frontier")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,13 +156,14 @@ def main() -> None:
     parser.add_argument("csv", type=Path, nargs="+")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
     parser.add_argument("--figure", type=Path, default=None, help="write the frontier figure (PNG) here")
+    parser.add_argument("--title", default=TITLE, help="the figure's title")
     args = parser.parse_args()
     text, by_label = table(runs_of(args.csv))
     print(text)
     if args.markdown is not None:
         args.markdown.write_text(f"Made by `python tools/llm_frontier.py {' '.join(map(str, args.csv))}`.\n\n{text}\n")
     if args.figure is not None:
-        figure(by_label, args.figure)
+        figure(by_label, args.figure, args.title)
         print(f"wrote {args.figure}")
 
 
