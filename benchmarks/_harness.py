@@ -9,7 +9,7 @@ a comparison look ten times slower. So every benchmark
   or, for processes not waited for yet, :func:`descendants_cpu_seconds`) beside wall time: a
   neighbour steals wall time, much less CPU time;
 - prints the torch thread count and the load average before and after (:func:`machine`), and writes all of
-  it as JSON (``--json PATH``) for docs/results.md to quote.
+  it as JSON (``--json PATH``) for the results pages (docs/results-*.md) to quote.
 
 Use it from a benchmark script: ``from _harness import ...`` (Python puts a script's folder on ``sys.path``).
 """

@@ -17,7 +17,7 @@ since a family is only usable if averaging latents stays averaging weights.
 
     python benchmarks/factor_families.py --repeats 10 --json docs/results/factor_families.json
 
-Results: docs/results.md, "A second factor family".
+Results: docs/results-flite-extras.md, "A second factor family".
 """
 
 from __future__ import annotations

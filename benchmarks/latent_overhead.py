@@ -21,7 +21,7 @@ JSON line (``--json PATH`` also writes them with the machine's state to a file).
     python benchmarks/latent_overhead.py --modes stored --json latent_overhead.json
 
 Goals (ours, not the paper's): latent/full <= 1.05 with stored factors; streamed <= 16 MB extra peak.
-Results: docs/results.md, "Overheads".
+Results: docs/results-flite-extras.md, "Overheads".
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ every other family for the same plan, from ``lightning_fl.mapping.memory_report`
     python benchmarks/llm_step.py --batch 4 --context 64 --repeats 5 --kronecker --json llm_step.json
     python benchmarks/llm_step.py --tiny --repeats 2           # a random 2-layer Llama: checks the script
 
-Results: docs/results.md, "Pretrained language models: SmolLM2".
+Results: docs/results-llm.md, "Pretrained language models: SmolLM2".
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ costs (lazy imports, allocator pools) are not counted. The two modes alternate p
 
 Expected: ``rows`` grows like ``4 n D`` bytes; ``streamed`` stays at a few ``D``-sized buffers (the float64
 sum and one upload in flight) whatever ``n``; ``grouped`` (``trainer.fold_groups`` G, here all G groups on one
-process) holds up to G float64 sums. Results: docs/results.md, "The round as a pipeline".
+process) holds up to G float64 sums. Results: docs/results-systems.md, "The round as a pipeline".
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ one JSON line (``--json PATH`` also writes them with the machine's state to a fi
     python benchmarks/round_overhead.py --samples 12000  # a subset, quicker
     python benchmarks/round_overhead.py --repeats 3 --json round_overhead.json
 
-Goal (ours): round / epoch <= 1.15. Results: docs/results.md, "Overheads".
+Goal (ours): round / epoch <= 1.15. Results: docs/results-flite-extras.md, "Overheads".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 torch starts one intra-op thread per core. Its OpenMP threads wait for each other at every parallel region,
 so when another busy process holds one of the cores, every small operation waits for a descheduled thread
-(measured in docs/results.md, "Threads"). The models federated here are small, so the default leaves one core
+(measured in docs/results-systems.md, "Threads"). The models federated here are small, so the default leaves one core
 free: ``cores - 1`` threads (at least 1) per process, divided among the processes a node starts (``devices``)
 when they share its cores.
 

@@ -69,7 +69,8 @@ def test_report_without_figures_writes_none(tmp_path, monkeypatch, capsys):
 # A bound, then (without another number in scientific notation between them) the command that prints it.
 BOUND = re.compile(r"(\d\.\de-\d+)((?:(?!\d\.\de-\d).){0,120}?)`python tools/identity_bounds\.py([^`]*)`", re.DOTALL)
 # How many quoted bounds each file holds: a bound that loses its command (or a command its bound) fails the count.
-QUOTED = {"README.md": 0, "docs/results.md": 8, "configs/quickstart.yaml": 1, "docs/tutorials/quickstart.md": 1}
+QUOTED = {"README.md": 0, "docs/results-flite.md": 4, "docs/results-flite-extras.md": 1, "docs/results-lora.md": 1,
+          "docs/results-llm.md": 2, "configs/quickstart.yaml": 1, "docs/tutorials/quickstart.md": 1}  # fmt: skip
 
 
 def quoted_bounds(name: str) -> list[tuple[str, list[str]]]:
@@ -113,9 +114,9 @@ def test_identity_bounds_in_prose_are_the_maxima_over_the_csvs(name, monkeypatch
         assert text == bounds.quoted(value), f"{name}: quotes {text} where `{shlex.join(args)}` gives {value:.3e}"
 
 
-def test_the_gate_study_regenerates_and_results_md_quotes_it(tmp_path):
+def test_the_gate_study_regenerates_and_its_results_page_quotes_it(tmp_path):
     """``tools/gate_study.py`` on the committed CSVs gives docs/results/gate_study.md byte for byte, and every
-    table row of it appears verbatim in docs/results.md (a number edited by hand in either fails)."""
+    table row of it appears verbatim in docs/results-strategies.md (a number edited by hand in either fails)."""
     results = DOCS / "results"
     out = tmp_path / "gate_study.md"
     tool_module("gate_study").main(
@@ -123,7 +124,7 @@ def test_the_gate_study_regenerates_and_results_md_quotes_it(tmp_path):
     )
     committed = (results / "gate_study.md").read_text()
     assert out.read_text() == committed
-    prose = (DOCS / "results.md").read_text()
+    prose = (DOCS / "results-strategies.md").read_text()
     rows = [line for line in committed.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) > 20 and [r for r in rows if r not in prose] == []
 
@@ -189,11 +190,11 @@ def test_the_quickstart_summary_matches_a_page_up_to_what_moves_between_machines
         assert not same_summary(wrong, other_machine)
 
 
-def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_md_state(tmp_path, monkeypatch, capsys):
+def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_page_state(tmp_path, monkeypatch, capsys):
     """One run of ``fit --config configs/quickstart.yaml``: what it prints is the block README and the quickstart
     tutorial show (the seconds aside, and what moves between machines: :data:`DRIFT`), and its accuracy (base, final,
     best), bytes per client and identity bound are what the configs page, README's claims, the config's header and
-    results.md write."""
+    docs/results-flite.md write."""
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # the run folder is runs/quickstart/version_0, as on the pages
     config = REPO / "configs" / "quickstart.yaml"
@@ -227,9 +228,9 @@ def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_md_state
     header = config.read_text()
     c_base, c_final = _written(r"(0\.\d+) for the base \(round 0\) -> (0\.\d+) after 30 rounds", header, "config")
     c_bytes, c_bound = _written(r"= ([\d,]+) bytes, fed/identity_error at most (\S+) over", header, "config")
-    results = (DOCS / "results.md").read_text()
+    results = (DOCS / "results-flite.md").read_text()
     results_pattern = r"Test accuracy\s+(0\.\d+) \(base, round 0\) -> (0\.\d+) after 30 rounds \(best (0\.\d+)\)"
-    m_base, m_final, m_best = _written(results_pattern, results, "results.md")
+    m_base, m_final, m_best = _written(results_pattern, results, "results-flite.md")
     for value, written in ((base, r_base), (base, q_base), (base, c_base), (base, m_base), (final, r_final),
                            (final, q_final), (final, c_final), (final, m_final), (best, m_best)):  # fmt: skip
         assert _same(value, written), (value, written)

@@ -662,4 +662,4 @@ def test_the_smollm2_frontier_table_regenerates_from_its_csv():
     csv_path = REPO / "docs" / "results" / "smollm2_frontier.csv"
     text, _ = frontier.table(frontier.runs_of([csv_path]))
     assert text in (REPO / "docs" / "results" / "smollm2_frontier.md").read_text()
-    assert text in (REPO / "docs" / "results.md").read_text()  # the table quoted on the results page
+    assert text in (REPO / "docs" / "results-llm.md").read_text()  # the table quoted on the results page

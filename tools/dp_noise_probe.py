@@ -1,5 +1,5 @@
 """Where central DP's noise lands in a linear layer: on the input directions the data uses, or elsewhere
-(docs/results.md, "Private federated learning").
+(docs/results-privacy.md, "Private federated learning").
 
 Two finished runs of the same config that differ only in the noise (e.g. ``target_epsilon 1`` and ``.inf``, same
 seed): ``W`` is the layer's weight in the run without noise, ``N`` the difference of the noised run's weight from

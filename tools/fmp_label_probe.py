@@ -1,5 +1,5 @@
 """How much a summary's labels matter to FMP: the distance to centralised MP with several summaries of the same
-held-out tasks (docs/results.md, "The paper's linear read-out").
+held-out tasks (docs/results-fmp.md, "The paper's linear read-out").
 
 For each validation task of the config (the tasks ``validate`` scores), with the run's predictive and base sets as
 in validation, the mean ``||theta_MP - theta_FMP||`` when every client uploads

@@ -1,8 +1,8 @@
 """The largest FLITE averaging-identity error (``fed/identity_error``) in the sweep CSVs, per CSV and overall.
 
-README.md, docs/results.md and the config headers quote these maxima as bounds, each followed by the command
-that prints it; ``tests/test_docs_consistency.py`` checks every quoted bound against this script. A bound is
-quoted as the maximum rounded up to two significant digits (the ``quoted`` column).
+README.md, the results pages (docs/results-*.md) and the config headers quote these maxima as bounds, each followed
+by the command that prints it; ``tests/test_docs_consistency.py`` checks every quoted bound against this script. A
+bound is quoted as the maximum rounded up to two significant digits (the ``quoted`` column).
 
     python tools/identity_bounds.py                                   # every CSV in docs/results/ with the column
     python tools/identity_bounds.py docs/results/shakespeare.csv      # these CSVs only

@@ -1,5 +1,5 @@
 """The centralised latent probe: FLITE's latent trained without a federation, on the pooled data of a config's
-clients and from the config's own base (docs/results.md, FLITE on Fashion-MNIST, "Why so little accuracy gain").
+clients and from the config's own base (docs/results-flite.md, FLITE on Fashion-MNIST, "Why so little accuracy gain").
 
     python tools/latent_probe.py --epochs 2 --dims 64:32 256:256 512:512 \\
         --json docs/results/latent_probe_fashion_mnist.json fit --config configs/flite_fashion_mnist.yaml

@@ -1,7 +1,7 @@
 """One run's logged scalars as a table, read from its TensorBoard event files.
 
 For runs that have no sweep CSV (a pretraining run, a single federated run, the centralised latent probe):
-docs/results.md quotes their per-epoch and per-round numbers through this command.
+the results pages (docs/results-*.md) quote their per-epoch and per-round numbers through this command.
 
     python tools/run_table.py runs/pretrain_fashion_mnist/version_0 --tags val/acc val/ece --by epoch
     python tools/run_table.py runs/flite_fashion_mnist/version_0 --tags val/acc val/ece       # per round

@@ -10,7 +10,7 @@ version, the header's structure and types, every dtype against an allow-list, ev
 actually present, and refuses trailing bytes, so garbage or a hostile reply raises :class:`PayloadFormatError`
 (one line saying what is wrong) and never executes anything. Only the part bytes are the codec's payload
 (:attr:`Payload.nbytes`, what the byte ledger counts); the header is the transport's overhead. (safetensors, the
-same layout, was measured against this format and adds more bytes and write time: docs/results.md, "The wire
+same layout, was measured against this format and adds more bytes and write time: docs/results-systems.md, "The wire
 format against safetensors".)
 """
 

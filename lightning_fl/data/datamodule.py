@@ -46,7 +46,7 @@ class InMemoryBatches:
     and from the global generator what the per-sample transform draws, in the same order
     (:meth:`ImageTransform.batch`). It only skips the Python call per sample that a loader makes.
 
-    What that buys (``python benchmarks/in_memory_batches.py --workload quickstart --round``, docs/results.md,
+    What that buys (``python benchmarks/in_memory_batches.py --workload quickstart --round``, docs/results-systems.md,
     "Per-client overhead and start-up"): a client's batches in 0.08 ms instead of 1.1-1.3 ms for 64 8x8 images,
     1.07-1.20x a federated round of such clients (medians of two runs), but 1.02-1.04x where a client trains for
     tens of milliseconds or more (``--workload cross_device``, and Fashion-MNIST's clients of 6,750 images, the

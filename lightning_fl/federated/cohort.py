@@ -72,7 +72,7 @@ def cohort_problem(module: L.LightningModule, fabric: L.Fabric) -> str | None:
 
 # On CPU a cohort trains slower than its clients one at a time once its activations outgrow the caches: each
 # operation of the batched step then streams every client's activations through memory, where one client's stay
-# in cache. Measured on this project's 2-core machine (python benchmarks/cohort.py --grid; docs/results.md,
+# in cache. Measured on this project's 2-core machine (python benchmarks/cohort.py --grid; docs/results-systems.md,
 # "Vectorised cohorts"): every cohort within both limits trained at least 1.08x faster than one client at a time,
 # and every measured cohort slower than that was outside them.
 MAX_CLIENT_ACTIVATION = 110_000  # floats: the largest output of any layer for one client's batch
@@ -122,7 +122,7 @@ def cohort_too_large(module, datamodule, client: int, round: int, seed: int, coh
         return None
     return (f"a client's largest activation is {per_client:,} values ({per_client * cohort_size:,} for a cohort of "
             f"{cohort_size}; limits {MAX_CLIENT_ACTIVATION:,} and {MAX_COHORT_ACTIVATION:,}), where cohorts train "
-            "slower on CPU than one client at a time (docs/results.md, 'Vectorised cohorts')")  # fmt: skip
+            "slower on CPU than one client at a time (docs/results-systems.md, 'Vectorised cohorts')")  # fmt: skip
 
 
 def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: LocalTraining):

@@ -17,7 +17,7 @@ generated labels as soft targets. ``labels`` chooses where ``p'`` comes from:
   drawn from the current predictive), with the features from the set transformer.
 
 How the label modes compare on held-out NLL, and the trained generator's label entropy, are measured in
-docs/results.md (section "FMP", the claim on naive resampling).
+docs/results-fmp.md (section "FMP", the claim on naive resampling).
 
 Training (the paper leaves it open; this is our reading): the generator must be trained before it is
 frozen. :func:`generator_loss` is our objective, on tasks from the meta-training corpus with a

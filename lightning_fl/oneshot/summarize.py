@@ -85,7 +85,7 @@ class PMASummariser(Summariser):
     is ``sum_i a_ji z_i`` plus a linear correction of the MAB output (initialised at zero) to the
     features and to the label log-probabilities. Summaries then start as soft cluster means of real
     points, which meta-training refines; with a linear read-out they start as noise and training is
-    far slower (measured in docs/results.md).
+    far slower (measured in docs/results-fmp.md).
 
     Args:
         num_points: ``s`` seed vectors, i.e. summary points per client.

@@ -8,7 +8,7 @@ default ``prior_precision="erm"`` takes the ERM's prior for the pooled data, ``N
 uses ``n * l2`` (``M`` clients of ``n`` points); a number ``delta`` gives ``delta / M``. ``"marglik"`` lets
 client ``m`` estimate the global precision ``delta_m`` by its own Laplace evidence and use ``delta_m / M``:
 the clients' priors then differ, and on small clients the evidence picks weaker priors than on the pooled
-data (docs/results.md measures both). The client uploads the draws
+data (docs/results-fmp.md measures both). The client uploads the draws
 (``S * C * D`` floats: 51.2 KB for S = 10 and a 10 x 128 model, the paper's figure). The server pairs
 draws by index and combines them with inverse-covariance weights::
 
