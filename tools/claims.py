@@ -50,7 +50,6 @@ alone. FMP's MNIST, CIFAR-10 and CIFAR-100 are not available offline either; its
 and Fashion-MNIST features, the analogues on docs/results-fmp.md.
 """
 
-from __future__ import annotations
 
 import argparse
 import csv
@@ -89,7 +88,7 @@ class Mean:
     se: float
     n: int
 
-    def __sub__(self, other: Mean) -> Mean:
+    def __sub__(self, other: "Mean") -> "Mean":
         return Mean(self.mean - other.mean, math.hypot(self.se, other.se), min(self.n, other.n))
 
 
