@@ -50,7 +50,6 @@ alone. FMP's MNIST, CIFAR-10 and CIFAR-100 are not available offline either; its
 and Fashion-MNIST features, the analogues on docs/results-fmp.md.
 """
 
-
 import argparse
 import csv
 import math
@@ -277,7 +276,7 @@ def flite_rows() -> list[Row]:
             f"{text}; {upload(f, 'latent'):,.0f} vs {upload(f, 'fedavg'):,.0f} B per upload ({ratio:,.0f}x) "
             f"({seeds(lat, fed)}; {SHRUNK}, base pretrained on 1,200 public images)",
             within(lat, fed, PARITY),
-            "within 0.5 pp of FedAvg",
+            "within 0.5 pp of FedAvg (public base)",
         )
     )
     lat, fed, text = pair(f, "latent_clientbase", "fedavg_clientbase", "latent", "matched FedAvg")
@@ -288,7 +287,7 @@ def flite_rows() -> list[Row]:
             "as above",
             f"{text} ({seeds(lat, fed)}; as above, base pretrained on the clients' images)",
             within(lat, fed, PARITY),
-            "within 0.5 pp, base on the clients' data",
+            "within 0.5 pp of FedAvg (base from the clients' data)",
         )
     )
     lat, fed, text = pair(head, "latent_d64_full_base600", "fedavg_full_base600", "latent", "matched FedAvg")
@@ -300,7 +299,7 @@ def flite_rows() -> list[Row]:
             f"{text} ({seeds(lat, fed)}; Fashion-MNIST, 54,000 client images, K = 8, R = 20, d = r = 64, base "
             "pretrained on 600 public images)",
             within(lat, fed, PARITY),
-            "within 0.5 pp, at full scale",
+            "within 0.5 pp of FedAvg (full scale)",
         )
     )
     lat, fed, text = pair(rerun, "latent", "fedavg_textbook", "latent", "textbook FedAvg")
@@ -344,7 +343,7 @@ def flite_rows() -> list[Row]:
             "; ".join(f"{k} {acc(m)}" for k, m in means.items()) + f" ({seeds(*means.values())}; {SHRUNK}, r = 32, "
             "rerun set)",
             flat(means, PARITY),
-            "flat in d",
+            "accuracy flat in d",
         )
     )
     lat, fed, text = pair(f, "latent_dir0.1", "fedavg_dir0.1", "latent", "matched FedAvg")
@@ -355,7 +354,7 @@ def flite_rows() -> list[Row]:
             "CIFAR-10: 94.07% vs 93.79% (+0.28 pp)",
             f"{text} ({seeds(lat, fed)}; {SHRUNK}, Dirichlet 0.1)",
             beats(lat, fed),
-            "ahead of FedAvg at alpha 0.1",
+            "ahead of full-weight FedAvg at alpha 0.1",
         )
     )
     lat, fed, text = pair(f, "latent_dir0.5", "fedavg_dir0.5", "latent", "matched FedAvg")
@@ -366,7 +365,7 @@ def flite_rows() -> list[Row]:
             "CIFAR-10 (figure only)",
             f"{text} ({seeds(lat, fed)}; {SHRUNK}, Dirichlet 0.5)",
             within(lat, fed, PARITY),
-            "parity at alpha 0.5",
+            "parity with FedAvg at alpha 0.5",
         )
     )
     rows.append(budget_row(rerun))
@@ -407,7 +406,7 @@ def flite_rows() -> list[Row]:
             "74.2% at K = 4 (CIFAR-100)",
             "; ".join(f"K = {k} {acc(m)}" for k, m in fed.items()) + f" ({seeds(*fed.values())}; as above)",
             every([beats(fed[k], fed[4], f"K = {k}") for k in (8, 16, 32)]),
-            "FedAvg lowest at K = 4",
+            "FedAvg dips at K = 4 and recovers",
         )
     )
     orth, train, kaim = best(f, "latent"), best(f, "latent_head_trainable"), best(f, "latent_head_kaiming")
@@ -494,7 +493,7 @@ def flite_rows() -> list[Row]:
             f"update quantised as the paper does: fp32 {acc(fp32)}, int8 {acc(i8)}, int4 "
             f"{acc(i4)} (collapse: <= {chance.mean:.2f}) ({seeds(fp32, i8, i4)}; {SHRUNK}, rerun set)",
             every([within(i8, fp32, PARITY, "int8"), beats(chance, i4, "int4")]),
-            "int4 FedAvg collapses",
+            "int4 full-weight FedAvg collapses",
         )
     )
     rows += appendix_b_rows()
@@ -522,7 +521,7 @@ def pareto_row(f: list[dict]) -> Row:
         + ", ".join(parts)
         + f" ({len(per_seed(f, 'latent'))} seeds, exact bytes; {SHRUNK}, full-weight downloads)",
         every(tests),
-        "1-2 orders below PowerSGD / top-k",
+        "1-2 orders of magnitude fewer bytes than PowerSGD / top-k",
     )
 
 
@@ -565,7 +564,7 @@ def scratch_row(rerun: list[dict]) -> Row:
         f"{level.mean:.2f}; chance {1 / CLASSES:.2f}) ({seeds(*means.values())}; {SHRUNK}, r = 32 unless stated, "
         "d = 4,096 for r and warm starts, rerun set)",
         every([beats(level, m, name) for name, m in means.items()]),
-        "collapse from a random base",
+        "collapse to chance from a random base",
     )
 
 
@@ -586,7 +585,7 @@ def appendix_b_rows() -> list[Row]:
             f"base {lat_base.mean:.4f}, change after 20 rounds {lat.mean:+.4f} +/- {lat.se:.4f} "
             f"({100 * lat.mean / lat_base.mean:+.2f}%) ({seeds(lat)}; {setting})",
             Test(PARITY_PPL * lat_base.mean - abs(lat.mean), lat.se),
-            "latent holds the LM's base",
+            "LM: the latent holds the base's perplexity",
         ),
         Row(
             "App. B",
@@ -595,7 +594,7 @@ def appendix_b_rows() -> list[Row]:
             f"best {fed_best.mean:.4f} ({improve.mean:+.4f} +/- {improve.se:.4f} from the base), final "
             f"{fed_final.mean:.4f} ({diverge.mean:+.4f} +/- {diverge.se:.4f}) ({seeds(improve)}; as above)",
             every([Test(-improve.mean, improve.se, "improves"), Test(diverge.mean, diverge.se, "diverges")]),
-            "LM FedAvg diverges",
+            "LM: full-weight FedAvg improves, then diverges",
         ),
     ]
     frontier = sibling("llm_frontier")
@@ -672,7 +671,8 @@ def summary(name: str, rows: list[Row], tie: float = TIE) -> str:
             for i in idx:
                 tags.setdefault(rows[i - 1].short, []).extend([rows[i - 1].tag] if rows[i - 1].tag else [])
             shown = [f"{short} ({', '.join(t)})" if t else short for short, t in tags.items()]
-            parts.append(f"{word} {len(idx)}: {'; '.join(shown)}")
+            plural = {"holds": "hold", "fails": "fail"}.get(word, word)
+            parts.append(f"{len(idx)} {plural}: {'; '.join(shown)}")
     return f"- **{name}**, {len(rows)} rows. " + ". ".join(parts) + "."
 
 
