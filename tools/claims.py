@@ -326,7 +326,7 @@ def flite_rows() -> list[Row]:
     )
     rows.append(pareto_row(f))
     means = {
-        f"d = {int(float(d))}": best(rerun, label)
+        f"d = {d:,}": best(rerun, label)
         for label, d in (
             ("latent", 64),
             ("latent_d128", 128),
