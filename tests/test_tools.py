@@ -507,17 +507,23 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
             )
             rows.append(run(label, seed, **vals))
     text = "\n".join(claims.claims(rows))
-    assert "- lowest mean ECE among one-shot methods: held: FMP 0.0200 +/- 0.0006" in text
-    assert "- highest or tied-highest mean accuracy among one-shot methods: held: FMP 0.9100 +/- 0.0006" in text
-    assert "FMP 0.9100 +/- 0.0006, tied with cfmp (1.2 SE behind)" in text
-    assert "- close to centralised MP (accuracy gap <= 1.66 pp): held" in text and "(+1.00 pp below MP)" in text
-    assert "PMA beats random selection and mean pooling in accuracy and ECE: not held" in text  # mean pooling's ECE
-    assert "- highest mean accuracy at every alpha: held" in text
-    assert "- lowest mean ECE at every alpha: not held (held at alpha 0.1 only)" in text
-    assert "largest acc advantage over the best other one-shot method at the smallest alpha: held: " in text
-    assert "held: alpha 1: +1.00 pp, alpha 0.1: +5.00 pp" in text
-    strict = claims.claims(rows, tie=0.5)[3]
-    assert strict.startswith("- highest or tied-highest mean accuracy among one-shot methods: not held")
+    # accuracy: CFMP 0.1 pp ahead, 0.001 / sqrt(2 * (0.001 / sqrt(3))^2) = 1.2 SE: a tie (the claim allows one)
+    assert (
+        "tied-highest) mean accuracy among the one-shot federated methods: **tie** (-1.2 SE, CFMP): FMP 0.9100" in text
+    )
+    assert (
+        "lowest mean ECE among the one-shot federated methods: **holds** (+24.5 SE, CFMP): FMP 0.0200 +/- 0.0006"
+        in text
+    )
+    # close: 1.66 pp less the 1.00 pp gap, over its SE 0.0816 pp
+    assert 'close to the centralized MP benchmark": **holds** (+8.1 SE)' in text and "-1.00 +/- 0.08 pp" in text
+    assert "mean pooling at the same s: **fails** (-12.2 SE, ECE vs mean pooling)" in text  # mean pooling's ECE
+    assert "highest mean accuracy across all alpha: **holds** (+12.2 SE, alpha 1 vs CANN)" in text
+    assert "lowest mean ECE across all alpha: **fails** (exact, alpha 1 vs CANN)" in text  # no spread: exact
+    assert "at alpha 1: +1.00 +/- 0.08 pp, 0.1: +5.00 +/- 0.08 pp" in text
+    assert '"with the largest advantage ... at alpha = 0.1": accuracy: **holds** (+34.6 SE, against alpha 1)' in text
+    strict = claims.claims(rows, tie=0.5)[0]
+    assert "tied-highest) mean accuracy among the one-shot federated methods: **fails** (-1.2 SE, CFMP)" in strict
 
 
 def _events(folder, steps, name=None):
