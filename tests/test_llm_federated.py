@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from conftest import CONFIGS, PLAYS, play_text, run_cli, tiny_llama_args, write_corpus
+from conftest import CONFIGS, PLAYS, play_text, run_cli, tiny_llama_args, tool_module, write_corpus
 from lightning_fl.checkpoint import read_checkpoint
 
 pytest.importorskip("transformers")  # the llm extra
@@ -151,3 +151,47 @@ def test_on_flower_the_run_equals_the_in_process_run_bit_for_bit(method, tiny, t
     for key, value in reference["global_state"].items():
         assert torch.equal(got["global_state"][key], value), key
     assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
+
+
+@pytest.mark.parametrize("method", ["flite", "lora", "ffa_lora"])
+def test_weight_deltas_measures_each_layers_change_as_its_closed_form(method, tiny, tmp_path):
+    """tools/weight_deltas.py probes each adapted layer with the identity; here the same changes in closed form:
+    FLITE's ``dW = reshape(U_l V_l^T z_l)`` from the full factor, LoRA's ``(alpha / r) B A``."""
+    import statistics
+
+    import lightning as L
+
+    from lightning_fl.cli import build
+    from lightning_fl.federated import setup
+
+    fit(tmp_path, method, tiny)
+    (folder,) = (tmp_path / "run").glob("version_*")
+    measured = tool_module("weight_deltas").measure(folder)
+    run = build(["fit", "--config", str(folder / "config.yaml"), "--trainer.logger", "false"])
+    model, _ = setup.prepare(L.Fabric(accelerator="cpu", devices=1, loggers=[]), run.model, run.data, "fit")
+    model.load_federated_state(read_checkpoint(folder / "checkpoints" / "last.ckpt")["global_state"])
+    pairs = []  # (W0, dW) per adapted layer, in closed form
+    if method == "flite":
+        mapping = model.mapping
+        for lay, z_l in zip(mapping.layers, mapping.split(mapping.latent), strict=True):
+            w0 = model.network.get_submodule(lay.name.rpartition(".")[0]).weight
+            coefficients = mapping.v_factor(lay).double().T @ z_l.detach().double()
+            dw = (mapping.u_factor(lay).double() @ coefficients).reshape(w0.shape)
+            pairs.append((w0.double(), dw))
+    else:
+        for _, m in model.named_modules():
+            if hasattr(m, "base_layer") and hasattr(m, "lora_A"):
+                b, a = m.lora_B["default"].weight.double(), m.lora_A["default"].weight.double()
+                pairs.append((m.base_layer.weight.double(), m.scaling["default"] * b @ a))
+    assert measured["layers"] == len(pairs) == len(PROJECTIONS)  # every projection of both layers
+    norm = torch.linalg.matrix_norm
+    spectral = [float(norm(dw, ord=2) / norm(w0, ord=2)) for w0, dw in pairs]
+    assert min(spectral) > 0  # the run moved every adapted layer
+    assert measured["spectral_median"] == pytest.approx(statistics.median(spectral), rel=1e-4)
+    assert measured["spectral_max"] == pytest.approx(max(spectral), rel=1e-4)
+    frobenius = [float(norm(dw) / norm(w0)) for w0, dw in pairs]
+    assert measured["frobenius_median"] == pytest.approx(statistics.median(frobenius), rel=1e-4)
+    stable = [float(norm(dw) ** 2 / norm(dw, ord=2) ** 2) for _, dw in pairs]
+    assert measured["stable_rank_median"] == pytest.approx(statistics.median(stable), rel=1e-4)
+    if method != "flite":
+        assert measured["stable_rank_median"] == pytest.approx(1.0, abs=1e-4)  # rank 1
