@@ -135,11 +135,18 @@ def figure(by_label: dict[str, list[dict]], path: Path, title: str = TITLE) -> N
         mean, se = mean_se([x["final_ppl"] for x in s])
         line = s[0]["method"] + (f", epsilon {s[0]['eps']}" if s[0]["eps"] not in ("", None) else "")
         methods[line].append((s[0]["bytes"], mean, 0.0 if math.isnan(se) else se))
+    base = statistics.fmean(x["base_ppl"] for s in by_label.values() for x in s)
+    cap = 2 * base  # a run that collapsed (DP noise) is drawn at the cap, its value written beside it
     for method, points in sorted(methods.items()):
         points.sort()
-        ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], marker="o",
-                    capsize=3, label=method)  # fmt: skip
-    base = statistics.fmean(x["base_ppl"] for s in by_label.values() for x in s)
+        shown = [min(p[1], cap) for p in points]
+        bars = ax.errorbar([p[0] for p in points], shown, yerr=[p[2] if p[1] <= cap else 0 for p in points],
+                           marker="o", capsize=3, label=method)  # fmt: skip
+        for (x, y, _), y_shown in zip(points, shown, strict=True):
+            if y > cap:
+                ax.annotate(f"{method}: {y:,.0f} (off scale)", (x, y_shown), textcoords="offset points",
+                            xytext=(-4, -12 - 10 * len(ax.texts)), ha="right", fontsize=7,
+                            color=bars[0].get_color())  # fmt: skip
     ax.axhline(base, color="grey", linestyle="--", label=f"base (round 0): {base:.1f}")
     ax.set_xscale("log")
     ax.set_xlabel("bytes per upload (float32)")
