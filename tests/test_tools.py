@@ -662,10 +662,11 @@ def test_llm_frontier_adds_epsilon_z_and_the_clip_for_private_sweeps_and_lists_n
     assert (tmp_path / "dp.png").stat().st_size > 0
 
 
-def test_the_smollm2_frontier_table_regenerates_from_its_csv():
-    """docs/results/smollm2_frontier.md is what tools/llm_frontier.py makes of docs/results/smollm2_frontier.csv."""
+@pytest.mark.parametrize("name", ["smollm2_frontier", "smollm2_dp_frontier"])
+def test_the_smollm2_frontier_tables_regenerate_from_their_csvs(name):
+    """docs/results/<name>.md is what tools/llm_frontier.py makes of docs/results/<name>.csv, also on the page."""
     frontier = tool_module("llm_frontier")
-    csv_path = REPO / "docs" / "results" / "smollm2_frontier.csv"
+    csv_path = REPO / "docs" / "results" / f"{name}.csv"
     text, _ = frontier.table(frontier.runs_of([csv_path]))
-    assert text in (REPO / "docs" / "results" / "smollm2_frontier.md").read_text()
+    assert text in (REPO / "docs" / "results" / f"{name}.md").read_text()
     assert text in (REPO / "docs" / "results-llm.md").read_text()  # the table quoted on the results page
