@@ -7,6 +7,7 @@ algorithm is a :class:`~lightning_fl.federated.strategies.Strategy`; :class:`Fed
 from lightning_fl.federated import attacks, strategies
 from lightning_fl.federated.attacks import ALIE, Attack, GaussianNoise, NaNUpload, Scaling, SignFlip
 from lightning_fl.federated.client import run_client
+from lightning_fl.federated.clock import Clock
 from lightning_fl.federated.gate import UploadRejectedError, check_upload
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.local import ClientResult, LocalTraining
@@ -30,6 +31,7 @@ __all__ = [
     "Attack",
     "ByteLedger",
     "ClientResult",
+    "Clock",
     "FactorMismatchError",
     "FedAdagrad",
     "FedAdam",

@@ -13,6 +13,7 @@ from lightning_fl.compress.error_feedback import UpdateCompressor
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.attacks import Attack
 from lightning_fl.federated.callbacks import Callback
+from lightning_fl.federated.clock import Clock
 from lightning_fl.federated.strategies import FedAvg, Strategy
 from lightning_fl.federated.strategies.base import configured_name
 from lightning_fl.federated.transport import Transport
@@ -81,6 +82,10 @@ class TrainerArguments:
     secure_aggregation: SecureAggregation | None = None
     """The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s clipping, quantisation
     and modular sum); linear, unweighted strategies only. ``null``: off."""
+    clock: Clock | None = None
+    """Simulated time for every round (``Clock``: each client's device speed and link, a deadline, over-selection):
+    ``time/simulated_round_s`` and ``time/simulated_elapsed_s``; in process only. ``null``: no clock. See
+    docs/explanations/time.md."""
     sampling: Literal["fixed", "poisson"] = "fixed"
     """``fixed`` (``clients_per_round`` clients without replacement) or ``poisson`` (each client with probability
     ``clients_per_round / num_clients``, as most DP analyses assume)."""
@@ -197,6 +202,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         "dp_sgd": (DPSGD, "DPSGD or null"),
         "secure_aggregation": (SecureAggregation, "SecureAggregation or null"),
         "transport": (Transport, "a Transport or null"),
+        "clock": (Clock, "Clock or null"),
     }
     quoted = {"upload_policy", "resume", "client_batching", "sampling", "fold_groups", "threads"}
     shown = {key: repr(a[key]) if key in quoted else str(a[key]) for key in ranges}
@@ -231,7 +237,22 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
                         "32-true or null")  # fmt: skip
     if isinstance(secure := a["secure_aggregation"], SecureAggregation):
         problems += secure.problems(a["strategy"], a["privacy"], a["codec"], a["max_update_norm_ratio"], a["attack"])
-    return problems + downlink_problems(a["compressed_downloads"], a["codec"], secure)
+    return problems + downlink_problems(a["compressed_downloads"], a["codec"], secure) + clock_problems(a)
+
+
+def clock_problems(a: dict[str, Any]) -> list[str]:
+    """What makes ``trainer.clock`` impossible with the other settings (one line each)."""
+    clock = a["clock"]
+    if not isinstance(clock, Clock):
+        return []
+    if a["transport"] is not None:
+        return ["trainer.clock simulates the time of rounds run in process; a Flower run's rounds take real time "
+                "(time/round_s): remove trainer.clock"]  # fmt: skip
+    if clock.over_selection > 0 and a["privacy"] is not None:
+        return [f"trainer.clock.over_selection {clock.over_selection} samples more clients than trainer.privacy's "
+                "accountant and fixed denominator assume (clients_per_round): set over_selection 0 (a deadline alone "
+                "is covered: a late client adds zero)"]  # fmt: skip
+    return []
 
 
 def downlink_problems(compressed_downloads: object, codec: object, secure_aggregation: object) -> list[str]:

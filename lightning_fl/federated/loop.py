@@ -123,6 +123,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         for callback in callbacks:
             callback.on_rounds_start(self, start)
         started, count = time.perf_counter(), self._clients_per_round(num_clients)
+        count = count if self.clock is None else self.clock.sampled_count(count, num_clients)  # over-selection
         for r in range(start, self.rounds):
             if self.privacy is not None and (reason := self.privacy.stop_reason()) is not None:
                 self.stopped = f"stopped before round {r + 1}: {reason}"
@@ -132,6 +133,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.global_state, metrics = self.round_runner.run(model, datamodule, self.global_state, r, seed, count)
             model.load_federated_state(self.global_state)
             metrics["time/clients_and_server_s"] = time.perf_counter() - t0  # the round without evaluation
+            if (clocked := metrics.get("time/simulated_round_s")) is not None:  # summed over the (resumed) history
+                metrics["time/simulated_elapsed_s"] = self.history[-1].get("time/simulated_elapsed_s", 0.0) + clocked
             if (r + 1) % self.val_every_n_rounds == 0 or r + 1 == self.rounds:
                 metrics.update(self._evaluate(model, datamodule, "val"))
             metrics["time/round_s"], metrics["time/elapsed_s"] = time.perf_counter() - t0, time.perf_counter() - started
@@ -169,7 +172,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                     "state every round and keeps none between rounds to apply a broadcast to; remove the key"
                 )
             self.downlink.start(num_clients)
-        stages = round_stages(self, fabric, self.local, self.downlink, identity)
+        stages = round_stages(self, fabric, self.local, self.downlink, identity, self._clients_per_round(num_clients))
         secret = self.privacy is not None and self.privacy.amplified and self.privacy.noise_seed is None
         settings = RoundSettings(self.sampling, self.dropout, self.upload_policy, secret_cohorts=secret)
         self.round_runner = RoundRunner(fabric, self.strategy, collection, stages, self.ledger, settings)

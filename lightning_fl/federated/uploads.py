@@ -107,6 +107,7 @@ class Round:
     sampled: list[int] = field(default_factory=list)
     away: list[int] = field(default_factory=list)  # sampled but unavailable (dropout)
     available: list[int] = field(default_factory=list)
+    late: list[int] = field(default_factory=list)  # sampled, downloaded, but left out by the clock's rule
     entries: dict[int, Entry] = field(default_factory=dict)
     rows: Rows | None = None  # ``None``: the round streams its uploads into ``running``
     running: GroupedSums | None = None
@@ -196,8 +197,9 @@ def mean_over_clients(logged: list[dict[str, tuple[float, float]]]) -> dict[str,
 
 
 def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Callable[[int], int]) -> None:
-    """Count a round's traffic: ``down(client)`` bytes to every sampled client (``rnd.away``: those unavailable),
-    each reply's upload as aggregated or rejected, and the transport's message bytes where it measured them."""
+    """Count a round's traffic: ``down(client)`` bytes to every sampled client (``rnd.away``: those unavailable;
+    ``rnd.late``: those the clock left out), each reply's upload as aggregated or rejected, and the transport's message
+    bytes where it measured them."""
     ledger.start_round()
     for e in rnd.in_order:
         ledger.record(e.client, "down", down(e.client))
@@ -206,7 +208,7 @@ def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Cal
         for direction, size in (("up", e.msg_up), ("down", e.msg_down)):
             if size >= 0:
                 ledger.record_message(e.client, direction, size)
-    for c in rnd.away:
+    for c in rnd.away + rnd.late:
         ledger.record(c, "down", down(c))
 
 
