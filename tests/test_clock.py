@@ -146,10 +146,14 @@ def test_local_epochs_time_each_client_by_its_batches(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"clock": Clock(over_selection=0.3), "privacy": CentralDP(clip_norm=1.0, noise_multiplier=1.0)},
-         "trainer.clock.over_selection 0.3 samples more clients than trainer.privacy's accountant"),
-        ({"clock": Clock(), "transport": CraftedClients(None)}, "trainer.clock simulates the time of rounds run in "
-                                                                "process"),
+        (
+            {"clock": Clock(over_selection=0.3), "privacy": CentralDP(clip_norm=1.0, noise_multiplier=1.0)},
+            "trainer.clock.over_selection 0.3 samples more clients than trainer.privacy's accountant",
+        ),
+        (
+            {"clock": Clock(), "transport": CraftedClients(None)},
+            "trainer.clock simulates the time of rounds run in process",
+        ),
     ],
     ids=["over-selection-under-dp", "flower"],
 )
