@@ -31,6 +31,7 @@ STREAM_DPSGD_SAMPLING, STREAM_DPSGD_NOISE = 19, 20
 STREAM_DISTRIBUTED_NOISE = 21  # distributed DP: (noise_seed, seed, round, client, stream)
 STREAM_SECURE_ROUNDING = 22  # secure aggregation's rounding: (rounding_seed, seed, round, client, stream)
 STREAM_CLOCK = 23  # a client's device speed and link (the simulated clock): (seed, client, stream)
+STREAM_FEDBUFF = 24  # FedBuff: the client that fills a free slot, by the count of starts: (seed, starts, stream)
 
 
 def splitmix64(x: int) -> int:

@@ -6,6 +6,7 @@ algorithm is a :class:`~lightning_fl.federated.strategies.Strategy`; :class:`Fed
 
 from lightning_fl.federated import attacks, strategies
 from lightning_fl.federated.attacks import ALIE, Attack, GaussianNoise, NaNUpload, Scaling, SignFlip
+from lightning_fl.federated.buffered import FedBuff
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.clock import Clock
 from lightning_fl.federated.gate import UploadRejectedError, check_upload
@@ -37,6 +38,7 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedBuff",
     "FedYogi",
     "FederatedModule",
     "FederatedTrainer",

@@ -12,6 +12,7 @@ from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.compress.error_feedback import UpdateCompressor
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.attacks import Attack
+from lightning_fl.federated.buffered import FedBuff, buffered_problems
 from lightning_fl.federated.callbacks import Callback
 from lightning_fl.federated.clock import Clock
 from lightning_fl.federated.strategies import FedAvg, Strategy
@@ -86,6 +87,10 @@ class TrainerArguments:
     """Simulated time for every round (``Clock``: each client's device speed and link, a deadline, over-selection):
     ``time/simulated_round_s`` and ``time/simulated_elapsed_s``; in process only. ``null``: no clock. See
     docs/explanations/time.md."""
+    buffered: FedBuff | None = None
+    """Buffered asynchronous aggregation (``FedBuff``: ``concurrency`` clients train at once, the server steps every
+    ``buffer_size`` updates, discounted by staleness): one of ``rounds`` is one server step; needs ``clock``, in process
+    only. ``null``: synchronous rounds. See docs/explanations/time.md."""
     sampling: Literal["fixed", "poisson"] = "fixed"
     """``fixed`` (``clients_per_round`` clients without replacement) or ``poisson`` (each client with probability
     ``clients_per_round / num_clients``, as most DP analyses assume)."""
@@ -203,6 +208,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         "secure_aggregation": (SecureAggregation, "SecureAggregation or null"),
         "transport": (Transport, "a Transport or null"),
         "clock": (Clock, "Clock or null"),
+        "buffered": (FedBuff, "FedBuff or null"),
     }
     quoted = {"upload_policy", "resume", "client_batching", "sampling", "fold_groups", "threads"}
     shown = {key: repr(a[key]) if key in quoted else str(a[key]) for key in ranges}
@@ -237,7 +243,8 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
                         "32-true or null")  # fmt: skip
     if isinstance(secure := a["secure_aggregation"], SecureAggregation):
         problems += secure.problems(a["strategy"], a["privacy"], a["codec"], a["max_update_norm_ratio"], a["attack"])
-    return problems + downlink_problems(a["compressed_downloads"], a["codec"], secure) + clock_problems(a)
+    problems += downlink_problems(a["compressed_downloads"], a["codec"], secure) + clock_problems(a)
+    return problems + (buffered_problems(a) if isinstance(a["buffered"], FedBuff) else [])
 
 
 def clock_problems(a: dict[str, Any]) -> list[str]:
@@ -245,7 +252,7 @@ def clock_problems(a: dict[str, Any]) -> list[str]:
     clock = a["clock"]
     if not isinstance(clock, Clock):
         return []
-    if a["transport"] is not None:
+    if a["transport"] is not None and a["buffered"] is None:  # (FedBuff's own line says it)
         return ["trainer.clock simulates the time of rounds run in process; a Flower run's rounds take real time "
                 "(time/round_s): remove trainer.clock"]  # fmt: skip
     if clock.over_selection > 0 and a["privacy"] is not None:

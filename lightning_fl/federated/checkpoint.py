@@ -35,7 +35,7 @@ from lightning_fl.checkpoint import (
     zip_problem,
 )
 from lightning_fl.errors import CheckpointError
-from lightning_fl.federated import budget
+from lightning_fl.federated import budget, checkpoint_parts
 
 FORMAT = "lightning_fl.federated"
 VERSION = 3  # the layout read and written here; a file of another version is refused
@@ -200,8 +200,7 @@ def save_trainer(trainer: Any, completed: int, seed: int, fingerprint: str | Non
             "ledger": trainer.ledger.state_dict(),
             "history": [{k: float(v) for k, v in h.items()} for h in trainer.history],
         }
-        if trainer.downlink is not None:  # its memory and which state each client holds
-            state["downlink"] = trainer.downlink.state_dict()
+        state.update(checkpoint_parts.saved(trainer))  # the downlink's memory, FedBuff's clients in flight
         if budget.private(trainer):  # the release is recorded before the checkpoint that could rewind it
             budget.record_release(trainer.log_dir, completed, trainer.history[-1])
         save_round(state, trainer.log_dir / "checkpoints", completed, every)
@@ -233,7 +232,7 @@ def restore_trainer(trainer: Any, path: Path, model: Any, seed: int, fingerprint
     keep = (lambda c: trainer.round_runner.process_of(c, world) == rank) if world > 1 else None
     trainer.codec.load_client_state(ckpt["codec"], source=run_folder_of(path), keep=keep)
     trainer.ledger.load_state_dict(ckpt["ledger"])
-    _restore_downlink(trainer.downlink, path, ckpt)
+    checkpoint_parts.restore(trainer, path, ckpt)
     budgets = (("privacy", trainer.privacy, "a private run", "its budget"),
                ("dp_sgd", trainer.dp_sgd, "a run with trainer.dp_sgd", "its clients' budgets"))  # fmt: skip
     for key, plugin, writer, spent in budgets:
@@ -258,26 +257,6 @@ def _gather(fabric: Any):
         return everyone
 
     return gather
-
-
-def _restore_downlink(downlink: Any, path: Path, ckpt: dict[str, Any]) -> None:
-    """The server's downlink memory and what each client holds, from a checkpoint of the same kind of run."""
-    if downlink is None:
-        if "downlink" in ckpt:
-            raise CheckpointError(
-                f"cannot resume from {path}: it was written with trainer.compressed_downloads (its clients hold "
-                "the broadcasts' state, the server a downlink memory); set trainer.compressed_downloads true"
-            )
-        return
-    if "downlink" not in ckpt:
-        raise CheckpointError(
-            f"cannot resume from {path}: it was written without trainer.compressed_downloads (no downlink memory "
-            "to continue); remove the key, or start afresh"
-        )
-    try:
-        downlink.load_state_dict(ckpt["downlink"], int(ckpt["round"]))
-    except (ValueError, TypeError, KeyError) as err:
-        raise CheckpointError(f"cannot resume from {path}: {err}") from None
 
 
 def load_for_evaluation(model: Any, path: Path, device: torch.device) -> None:

@@ -148,7 +148,7 @@ class Uploads:
         expected = next(order, None)
         for reply in replies:
             entry = entry_of(reply, rnd, stages)
-            decoded = self._decode(rnd, reply, entry)
+            decoded = self.decode(rnd, reply, entry)
             if rnd.rows is not None:
                 if decoded is not None:
                     flatten(decoded, rnd.names, out=rnd.rows.values[len(rnd.rows.clients)])
@@ -168,7 +168,7 @@ class Uploads:
             if pending[client] is not None:
                 self._fold(rnd, strategy, stages, rnd.entry(client), pending[client])
 
-    def _decode(self, rnd: Round, reply: Reply, entry: Entry) -> State | None:
+    def decode(self, rnd: Round, reply: Reply, entry: Entry) -> State | None:
         """A reply's upload decoded if it passes the gate (layout, dtype, size, finite values); else ``None``."""
         if reply.lost:
             return None

@@ -37,13 +37,14 @@ from lightning_fl.errors import ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import setup
 from lightning_fl.federated.arguments import TrainerArguments
+from lightning_fl.federated.buffered_run import runner_of
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
 from lightning_fl.federated.collect import SecureUploads, Uploads
 from lightning_fl.federated.evaluate import evaluate
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
-from lightning_fl.federated.round import RoundRunner, RoundSettings
+from lightning_fl.federated.round import RoundSettings
 from lightning_fl.federated.stages import round_stages
 from lightning_fl.federated.summary import evaluation_lines, trainer_summary, write_audit, write_client_epsilons
 from lightning_fl.federated.transport import InProcess
@@ -175,9 +176,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         stages = round_stages(self, fabric, self.local, self.downlink, identity, self._clients_per_round(num_clients))
         secret = self.privacy is not None and self.privacy.amplified and self.privacy.noise_seed is None
         settings = RoundSettings(self.sampling, self.dropout, self.upload_policy, secret_cohorts=secret)
-        self.round_runner = RoundRunner(fabric, self.strategy, collection, stages, self.ledger, settings)
-        weighted = self.strategy.weighted and self.strategy.linear
-        if weighted and self.max_client_weight is None and not in_process:
+        self.round_runner = runner_of(self, collection, stages, settings)  # a round's, or FedBuff's steps
+        if self.strategy.weighted and self.strategy.linear and self.max_client_weight is None and not in_process:
             warnings.warn("trainer.strategy.weighted takes each node's declared sample count as given (a node can "
                           "claim any number); set trainer.max_client_weight to bound it", stacklevel=3)  # fmt: skip
         self.transport.open(num_clients=num_clients, fingerprint=fingerprint, seed=seed)
