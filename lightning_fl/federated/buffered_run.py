@@ -38,11 +38,11 @@ from lightning_fl.federated.stages import NormGate, Stage, Step, WeightCap
 from lightning_fl.federated.stages.clock import RoundClock
 from lightning_fl.federated.state import State, flatten, unflatten
 from lightning_fl.federated.strategies import Strategy
-from lightning_fl.federated.uploads import ACCEPTED, Entry, Round, mean_over_clients
+from lightning_fl.federated.uploads import ACCEPTED, REJECTED, Entry, Round, mean_over_clients
 from lightning_fl.seeding import STREAM_FEDBUFF, derive_seed
 
 
-@dataclass
+@dataclass(eq=False)  # (one flight is itself only: its update is a tensor)
 class Flight:
     """A client in flight (or, once arrived, in the buffer): when it started and finishes, what it sent."""
 
@@ -132,7 +132,7 @@ class BufferedRunner:
         current = flatten(state, names)
         rnd = Round(r, seed, state, names, current, self.fabric, upload_policy=self.upload_policy)
         for f in buffer:
-            status = ACCEPTED if f.delta is not None else 0
+            status = ACCEPTED if f.delta is not None else REJECTED
             rnd.entries[f.client] = Entry(f.client, f.weight, status, f.up, logged=f.logged, norm=f.norm)
         kept = [f for f in buffer if f.delta is not None]
         norms = torch.tensor([f.norm for f in kept], dtype=torch.float64)

@@ -98,8 +98,10 @@ def run_summary(
     lines = [f"Finished round {int(last['round'])} in {last.get('time/elapsed_s', 0.0):.1f} s of rounds."]
     if "time/simulated_elapsed_s" in last:  # trainer.clock
         late = sum(h.get("fed/late_clients", 0.0) for h in history)
+        stale = max((h["fed/staleness_max"] for h in history if "fed/staleness_max" in h), default=None)
+        tail = f"{late:,.0f} late client(s) left out" if stale is None else f"FedBuff, staleness up to {stale:.0f}"
         lines.append(f"  simulated time (trainer.clock): {last['time/simulated_elapsed_s']:,.1f} s over the rounds; "
-                     f"{late:,.0f} late client(s) left out")  # fmt: skip
+                     f"{tail}")  # fmt: skip
     if val_is_test and any(k.startswith("val/") for k in last):
         lines.append(f"  {TEST_AS_VAL}: each best round below is chosen on test data")
     for key in sorted(k for k in last if k.startswith("val/")):
