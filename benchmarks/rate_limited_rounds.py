@@ -27,15 +27,20 @@ polls and processes) plus transfer time:
 - ``clock``: ``T0 + 8 (msg_down + msg_up) / B`` per client: the clock's formula (``lightning_fl/federated/clock.py``)
   with latency 0 and every client on a link of its own at B (clients in parallel);
 - ``shared``: ``T0 + 8 (sum over clients of msg_down + msg_up) / B``: the same messages through one bottleneck;
-- ``loopback``: ``T0 + 8 * loopback bytes of the round / B``: what the bottleneck really carried.
+- ``relayed``: ``T0 + 8 * relayed bytes / B``, the relayed bytes being the round's loopback bytes without a limit
+  less the idle deployment's traffic over ``T0`` (``--idle`` seconds of it are counted before the first run): every
+  hop of every message, once each, through the one bottleneck, and no polls;
+- ``loopback``: ``T0 + 8 * loopback bytes of the round / B``: everything the bottleneck carried in that round,
+  polls included (which mostly overlap the compute, so this over-predicts).
 
 Usage (as root; needs ``ip netns`` and ``tc``)::
 
     python benchmarks/rate_limited_rounds.py                         # 3 methods x (none, 100, 10, 1 Mbit/s), R=3
     python benchmarks/rate_limited_rounds.py --methods flite --rates 10 --rounds 2   # quicker
+    python benchmarks/rate_limited_rounds.py --from-json docs/results/rate_limited_rounds.json   # tables only
 
 It writes ``OUT.csv`` and ``OUT.md`` (default docs/results/rate_limited_rounds), with the command in the header, and
-``OUT.json``: every round's time and bytes, each rate's idle traffic and tc's counters.
+``OUT.json``: every round's time and bytes, each rate's idle traffic and tc's counters, and the settings.
 """
 
 from __future__ import annotations
@@ -139,8 +144,14 @@ def inside(args: argparse.Namespace) -> None:
     deployment.enable_subreaper()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the deployment (finally below)
     pythonpath = os.pathsep.join([str(REPO), str(BENCHMARKS), os.environ.get("PYTHONPATH", "")])
-    env = {"OMP_NUM_THREADS": "1", "LIGHTNING_FL_CACHE": str(args.cache), "PYTHONPATH": pythonpath,
-           "TQDM_DISABLE": "1", STAMPS: str(stamps)}  # fmt: skip
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "LIGHTNING_FL_CACHE": str(args.cache),
+        "PYTHONPATH": pythonpath,
+        "TQDM_DISABLE": "1",
+        STAMPS: str(stamps),
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(args.superexec_poll),
+    }
     out: dict[str, list[dict]] = {}
     with deployment.FlowerDeployment(work / "flower", num_supernodes=args.clients, extra_env=env,
                                      workers=args.workers) as d:  # fmt: skip
@@ -210,6 +221,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, dict[str, Any]]:
                "--result", str(result), "--cache", str(args.cache), "--methods", *args.methods,
                "--clients", str(args.clients), "--rounds", str(args.rounds), "--round-timeout", str(args.round_timeout),
                "--run-timeout", str(args.run_timeout), "--idle", str(args.idle),
+               "--superexec-poll", str(args.superexec_poll),
                "--workers" if args.workers else "--no-workers"]  # fmt: skip
         t0 = time.perf_counter()
         with _netns.Namespace(rate) as ns, open(folder / "inside.log", "wb") as log:
@@ -229,11 +241,16 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, dict[str, Any]]:
 
 
 def summarise(results: dict[str, dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
-    """One row per method and rate: measured rounds 2..R (min, median), bytes per round, the three predictions."""
+    """One row per method and rate: measured rounds 2..R (min, median), bytes per round, the four predictions.
+
+    ``T0`` is the method's median round without a limit. The relayed bytes of a round are its loopback bytes without
+    a limit less the idle deployment's traffic over ``T0`` (its polls): what the round itself moves, every hop."""
     rows = []
     for method in methods:
-        base = [r["round_s"] for r in results["none"]["rounds"][method][1:]]
-        t0 = statistics.median(base)
+        none = results["none"]
+        base = none["rounds"][method][1:]
+        t0 = statistics.median(r["round_s"] for r in base)
+        relayed = max(statistics.median(r["lo_bytes"] for r in base) - none["idle_bps"] / 8 * t0, 0.0)
         for res in results.values():
             rounds = res["rounds"][method]
             timed = rounds[1:]
@@ -251,15 +268,17 @@ def summarise(results: dict[str, dict[str, Any]], methods: list[str]) -> list[di
                 "round_median_s": statistics.median(measured),
                 "payload_round_bytes": median("round_up_bytes") + median("round_down_bytes"),
                 "msg_round_bytes": msg_round, "msg_client_bytes": msg_client, "lo_round_bytes": lo,
-                "lo_over_msg": lo / msg_round, "idle_kbit_s": res["idle_bps"] / 1e3,
+                "lo_over_msg": lo / msg_round, "relayed_round_bytes": relayed, "relayed_over_msg": relayed / msg_round,
+                "idle_kbit_s": res["idle_bps"] / 1e3,
             }  # fmt: skip
             if res["rate_mbit"] is not None:
                 bps = res["rate_mbit"] * 1e6
                 row["pred_clock_s"] = t0 + 8 * msg_client / bps
                 row["pred_shared_s"] = t0 + 8 * msg_round / bps
+                row["pred_relayed_s"] = t0 + 8 * relayed / bps
                 row["pred_loopback_s"] = t0 + 8 * lo / bps
-                row["measured_over_loopback"] = row["round_median_s"] / row["pred_loopback_s"]
-                row["transfer_share"] = 8 * lo / bps / row["round_median_s"]
+                row["median_over_shared"] = row["round_median_s"] / row["pred_shared_s"]
+                row["median_over_relayed"] = row["round_median_s"] / row["pred_relayed_s"]
             rows.append(row)
     return rows
 
@@ -274,18 +293,19 @@ def fmt(x: Any, digits: int = 2) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| method | rate (Mbit/s) | rounds timed | round 1 | min | median | message bytes / round | loopback bytes / "
-        "round | loopback / message | predicted: clock | predicted: shared | predicted: loopback | median / loopback |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| method | rate (Mbit/s) | round 1 | min | median | message bytes / round | relayed / message "
+        "| loopback bytes / round | idle (kbit/s) | predicted: clock | predicted: shared | predicted: relayed "
+        "| predicted: loopback | median / shared | median / relayed |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    predicted = ("pred_clock_s", "pred_shared_s", "pred_relayed_s", "pred_loopback_s", "median_over_shared",
+                 "median_over_relayed")  # fmt: skip
     for r in rows:
         rate = "none" if r["rate_mbit"] is None else f"{r['rate_mbit']:g}"
-        out.append(
-            f"| {r['method']} | {rate} | {r['rounds_timed']} | {fmt(r['round1_s'])} | {fmt(r['round_min_s'])} | "
-            f"{fmt(r['round_median_s'])} | {fmt(r['msg_round_bytes'], 0)} | {fmt(r['lo_round_bytes'], 0)} | "
-            f"{fmt(r['lo_over_msg'])} | {fmt(r.get('pred_clock_s'))} | {fmt(r.get('pred_shared_s'))} | "
-            f"{fmt(r.get('pred_loopback_s'))} | {fmt(r.get('measured_over_loopback'))} |"
-        )
+        cells = [fmt(r[k]) for k in ("round1_s", "round_min_s", "round_median_s")]
+        cells += [fmt(r["msg_round_bytes"], 0), fmt(r["relayed_over_msg"]), fmt(r["lo_round_bytes"], 0)]
+        cells += [fmt(r["idle_kbit_s"], 0), *(fmt(r.get(k)) for k in predicted)]
+        out.append(f"| {r['method']} | {rate} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -315,6 +335,15 @@ def main() -> None:
     )
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores, shared")
     parser.add_argument("--workdir", type=Path, default=None, help="keep runs and logs here (default: a temp folder)")
+    parser.add_argument("--superexec-poll", type=float, default=0.05,
+                        help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL in seconds (default 0.05, as tests/deployment.py; "
+                        "Flower's default 1)")  # fmt: skip
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="measure nothing: write OUT.csv and OUT.md from this JSON (an earlier run's OUT.json)",
+    )
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # one rate, in its namespace
     parser.add_argument("--label", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -322,6 +351,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.inside:
         inside(args)
+        return
+    if args.from_json is not None:
+        raw = json.loads(args.from_json.read_text(encoding="utf-8"))
+        write(raw, args.out, regenerated=shlex.join(["python", "benchmarks/rate_limited_rounds.py", *sys.argv[1:]]))
         return
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (round 1 is warm-up)")
@@ -344,13 +377,23 @@ def main() -> None:
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    total = time.perf_counter() - started
-    rows = summarise(results, args.methods)
+    settings = {"methods": args.methods, "clients": args.clients, "rounds": args.rounds, "workers": args.workers,
+                "superexec_poll": args.superexec_poll}  # fmt: skip
+    raw = {"command": command, "date": date, "machine": args.machine, "load_before": load, "settings": settings,
+           "total_min": (time.perf_counter() - started) / 60, "rates": results}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    write(raw, args.out)
+
+
+def write(raw: dict[str, Any], out: Path, regenerated: str | None = None) -> None:
+    """Print the table and write ``out.csv`` and ``out.md`` from the measurements ``raw`` (as ``out.json`` holds)."""
+    settings, results, command = raw["settings"], raw["rates"], raw["command"]
+    rows = summarise(results, settings["methods"])
     text = table(rows)
     print()
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out.with_suffix(".csv"), "w", newline="", encoding="utf-8") as f:
+    with open(out.with_suffix(".csv"), "w", newline="", encoding="utf-8") as f:
         f.write(f"# {command}\n")
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
@@ -358,24 +401,26 @@ def main() -> None:
             writer.writerow({k: cell(v) for k, v in r.items()})
     drops = {label: next((line.strip() for line in res["qdisc"].splitlines() if "dropped" in line), "")
              for label, res in results.items() if res["rate_mbit"] is not None}  # fmt: skip
+    clients, rounds = settings["clients"], settings["rounds"]
     header = [
         "# Flower rounds on a rate-limited loopback, against the clock's model",
         "",
-        f"Produced by `{command}` on {date}; machine: {args.machine}; load average before {load[0]:.2f}; total "
-        f"{total / 60:.1f} min. {args.clients} clients = {args.clients} SuperNodes"
-        f"{' (warm workers)' if args.workers else ''}, {args.rounds} rounds per run (round 1 is warm-up; rounds "
-        f"2..{args.rounds} timed), every process with OMP_NUM_THREADS=1, all in one network namespace whose loopback "
+        f"Produced by `{command}` on {raw['date']}; machine: {raw['machine']}; load average before "
+        f"{raw['load_before'][0]:.2f}; total {raw['total_min']:.1f} min"
+        + (f"; tables regenerated from the JSON by `{regenerated}`" if regenerated else "")
+        + f". {clients} clients = {clients} SuperNodes{' (warm workers)' if settings['workers'] else ''}, "
+        f"SuperExec poll {settings['superexec_poll']:g} s, {rounds} rounds per run (round 1 is warm-up; rounds "
+        f"2..{rounds} timed), every process with OMP_NUM_THREADS=1, all in one network namespace whose loopback "
         "one tbf shapes to the rate (benchmarks/_netns.py). Seconds of wall time per round without evaluation "
-        "(`time/clients_and_server_s`); bytes are medians per round, all clients, both directions.",
+        "(`time/clients_and_server_s`); bytes are medians per round, all clients, both directions; idle = the "
+        "idle deployment's traffic over the loopback (its polls).",
         "",
         "tc's counters at the end of each rate: " + "; ".join(f"{k} Mbit/s: `{v}`" for k, v in drops.items()),
         "",
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(header) + text + "\n", encoding="utf-8")
-    raw = {"command": command, "date": date, "machine": args.machine, "load_before": load, "rates": results}
-    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
-    print(f"\ntotal {total / 60:.1f} min\nwrote {args.out.with_suffix('.csv')}, .md and .json")
+    out.with_suffix(".md").write_text("\n".join(header) + text + "\n", encoding="utf-8")
+    print(f"\ntotal {raw['total_min']:.1f} min\nwrote {out.with_suffix('.csv')} and .md")
 
 
 if __name__ == "__main__":
