@@ -8,16 +8,17 @@ process started in it is stopped by PID.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
-import sys
 import time
 
 import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import _netns
+_spec = importlib.util.spec_from_file_location("_netns", REPO / "benchmarks" / "_netns.py")
+_netns = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_netns)  # imported from its file: benchmarks/ stays off sys.path
 
 if (_reason := _netns.unavailable()) is not None:
     pytest.skip(f"rate-limited namespaces unavailable: {_reason}", allow_module_level=True)
