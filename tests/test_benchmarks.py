@@ -123,6 +123,15 @@ CASES = {
         timeout=900.0,
         outputs=["audit.json"],
     ),
+    "rate_limited_rounds.py": Case(
+        ["--methods", "flite", "--rates", "10", "--rounds", "2", "--idle", "1", "--run-timeout", "300",
+         "--workdir", "work", "--out", "rate_limited_rounds"],
+        "wrote rate_limited_rounds.csv",
+        slow=True,  # root and ip netns: a Flower deployment in a namespace per rate
+        timeout=900.0,
+        outputs=["rate_limited_rounds.csv", "rate_limited_rounds.md", "rate_limited_rounds.json"],
+        needs="flwr",
+    ),
     "threads.py": Case(
         ["--rounds", "1", "--repeats", "1", "--root", "runs", "--out", "threads.json"],
         "wrote threads.json",
