@@ -68,9 +68,9 @@ def crafted(reply: Message, message: Message) -> Message:
     return Message(content, reply_to=message)
 
 
-def sent_state(grid: DelayedGrid, round: int) -> dict[str, torch.Tensor]:
-    """The global state the train messages of ``round`` (1-based) carried."""
-    (message,) = [m for m in grid.sent if m.metadata.message_type == messages.TRAIN and m.metadata.dst_node_id == 1
+def sent_state(grid: DelayedGrid, round: int, node: int = 1) -> dict[str, torch.Tensor]:
+    """The global state the train message of ``round`` (1-based) to ``node`` carried."""
+    (message,) = [m for m in grid.sent if m.metadata.message_type == messages.TRAIN and m.metadata.dst_node_id == node
                   and m.metadata.group_id == str(round)]  # fmt: skip
     return {n: t.double() for n, t in messages.record_to_state(message.content[messages.STATE]).items()}
 
@@ -86,7 +86,7 @@ def run(tmp, grid, *extra, name="quorum", **kwargs):
 
 
 @pytest.mark.parametrize("identity", ["false", "true"], ids=["streamed", "rows"])
-def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted(in_tmp, identity):
+def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted(in_tmp, identity, caplog):
     """k = 3 of 4, node 4 (client 3) one round late: round 1 steps with clients 0-2; round 2 with clients 0-2 and
     client 3's round-1 upload, discounted by s(1) = 1/sqrt(2) and rebased on round 2's state; the node is not sent a
     second message while its first is out; its download counts in round 1, its upload in round 2. Streamed, and with
@@ -111,6 +111,27 @@ def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted
     assert got["ledger"]["up"].tolist() == [1536, 1536, 1536, 768]
     assert [h["comm/round_down_bytes"] for h in rounds] == [4 * 768.0, 3 * 768.0]
     assert [h["comm/round_up_bytes"] for h in rounds] == [3 * 768.0, 4 * 768.0]
+    assert "round 1: proceeds with 3 of 4 replies; client(s) [3] are still training" in caplog.text
+    assert "round 2: 4 of 4 sampled clients replied; 0 lost, 0 rejected; 1 late replies folded" in caplog.text
+
+
+@pytest.mark.parametrize("identity", ["false", "true"], ids=["streamed", "rows"])
+def test_a_late_reply_of_a_client_the_round_did_not_sample_is_an_extra_upload_of_that_round(in_tmp, identity):
+    """Two of four clients a round (seeded: {2, 3} then {0, 2}), k = 1: client 3's round-1 reply is one round late and
+    arrives in round 2, which did not sample it: it is folded as a third upload (kept as a row more when the round
+    keeps rows), discounted by s(1)."""
+    grid = DelayedGrid(nodes(), hold={4: {1: 1}}, tamper=dict.fromkeys(STEPS, crafted))
+    trainer, got = run(in_tmp, grid, "--trainer.check_identity", identity, "--trainer.client_fraction", "null",
+                       "--trainer.clients_per_round", "2", quorum=1)  # fmt: skip
+    assert [grid.trains(n) for n in STEPS] == [[2], [], [1, 2], [1]]  # (the seeded cohorts, as assumed)
+    x0, x1 = sent_state(grid, 1, node=3), sent_state(grid, 2, node=3)
+    for n in x0:
+        torch.testing.assert_close(x1[n], x0[n] + 0.03, atol=1e-6, rtol=0)
+        want = x1[n] + (0.01 + 0.03 + 0.04 / math.sqrt(2)) / 3
+        torch.testing.assert_close(got["global_state"][n].double(), want, atol=1e-6, rtol=0)
+    rounds = trainer.history[1:]
+    assert [(h["fed/clients"], h["fed/lost_clients"], h["fed/stale_replies"]) for h in rounds] == [(2, 1, 0), (2, 0, 1)]
+    assert got["ledger"]["down"].tolist() == [768, 0, 1536, 768] and got["ledger"]["up"].tolist() == [768, 0, 1536, 768]
 
 
 def test_a_message_out_longer_than_max_staleness_is_given_up_counted_and_its_client_sampled_again(in_tmp):

@@ -137,7 +137,7 @@ class FlowerTransport(Transport):
         parts = [
             f"round {round}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
             f"{metrics['fed/lost_clients']:.0f} lost, {metrics['fed/dropped_clients']:.0f} rejected",
-        ]
+        ] + ([f"{metrics['fed/stale_replies']:.0f} late replies folded"] if metrics.get("fed/stale_replies") else [])
         if "val/acc" in metrics:
             parts.append(f"val/acc {metrics['val/acc']:.4f}")
         if "comm/msg_client_up_bytes" in metrics:
