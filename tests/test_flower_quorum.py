@@ -19,6 +19,7 @@ from flwr.app import Message  # noqa: E402
 from test_flower import SMALL, LocalGrid, final, nodes, task_identity  # noqa: E402, F401
 
 from conftest import CONFIGS  # noqa: E402
+from lightning_fl.compress import Quantize  # noqa: E402
 from lightning_fl.compress.base import FP32  # noqa: E402
 from lightning_fl.errors import ConfigError  # noqa: E402
 from lightning_fl.flower import messages  # noqa: E402
@@ -59,13 +60,20 @@ class DelayedGrid(LocalGrid):
                 if m.metadata.message_type == messages.TRAIN and m.metadata.dst_node_id == node]  # fmt: skip
 
 
-def crafted(reply: Message, message: Message) -> Message:
-    """The node's upload replaced by ``x + d`` (``x`` the state its message carried, ``d`` its node's step)."""
+def crafted(reply: Message, message: Message, codec=None) -> Message:
+    """The node's upload replaced by ``x + d`` (``x`` the state its message carried, ``d`` its node's step), encoded
+    by ``codec`` (default FP32) against ``x``."""
     state = messages.record_to_state(message.content[messages.STATE])
     step = STEPS[message.metadata.dst_node_id]
     upload = {n: t + step for n, t in state.items()}
-    content = messages.reply_content(FP32().encode(upload, state, -1), 10, None, {})
+    content = messages.reply_content((codec or FP32()).encode(upload, state, -1), 10, None, {})
     return Message(content, reply_to=message)
+
+
+def int8_update(reply: Message, message: Message) -> Message:
+    """:func:`crafted`, quantised to 8 bits as an update from ``x`` (decoded by adding ``x`` back: exact here, as
+    the update is one value repeated)."""
+    return crafted(reply, message, Quantize(8, target="update"))
 
 
 def sent_state(grid: DelayedGrid, round: int, node: int = 1) -> dict[str, torch.Tensor]:
@@ -85,15 +93,21 @@ def run(tmp, grid, *extra, name="quorum", **kwargs):
     return trainer, final(tmp / "runs", name)
 
 
-@pytest.mark.parametrize("identity", ["false", "true"], ids=["streamed", "rows"])
-def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted(in_tmp, identity, caplog):
+@pytest.mark.parametrize(
+    ("identity", "codec", "tamper"),
+    [("false", "FP32", crafted), ("true", "FP32", crafted), ("false", "Quantize --trainer.codec.target update",
+                                                             int8_update)],
+    ids=["streamed", "rows", "int8-update"],
+)  # fmt: skip
+def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted(in_tmp, identity, codec, tamper,
+                                                                                  caplog):  # fmt: skip
     """k = 3 of 4, node 4 (client 3) one round late: round 1 steps with clients 0-2; round 2 with clients 0-2 and
     client 3's round-1 upload, discounted by s(1) = 1/sqrt(2) and rebased on round 2's state; the node is not sent a
     second message while its first is out; its download counts in round 1, its upload in round 2. Streamed, and with
-    the uploads kept as rows (the identity check reads them all: the late one takes a row more)."""
-    tamper = dict.fromkeys(STEPS, crafted)
-    grid = DelayedGrid(nodes(), hold={4: {1: 1}}, tamper=tamper)
-    trainer, got = run(in_tmp, grid, "--trainer.check_identity", identity, quorum=3)
+    the uploads kept as rows (the identity check reads them all), and with a codec that encodes relative to the state
+    sent (the late upload is decoded against round 1's state, not round 2's)."""
+    grid = DelayedGrid(nodes(), hold={4: {1: 1}}, tamper=dict.fromkeys(STEPS, tamper))
+    trainer, got = run(in_tmp, grid, "--trainer.check_identity", identity, "--trainer.codec", *codec.split(), quorum=3)
     x0, x1 = sent_state(grid, 1), sent_state(grid, 2)
     for n in x0:  # round 1: the mean of the three replies in time
         torch.testing.assert_close(x1[n], x0[n] + (0.01 + 0.02 + 0.03) / 3, atol=1e-6, rtol=0)
@@ -107,10 +121,12 @@ def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted
     assert [h["fed/busy_clients"] for h in rounds] == [1.0, 0.0]
     assert grid.trains(4) == [1] and grid.trains(1) == [1, 2]  # busy in round 2: sent nothing
     # the ledger: client 3 downloaded once (round 1) and uploaded once (round 2)
-    assert got["ledger"]["down"].tolist() == [1536, 1536, 1536, 768]
-    assert got["ledger"]["up"].tolist() == [1536, 1536, 1536, 768]
-    assert [h["comm/round_down_bytes"] for h in rounds] == [4 * 768.0, 3 * 768.0]
-    assert [h["comm/round_up_bytes"] for h in rounds] == [3 * 768.0, 4 * 768.0]
+    down, up = int(got["ledger"]["down"][3]), int(got["ledger"]["up"][3])
+    assert down == 768 and up == (768 if codec == "FP32" else 192 + 8)  # (int8: a byte per value, scale and zero)
+    assert got["ledger"]["down"].tolist() == [2 * down] * 3 + [down]
+    assert got["ledger"]["up"].tolist() == [2 * up] * 3 + [up]
+    assert [h["comm/round_down_bytes"] for h in rounds] == [4 * down, 3 * down]
+    assert [h["comm/round_up_bytes"] for h in rounds] == [3 * up, 4 * up]
     assert "round 1: proceeds with 3 of 4 replies; client(s) [3] are still training" in caplog.text
     assert "round 2: 4 of 4 sampled clients replied; 0 lost, 0 rejected; 1 late replies folded" in caplog.text
 
