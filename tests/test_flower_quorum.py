@@ -150,6 +150,19 @@ def test_a_late_reply_of_a_client_the_round_did_not_sample_is_an_extra_upload_of
     assert got["ledger"]["down"].tolist() == [768, 0, 1536, 768] and got["ledger"]["up"].tolist() == [768, 0, 1536, 768]
 
 
+def test_a_round_whose_own_replies_are_all_late_but_that_folds_an_earlier_one_is_a_round(in_tmp):
+    """Cohorts {2, 3} then {0, 2}, k = 1: client 3's round-1 reply arrives in round 2, whose own two replies are both
+    held back: round 2 is no silent attempt, it steps from client 3's discounted update alone."""
+    grid = DelayedGrid(nodes(), hold={4: {1: 1}, 1: {2: 9}, 3: {2: 9}}, tamper=dict.fromkeys(STEPS, crafted))
+    trainer, got = run(in_tmp, grid, "--trainer.client_fraction", "null", "--trainer.clients_per_round", "2", quorum=1,
+                       round_timeout=0.05)  # fmt: skip
+    x1 = sent_state(grid, 2, node=3)
+    for n in x1:
+        torch.testing.assert_close(got["global_state"][n].double(), x1[n] + 0.04 / math.sqrt(2), atol=1e-6, rtol=0)
+    assert [(h["fed/lost_clients"], h["fed/stale_replies"]) for h in trainer.history[1:]] == [(1, 0), (2, 1)]
+    assert [grid.trains(n) for n in STEPS] == [[2], [], [1, 2], [1]]  # sent once each: no attempt ran again
+
+
 def test_a_message_out_longer_than_max_staleness_is_given_up_counted_and_its_client_sampled_again(in_tmp):
     """Node 4's round-1 reply is held for two rounds, one more than ``max-staleness`` 1: in round 2 its client is busy
     (lost, sent nothing); at round 3 the message is given up (``fed/stale_dropped``, warned), its client is sent a new
@@ -166,6 +179,35 @@ def test_a_message_out_longer_than_max_staleness_is_given_up_counted_and_its_cli
     assert [h["fed/lost_clients"] for h in rounds] == [1.0, 1.0, 0.0]
     assert grid.trains(4) == [1, 3]
     assert len(grid.store) == 1  # the given-up reply, released by round 3's push and never pulled
+
+
+class SilentOnce(DelayedGrid):
+    """Every node's round-1 reply is held until the server next asks for the node list: after round 1's first
+    attempt, which is silent, at the start of its second."""
+
+    def get_node_ids(self):
+        for held in self.held:
+            self.store[held[1]] = held[2]
+        self.held.clear()
+        return super().get_node_ids()
+
+
+def test_after_a_silent_attempt_the_round_waits_for_its_messages_and_their_replies_are_its_own(in_tmp, caplog):
+    """quorum 4 of 4, no reply within round-timeout in round 1's first attempt: the round runs again without sending
+    anything new (every client is busy) and takes the replies to its first messages as its own (staleness 0, their
+    downloads counted once): the same global state, bit for bit, and the same bytes as a run where nothing was late."""
+    from test_flower import assert_same_state
+
+    grid = SilentOnce(nodes(), hold={node: {1: 99} for node in STEPS})
+    trainer, got = run(in_tmp, grid, quorum=4, round_timeout=0.05, name="silent")
+    assert "round 1: none of the 4 sampled clients replied (attempt 1 of 3)" in caplog.text
+    plain, reference = run(in_tmp, LocalGrid(nodes()), name="plain")
+    assert_same_state(got, reference)
+    assert [grid.trains(n) for n in STEPS] == [[1, 2]] * 4
+    assert [h["fed/stale_replies"] for h in trainer.history[1:]] == [0.0, 0.0]
+    for key in ("comm/round_down_bytes", "comm/round_up_bytes", "comm/msg_round_down_bytes", "fed/lost_clients"):
+        assert [h[key] for h in trainer.history[1:]] == [h[key] for h in plain.history[1:]], key
+    assert torch.equal(got["ledger"]["down"], reference["ledger"]["down"])
 
 
 def test_without_a_quorum_a_late_reply_is_never_folded(in_tmp):
