@@ -182,13 +182,18 @@ def test_a_message_out_longer_than_max_staleness_is_given_up_counted_and_its_cli
 
 
 class SilentOnce(DelayedGrid):
-    """Every node's round-1 reply is held until the server next asks for the node list: after round 1's first
-    attempt, which is silent, at the start of its second."""
+    """Every node's round-1 reply is held until the server next asks for the node list (after round 1's first
+    attempt, which is silent, at the start of its second), but those of ``keep``, held as ``hold`` says."""
+
+    def __init__(self, node_configs, hold, keep=(), **kwargs) -> None:
+        super().__init__(node_configs, hold, **kwargs)
+        self.keep = set(keep)
 
     def get_node_ids(self):
-        for held in self.held:
+        node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in self.sent}
+        for held in [h for h in self.held if node_of[h[1]] not in self.keep]:
+            self.held.remove(held)
             self.store[held[1]] = held[2]
-        self.held.clear()
         return super().get_node_ids()
 
 
@@ -208,6 +213,20 @@ def test_after_a_silent_attempt_the_round_waits_for_its_messages_and_their_repli
     for key in ("comm/round_down_bytes", "comm/round_up_bytes", "comm/msg_round_down_bytes", "fed/lost_clients"):
         assert [h[key] for h in trainer.history[1:]] == [h[key] for h in plain.history[1:]], key
     assert torch.equal(got["ledger"]["down"], reference["ledger"]["down"])
+
+
+def test_a_message_of_a_silent_attempt_still_out_has_its_download_counted_in_its_round(in_tmp):
+    """k = 3 of 4; round 1's first attempt is silent; in its second, nodes 1-3's replies come (its own) and node 4's
+    is still out: client 4 is lost in round 1 with its download counted there (its message is round 1's), and its
+    reply is folded into round 2 as a late one, its upload counted there."""
+    hold = {node: {1: 99} for node in (1, 2, 3)} | {4: {1: 1}}
+    grid = SilentOnce(nodes(), hold=hold, keep={4})
+    trainer, got = run(in_tmp, grid, quorum=3, round_timeout=0.05)
+    assert [(h["fed/lost_clients"], h["fed/stale_replies"]) for h in trainer.history[1:]] == [(1, 0), (0, 1)]
+    assert [grid.trains(n) for n in STEPS] == [[1, 2], [1, 2], [1, 2], [1]]
+    assert got["ledger"]["down"].tolist() == [1536, 1536, 1536, 768]
+    assert got["ledger"]["up"].tolist() == [1536, 1536, 1536, 768]
+    assert [h["comm/round_down_bytes"] for h in trainer.history[1:]] == [4 * 768.0, 3 * 768.0]
 
 
 def test_without_a_quorum_a_late_reply_is_never_folded(in_tmp):

@@ -106,6 +106,12 @@ class LateReplies:
         return replace(reply, staleness=tau, reference=reference, discount=discount(self.staleness, self.exponent, tau),
                        downloaded=False, message_down=None)  # fmt: skip
 
+    def lost(self, client: int) -> Reply:
+        """A busy client's entry when no reply of its came: lost, its download counted only if its message is this
+        round's (sent by an attempt that was silent), not again for an older one."""
+        out = next((o for o in self.out.values() if o.client == client and o.round == self.round), None)
+        return Reply(client, lost=True, message_down=out.down if out else None, downloaded=out is not None)
+
     def metrics(self) -> dict[str, float]:
         """``fed/stale_replies`` (late replies folded into this round), ``fed/staleness_max`` (the largest
         staleness among them, 0 if none), ``fed/stale_dropped`` (messages given up this round), ``fed/busy_clients``

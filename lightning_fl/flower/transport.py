@@ -209,7 +209,7 @@ class FlowerTransport(Transport):
             if cid in busy:  # its entry is its late reply, if that came
                 was, message = stale.pop(cid, (None, None))
                 reply = self._read(cid, message, None)
-                yield late.reply(was, reply) if reply is not None else Reply(cid, lost=True, downloaded=False)
+                yield late.reply(was, reply) if reply is not None else late.lost(cid)
             else:
                 down = sent[cid][1] if cid in sent else None
                 yield self._read(cid, answers.get(cid), down) or Reply(cid, lost=True, message_down=down)
