@@ -113,9 +113,9 @@ class LateReplies:
         return Reply(client, lost=True, message_down=out.down if out else None, downloaded=out is not None)
 
     def metrics(self) -> dict[str, float]:
-        """``fed/stale_replies`` (late replies folded into this round), ``fed/staleness_max`` (the largest
-        staleness among them, 0 if none), ``fed/stale_dropped`` (messages given up this round), ``fed/busy_clients``
-        (clients with a message out as the round ends)."""
+        """``fed/stale_replies`` (late replies this round took: folded unless the gate rejects one),
+        ``fed/staleness_max`` (the largest staleness among them, 0 if none), ``fed/stale_dropped`` (messages given up
+        this round), ``fed/busy_clients`` (clients with a message out as the round ends)."""
         return {"fed/stale_replies": float(len(self.stale)), "fed/staleness_max": float(max(self.stale, default=0)),
                 "fed/stale_dropped": float(self.dropped), "fed/busy_clients": float(len(self.out))}  # fmt: skip
 
