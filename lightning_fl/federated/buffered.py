@@ -26,6 +26,15 @@ from lightning_fl.errors import ConfigError
 STALENESS = ("sqrt", "constant", "polynomial")
 
 
+def discount(staleness: str, exponent: float, tau: int) -> float:
+    """The staleness discount ``s(tau)`` of an update ``tau`` server steps (or rounds) old, ``s(0) = 1``: ``sqrt``
+    ``1 / sqrt(1 + tau)``, ``constant`` 1, ``polynomial`` ``(1 + tau) ** -exponent``. FedBuff's rule, and that of a
+    late reply folded into a later round on Flower (:mod:`lightning_fl.flower.late`)."""
+    if staleness == "constant":
+        return 1.0
+    return (1.0 + tau) ** -(0.5 if staleness == "sqrt" else float(exponent))
+
+
 class FedBuff:
     """``trainer.buffered``: one server step (one of ``trainer.rounds``) every ``buffer_size`` client updates, with
     ``concurrency`` clients training at once (module docstring). Needs ``trainer.clock``: a client's time to finish is
@@ -68,10 +77,8 @@ class FedBuff:
         return out
 
     def weight(self, tau: int) -> float:
-        """The discount ``s(tau)`` of an update ``tau`` server steps stale (``s(0) = 1``)."""
-        if self.staleness == "constant":
-            return 1.0
-        return (1.0 + tau) ** -(0.5 if self.staleness == "sqrt" else float(self.exponent))
+        """The discount ``s(tau)`` of an update ``tau`` server steps stale (``s(0) = 1``; :func:`discount`)."""
+        return discount(self.staleness, self.exponent, tau)
 
     def check_population(self, num_clients: int) -> None:
         """Refuse a concurrency or buffer larger than the population (neither could ever fill)."""

@@ -55,7 +55,8 @@ from lightning_fl.federated.uploads import (
 def entry_of(reply: Reply, rnd: Round, stages: list[Stage]) -> Entry:
     """A reply as the round's entry (its sample count as weight, its message bytes), after the stages' ``on_reply``;
     ``LOST`` when nothing came back."""
-    entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged)
+    entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged, staleness=reply.staleness,
+                  downloaded=reply.downloaded)  # fmt: skip
     entry.msg_up = -1 if reply.message_up is None else reply.message_up
     entry.msg_down = -1 if reply.message_down is None else reply.message_down
     for stage in stages:
@@ -64,6 +65,13 @@ def entry_of(reply: Reply, rnd: Round, stages: list[Stage]) -> Entry:
         entry.status = LOST
     rnd.entries[entry.client] = entry
     return entry
+
+
+def rebased(upload: State, then: State, now: State, discount: float) -> State:
+    """A late upload ``u``, trained from ``then``, as the equivalent upload of a round at ``now``: ``now + s (u -
+    then)`` (float64 arithmetic, back to each tensor's dtype), so the round's weighted mean steps by FedBuff's
+    ``sum_i w_i s(tau_i) Delta_i / sum_i w_i`` (:mod:`lightning_fl.federated.buffered`)."""
+    return {n: (now[n].double() + discount * (upload[n].double() - then[n].double())).to(now[n].dtype) for n in now}
 
 
 class Uploads:
@@ -150,6 +158,9 @@ class Uploads:
             entry = entry_of(reply, rnd, stages)
             decoded = self.decode(rnd, reply, entry)
             if rnd.rows is not None:
+                if decoded is not None and len(rnd.rows.clients) == len(rnd.rows.values):  # a late reply, beyond
+                    rnd.rows.values = torch.cat([rnd.rows.values, rnd.rows.values[:1]])  # the round's own: a row more
+                    rnd.rows.held += 1
                 if decoded is not None:
                     flatten(decoded, rnd.names, out=rnd.rows.values[len(rnd.rows.clients)])
                     rnd.rows.clients.append(entry.client)
@@ -169,19 +180,23 @@ class Uploads:
                 self._fold(rnd, strategy, stages, rnd.entry(client), pending[client])
 
     def decode(self, rnd: Round, reply: Reply, entry: Entry) -> State | None:
-        """A reply's upload decoded if it passes the gate (layout, dtype, size, finite values); else ``None``."""
+        """A reply's upload decoded if it passes the gate (layout, dtype, size, finite values); else ``None``.
+
+        A late reply (``reply.reference``: the state it was trained from) is decoded against that state and enters
+        the round as :func:`rebased`."""
         if reply.lost:
             return None
         entry.up = upload_nbytes(reply.payload)
+        reference = rnd.state if reply.reference is None else reply.reference
         if reply.failure:
             decoded, problems = None, [reply.failure]
         else:
-            decoded, problems = screen_upload(reply.payload, self.codec, rnd.state, reply.client)
+            decoded, problems = screen_upload(reply.payload, self.codec, reference, reply.client)
         if problems or decoded is None:
             rnd.reject(entry, problems)
             return None
         entry.status = ACCEPTED
-        return decoded
+        return decoded if reply.reference is None else rebased(decoded, reply.reference, rnd.state, reply.discount)
 
     @staticmethod
     def _fold(rnd: Round, strategy: Strategy, stages: list[Stage], entry: Entry, row: torch.Tensor) -> None:

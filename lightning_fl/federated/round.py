@@ -149,7 +149,7 @@ class RoundRunner:
             stage.start(rnd)
         self.collection.collect(rnd, self.strategy, self.stages, model, datamodule)
         lost = [e.client for e in rnd.in_order if e.status == LOST]
-        if available and len(lost) == len(available):
+        if available and len(lost) == len(available) == len(rnd.entries):  # (a late reply is a reply)
             self.collection.transport.silent_round(r + 1, available)
             return None
         if lost:
@@ -168,6 +168,7 @@ class RoundRunner:
             "fed/dropped_clients": len(self.dropped),
             # what the round aggregated: the metrics and the ledger's upload bytes leave dropped clients out
             **mean_over_clients([e.logged for e in rnd.answered if e.client in aggregated]),
+            **self.collection.transport.round_metrics(),
             **rnd.metrics,
         }
         record_bytes(self.ledger, rnd, aggregated, rnd.download_bytes)

@@ -45,6 +45,14 @@ class Reply:
             vector went into the sum); ``None``: the payload's.
         dp_sgd_plan: Under ``trainer.dp_sgd``, the record count and batch size the client's node trained with (a
             node with its own data reports them for the server's accountant); ``None``: the data module's.
+        staleness: Rounds since the message this replies to was sent (0: this round's; more: a late reply a round
+            left behind, run config ``quorum`` on Flower).
+        reference: The global state a late reply was trained from (its upload is decoded against it); ``None``:
+            this round's.
+        discount: The staleness discount ``s(staleness)``: a late upload ``u`` enters the round as ``x + s (u -
+            reference)``, ``x`` this round's global state.
+        downloaded: Whether this round sent the client the global state (a late reply's download, or a busy
+            client's, was counted in the round its message was sent).
     """
 
     client: int
@@ -57,6 +65,10 @@ class Reply:
     message_down: int | None = None
     upload_bytes: int | None = None
     dp_sgd_plan: tuple[Any, Any] | None = None
+    staleness: int = 0
+    reference: State | None = None
+    discount: float = 1.0
+    downloaded: bool = True
 
 
 @dataclass
@@ -112,6 +124,10 @@ class Transport(Callback):
         (nothing aggregated, released, accounted or saved) and runs again after this returns. Raise to stop the run;
         a transport that never loses a reply never gets here (this one stops at once)."""
         raise UserError(f"round {round}: none of the clients asked ({asked[:8]}) replied")
+
+    def round_metrics(self) -> dict[str, float]:
+        """What the transport adds to the round's metrics once its replies are in (Flower's late replies)."""
+        return {}
 
     def replies(
         self,

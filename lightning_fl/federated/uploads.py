@@ -38,6 +38,8 @@ class Entry:
     msg_down: int = -1
     logged: dict[str, tuple[float, float]] = field(default_factory=dict)
     norm: float = math.nan  # the L2 norm of its update (float64), once computed
+    staleness: int = 0  # rounds its reply is late (a late reply folded into this round on Flower)
+    downloaded: bool = True  # this round sent it the global state (a late or busy client's was counted before)
 
 
 @dataclass
@@ -198,11 +200,12 @@ def mean_over_clients(logged: list[dict[str, tuple[float, float]]]) -> dict[str,
 
 def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Callable[[int], int]) -> None:
     """Count a round's traffic: ``down(client)`` bytes to every sampled client (``rnd.away``: those unavailable;
-    ``rnd.late``: those the clock left out), each reply's upload as aggregated or rejected, and the transport's message
-    bytes where it measured them."""
+    ``rnd.late``: those the clock left out) this round sent the global state, each reply's upload as aggregated or
+    rejected (a late reply's in the round it arrives), and the transport's message bytes where it measured them."""
     ledger.start_round()
     for e in rnd.in_order:
-        ledger.record(e.client, "down", down(e.client))
+        if e.downloaded:
+            ledger.record(e.client, "down", down(e.client))
         if e.status != LOST:
             ledger.record(e.client, "up" if e.client in aggregated else "rejected", e.up)
         for direction, size in (("up", e.msg_up), ("down", e.msg_down)):

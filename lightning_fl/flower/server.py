@@ -10,7 +10,10 @@ after ``python -m lightning_fl fit``), ``round-timeout`` (seconds to wait for a 
 for all), ``wait-for-nodes`` (seconds to wait before round 1 until every client has a node), ``hello-timeout``
 (seconds a new node has to say which client it serves; default 60: raise it on a busy machine, where a ClientApp
 process takes long to import) and ``max-silent-rounds`` (a round without one reply is not done and runs again;
-stop with an error after this many such attempts in a row; default 3, 0: never). The trainer
+stop with an error after this many such attempts in a row; default 3, 0: never). ``quorum`` (a round proceeds once
+this many of the messages it sent have replied; 0, the default: all), ``max-staleness`` (rounds a message a round
+left behind may stay out; its reply, when it comes, is folded into the round it arrives in), ``staleness`` and
+``staleness-exponent`` (the discount of a late reply, as FedBuff's): :mod:`lightning_fl.flower.late`. The trainer
 is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, resume and TensorBoard logs.
 """
 
@@ -28,6 +31,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.loop import FederatedTrainer
+from lightning_fl.flower import late
 from lightning_fl.flower.transport import FlowerTransport
 
 ERROR = 40  # logging.ERROR
@@ -42,6 +46,10 @@ def serve(
     app_dir: str | Path | None = None,
     hello_timeout: float = 60.0,
     max_silent_rounds: int | None = 3,
+    quorum: int = 0,
+    max_staleness: int = 4,
+    staleness: str = "sqrt",
+    staleness_exponent: float = 0.5,
 ) -> FederatedTrainer:
     """Build the run from ``config`` and ``overrides`` and fit it with clients reached through ``grid``."""
     from lightning_fl.cli import build
@@ -58,8 +66,13 @@ def serve(
         raise ConfigError(f"trainer must be a FederatedTrainer to run on Flower, got {type(trainer).__name__}")
     if trainer.devices not in (1, "1"):
         raise ConfigError(f"trainer.devices must be 1 on Flower (clients run on the SuperNodes), got {trainer.devices}")
+    late.check(quorum, max_staleness, staleness, staleness_exponent)
+    if quorum and (problem := late.quorum_problem(trainer)):
+        raise ConfigError(f"run config 'quorum' {quorum}: {problem}")
+    behind = late.late_replies(quorum, max_staleness, staleness, staleness_exponent)
     transport = FlowerTransport(grid, run.config_yaml, round_timeout, hello_timeout=hello_timeout,
-                                wait_for_nodes=wait_for_nodes, max_silent_rounds=max_silent_rounds)  # fmt: skip
+                                wait_for_nodes=wait_for_nodes, max_silent_rounds=max_silent_rounds,
+                                late=behind)  # fmt: skip
     trainer = dataclasses.replace(trainer, transport=transport)  # the config's trainer, rounds through Flower
     trainer.log_config(run.config_yaml)
     trainer.fit(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
@@ -69,7 +82,8 @@ def serve(
 # the run config keys and their defaults; pyproject.toml's [tool.flwr.app.config] declares the same (Flower refuses
 # a `flwr run --run-config` key the app does not declare)
 RUN_CONFIG = {"config": "configs/quickstart.yaml", "overrides": "", "round-timeout": 0.0, "wait-for-nodes": 60.0,
-              "hello-timeout": 60.0, "max-silent-rounds": 3}  # fmt: skip
+              "hello-timeout": 60.0, "max-silent-rounds": 3, "quorum": 0, "max-staleness": 4, "staleness": "sqrt",
+              "staleness-exponent": 0.5}  # fmt: skip
 
 
 def settings(run_config: dict[str, Any]) -> dict[str, Any]:
@@ -96,8 +110,11 @@ def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(silent, int) or isinstance(silent, bool) or silent < 0:
         raise ConfigError(f"run config 'max-silent-rounds' must be a whole number of rounds >= 0, got {silent!r}")
     timeout, wait = numbers["round-timeout"] or None, numbers["wait-for-nodes"]
+    folding = {key.replace("-", "_"): run_config.get(key, RUN_CONFIG[key])
+               for key in ("quorum", "max-staleness", "staleness", "staleness-exponent")}  # fmt: skip
+    late.check(*folding.values())
     return {"config": config, "overrides": overrides, "round_timeout": timeout, "wait_for_nodes": wait,
-            "hello_timeout": numbers["hello-timeout"], "max_silent_rounds": silent or None}  # fmt: skip
+            "hello_timeout": numbers["hello-timeout"], "max_silent_rounds": silent or None, **folding}  # fmt: skip
 
 
 def server_app(outcome: dict | None = None, **kwargs: Any) -> ServerApp:

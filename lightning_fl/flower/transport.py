@@ -24,6 +24,7 @@ from lightning_fl.federated.transport import Reply, SecureRound, Transport
 from lightning_fl.flower import messages as wire_msg
 from lightning_fl.flower import secure as secagg
 from lightning_fl.flower.grid import exchange  # (also lightning_fl.flower.transport.exchange, as before)
+from lightning_fl.flower.late import LateReplies
 
 NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
 INFO, WARNING = 20, 30  # logging.INFO, logging.WARNING
@@ -43,6 +44,8 @@ class FlowerTransport(Transport):
         max_silent_rounds: A round in which no sampled client replies is not done (nothing is aggregated,
             released, accounted or saved) and runs again; stop the run with an error after this many silent attempts
             in a row (the last completed round's checkpoint is saved, so it resumes); ``None`` or 0: keep trying.
+        late: Run config ``quorum``: rounds proceed at k of n and fold late replies into later rounds
+            (:mod:`lightning_fl.flower.late`); ``None``: a round waits for every reply (or ``round_timeout``).
     """
 
     spreads_over_processes = False
@@ -56,8 +59,9 @@ class FlowerTransport(Transport):
         hello_timeout: float = 60.0,
         wait_for_nodes: float = 60.0,
         max_silent_rounds: int | None = 3,
+        late: LateReplies | None = None,
     ) -> None:
-        self.grid, self.config_yaml = grid, config_yaml
+        self.grid, self.config_yaml, self.late = grid, config_yaml, late
         self.round_timeout, self.hello_timeout, self.wait_for_nodes = round_timeout, hello_timeout, wait_for_nodes
         self.max_silent_rounds = max_silent_rounds or None
         self.silent_rounds = 0  # attempts in a row in which no sampled client replied
@@ -133,7 +137,7 @@ class FlowerTransport(Transport):
         parts = [
             f"round {round}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
             f"{metrics['fed/lost_clients']:.0f} lost, {metrics['fed/dropped_clients']:.0f} rejected",
-        ]
+        ] + ([f"{metrics['fed/stale_replies']:.0f} late replies folded"] if metrics.get("fed/stale_replies") else [])
         if "val/acc" in metrics:
             parts.append(f"val/acc {metrics['val/acc']:.4f}")
         if "comm/msg_client_up_bytes" in metrics:
@@ -161,6 +165,8 @@ class FlowerTransport(Transport):
 
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
         self.introduce()
+        late = self.late
+        busy = late.start(round) if late is not None else set()  # (their messages are still out: sent nothing)
         arrays = wire_msg.state_to_record(state)
         sent: dict[int, tuple[int, int]] = {}  # client -> (node, bytes of its message)
         out: list[Message] = []
@@ -168,7 +174,7 @@ class FlowerTransport(Transport):
         sizes: dict[str, int] = {}  # serialised size per object id: the shared state is counted once
         for cid in clients:
             node = self.node_of.get(cid)
-            if node is None:
+            if node is None or cid in busy:
                 continue
             content = wire_msg.train_content(arrays, round, seed, cid, self.fingerprint, self.num_clients)
             message = Message(content=content, dst_node_id=node, message_type=wire_msg.TRAIN, group_id=str(round + 1))
@@ -176,38 +182,61 @@ class FlowerTransport(Transport):
             targets.append(cid)
             sent[cid] = (node, wire_msg.message_bytes(message, sizes))
         answers: dict[int, Any] = {}
-        if out:
-            started = time.monotonic()
-            replies = exchange(self.grid, out, self.round_timeout)
-            # match replies to what was sent; a reply to another round's message is never this round's (the
-            # SuperLink answers for a vanished node under its own id, with no message to reply to)
-            by_id = {m.metadata.message_id: c for m, c in zip(out, targets, strict=True) if m.metadata.message_id}
-            for reply in replies:
-                to = reply.metadata.reply_to_message_id or None
-                client = by_id.get(to) if to is not None else self.client_of.get(reply.metadata.src_node_id)
-                if client is not None and client in sent and client not in answers:
-                    answers[client] = reply
-            late = sorted(set(targets) - set(answers))
-            if late and self.round_timeout is not None and time.monotonic() - started >= self.round_timeout:
-                warnings.warn(f"round {round + 1}: client(s) {late} did not reply: timed out after "
-                              f"{self.round_timeout:g} s; raise run config 'round-timeout'", stacklevel=2)  # fmt: skip
+        stale: dict[int, tuple[Any, Any]] = {}  # client -> (its message out, the late reply)
+        started = time.monotonic()
+        pending, need = (late.waiting(), late.need(len(out))) if late is not None else ((), None)
+        replies = exchange(self.grid, out, self.round_timeout, pending=pending, need=need)
+        # match replies to what was sent; a reply to another round's message is never this round's (the
+        # SuperLink answers for a vanished node under its own id, with no message to reply to)
+        by_id = {m.metadata.message_id: c for m, c in zip(out, targets, strict=True) if m.metadata.message_id}
+        for reply in replies:
+            to = reply.metadata.reply_to_message_id or None
+            client = by_id.get(to) if to is not None else self.client_of.get(reply.metadata.src_node_id)
+            if client is not None and client in sent and client not in answers:
+                answers[client] = reply
+            elif late is not None and (was := late.match(to, client)) is not None:
+                stale[was.client] = (was, reply)
+        behind = sorted(set(targets) - set(answers))
+        if late is not None and behind:
+            late.left(round, state, [(m, c, *sent[c]) for m, c in zip(out, targets, strict=True) if c in behind])
+            log(INFO, "round %d: proceeds with %d of %d replies; client(s) %s are still training: a reply that "
+                "arrives within run config 'max-staleness' rounds is folded into the round it arrives in", round + 1,
+                len(answers), len(out), behind)  # fmt: skip
+        elif behind and self.round_timeout is not None and time.monotonic() - started >= self.round_timeout:
+            warnings.warn(f"round {round + 1}: client(s) {behind} did not reply: timed out after "
+                          f"{self.round_timeout:g} s; raise run config 'round-timeout'", stacklevel=2)  # fmt: skip
         for cid in clients:
-            down = sent[cid][1] if cid in sent else None
-            reply = answers.get(cid)
-            if reply is None or (reply.has_error() and reply.error.code == NODE_UNAVAILABLE):
-                if reply is not None:  # the node is gone: forget it until it comes back (under a new id)
-                    self.client_of.pop(self.node_of.pop(cid, -1), None)
-                yield Reply(cid, lost=True, message_down=down)
-                continue
-            try:  # whatever one reply holds, it is that reply's problem, never the server's
-                payload, num_samples, failure, logged = wire_msg.read_reply(reply)
-                plan = wire_msg.read_dp_sgd_plan(reply)
-            except Exception as err:
-                payload, num_samples, logged, plan = None, 0, {}, None
-                failure = f"malformed reply ({type(err).__name__}: {str(err)[:200]})"
-            size = wire_msg.message_bytes(reply) if reply.has_content() else None
-            yield Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down,
-                        dp_sgd_plan=plan)  # fmt: skip
+            if cid in busy:  # its entry is its late reply, if that came
+                was, message = stale.pop(cid, (None, None))
+                reply = self._read(cid, message, None)
+                yield late.reply(was, reply) if reply is not None else late.lost(cid)
+            else:
+                down = sent[cid][1] if cid in sent else None
+                yield self._read(cid, answers.get(cid), down) or Reply(cid, lost=True, message_down=down)
+        for cid in sorted(stale):  # late replies of clients this round did not sample
+            if (reply := self._read(cid, stale[cid][1], None)) is not None:
+                yield late.reply(stale[cid][0], reply)
+
+    def _read(self, cid: int, reply: Message | None, down: int | None) -> Reply | None:
+        """A node's reply as the round reads it; ``None`` when it is lost (none, or its node is gone: then forgotten
+        until it comes back under a new id)."""
+        if reply is None or (reply.has_error() and reply.error.code == NODE_UNAVAILABLE):
+            if reply is not None:
+                self.client_of.pop(self.node_of.pop(cid, -1), None)
+            return None
+        try:  # whatever one reply holds, it is that reply's problem, never the server's
+            payload, num_samples, failure, logged = wire_msg.read_reply(reply)
+            plan = wire_msg.read_dp_sgd_plan(reply)
+        except Exception as err:
+            payload, num_samples, logged, plan = None, 0, {}, None
+            failure = f"malformed reply ({type(err).__name__}: {str(err)[:200]})"
+        size = wire_msg.message_bytes(reply) if reply.has_content() else None
+        return Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down,
+                     dp_sgd_plan=plan)  # fmt: skip
+
+    def round_metrics(self) -> dict[str, float]:
+        """With run config ``quorum``: the round's late replies (:meth:`LateReplies.metrics`)."""
+        return self.late.metrics() if self.late is not None else {}
 
     def secure_round(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> SecureRound:
         """A round through Flower's SecAgg+ (:mod:`lightning_fl.flower.secure`): the sampled clients' nodes train
