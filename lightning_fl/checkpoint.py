@@ -50,7 +50,7 @@ def compute_environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     Fashion-MNIST feature extractor trained with 1 and with 2 threads gives other features (docs/results-fmp.md).
     """
     device = torch.device(device)
-    env: dict[str, Any] = {"torch": torch.__version__, "device": device.type}
+    env: dict[str, Any] = {"torch": str(torch.__version__), "device": device.type}  # a str, not a TorchVersion
     if device.type == "cuda":
         env["name"] = torch.cuda.get_device_name(device)
     elif device.type == "cpu":

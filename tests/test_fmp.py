@@ -450,6 +450,7 @@ def test_the_generator_cache_key_names_the_threads_that_train_it(monkeypatch):
         torch.set_num_threads(threads)
     assert keys[0] == keys[2] and keys[1] != keys[0]
     assert (keys[0]["environment"]["threads"], keys[1]["environment"]["threads"]) == (1, 2)
+    assert type(keys[0]["environment"]["torch"]) is str  # the file keeps its key, read back with weights_only
 
 
 def quiet_trainer(tmp_path, **kwargs):
