@@ -33,8 +33,8 @@ def cache_file(kind: str, key: dict[str, Any], filename: str, cache_dir: str | P
 
     ``digest`` is the first 16 hex digits of the SHA-256 of :func:`cache_key_text`; ``cache_dir`` defaults to
     :func:`default_cache_dir`. Everything that determines the file's contents belongs in ``key``, so a changed
-    setting is a new folder, never a stale hit; so does the machine's, for a file that is trained
-    (:func:`compute_environment`). The package's three caches use it: pretrained bases
+    setting is a new folder, never a stale hit; the features' and generators' keys also hold what the machine adds
+    (:func:`compute_environment`; the bases' keys do not yet). The package's three caches use it: pretrained bases
     (``bases/``), extracted features (``features/``) and FMP's predictive generators (``generators/``).
     """
     digest = hashlib.sha256(cache_key_text(key).encode()).hexdigest()[:16]
