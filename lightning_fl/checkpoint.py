@@ -33,12 +33,30 @@ def cache_file(kind: str, key: dict[str, Any], filename: str, cache_dir: str | P
 
     ``digest`` is the first 16 hex digits of the SHA-256 of :func:`cache_key_text`; ``cache_dir`` defaults to
     :func:`default_cache_dir`. Everything that determines the file's contents belongs in ``key``, so a changed
-    setting is a new folder, never a stale hit. The package's three caches use it: pretrained bases
+    setting is a new folder, never a stale hit; the features' and generators' keys also hold what the machine adds
+    (:func:`compute_environment`; the bases' keys do not yet). The package's three caches use it: pretrained bases
     (``bases/``), extracted features (``features/``) and FMP's predictive generators (``generators/``).
     """
     digest = hashlib.sha256(cache_key_text(key).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     return root / kind / digest / filename
+
+
+def compute_environment(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What, besides its inputs, decides the bits of a file trained or computed on ``device``: for a cache key.
+
+    The torch version and the device; on a CPU also its kernel level (``AVX2``, ``AVX512``...) and the number of
+    intra-op threads, since kernels split their sums among the threads and add the parts in another order: the same
+    Fashion-MNIST feature extractor trained with 1 and with 2 threads gives other features (docs/results-fmp.md).
+    """
+    device = torch.device(device)
+    env: dict[str, Any] = {"torch": str(torch.__version__), "device": device.type}  # a str, not a TorchVersion
+    if device.type == "cuda":
+        env["name"] = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        env["cpu"] = torch.backends.cpu.get_cpu_capability()
+        env["threads"] = torch.get_num_threads()
+    return env
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:

@@ -138,6 +138,26 @@ def test_cache_key_follows_seed_classes_and_initial_weights(tmp_path):
     assert base.is_relative_to(tmp_path / "features")
 
 
+def test_cache_key_follows_the_threads_that_train_the_extractor(tmp_path):
+    """A CPU kernel adds its threads' partial sums in an order that depends on their number: the same extractor
+    trained with 1 and with 2 threads gives other features (two trainings of Fashion-MNIST's under one key moved FMP
+    0.44 pp, docs/results-fmp.md). A cache written with one count is not served to a run with another."""
+
+    def path():
+        f = ExtractedFeatures(Digits(), digits_cnn(), cache_dir=str(tmp_path), **TINY)
+        return f.cache_path(f.cache_key())
+
+    one = path()  # one thread (the autouse fixture)
+    torch.set_num_threads(2)
+    two = path()
+    torch.set_num_threads(1)
+    assert two != one and path() == one
+    key = ExtractedFeatures(Digits(), digits_cnn(), cache_dir=str(tmp_path), **TINY).cache_key()
+    assert key["environment"] == {
+        "torch": torch.__version__, "device": "cpu", "cpu": torch.backends.cpu.get_cpu_capability(), "threads": 1
+    }  # fmt: skip
+
+
 def test_checkpoint_replaces_training(trained, tmp_path, monkeypatch):
     features, _ = trained
     monkeypatch.setattr(ExtractedFeatures, "_train", lambda *a, **k: pytest.fail("should not train"))

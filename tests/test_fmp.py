@@ -433,6 +433,26 @@ def test_every_generator_setting_is_in_its_cache_key(monkeypatch, setting):
     assert other["generator"] != default["generator"]
 
 
+def test_the_generator_cache_key_names_the_threads_that_train_it(monkeypatch):
+    """Another thread count trains another generator (sums added in another order): never served from the cache."""
+    from types import SimpleNamespace
+
+    dm = small_tasks()
+    dm.setup()
+    monkeypatch.setattr(FMPMetaLearner, "trainer", property(lambda self: SimpleNamespace(datamodule=dm)))
+    threads = torch.get_num_threads()
+    keys = []
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            keys.append(learner().generator_cache_key())
+    finally:
+        torch.set_num_threads(threads)
+    assert keys[0] == keys[2] and keys[1] != keys[0]
+    assert (keys[0]["environment"]["threads"], keys[1]["environment"]["threads"]) == (1, 2)
+    assert type(keys[0]["environment"]["torch"]) is str  # the file keeps its key, read back with weights_only
+
+
 def quiet_trainer(tmp_path, **kwargs):
     """A ``lightning.Trainer`` without validation, logger, checkpoints, progress bar or summary."""
     import lightning as L

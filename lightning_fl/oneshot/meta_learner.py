@@ -33,6 +33,7 @@ from lightning_fl.checkpoint import (
     atomic_save,
     cache_file,
     checkpoint_name,
+    compute_environment,
     digest_tensors,
     read_checkpoint,
     state_mismatch,
@@ -193,6 +194,7 @@ class FMPMetaLearner(L.LightningModule):
             "recipe": self.generator_training.key(),
             "l2": self.l2,
             "num_generated": self.num_generated,
+            "environment": compute_environment(self.device),  # another thread count trains another generator
         }
 
     def prepare_generator(self) -> None:

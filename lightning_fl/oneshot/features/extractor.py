@@ -25,7 +25,14 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_fl.checkpoint import cache_file, cache_key_text, digest_tensors, read_checkpoint, tensor_state
+from lightning_fl.checkpoint import (
+    cache_file,
+    cache_key_text,
+    compute_environment,
+    digest_tensors,
+    read_checkpoint,
+    tensor_state,
+)
 from lightning_fl.data.sources import DataSource
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.methods import centralised
@@ -209,7 +216,8 @@ class ExtractedFeatures(FeatureData):
         return state
 
     def cache_key(self, checkpoint_state: dict[str, Tensor] | None = None) -> dict[str, Any]:
-        """Everything that determines the raw features; its hash names the cache folder."""
+        """Everything that determines the raw features, the torch threads and device included; its hash names the
+        cache folder."""
         net = self.model.backbone
         key: dict[str, Any] = {
             "format": CACHE_FORMAT,
@@ -219,6 +227,8 @@ class ExtractedFeatures(FeatureData):
             "seed": self.seed,
             "extractor": f"{type(net).__module__}.{type(net).__qualname__}: {net!r}",
             "feature_dim": self.feature_dim,
+            # the same extractor trained with another thread count gives other features (docs/results-fmp.md)
+            "environment": compute_environment(resolve_device(self.accelerator)),
         }
         if checkpoint_state is not None:
             key["checkpoint"] = digest_tensors(checkpoint_state)
