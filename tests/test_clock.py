@@ -1,6 +1,7 @@
 """The simulated clock: each client's speeds, a round's time in closed form, deadlines and over-selection (who is
 left out, what the ledger counts, what central DP divides by), and runs that resume with their time."""
 
+import csv
 import math
 import warnings
 
@@ -171,3 +172,35 @@ def test_combinations_the_clock_cannot_serve_are_refused(tmp_path, kwargs, messa
 def test_impossible_clock_settings_name_the_key(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         Clock(**kwargs)
+
+
+# ============================================================================ the time-to-accuracy tool
+def test_time_to_accuracy_counts_simulated_time_and_updates_to_the_first_round_at_the_target(tmp_path):
+    from conftest import tool_module
+
+    tta = tool_module("time_to_accuracy")
+    columns = ["sweep", "label", "seed", "method", "close", "round", "final", "val/acc", "fed/clients",
+               "fed/late_clients", "fed/unavailable_clients", "fed/dropped_clients", "fed/staleness_max",
+               "time/simulated_elapsed_s", "comm/cum_client_bytes"]  # fmt: skip
+    rows = [  # over-selection: 13 of 13 sampled, 3 late a round; FedBuff: steps of 10, staleness logged
+        ["s", "a", 0, "flite", "over-selection", 0, 0, 0.80, "", "", "", "", "", "", ""],
+        ["s", "a", 0, "flite", "over-selection", 1, 0, 0.84, 13, 3, 0, 0, "", 60.0, 100],
+        ["s", "a", 0, "flite", "over-selection", 2, 1, 0.90, 13, 3, 1, 0, "", 150.0, 200],
+        ["s", "b", 0, "flite", "fedbuff", 0, 0, 0.80, "", "", "", "", "", "", ""],
+        ["s", "b", 0, "flite", "fedbuff", 1, 0, "", 10, "", "", "", 1, 6.0, 50],
+        ["s", "b", 0, "flite", "fedbuff", 2, 1, 0.88, 9, "", "", 1, 2, 12.0, 90],
+    ]
+    path = tmp_path / "r.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        writer.writerows(rows)
+    runs = tta.read(path)
+    over = tta.curve(runs[("flite", "over-selection")][0])
+    assert over == [(0.0, 0.0, 0.80), (60.0, 10.0, 0.84), (150.0, 19.0, 0.90)]
+    buff = tta.curve(runs[("flite", "fedbuff")][0])
+    assert buff == [(0.0, 0.0, 0.80), (12.0, 19.0, 0.88)]  # (the unevaluated step still counts its updates)
+    assert tta.reach(over, 0.85) == (150.0, 19.0) and tta.reach(buff, 0.89) is None
+    text = tta.table(runs, 0.85)
+    assert "| flite | over-selection | 1 | 0.9000 | 2.50 | 2.50 | 19 | 200 |" in text
+    assert "| flite | FedBuff | 1 | 0.8800 | 0.20 | 0.20 | 19 | 90 |" in text

@@ -88,6 +88,11 @@ METRIC_COLUMNS = [
     "fed/round_skipped",
     "time/round_s",
     "time/elapsed_s",
+    "time/simulated_round_s",
+    "time/simulated_elapsed_s",
+    "fed/late_clients",
+    "fed/staleness_mean",
+    "fed/staleness_max",
 ]
 
 

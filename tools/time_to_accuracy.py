@@ -1,0 +1,147 @@
+"""Time to accuracy from a sweep whose runs carry the simulated clock (``trainer.clock``): a table and a figure.
+
+Reads a sweep CSV (``tools/sweep.py``; the runs tagged ``method`` and ``close``) and gives, per method and way of
+closing a round, over seeds: the final test accuracy (mean +- SE), the simulated time the run took, the simulated
+time and the client updates it took to first reach ``--target`` accuracy (at an evaluated round; a seed that never
+reaches it counts as not reached), and each client's bytes. The figure draws the mean accuracy over seeds against
+simulated minutes (left) and against client updates (right), one colour per method and one line style per way of
+closing a round.
+
+    python tools/time_to_accuracy.py docs/results/time_to_accuracy_fashion_mnist.csv --target 0.89 \
+        --markdown docs/results/time_to_accuracy_fashion_mnist.md --figure docs/figures/time_to_accuracy.png
+
+Client updates: a synchronous round aggregates ``fed/clients`` (those sampled) less the late, unavailable and refused
+ones; a FedBuff step logs the updates it aggregated as ``fed/clients``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from collections import defaultdict
+from pathlib import Path
+
+CLOSES = {"sync": "wait for all", "over-selection": "over-selection", "fedbuff": "FedBuff"}
+
+
+def _num(value: str) -> float | None:
+    return float(value) if value not in ("", None) else None
+
+
+def read(path: Path) -> dict[tuple[str, str], dict[int, list[dict]]]:
+    """``{(method, close): {seed: [round rows in order]}}`` with numbers parsed."""
+    runs: dict[tuple[str, str], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            parsed = {k: (_num(v) if k not in ("sweep", "label", "method", "close") else v) for k, v in row.items()}
+            runs[(row["method"], row["close"])][int(row["seed"])].append(parsed)
+    for seeds in runs.values():
+        for rows in seeds.values():
+            rows.sort(key=lambda r: r["round"])
+    return runs
+
+
+def curve(rows: list[dict]) -> list[tuple[float, float, float]]:
+    """A run's evaluated points: (simulated seconds, client updates, accuracy), from round 0 (the base) on."""
+    points, updates, elapsed = [], 0.0, 0.0
+    for r in rows:
+        if r["round"] > 0:
+            elapsed = r.get("time/simulated_elapsed_s") or elapsed
+            updates += (
+                (r.get("fed/clients") or 0.0)
+                - sum(r.get(k) or 0.0 for k in ("fed/late_clients", "fed/unavailable_clients", "fed/dropped_clients"))
+                if r.get("fed/staleness_max") is None
+                else (r.get("fed/clients") or 0.0)
+            )  # (a FedBuff step: aggregated)
+        if r.get("val/acc") is not None:
+            points.append((elapsed, updates, r["val/acc"]))
+    return points
+
+
+def reach(points: list[tuple[float, float, float]], target: float) -> tuple[float, float] | None:
+    """The simulated seconds and client updates at the first evaluated point at or above ``target``."""
+    return next(((t, u) for t, u, acc in points if acc >= target), None)
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, math.nan
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def fmt(m: float, se: float, digits: int = 4) -> str:
+    return f"{m:.{digits}f}" if math.isnan(se) else f"{m:.{digits}f} +/- {se:.{digits}f}"
+
+
+def table(runs: dict, target: float) -> str:
+    lines = [
+        f"| method | round closes | seeds | final test accuracy | simulated minutes | minutes to {target:.4f} | "
+        f"client updates to {target:.4f} | bytes per client (mean) |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for (method, close), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], list(CLOSES).index(kv[0][1]))):
+        curves = [curve(rows) for rows in seeds.values()]
+        finals = [c[-1][2] for c in curves]
+        minutes = [c[-1][0] / 60 for c in curves]
+        reached = [reach(c, target) for c in curves]
+        got = [x for x in reached if x is not None]
+        if len(got) == len(reached):
+            to_min, to_upd = fmt(*mean_se([t / 60 for t, _ in got]), 2), fmt(*mean_se([u for _, u in got]), 0)
+        else:
+            to_min = to_upd = f"{len(got)} of {len(reached)} seeds reach it"
+        cum = [rows[-1].get("comm/cum_client_bytes") or 0.0 for rows in seeds.values()]
+        lines.append(f"| {method} | {CLOSES.get(close, close)} | {len(seeds)} | {fmt(*mean_se(finals))} | "
+                     f"{fmt(*mean_se(minutes), 2)} | {to_min} | {to_upd} | {sum(cum) / len(cum):,.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def figure(runs: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {m: f"C{i}" for i, m in enumerate(sorted({m for m, _ in runs}))}
+    styles = {"sync": "-", "over-selection": "--", "fedbuff": ":"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for (method, close), seeds in sorted(runs.items()):
+        curves = [curve(rows) for rows in seeds.values()]
+        n = min(len(c) for c in curves)
+        mean = [[sum(c[i][k] for c in curves) / len(curves) for i in range(n)] for k in range(3)]
+        label = f"{method}, {CLOSES.get(close, close)}"
+        kw = {"color": colours[method], "linestyle": styles.get(close, "-"), "label": label, "marker": "."}
+        left.plot([t / 60 for t in mean[0]], mean[2], **kw)
+        right.plot(mean[1], mean[2], **kw)
+    left.set_xscale("symlog", linthresh=0.1)
+    left.set_xlabel("simulated minutes")
+    right.set_xlabel("client updates aggregated")
+    left.set_ylabel("test accuracy (mean over seeds)")
+    right.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("csv", type=Path)
+    parser.add_argument("--target", type=float, required=True, help="test accuracy to reach")
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--figure", type=Path, default=None)
+    parser.add_argument("--title", default="Time to accuracy on the simulated clock")
+    args = parser.parse_args()
+    runs = read(args.csv)
+    text = table(runs, args.target)
+    print(text)
+    if args.markdown is not None:
+        command = f"python tools/time_to_accuracy.py {args.csv} --target {args.target}"
+        args.markdown.write_text(f"Made by `{command}`.\n\n{text}\n")
+    if args.figure is not None:
+        figure(runs, args.figure, args.title)
+
+
+if __name__ == "__main__":
+    main()
