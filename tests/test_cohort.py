@@ -204,7 +204,7 @@ def test_bad_settings_are_named(tmp_path):
 
     with pytest.raises(ConfigError, match="trainer.cohort_size must be >= 1"):
         make_trainer(tmp_path, client_batching="vmap", cohort_size=0)
-    with pytest.raises(ConfigError, match="trainer.client_batching must be 'sequential' or 'vmap'"):
+    with pytest.raises(ConfigError, match="trainer.client_batching must be 'sequential', 'vmap' or 'lockstep'"):
         make_trainer(tmp_path, client_batching="parallel")
 
 

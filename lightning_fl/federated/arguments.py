@@ -141,11 +141,13 @@ class TrainerArguments:
     bar (output to a file or a CI log, or the bars off) a plain line reports every tenth of the run."""
     save_every_n_rounds: int = 0
     """Also keep ``round_NNNN.ckpt`` every this many rounds (``last.ckpt`` is always kept)."""
-    client_batching: Literal["sequential", "vmap"] = "sequential"
-    """``sequential`` or ``vmap`` (``cohort_size`` clients at a time as one vectorised computation, for latent methods;
-    equal up to float32 rounding; in process only; docs/cross_device.md)."""
+    client_batching: Literal["sequential", "vmap", "lockstep"] = "sequential"
+    """``sequential``, ``vmap`` (``cohort_size`` clients at a time as one vectorised computation, for latent methods)
+    or ``lockstep`` (``cohort_size`` FLITE clients with stored factors step together, sharing the mapping's matrix
+    products, each client's network run alone); both equal up to float32 rounding; in process only;
+    docs/cross_device.md."""
     cohort_size: int = 32
-    """Clients per cohort with ``client_batching: vmap``."""
+    """Clients per cohort with ``client_batching: vmap`` or ``lockstep``."""
     client_state_memory_mb: float | None = None
     """Memory (MiB) for the codec's per-client state; the rest goes to files in the run folder (one process only;
     docs/cross_device.md). ``null``: all in memory."""
@@ -188,7 +190,8 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         "resume": (a["resume"] in (True, False, "auto"), "true, false or 'auto'"),
         "val_every_n_rounds": (a["val_every_n_rounds"] >= 1, ">= 1"),
         "save_every_n_rounds": (a["save_every_n_rounds"] >= 0, ">= 0"),
-        "client_batching": (a["client_batching"] in ("sequential", "vmap"), "'sequential' or 'vmap'"),
+        "client_batching": (a["client_batching"] in ("sequential", "vmap", "lockstep"),
+                            "'sequential', 'vmap' or 'lockstep'"),
         "cohort_size": (a["cohort_size"] >= 1, ">= 1"),
         "client_state_memory_mb": (a["client_state_memory_mb"] is None or (
             math.isfinite(a["client_state_memory_mb"]) and a["client_state_memory_mb"] >= 0), ">= 0 or null"),
@@ -227,7 +230,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
     if a["privacy_audit"] is not None and a["privacy"] is None and a["dp_sgd"] is None:
         problems.append("trainer.privacy_audit audits trainer.privacy or trainer.dp_sgd: set one, or remove "
                         "trainer.privacy_audit")  # fmt: skip
-    if a["privacy_audit"] is not None and a["privacy"] is None and a["client_batching"] == "vmap":
+    if a["privacy_audit"] is not None and a["privacy"] is None and a["client_batching"] != "sequential":
         problems.append("trainer.privacy_audit of DP-SGD scores each step of one client trained alone: set "
                         "trainer.client_batching sequential")  # fmt: skip
     private = a["dp_sgd"] is not None or (isinstance(a["privacy"], Privacy) and a["privacy"].client_stage)

@@ -118,8 +118,8 @@ def buffered_problems(a: dict[str, Any]) -> list[str]:
                                                  "use FedAvg, FedAvgM, FedAdagrad, FedAdam or FedYogi"),
         (a["compressed_downloads"] is True, "trainer.compressed_downloads broadcasts each round's step to the next "
                                             "cohort; FedBuff's clients start at any version: remove the key"),
-        (a["client_batching"] == "vmap", "trainer.client_batching vmap trains a cohort at once; FedBuff starts one "
-                                         "client at a time: set it to sequential"),
+        (a["client_batching"] != "sequential", f"trainer.client_batching {a['client_batching']} trains a cohort at "
+                                              "once; FedBuff starts one client at a time: set it to sequential"),
         (a["sampling"] != "fixed" or a["dropout"] > 0, "trainer.sampling and trainer.dropout pick a synchronous "
                                                        "round's cohort; FedBuff samples a client whenever a slot "
                                                        "frees: set sampling fixed and dropout 0"),

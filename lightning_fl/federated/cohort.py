@@ -36,7 +36,7 @@ from torch.func import functional_call, grad, vmap
 
 from lightning_fl.compress.base import Codec
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.cohort_steps import finish_cohort, start_cohort, train_cohort
+from lightning_fl.federated.cohort_steps import clip_each, finish_cohort, start_cohort, train_cohort
 from lightning_fl.federated.local import ClientResult, LocalTraining, client_loader, configure_optimizer, gradient_clip
 from lightning_fl.federated.state import State
 from lightning_fl.steps import batch_size
@@ -202,16 +202,6 @@ def run_cohort(
         grads, (losses, logits) = step_fn(params, x, y)
         return grads, losses, accuracy_fn(logits.detach(), y), [batch_size(batches[k][t]) for k in members]
 
-    def clipped(t: int, members: list[int], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if clip is None:
-            return grads
-        # torch.nn.utils.clip_grad_norm_ per client, over all its trainable tensors
-        norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], dim=1).norm(dim=1)
-        if not bool(torch.isfinite(norms).all()):
-            raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, "
-                               "so it cannot be clipped (a client of the cohort)")  # fmt: skip
-        coef = (clip / (norms + 1e-6)).clamp(max=1.0)
-        return {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
-
-    train_cohort(module, fabric, round, cohort, max(len(b) for b in batches), groups, gradients, clipped)
+    train_cohort(module, fabric, round, cohort, max(len(b) for b in batches), groups, gradients,
+                 lambda t, members, grads: clip_each(clip, grads))  # fmt: skip
     return finish_cohort(module, cohort, global_state, codec, local, round, seed)

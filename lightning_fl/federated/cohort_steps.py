@@ -70,6 +70,19 @@ class CohortOptimizer:
             _set_rows(params, name, rows, p)
 
 
+def clip_each(clip: float | None, grads: Tensors) -> Tensors:
+    """Each client's gradients (one row per client) clipped as ``torch.nn.utils.clip_grad_norm_`` clips one client's,
+    over all its trainable tensors (``clip``: ``None``: not clipped)."""
+    if clip is None:
+        return grads
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], dim=1).norm(dim=1)
+    if not bool(torch.isfinite(norms).all()):
+        raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped (a client of the cohort)")  # fmt: skip
+    coef = (clip / (norms + 1e-6)).clamp(max=1.0)
+    return {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
+
+
 def rows_of(t: torch.Tensor, rows) -> torch.Tensor:
     """``t``'s rows ``rows`` (a tensor of indices; ``None``: all of ``t``)."""
     return t if rows is None else t[rows]

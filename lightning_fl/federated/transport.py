@@ -25,6 +25,7 @@ from lightning_fl.federated.client import run_client
 from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
 from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
 from lightning_fl.federated.local import ClientResult, LocalTraining
+from lightning_fl.federated.lockstep import lockstep_problem, run_lockstep
 from lightning_fl.federated.state import State
 
 
@@ -165,16 +166,19 @@ class InProcess(Transport):
     """Clients train here with the server's module and data module (the simulation): one after another
     (:func:`~lightning_fl.federated.client.run_client`, plain or DP-SGD), or with ``cohort_size > 0`` that many at a
     time as one vectorised computation when the module allows it (:func:`~lightning_fl.federated.cohort.run_cohort`,
-    or under ``trainer.dp_sgd`` :func:`~lightning_fl.federated.dp_cohort.run_cohort_dp_sgd`); otherwise one after
-    another, said once in a warning."""
+    or under ``trainer.dp_sgd`` :func:`~lightning_fl.federated.dp_cohort.run_cohort_dp_sgd`), or with ``lockstep``
+    that many at a time stepping together and sharing the mapping's products
+    (:func:`~lightning_fl.federated.lockstep.run_lockstep`); otherwise one after another, said once in a warning."""
 
-    def __init__(self, cohort_size: int = 0) -> None:
-        self.cohort_size = cohort_size
+    def __init__(self, cohort_size: int = 0, lockstep: bool = False) -> None:
+        self.cohort_size, self.lockstep = cohort_size, lockstep
         self._checked: dict[int, str | None] = {}  # id(module) -> why it cannot train as a cohort
 
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
-        if self.cohort_size > 0 and self._cohorts_possible(model, datamodule, clients[0], round, seed, fabric):
-            train = run_cohort if local.dp_sgd is None else run_cohort_dp_sgd
+        if self.cohort_size > 0 and self._cohorts_possible(
+            model, datamodule, clients[0], round, seed, fabric, local.dp_sgd is not None
+        ):
+            train = run_lockstep if self.lockstep else run_cohort if local.dp_sgd is None else run_cohort_dp_sgd
             for start in range(0, len(clients), self.cohort_size):
                 cohort = list(clients[start : start + self.cohort_size])
                 results = train(model, datamodule, state, cohort, round, seed, codec=codec, local=local, fabric=fabric)
@@ -202,16 +206,22 @@ class InProcess(Transport):
             out.replies.append(reply)
         return out
 
-    def _cohorts_possible(self, model, datamodule, client: int, round: int, seed: int, fabric) -> bool:
+    def _cohorts_possible(
+        self, model, datamodule, client: int, round: int, seed: int, fabric, local_dp: bool = False
+    ) -> bool:
         """Whether ``model``'s clients train as cohorts: decided once per model, from what it is
         (:func:`cohort_problem`) and from its activations on ``client``'s first batch (:func:`cohort_too_large`)."""
         if id(model) not in self._checked:
-            problem = cohort_problem(model, fabric) or cohort_too_large(
-                model, datamodule, client, round, seed, self.cohort_size, fabric)  # fmt: skip
+            if self.lockstep:  # each client's network runs alone: no activation limit
+                problem = lockstep_problem(model, fabric) or ("it trains with DP-SGD" if local_dp else None)
+            else:
+                problem = cohort_problem(model, fabric) or cohort_too_large(
+                    model, datamodule, client, round, seed, self.cohort_size, fabric)  # fmt: skip
             self._checked[id(model)] = problem
             if problem is not None:
                 warnings.warn(
-                    f"trainer.client_batching is 'vmap' but {problem}: its clients train one at a time",
+                    f"trainer.client_batching is {'lockstep' if self.lockstep else 'vmap'!r} but {problem}: its "
+                    "clients train one at a time",
                     stacklevel=2,
                 )
         return self._checked[id(model)] is None
