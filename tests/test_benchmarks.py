@@ -44,6 +44,13 @@ CASES = {
         outputs=["co.json"],
     ),
     "startup.py": Case(["--repeats", "1", "--sides", "torch"], "[startup] torch threads"),
+    "pfl_comparison.py": Case(
+        ["--data", "synthetic", "--population", "8", "--per-client", "8", "--clients", "2", "--batch", "4",
+         "--rounds", "1", "--json", "pfl.json"],
+        "[pfl_comparison] wrote pfl.json",
+        slow=True,  # four processes, each with its imports and a warm-up round (about 40 s); pfl's may install
+        outputs=["pfl.json"],
+    ),
     "wire_formats.py": Case(
         ["--repeats", "1", "--calls", "1", "--corruptions", "20", "--json", "w.json"],
         "[wire_formats] wrote w.json",
@@ -223,6 +230,29 @@ def test_client_overhead_pairs_every_timed_round_with_a_floor_on_the_cross_devic
     seconds = results["full"]["per_client_seconds"]
     assert seconds["trainer"]["cpu"]["n"] == seconds["floor"]["cpu"]["n"] == 4
     assert all(math.isfinite(x) and x > 0 for x in _numbers(seconds))
+
+
+@pytest.mark.slow
+def test_pfl_comparison_alternates_ours_and_pfl_on_the_same_clients(tmp_path):
+    """benchmarks/pfl_comparison.py at a tiny size: every side reports a CPU time per timed round, pfl's included
+    (skipped if pfl 0.6.0 cannot be installed here), and the ratios are per round of the alternation."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from pfl_comparison import pfl_python
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from pathlib import Path
+
+    if pfl_python(Path.home() / ".cache" / "lightning_fl" / "pfl-venv") is None:
+        pytest.skip("pfl[pytorch]==0.6.0 cannot be installed here")
+    args = ["--data", "synthetic", "--population", "8", "--per-client", "8", "--clients", "2", "--batch", "4",
+            "--rounds", "2", "--json", "pfl.json"]  # fmt: skip
+    proc = run_script("pfl_comparison.py", args, tmp_path, 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "pfl.json").read_text())["results"]
+    assert results["sides"] == ["ours", "pfl", "latent", "lockstep"] and results["pfl"] == "0.6.0"
+    assert all(len(v) == 2 and min(v) > 0 for v in results["cpu_seconds_per_round"].values())
+    assert set(results["ratios"]) == {"ours/pfl", "latent/ours", "lockstep/ours", "latent/pfl", "lockstep/pfl"}
 
 
 def test_the_cohort_rule_grid_reports_each_point_with_the_rules_decision(tmp_path):
