@@ -141,7 +141,7 @@ def our_side(kind: str, rounds: int, settings: dict) -> None:
                 os._exit(1)  # the parent stopped
             self.mark = time.process_time()
 
-    transport = Alternate(settings["clients"] if kind == "lockstep" else 0, kind == "lockstep")
+    transport = Alternate(settings["clients"], "lockstep" if kind == "lockstep" else "sequential")
     with tempfile.TemporaryDirectory() as root:
         trainer = FederatedTrainer(
             rounds=rounds + 1, clients_per_round=settings["clients"], accelerator="cpu", logger=False,

@@ -359,3 +359,44 @@ def test_a_missing_base_checkpoint_is_named_by_its_own_key(tmp_path):
     missing = tmp_path / "missing.ckpt"
     with pytest.raises(CheckpointError, match=f"^model.base_checkpoint={missing} does not exist; pass the path"):
         LatentClassifier(SmallCNN(image_size=8), 10, base_checkpoint=str(missing))
+
+
+def test_stored_factors_are_kept_column_major_with_u_s_values_and_fingerprint():
+    """``stored`` keeps U column-major (its matrix-vector products stream columns, faster on CPU); the values, and
+    so the fingerprint shared with ``regenerate`` and ``streamed``, are U's."""
+    from lightning_fl.mapping import LatentMapping
+
+    net = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5))
+    stored, regenerated = (LatentMapping(net, 8, 4, "linear", mode) for mode in ("stored", "regenerate"))
+    stored.materialise()
+    for lay in stored.layers:
+        u = getattr(stored, f"u_{lay.index}")
+        assert u.shape == (lay.numel, lay.rank) and u.stride() == (1, lay.numel)
+        assert torch.equal(u, stored.u_factor(lay))
+    assert stored.fingerprint() == regenerated.fingerprint()
+
+
+@pytest.mark.parametrize("factors", ["stored", "dense"])
+def test_the_kept_start_trains_clients_bit_for_bit_as_forming_every_step_does(tmp_path, monkeypatch, factors):
+    """Every client of a round starts at the global latent: its first mapped weights are formed once per round and
+    reused (with addmv's own gradient), and 2 rounds of 4 clients end at the same state, bit for bit, as forming
+    them at every step; a latent that moved is formed again."""
+    import lightning_fl.mapping.kept as kept
+    from conftest import make_dm, make_model, make_trainer
+    from lightning_fl.mapping import LatentMapping
+
+    reused = []
+    apply = kept._Kept.apply
+    monkeypatch.setattr(kept._Kept, "apply", lambda *args: reused.append(1) or apply(*args))
+    runs = []
+    for name in ("kept", "formed"):
+        trainer = make_trainer(tmp_path, rounds=2, name=name, clients_per_round=4, limit_val_batches=0)
+        trainer.fit(make_model(factors=factors), datamodule=make_dm())
+        runs.append(trainer)
+        if name == "kept":
+            layers = len(make_model().mapping.layers)
+            assert len(reused) == 2 * (4 - 1) * layers  # every client but each round's first, every mapped layer
+            monkeypatch.setattr(LatentMapping, "keep_start", lambda self: None)
+    a, b = runs
+    assert all(torch.equal(a.global_state[n], b.global_state[n]) for n in a.global_state)
+    assert [h.get("train/loss") for h in a.history] == [h.get("train/loss") for h in b.history]

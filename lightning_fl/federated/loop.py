@@ -83,8 +83,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self.stopped: str | None = None  # why the rounds stopped early (the privacy budget)
         self.alarm: str | None = None  # the collapse warning (CollapseAlarm)
         if self.transport is None:  # in process: the simulation
-            batching = self.client_batching
-            self.transport = InProcess(self.cohort_size if batching != "sequential" else 0, batching == "lockstep")
+            self.transport = InProcess(self.cohort_size, self.client_batching)
 
     # ============================================================================ fit
     def log_config(self, config_yaml: str) -> None:

@@ -164,14 +164,16 @@ class Transport(Callback):
 
 class InProcess(Transport):
     """Clients train here with the server's module and data module (the simulation): one after another
-    (:func:`~lightning_fl.federated.client.run_client`, plain or DP-SGD), or with ``cohort_size > 0`` that many at a
-    time as one vectorised computation when the module allows it (:func:`~lightning_fl.federated.cohort.run_cohort`,
-    or under ``trainer.dp_sgd`` :func:`~lightning_fl.federated.dp_cohort.run_cohort_dp_sgd`), or with ``lockstep``
-    that many at a time stepping together and sharing the mapping's products
-    (:func:`~lightning_fl.federated.lockstep.run_lockstep`); otherwise one after another, said once in a warning."""
+    (:func:`~lightning_fl.federated.client.run_client`, plain or DP-SGD); or, with ``batching`` (the trainer's
+    ``client_batching``) ``vmap``, ``cohort_size`` at a time as one vectorised computation when the module allows it
+    (:func:`~lightning_fl.federated.cohort.run_cohort`, or under ``trainer.dp_sgd``
+    :func:`~lightning_fl.federated.dp_cohort.run_cohort_dp_sgd`); or, with ``lockstep``, ``cohort_size`` at a time
+    stepping together and sharing the mapping's products (:func:`~lightning_fl.federated.lockstep.run_lockstep`);
+    otherwise one after another, said once in a warning."""
 
-    def __init__(self, cohort_size: int = 0, lockstep: bool = False) -> None:
-        self.cohort_size, self.lockstep = cohort_size, lockstep
+    def __init__(self, cohort_size: int = 0, batching: str = "vmap") -> None:
+        self.cohort_size = 0 if batching == "sequential" else cohort_size  # (trainer.client_batching)
+        self.lockstep = batching == "lockstep"
         self._checked: dict[int, str | None] = {}  # id(module) -> why it cannot train as a cohort
 
     def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:

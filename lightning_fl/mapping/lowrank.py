@@ -9,7 +9,10 @@ model starts exactly at the pretrained one.
 Factor modes (``mode``) trade memory for recomputation; the first three give the same factors
 (and the same fingerprint), so clients may pick different modes within one federation:
 
-- ``stored``: U and V materialised once as buffers (``4 r (P_l + d_l)`` bytes per layer).
+- ``stored``: U and V materialised once as buffers (``4 r (P_l + d_l)`` bytes per layer). U is kept column-major
+  (``P_l x r`` with strides ``(1, P_l)``, as ``dense``'s W): a step's two matrix-vector products, ``U (V^T z)`` and
+  ``U^T g``, then stream U's columns, 2-3x faster on CPU than over its rows of ``r`` floats (docs/results-systems.md,
+  "Against pfl-research"); the same values, summed in another order (float32 rounding).
 - ``regenerate``: V stored (tiny); U_l rebuilt from the seed whenever it is used, in forward and
   again in backward, and dropped after use: peak extra memory one layer's U.
 - ``streamed``: V stored; U's rows produced in chunks of ``CHUNK_ROWS`` and consumed at once,
@@ -59,6 +62,7 @@ from lightning_fl.mapping.factors import (
     regenerated_projection,
     streamed_projection,
 )
+from lightning_fl.mapping.kept import KeptStart
 from lightning_fl.mapping.two_sided import TwoSidedFactor, two_sided_delta, two_sided_hook, two_sided_shape
 from lightning_fl.seeding import STREAM_DENSE, STREAM_U, STREAM_V
 
@@ -267,6 +271,14 @@ class LatentMapping(nn.Module):
         }
         self._two_sided = {lay.index: two_sided_factor(module, lay, seed) for lay in self.layers if mode == "two_sided"}
         self._materialised = False
+        self._kept: KeptStart | None = None  # the starting latent's mapped weights (keep_start)
+
+    def keep_start(self) -> None:
+        """Where the latent is now is where every client of a round starts: with ``stored`` or ``dense`` factors, keep
+        the mapped weights :meth:`weights` forms from it next and reuse them (exactly) while the latent, the base
+        and the factors stay as they are (:mod:`lightning_fl.mapping.kept`). Costs a copy of the mapped weights."""
+        if self.mode in ("stored", "dense") and (self._kept is None or not self._kept.applies(self.latent)):
+            self._kept = KeptStart(self.latent.detach().clone())  # (the same start again: its weights stay)
 
     def materialise(self) -> None:
         """Create the factors this mode keeps now rather than at the first forward pass (a vectorised cohort's
@@ -282,8 +294,9 @@ class LatentMapping(nn.Module):
         for lay in self.layers:
             if lay.index in self._v:
                 self.register_buffer(f"v_{lay.index}", self._v[lay.index].full().to(device), persistent=False)
-            if self.mode in ("stored", "dense"):
-                self.register_buffer(f"u_{lay.index}", self._u[lay.index].full().to(device), persistent=False)
+            if self.mode in ("stored", "dense"):  # column-major (module docstring); U's values
+                u = self._u[lay.index].full().to(device)
+                self.register_buffer(f"u_{lay.index}", u.T.contiguous().T, persistent=False)
             if self.mode == "kronecker":
                 for name, part in zip(("a", "b", "s"), self._kron[lay.index].parts(), strict=True):
                     self.register_buffer(f"k{name}_{lay.index}", part.to(device), persistent=False)
@@ -304,16 +317,19 @@ class LatentMapping(nn.Module):
         """The flat latent cut into per-layer ``z_l``."""
         return list(torch.split(z, [lay.latent_dim for lay in self.layers]))
 
-    def mapped(self, lay: MappedLayer, base: torch.Tensor, z_l: torch.Tensor) -> torch.Tensor:
-        """``base + U_l V_l^T z_l`` (``base + W_l z_l`` in dense mode), flat ``(P_l,)``, fused with the addition."""
+    def mapped(
+        self, lay: MappedLayer, base: torch.Tensor, z_l: torch.Tensor, kept: KeptStart | None = None
+    ) -> torch.Tensor:
+        """``base + U_l V_l^T z_l`` (``base + W_l z_l`` in dense mode), flat ``(P_l,)``, fused with the addition
+        (``kept``: formed once for the round's starting latent, see :meth:`keep_start`)."""
         self._materialise()
-        base = base.reshape(-1)
+        weight, base = base, base.reshape(-1)
         z_l = z_l.to(base.dtype)
-        if self.mode == "dense":
-            return torch.addmv(base, getattr(self, f"u_{lay.index}").to(base.dtype), z_l)
+        if self.mode in ("stored", "dense"):
+            u = getattr(self, f"u_{lay.index}").to(base.dtype)
+            vec = z_l if self.mode == "dense" else self.coefficients(lay, z_l)  # (d_l,) or (r_l,)
+            return torch.addmv(base, u, vec) if kept is None else kept.mapped(lay.index, weight, u, vec)
         coeff = self.coefficients(lay, z_l)  # (r_l,)
-        if self.mode == "stored":
-            return torch.addmv(base, getattr(self, f"u_{lay.index}").to(base.dtype), coeff)
         if self.mode == "kronecker":
             parts = (getattr(self, f"k{name}_{lay.index}").to(base.dtype) for name in ("a", "b", "s"))
             return kronecker_projection(base, coeff, *parts)
@@ -326,9 +342,10 @@ class LatentMapping(nn.Module):
 
     def weights(self, base: dict[str, torch.Tensor], z: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """``{name: base[name] + U V^T z_l}`` for every mapped layer; ``z`` defaults to the trained latent."""
+        kept = self._kept if z is None and self._kept is not None and self._kept.applies(self.latent) else None
         z = self.latent if z is None else z
         return {
-            lay.name: self.mapped(lay, base[lay.name], z_l).view(lay.shape)
+            lay.name: self.mapped(lay, base[lay.name], z_l, kept).view(lay.shape)
             for lay, z_l in zip(self.layers, self.split(z), strict=True)
         }
 

@@ -121,20 +121,23 @@ class LatentSteering:
         for lay in self.mapping.layers:
             delta = (teacher[lay.name].to(torch.float64) - base[lay.name].to(torch.float64)).reshape(-1)
             u = self.mapping.u_factor(lay).to(torch.float64)
-            if self.mapping.mode == "dense":  # W_l^+ (W_l^T when its d columns are orthonormal, d <= P)
-                parts.append(torch.linalg.pinv(u, rtol=1e-6) @ delta)
-            else:
-                parts.append(self.mapping.v_factor(lay).to(torch.float64) @ (u.T @ delta))
+            dense = self.mapping.mode == "dense"  # W_l^+ (W_l^T when its d columns are orthonormal, d <= P)
+            parts.append(torch.linalg.pinv(u, rtol=1e-6) @ delta if dense else
+                         self.mapping.v_factor(lay).to(torch.float64) @ (u.T @ delta))  # fmt: skip
         self.mapping.latent.copy_(torch.cat(parts).to(self.mapping.latent))
 
     def memory_report(self):
         """Analytic bytes of each factor mode for this model (see :func:`lightning_fl.mapping.memory_report`)."""
-        hp = self.hparams
-        return memory_report(self.steered, hp.latent_dim, hp.rank, hp.layers)
+        return memory_report(self.steered, self.hparams.latent_dim, self.hparams.rank, self.hparams.layers)
 
     def mapped_base(self) -> dict[str, torch.Tensor]:
         """The frozen base weights of the mapped layers."""
         return {name: self.steered.get_parameter(name) for name in self.mapping.names}
+
+    def load_federated_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state``: a round's clients start there (the mapping keeps its weights: ``keep_start``)."""
+        super().load_federated_state(state)
+        self.mapping.keep_start()
 
     def steered_forward(self, *args: torch.Tensor) -> torch.Tensor:
         """``steered(*args)`` with the mapped weights ``theta_pre + U V^T z`` (differentiable in ``z``)."""
@@ -211,13 +214,8 @@ class LatentClassifier(LatentSteering, Classifier):
     ) -> None:
         if latent_init not in ("zero", "teacher"):
             raise ConfigError(f"model.latent_init must be 'zero' or 'teacher', got {latent_init!r}")
-        source = self.base_source(
-            base,
-            base_checkpoint,
-            pretraining,
-            teacher=latent_init == "teacher",
-            choices=("pretrained", "scratch", "pcanet"),
-        )
+        source = self.base_source(base, base_checkpoint, pretraining, teacher=latent_init == "teacher",
+                                  choices=("pretrained", "scratch", "pcanet"))  # fmt: skip
         # the random initialisation the teacher's fit starts from (before a teacher checkpoint is loaded into it)
         initial = None
         if latent_init == "teacher":
