@@ -243,12 +243,23 @@ def main() -> None:
     results["ratios"] = {f"{a}/{b}": spread([x / y for x, y in zip(seconds[a], seconds[b], strict=True)])
                          for a, b in pairs if a in seconds and b in seconds}  # fmt: skip
     results["torch"] = torch.__version__
+    results["commit"] = commit()
     results["pfl"] = "0.6.0" if python is not None else None
     lines = table(results)
     print("\n".join(lines))
     if args.table:
         args.table.write_text("\n".join(lines) + "\n")
     report("pfl_comparison", before, results, args.json)
+
+
+def commit() -> str | None:
+    """The checkout's commit, with ``+changes`` when its tracked files differ from it (``None``: not a checkout)."""
+    git = ["git", "-C", str(HERE)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", ":/"], capture_output=True).returncode != 0
+    return head.stdout.strip() + ("+changes" if dirty else "")
 
 
 def table(results: dict) -> list[str]:
