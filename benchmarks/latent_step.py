@@ -12,7 +12,8 @@ each step as a client takes it: the module's ``training_step`` (forward and loss
 clipping, the optimiser step, gradients cleared. And the parts of a latent step, alone:
 
 - ``mapping-<mode>``: ``theta = theta_pre + U V^T z`` for every mapped layer and its backward for a fixed upstream
-  gradient (the two passes over the factors a step makes);
+  gradient (the two passes over the factors a step makes); ``mapping-stored-row-major``: the same with the stored
+  ``U`` laid out row-major (``P x r`` contiguous), as it was kept before it became column-major;
 - ``network``: forward, loss and backward of the same network at fixed (already mapped) weights with respect to
   those weights: what the latent step costs without its mapping;
 - ``adam-z`` and ``clip-z``: the optimiser step and gradient clipping on ``z`` alone.
@@ -76,7 +77,7 @@ def parts(model: str, mode: str, x: torch.Tensor, y: torch.Tensor, steps: int) -
     z = torch.zeros(mapping.latent_size, requires_grad=True)
     upstream = {lay.name: torch.randn(lay.shape) for lay in mapping.layers}
 
-    def map_once() -> None:
+    def map_once(mapping=mapping) -> None:
         weights = mapping.weights(base, z)
         torch.autograd.backward(list(weights.values()), [upstream[n] for n in weights])
         z.grad = None
@@ -94,6 +95,12 @@ def parts(model: str, mode: str, x: torch.Tensor, y: torch.Tensor, steps: int) -
     adam = torch.optim.Adam([zp], lr=0.01)
     out = {f"mapping-{mode}": map_once, "network": network_once, "adam-z": adam.step,
            "clip-z": lambda: torch.nn.utils.clip_grad_norm_([zp], 1.0)}  # fmt: skip
+    if mode == "stored":  # the same factors, row-major
+        rows = module(model, "latent-stored").mapping
+        rows.materialise()
+        for lay in rows.layers:
+            setattr(rows, f"u_{lay.index}", getattr(rows, f"u_{lay.index}").contiguous())
+        out["mapping-stored-row-major"] = lambda: map_once(rows)
     for run in out.values():
         run()
     return {name: (lambda run=run: [run() for _ in range(steps)]) for name, run in out.items()}
