@@ -197,10 +197,11 @@ def test_time_to_accuracy_counts_simulated_time_and_updates_to_the_first_round_a
         writer.writerows(rows)
     runs = tta.read(path)
     over = tta.curve(runs[("flite", "over-selection")][0])
-    assert over == [(0.0, 0.0, 0.80), (60.0, 10.0, 0.84), (150.0, 19.0, 0.90)]
+    assert over == [(0.0, 0.0, 0.80, 0), (60.0, 10.0, 0.84, 1), (150.0, 19.0, 0.90, 2)]
     buff = tta.curve(runs[("flite", "fedbuff")][0])
-    assert buff == [(0.0, 0.0, 0.80), (12.0, 19.0, 0.88)]  # (the unevaluated step still counts its updates)
-    assert tta.reach(over, 0.85) == (150.0, 19.0) and tta.reach(buff, 0.89) is None
-    text = tta.table(runs, 0.85)
-    assert "| flite | over-selection | 1 | 0.9000 | 2.50 | 2.50 | 19 | 200 |" in text
-    assert "| flite | FedBuff | 1 | 0.8800 | 0.20 | 0.20 | 19 | 90 |" in text
+    assert buff == [(0.0, 0.0, 0.80, 0), (12.0, 19.0, 0.88, 2)]  # (the unevaluated step still counts its updates)
+    assert tta.reach(over, 0.85) == (150.0, 19.0, 2) and tta.reach(buff, 0.89) is None
+    assert tta.reach(over, 0.84) == (60.0, 10.0, 1)
+    text = tta.table(runs, [0.84, 0.85])
+    assert "| flite | over-selection | 1 | 0.9000 | 2.50 | 1.00 | 1.0 | 10 | 2.50 | 2.0 | 19 | 200 |" in text
+    assert "| flite | FedBuff | 1 | 0.8800 | 0.20 | 0.20 | 2.0 | 19 | 0.20 | 2.0 | 19 | 90 |" in text

@@ -1,13 +1,14 @@
 """Time to accuracy from a sweep whose runs carry the simulated clock (``trainer.clock``): a table and a figure.
 
 Reads a sweep CSV (``tools/sweep.py``; the runs tagged ``method`` and ``close``) and gives, per method and way of
-closing a round, over seeds: the final test accuracy (mean +- SE), the simulated time the run took, the simulated
-time and the client updates it took to first reach ``--target`` accuracy (at an evaluated round; a seed that never
-reaches it counts as not reached), and each client's bytes. The figure draws the mean accuracy over seeds against
+closing a round, over seeds: the final test accuracy (mean +- SE), the simulated time the run took, and for each
+``--target`` accuracy the simulated minutes, the rounds (server steps, for FedBuff) and the client updates it took
+to first reach it (at an evaluated round; a seed that never reaches it counts as not reached), and each client's
+bytes. The figure draws the mean accuracy over seeds against
 simulated minutes (left) and against client updates (right), one colour per method and one line style per way of
 closing a round.
 
-    python tools/time_to_accuracy.py docs/results/time_to_accuracy_fashion_mnist.csv --target 0.89 \
+    python tools/time_to_accuracy.py docs/results/time_to_accuracy_fashion_mnist.csv --target 0.885 0.89 \
         --markdown docs/results/time_to_accuracy_fashion_mnist.md --figure docs/figures/time_to_accuracy.png
 
 Client updates: a synchronous round aggregates ``fed/clients`` (those sampled) less the late, unavailable and refused
@@ -42,8 +43,8 @@ def read(path: Path) -> dict[tuple[str, str], dict[int, list[dict]]]:
     return runs
 
 
-def curve(rows: list[dict]) -> list[tuple[float, float, float]]:
-    """A run's evaluated points: (simulated seconds, client updates, accuracy), from round 0 (the base) on."""
+def curve(rows: list[dict]) -> list[tuple[float, float, float, int]]:
+    """A run's evaluated points: (simulated seconds, client updates, accuracy, round), from round 0 (the base) on."""
     points, updates, elapsed = [], 0.0, 0.0
     for r in rows:
         if r["round"] > 0:
@@ -55,13 +56,13 @@ def curve(rows: list[dict]) -> list[tuple[float, float, float]]:
                 else (r.get("fed/clients") or 0.0)
             )  # (a FedBuff step: aggregated)
         if r.get("val/acc") is not None:
-            points.append((elapsed, updates, r["val/acc"]))
+            points.append((elapsed, updates, r["val/acc"], int(r["round"])))
     return points
 
 
-def reach(points: list[tuple[float, float, float]], target: float) -> tuple[float, float] | None:
-    """The simulated seconds and client updates at the first evaluated point at or above ``target``."""
-    return next(((t, u) for t, u, acc in points if acc >= target), None)
+def reach(points: list[tuple[float, float, float, int]], target: float) -> tuple[float, float, int] | None:
+    """The simulated seconds, client updates and round at the first evaluated point at or above ``target``."""
+    return next(((t, u, r) for t, u, acc, r in points if acc >= target), None)
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -75,25 +76,28 @@ def fmt(m: float, se: float, digits: int = 4) -> str:
     return f"{m:.{digits}f}" if math.isnan(se) else f"{m:.{digits}f} +/- {se:.{digits}f}"
 
 
-def table(runs: dict, target: float) -> str:
+def table(runs: dict, targets: list[float]) -> str:
+    heads = "".join(f" minutes to {t:.4f} | rounds to {t:.4f} | client updates to {t:.4f} |" for t in targets)
     lines = [
-        f"| method | round closes | seeds | final test accuracy | simulated minutes | minutes to {target:.4f} | "
-        f"client updates to {target:.4f} | bytes per client (mean) |",
-        "|---|---|--:|--:|--:|--:|--:|--:|",
+        f"| method | round closes | seeds | final test accuracy | simulated minutes |{heads} bytes per client (mean) |",
+        "|---|---|--:|--:|--:|" + "--:|" * (3 * len(targets)) + "--:|",
     ]
     for (method, close), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], list(CLOSES).index(kv[0][1]))):
         curves = [curve(rows) for rows in seeds.values()]
         finals = [c[-1][2] for c in curves]
         minutes = [c[-1][0] / 60 for c in curves]
-        reached = [reach(c, target) for c in curves]
-        got = [x for x in reached if x is not None]
-        if len(got) == len(reached):
-            to_min, to_upd = fmt(*mean_se([t / 60 for t, _ in got]), 2), fmt(*mean_se([u for _, u in got]), 0)
-        else:
-            to_min = to_upd = f"{len(got)} of {len(reached)} seeds reach it"
+        cells = []
+        for target in targets:
+            reached = [reach(c, target) for c in curves]
+            got = [x for x in reached if x is not None]
+            if len(got) == len(reached):
+                cells += [fmt(*mean_se([t / 60 for t, _, _ in got]), 2), fmt(*mean_se([r for _, _, r in got]), 1),
+                          fmt(*mean_se([u for _, u, _ in got]), 0)]  # fmt: skip
+            else:
+                cells += [f"{len(got)} of {len(reached)} seeds reach it"] * 3
         cum = [rows[-1].get("comm/cum_client_bytes") or 0.0 for rows in seeds.values()]
         lines.append(f"| {method} | {CLOSES.get(close, close)} | {len(seeds)} | {fmt(*mean_se(finals))} | "
-                     f"{fmt(*mean_se(minutes), 2)} | {to_min} | {to_upd} | {sum(cum) / len(cum):,.0f} |")  # fmt: skip
+                     f"{fmt(*mean_se(minutes), 2)} | {' | '.join(cells)} | {sum(cum) / len(cum):,.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -128,7 +132,7 @@ def figure(runs: dict, path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("csv", type=Path)
-    parser.add_argument("--target", type=float, required=True, help="test accuracy to reach")
+    parser.add_argument("--target", type=float, nargs="+", required=True, help="test accuracies to reach")
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--figure", type=Path, default=None)
     parser.add_argument("--title", default="Time to accuracy on the simulated clock")
@@ -137,7 +141,7 @@ def main() -> None:
     text = table(runs, args.target)
     print(text)
     if args.markdown is not None:
-        command = f"python tools/time_to_accuracy.py {args.csv} --target {args.target}"
+        command = f"python tools/time_to_accuracy.py {args.csv} --target {' '.join(map(str, args.target))}"
         args.markdown.write_text(f"Made by `{command}`.\n\n{text}\n")
     if args.figure is not None:
         figure(runs, args.figure, args.title)
