@@ -273,6 +273,7 @@ class FlowerDeployment:
     workdir: Path
     num_supernodes: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
+    node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # node idx -> more environment for its tree
     workers: bool = False  # a warm worker (python -m lightning_fl.flower.worker) beside each SuperNode
     superlink_args: list[str] = field(default_factory=list)  # more flower-superlink options (e.g. --database)
     superlink_cwd: Path | None = None  # ServerApp inherits this cwd
@@ -320,7 +321,8 @@ class FlowerDeployment:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], home: Path, cwd: Path) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], home: Path, cwd: Path, env: dict[str, str] | None = None
+               ) -> subprocess.Popen:  # fmt: skip
         home.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         self.logs[name] = log
@@ -328,7 +330,7 @@ class FlowerDeployment:
         p = subprocess.Popen(
             cmd,
             cwd=cwd,
-            env=self.env(home),
+            env={**self.env(home), **(env or {})},
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -433,6 +435,7 @@ class FlowerDeployment:
             ],
             home=self.workdir / f"home-{name}",  # separate FLWR_HOME per node (FAB install race)
             cwd=self.workdir,
+            env=self.node_env.get(idx),
         )
         if wait:  # the node's own Runtime API: plain HTTP on 127.0.0.1 (no --ssl-certfile), also under TLS
             wait_http_ok(f"http://127.0.0.1:{port}/health", timeout)

@@ -259,6 +259,66 @@ def test_killed_supernode_misses_a_round_and_rejoins(tmp_path, deployment):
     assert all(torch.isfinite(t).all() for t in final_state(tmp_path, "killed")["global_state"].values())
 
 
+# a SuperNode slow on purpose: every Python process of its tree imports this first (its PYTHONPATH); the node's
+# second ClientApp (its first train message, after the hello) waits for the test's go (a file), at most 240 s
+HOLD_FIRST_TRAIN = """
+import os, time
+with open("/proc/self/cmdline", "rb") as f:
+    argv = f.read().split(b"\\0")
+if any(a.endswith(b"flwr-clientapp") for a in argv[:2]):
+    here = os.path.dirname(os.path.abspath(__file__))
+    started = len([n for n in os.listdir(here) if n.startswith("started-")])
+    open(os.path.join(here, f"started-{os.getpid()}"), "w").close()
+    if started == 1:
+        open(os.path.join(here, "holding"), "w").close()
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(here, "go")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+"""
+
+
+def test_a_quorum_round_proceeds_without_a_slow_supernode_and_folds_its_late_reply(tmp_path):
+    """Three real SuperNodes, run config quorum = 2: node 2 is held (on purpose) at its first train message until
+    round 1 has closed without it; its reply, sent once released, is folded into a later round with staleness
+    >= 1, its client is sent nothing while it is out, and the run completes every round with finite weights."""
+    import deployment as fd
+
+    fd.enable_subreaper()
+    env = environment(tmp_path)
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(HOLD_FIRST_TRAIN, encoding="utf-8")
+    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
+    node_env = {2: {"PYTHONPATH": os.pathsep.join([str(slow), env["PYTHONPATH"]])}}
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=3, extra_env=extra, node_env=node_env) as d:
+        run_id = submit(d, tmp_path, "quorum", "--trainer.rounds", "5", "--data.num_clients", "3", timeout="120",
+                        run_config="quorum=2 max-staleness=4")  # fmt: skip
+        checkpoint, deadline = tmp_path / "runs" / "quorum", time.monotonic() + 240
+        while not any(read_checkpoint(p)["round"] >= 1 for p in checkpoint.glob("**/checkpoints/last.ckpt")):
+            assert time.monotonic() < deadline, "round 1 did not close without the held node"
+            time.sleep(0.2)
+        assert (slow / "holding").exists()  # round 1 closed while node 2 was still held at its train message
+        (slow / "go").touch()
+        finish(d, run_id, timeout=600)
+        logs = d.run_logs(run_id)
+    left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
+    assert not left, "processes left running: " + ", ".join(map(str, left))
+    got = final_state(tmp_path, "quorum")
+    rounds = got["history"][1:]
+    assert len(rounds) == 5 and all(torch.isfinite(t).all() for t in got["global_state"].values())
+    assert rounds[0]["fed/lost_clients"] == 1 and rounds[0]["fed/busy_clients"] == 1  # closed without node 2
+    assert "round 1: proceeds with 2 of 3 replies; client(s) [2] are still training" in logs, logs[-4000:]
+    # its reply folded into a later round (other nodes may straggle too on a busy machine: at least one fold)
+    assert sum(h["fed/stale_replies"] for h in rounds[1:]) >= 1 and max(h["fed/staleness_max"] for h in rounds) >= 1
+    # every reply counted once in the ledger, in time or late: 768 B each (the quickstart's latent, FP32)
+    ups = got["ledger"]["up"].tolist()
+    assert sum(ups) == 768 * sum(h["fed/clients"] - h["fed/lost_clients"] for h in rounds), ups
+    assert ups[2] > 0, ups
+    # a node trains one message at a time: no client ever had two out (downloads are the same 768 B)
+    downs = got["ledger"]["down"].tolist()
+    assert all(0 <= down - up <= 768 for down, up in zip(downs, ups, strict=True)), (downs, ups)
+
+
 @pytest.mark.parametrize("database", [True, False], ids=["with-database", "in-memory"])
 def test_a_superlink_crash_and_restart(tmp_path, database):
     """kill -9 of the SuperLink (and its ServerApp) after round 2, then the same SuperLink started again and the
