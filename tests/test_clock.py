@@ -181,15 +181,16 @@ def test_time_to_accuracy_counts_simulated_time_and_updates_to_the_first_round_a
     tta = tool_module("time_to_accuracy")
     columns = ["sweep", "label", "seed", "method", "close", "round", "final", "val/acc", "fed/clients",
                "fed/late_clients", "fed/unavailable_clients", "fed/dropped_clients", "fed/staleness_max",
-               "time/simulated_elapsed_s", "comm/cum_client_bytes"]  # fmt: skip
+               "time/simulated_elapsed_s", "comm/cum_client_bytes", "time/simulated_round_s",
+               "time/client_compute_s"]  # fmt: skip
     rows = [  # over-selection: 13 of 13 sampled, 3 late a round; FedBuff: steps of 10, staleness logged
-        ["s", "a", 0, "flite", "over-selection", 0, 0, 0.80, "", "", "", "", "", "", ""],
-        ["s", "a", 0, "flite", "over-selection", 1, 0, 0.84, 13, 3, 0, 0, "", 60.0, 100],
-        ["s", "a", 0, "flite", "over-selection", 2, 1, 0.90, 13, 3, 1, 0, "", 150.0, 200],
-        ["s", "b", 0, "flite", "fedbuff", 0, 0, 0.80, "", "", "", "", "", "", ""],
-        ["s", "b", 0, "flite", "fedbuff", 1, 0, "", 10, "", "", "", 1, 6.0, 50],
-        ["s", "b", 0, "flite", "fedbuff", 2, 1, 0.88, 9, "", "", 1, 2, 12.0, 90],
-    ]
+        ["s", "a", 0, "flite", "over-selection", 0, 0, 0.80, "", "", "", "", "", "", "", "", ""],
+        ["s", "a", 0, "flite", "over-selection", 1, 0, 0.84, 13, 3, 0, 0, "", 60.0, 100, 60.0, 0.2],
+        ["s", "a", 0, "flite", "over-selection", 2, 1, 0.90, 13, 3, 1, 0, "", 150.0, 200, 90.0, 0.4],
+        ["s", "b", 0, "flite", "fedbuff", 0, 0, 0.80, "", "", "", "", "", "", "", "", ""],
+        ["s", "b", 0, "flite", "fedbuff", 1, 0, "", 10, "", "", "", 1, 6.0, 50, 6.0, ""],
+        ["s", "b", 0, "flite", "fedbuff", 2, 1, 0.88, 9, "", "", 1, 2, 12.0, 90, 6.0, ""],
+    ]  # fmt: skip
     path = tmp_path / "r.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -205,3 +206,6 @@ def test_time_to_accuracy_counts_simulated_time_and_updates_to_the_first_round_a
     text = tta.table(runs, [0.84, 0.85])
     assert "| flite | over-selection | 1 | 0.9000 | 2.50 | 1.00 | 1.0 | 10 | 2.50 | 2.0 | 19 | 200 |" in text
     assert "| flite | FedBuff | 1 | 0.8800 | 0.20 | 0.20 | 2.0 | 19 | 0.20 | 2.0 | 19 | 90 |" in text
+    where = tta.parts(runs)  # medians over rounds 1 and up; what was not logged is "-"
+    assert "| flite | over-selection | 75.000 | - | 0.300 | - |" in where
+    assert "| flite | FedBuff | 6.000 | - | - | - |" in where

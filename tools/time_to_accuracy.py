@@ -4,7 +4,9 @@ Reads a sweep CSV (``tools/sweep.py``; the runs tagged ``method`` and ``close``)
 closing a round, over seeds: the final test accuracy (mean +- SE), the simulated time the run took, and for each
 ``--target`` accuracy the simulated minutes, the rounds (server steps, for FedBuff) and the client updates it took
 to first reach it (at an evaluated round; a seed that never reaches it counts as not reached), and each client's
-bytes. The figure draws the mean accuracy over seeds against
+bytes. A second table says where a round's time goes: per method and way of closing, the medians over rounds and
+seeds of the simulated round (a FedBuff step for FedBuff) and of a round's median client download, compute and
+upload times (as ``trainer.clock`` logs them; FedBuff logs none). The figure draws the mean accuracy over seeds against
 simulated minutes (left) and against client updates (right), one colour per method and one line style per way of
 closing a round.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -101,6 +104,23 @@ def table(runs: dict, targets: list[float]) -> str:
     return "\n".join(lines)
 
 
+PARTS = ["time/simulated_round_s", "time/client_download_s", "time/client_compute_s", "time/client_upload_s"]
+
+
+def parts(runs: dict) -> str:
+    """Where a round's time goes: medians over every round of every seed (module docstring)."""
+    lines = ["| method | round closes | round (s) | client download (s) | client compute (s) | client upload (s) |",
+             "|---|---|--:|--:|--:|--:|"]  # fmt: skip
+    for (method, close), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], list(CLOSES).index(kv[0][1]))):
+        rows = [r for rows in seeds.values() for r in rows if r["round"] > 0]
+        cells = []
+        for key in PARTS:
+            values = [r[key] for r in rows if r.get(key) is not None]
+            cells.append(f"{statistics.median(values):.3f}" if values else "-")
+        lines.append(f"| {method} | {CLOSES.get(close, close)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def figure(runs: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -138,7 +158,7 @@ def main() -> None:
     parser.add_argument("--title", default="Time to accuracy on the simulated clock")
     args = parser.parse_args()
     runs = read(args.csv)
-    text = table(runs, args.target)
+    text = table(runs, args.target) + "\n\nWhere a round's time goes (medians):\n\n" + parts(runs)
     print(text)
     if args.markdown is not None:
         command = f"python tools/time_to_accuracy.py {args.csv} --target {' '.join(map(str, args.target))}"
