@@ -206,6 +206,9 @@ def test_time_to_accuracy_counts_simulated_time_and_updates_to_the_first_round_a
     text = tta.table(runs, [0.84, 0.85])
     assert "| flite | over-selection | 1 | 0.9000 | 2.50 | 1.00 | 1.0 | 10 | 2.50 | 2.0 | 19 | 200 |" in text
     assert "| flite | FedBuff | 1 | 0.8800 | 0.20 | 0.20 | 2.0 | 19 | 0.20 | 2.0 | 19 | 90 |" in text
+    # a gain over each run's own base (0.80 here): base + 0.04 is the absolute 0.84
+    assert tta.table(runs, [0.04], gain=True).splitlines()[2:] == tta.table(runs, [0.84]).splitlines()[2:]
+    assert "minutes to base + 0.0400" in tta.table(runs, [0.04], gain=True)
     where = tta.parts(runs)  # medians over rounds 1 and up; what was not logged is "-"
     assert "| flite | over-selection | 75.000 | - | 0.300 | - |" in where
     assert "| flite | FedBuff | 6.000 | - | - | - |" in where

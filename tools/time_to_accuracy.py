@@ -4,13 +4,15 @@ Reads a sweep CSV (``tools/sweep.py``; the runs tagged ``method`` and ``close``)
 closing a round, over seeds: the final test accuracy (mean +- SE), the simulated time the run took, and for each
 ``--target`` accuracy the simulated minutes, the rounds (server steps, for FedBuff) and the client updates it took
 to first reach it (at an evaluated round; a seed that never reaches it counts as not reached), and each client's
-bytes. A second table says where a round's time goes: per method and way of closing, the medians over rounds and
-seeds of the simulated round (a FedBuff step for FedBuff) and of a round's median client download, compute and
-upload times (as ``trainer.clock`` logs them; FedBuff logs none). The figure draws the mean accuracy over seeds against
-simulated minutes (left) and against client updates (right), one colour per method and one line style per way of
-closing a round.
+bytes. ``--gain`` G instead sets each run's target to its own round-0 (base) accuracy plus G: where the seeds' bases
+differ by as much as the methods' gains, an absolute target near the base is met at round 0 by some seeds (a
+target is met within 1e-9, so that a sum's rounding does not decide). A second table says where a round's time
+goes: per method and way of closing, the medians over rounds and seeds of the simulated round (a FedBuff step for
+FedBuff) and of a round's median client download, compute and upload times (as ``trainer.clock`` logs them; FedBuff
+logs none). The figure draws the mean accuracy over seeds against simulated minutes (left) and against client
+updates (right), one colour per method and one line style per way of closing a round.
 
-    python tools/time_to_accuracy.py docs/results/time_to_accuracy_fashion_mnist.csv --target 0.885 0.89 \
+    python tools/time_to_accuracy.py docs/results/time_to_accuracy_fashion_mnist.csv --gain 0.001 0.004 \
         --markdown docs/results/time_to_accuracy_fashion_mnist.md --figure docs/figures/time_to_accuracy.png
 
 Client updates: a synchronous round aggregates ``fed/clients`` (those sampled) less the late, unavailable and refused
@@ -65,7 +67,7 @@ def curve(rows: list[dict]) -> list[tuple[float, float, float, int]]:
 
 def reach(points: list[tuple[float, float, float, int]], target: float) -> tuple[float, float, int] | None:
     """The simulated seconds, client updates and round at the first evaluated point at or above ``target``."""
-    return next(((t, u, r) for t, u, acc, r in points if acc >= target), None)
+    return next(((t, u, r) for t, u, acc, r in points if acc >= target - 1e-9), None)
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -79,8 +81,10 @@ def fmt(m: float, se: float, digits: int = 4) -> str:
     return f"{m:.{digits}f}" if math.isnan(se) else f"{m:.{digits}f} +/- {se:.{digits}f}"
 
 
-def table(runs: dict, targets: list[float]) -> str:
-    heads = "".join(f" minutes to {t:.4f} | rounds to {t:.4f} | client updates to {t:.4f} |" for t in targets)
+def table(runs: dict, targets: list[float], gain: bool = False) -> str:
+    """The table of the module docstring; ``gain``: ``targets`` are gains over each run's round-0 accuracy."""
+    name = [f"base + {t:.4f}" if gain else f"{t:.4f}" for t in targets]
+    heads = "".join(f" minutes to {t} | rounds to {t} | client updates to {t} |" for t in name)
     lines = [
         f"| method | round closes | seeds | final test accuracy | simulated minutes |{heads} bytes per client (mean) |",
         "|---|---|--:|--:|--:|" + "--:|" * (3 * len(targets)) + "--:|",
@@ -91,7 +95,7 @@ def table(runs: dict, targets: list[float]) -> str:
         minutes = [c[-1][0] / 60 for c in curves]
         cells = []
         for target in targets:
-            reached = [reach(c, target) for c in curves]
+            reached = [reach(c, c[0][2] + target if gain else target) for c in curves]
             got = [x for x in reached if x is not None]
             if len(got) == len(reached):
                 cells += [fmt(*mean_se([t / 60 for t, _, _ in got]), 2), fmt(*mean_se([r for _, _, r in got]), 1),
@@ -152,16 +156,19 @@ def figure(runs: dict, path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("csv", type=Path)
-    parser.add_argument("--target", type=float, nargs="+", required=True, help="test accuracies to reach")
+    goal = parser.add_mutually_exclusive_group(required=True)
+    goal.add_argument("--target", type=float, nargs="+", help="test accuracies to reach")
+    goal.add_argument("--gain", type=float, nargs="+", help="gains over each run's base (round 0) to reach")
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--figure", type=Path, default=None)
     parser.add_argument("--title", default="Time to accuracy on the simulated clock")
     args = parser.parse_args()
     runs = read(args.csv)
-    text = table(runs, args.target) + "\n\nWhere a round's time goes (medians):\n\n" + parts(runs)
+    targets, flag = (args.gain, "--gain") if args.gain else (args.target, "--target")
+    text = table(runs, targets, gain=bool(args.gain)) + "\n\nWhere a round's time goes (medians):\n\n" + parts(runs)
     print(text)
     if args.markdown is not None:
-        command = f"python tools/time_to_accuracy.py {args.csv} --target {' '.join(map(str, args.target))}"
+        command = f"python tools/time_to_accuracy.py {args.csv} {flag} {' '.join(map(str, targets))}"
         args.markdown.write_text(f"Made by `{command}`.\n\n{text}\n")
     if args.figure is not None:
         figure(runs, args.figure, args.title)
