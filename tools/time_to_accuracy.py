@@ -81,6 +81,11 @@ def fmt(m: float, se: float, digits: int = 4) -> str:
     return f"{m:.{digits}f}" if math.isnan(se) else f"{m:.{digits}f} +/- {se:.{digits}f}"
 
 
+def ordered(runs: dict) -> list:
+    """``runs``' items by method, then way of closing a round in ``CLOSES``' order."""
+    return sorted(runs.items(), key=lambda kv: (kv[0][0], list(CLOSES).index(kv[0][1])))
+
+
 def table(runs: dict, targets: list[float], gain: bool = False) -> str:
     """The table of the module docstring; ``gain``: ``targets`` are gains over each run's round-0 accuracy."""
     name = [f"base + {t:.4f}" if gain else f"{t:.4f}" for t in targets]
@@ -89,7 +94,7 @@ def table(runs: dict, targets: list[float], gain: bool = False) -> str:
         f"| method | round closes | seeds | final test accuracy | simulated minutes |{heads} bytes per client (mean) |",
         "|---|---|--:|--:|--:|" + "--:|" * (3 * len(targets)) + "--:|",
     ]
-    for (method, close), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], list(CLOSES).index(kv[0][1]))):
+    for (method, close), seeds in ordered(runs):
         curves = [curve(rows) for rows in seeds.values()]
         finals = [c[-1][2] for c in curves]
         minutes = [c[-1][0] / 60 for c in curves]
@@ -115,7 +120,7 @@ def parts(runs: dict) -> str:
     """Where a round's time goes: medians over every round of every seed (module docstring)."""
     lines = ["| method | round closes | round (s) | client download (s) | client compute (s) | client upload (s) |",
              "|---|---|--:|--:|--:|--:|"]  # fmt: skip
-    for (method, close), seeds in sorted(runs.items(), key=lambda kv: (kv[0][0], list(CLOSES).index(kv[0][1]))):
+    for (method, close), seeds in ordered(runs):
         rows = [r for rows in seeds.values() for r in rows if r["round"] > 0]
         cells = []
         for key in PARTS:
