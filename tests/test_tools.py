@@ -670,3 +670,20 @@ def test_the_smollm2_frontier_tables_regenerate_from_their_csvs(name):
     text, _ = frontier.table(frontier.runs_of([csv_path]))
     assert text in (REPO / "docs" / "results" / f"{name}.md").read_text()
     assert text in (REPO / "docs" / "results-llm.md").read_text()  # the table quoted on the results page
+
+
+def test_paired_seeds_differences_per_seed_at_the_best_and_last_round(tmp_path):
+    from conftest import tool_module
+
+    paired_seeds = tool_module("paired_seeds")
+    # (label, seed, round, accuracy); seed 2 of b alone: not paired
+    rows = [("a", 0, 0, 0.80), ("a", 0, 1, 0.90), ("a", 0, 2, 0.85), ("b", 0, 0, 0.80), ("b", 0, 1, 0.84),
+            ("b", 0, 2, 0.86), ("a", 1, 0, 0.70), ("a", 1, 1, 0.72), ("b", 1, 0, 0.70), ("b", 1, 1, 0.70),
+            ("b", 2, 1, 0.99)]  # fmt: skip
+    path = tmp_path / "s.csv"
+    path.write_text("label,seed,round,val/acc\n" + "".join(f"{name},{s},{r},{v}\n" for name, s, r, v in rows))
+    got = paired_seeds.paired(paired_seeds.accuracies(path), "a", "b")
+    assert got["best"]["per_seed"] == pytest.approx([4.0, 2.0])  # best after round 0: 0.90-0.86, 0.72-0.70
+    assert got["last"]["per_seed"] == pytest.approx([-1.0, 2.0])  # last round: 0.85-0.86, 0.72-0.70
+    assert got["best"]["mean"] == pytest.approx(3.0) and got["best"]["se"] == pytest.approx(1.0)
+    assert got["best"]["ratio"] == pytest.approx(3.0)

@@ -1,0 +1,56 @@
+"""Paired per-seed differences between two runs of a sweep CSV, in points of test accuracy, at the best and last round.
+
+For each seed both labels have, ``100 (acc_a - acc_b)`` at the best evaluated round after round 0 and at the last
+one; then the mean, its standard error over seeds and their ratio (the project's 2-SE rule reads |ratio| < 2 as a
+tie). Used for the comparisons quoted in docs/results-lora.md.
+
+    python tools/paired_seeds.py docs/results/lora_fashion_mnist.csv latent_d256_r256 ffa_r4
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def accuracies(path: Path) -> dict[tuple[str, int], dict[int, float]]:
+    """``{(label, seed): {round: val/acc}}`` for every evaluated row."""
+    out: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            if row.get("val/acc"):
+                out[(row["label"], int(row["seed"]))][int(row["round"])] = float(row["val/acc"])
+    return out
+
+
+def paired(acc: dict, a: str, b: str) -> dict[str, dict]:
+    """Per seed, best and last round: the differences in points, their mean, SE and mean / SE."""
+    seeds = sorted({s for label, s in acc if label == a} & {s for label, s in acc if label == b})
+    pick = {"best": lambda d: max(v for r, v in d.items() if r > 0), "last": lambda d: d[max(d)]}
+    out = {}
+    for name, f in pick.items():
+        xs = [100 * (f(acc[(a, s)]) - f(acc[(b, s)])) for s in seeds]
+        mean = statistics.mean(xs)
+        se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan
+        out[name] = {"per_seed": xs, "mean": mean, "se": se, "ratio": mean / se if se else math.nan}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("csv", type=Path)
+    parser.add_argument("a")
+    parser.add_argument("b")
+    args = parser.parse_args()
+    for name, r in paired(accuracies(args.csv), args.a, args.b).items():
+        seeds = ", ".join(f"{x:+.2f}" for x in r["per_seed"])
+        print(f"{args.a} - {args.b}, {name} round: per seed {seeds}; mean {r['mean']:+.2f} points, "
+              f"SE {r['se']:.2f}, {r['ratio']:+.1f} SE")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
