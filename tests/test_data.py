@@ -320,6 +320,10 @@ def test_public_samples_shrinks_only_the_pretraining_split():
         assert np.array_equal(small.split_indices(part), whole.split_indices(part))
     assert [small.client_indices(k).tolist() for k in range(5)] == [whole.client_indices(k).tolist() for k in range(5)]
     assert len(small.train_dataloader().dataset) == 7
+    # the rest of the public split is held out: public, yet neither pretraining nor any client reads it
+    held_out = small.split_indices("public_held_out")
+    assert np.array_equal(np.sort(np.concatenate([small.split_indices("public"), held_out])), public)
+    assert not set(held_out) & set(small.split_indices("clients")) and len(whole.split_indices("public_held_out")) == 0
     # the pretrained base's cache key sees it; an unset value leaves older keys as they were
     assert small.describe()["public_samples"] == 7 and "public_samples" not in whole.describe()
     with pytest.raises(ConfigError, match="data.public_samples is 1000 but the public split holds"):

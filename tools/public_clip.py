@@ -13,7 +13,9 @@ float64, over every tensor of the federated state. It prints the quantiles and s
 
 Public splits: ``FederatedTextDataModule``'s ``pretrain_plays`` (pseudo-clients one speaking role each, the roles
 in a seeded order, reused with other windows when K exceeds them) and ``FederatedDataModule``'s
-``public_fraction`` (N random public images each). A data module without one is refused in one line.
+``public_fraction`` (N random public images each; with ``public_samples``, the public images beyond them, which the
+pretrained base never saw: a base fits its own pretraining images, and their updates understate a client's). A data
+module without one is refused in one line.
 
     python tools/public_clip.py fit --config configs/smollm2_lora.yaml [--clients 16] [--windows 32] [--seed 0] \\
         [--json clip.json] [--any.config.key VALUE ...]
@@ -72,12 +74,17 @@ def public_clients(data: Any, clients: int, windows: int, seed: int) -> PublicCl
             parts.append(type(group)(group.ids, group.starts[take], group.context))
         return PublicClients(parts, data.windows_dataloader, "windows", f"{len(groups)} public roles of {name}")
     if callable(getattr(data, "split_indices", None)) and callable(getattr(data, "indices_dataloader", None)):
-        public = data.split_indices("public")
-        if len(public) == 0:
+        # A base pretrained on the public images fits them: their updates are smaller than a client's. The public
+        # images it never saw (beyond data.public_samples) stand in for clients better, when there are any.
+        public, described = data.split_indices("public"), "public images of"
+        held_out = data.split_indices("public_held_out") if getattr(data, "public_samples", None) else public[:0]
+        if len(held_out):
+            public, described = held_out, f"public images (held out from pretraining; {len(public)} pretrain) of"
+        elif len(public) == 0:
             raise ConfigError(f"data.public_fraction={data.public_fraction}: {name} has no public split to draw "
                               "pseudo-clients from; set --data.public_fraction (e.g. 0.1)")  # fmt: skip
         parts = [np.sort(rng.choice(public, min(windows, len(public)), replace=False)) for _ in range(clients)]
-        return PublicClients(parts, data.indices_dataloader, "images", f"{len(public)} public images of {name}")
+        return PublicClients(parts, data.indices_dataloader, "images", f"{len(public)} {described} {name}")
     raise ConfigError(f"data: {name} has no public split (neither public_groups() nor split_indices('public')) to "
                       "draw pseudo-clients from; use a data module with one (FederatedTextDataModule, "
                       "FederatedDataModule)")  # fmt: skip

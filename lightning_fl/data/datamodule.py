@@ -110,8 +110,8 @@ class FederatedDataModule(L.LightningDataModule):
         partition: How the client pool is divided (``IID``, ``Dirichlet``, ``Shards``).
         public_fraction: Share of the training split held out as the public (server-side) split.
         public_samples: Pretrain on only the first this many samples of the public split (a seeded random
-            subset; the rest of the public split is held out from everything, the client pool is unchanged):
-            bases of graded strength over the same clients. ``None`` = the whole public split.
+            subset; the rest, ``split_indices("public_held_out")``, is used by no run, the client pool is
+            unchanged): bases of graded strength over the same clients. ``None`` = the whole public split.
         val_fraction: Share of the training split held out for validation. With 0, ``val_dataloader``
             serves the test split, which is how the papers report accuracy per epoch/round.
         train_split: What ``train_dataloader`` (centralised training) serves: ``clients`` = the pooled
@@ -238,6 +238,7 @@ class FederatedDataModule(L.LightningDataModule):
                 "or the fractions, or raise data.max_train_samples"
             )
         val, public, pool = np.split(order, [n_val, n_val + n_public])
+        held_out = public[len(public) :]
         if self.public_samples is not None:
             if self.public_samples > len(public):
                 raise ConfigError(
@@ -245,7 +246,7 @@ class FederatedDataModule(L.LightningDataModule):
                     "(data.public_fraction of the training split); lower data.public_samples or raise "
                     "data.public_fraction"
                 )
-            public = public[: self.public_samples]
+            public, held_out = public[: self.public_samples], public[self.public_samples :]
         test_idx = np.arange(len(test))
         if self.max_eval_samples is not None and self.max_eval_samples < len(test):
             test_idx = np.sort(np.random.default_rng(self.seed + 1).permutation(len(test))[: self.max_eval_samples])
@@ -253,6 +254,7 @@ class FederatedDataModule(L.LightningDataModule):
         parts = self.partition(train.targets[pool], self.num_clients, self.seed)
         self._clients = parts.take(pool)  # flat: two arrays, however many clients
         self._splits = {"val": np.sort(val), "public": np.sort(public), "clients": np.sort(pool), "test": test_idx}
+        self._splits["public_held_out"] = np.sort(held_out)  # public, yet no pretraining saw it
         self._train, self._test = train, test
         self._log_partition()
 
@@ -271,8 +273,9 @@ class FederatedDataModule(L.LightningDataModule):
             self.setup()
 
     # ------------------------------------------------------------------------------ indices and stats
-    def split_indices(self, name: Literal["val", "public", "clients", "test"]) -> np.ndarray:
-        """Indices (into the source's train split, or its test split for ``test``) of a split."""
+    def split_indices(self, name: Literal["val", "public", "public_held_out", "clients", "test"]) -> np.ndarray:
+        """Indices (into the source's train split, or its test split for ``test``) of a split. ``public`` is what
+        pretraining serves; ``public_held_out`` the public samples beyond ``public_samples`` (empty without)."""
         self._require_setup()
         return self._splits[name]
 
