@@ -140,10 +140,13 @@ def test_image_public_split(tmp_path, monkeypatch):
     out = tool(args, tmp_path)
     assert len(out["norms"]) == 3 and 0 < out["min"] <= out["median"] <= out["max"]
     # With public_samples, the pseudo-clients are the public images pretraining never saw (a base fits its own).
-    served = []
-    serve = FederatedDataModule.indices_dataloader
-    monkeypatch.setattr(FederatedDataModule, "indices_dataloader", lambda self, idx, seed=None: served.append(
-        (idx, self.split_indices("public"), self.split_indices("public_held_out"))) or serve(self, idx, seed))
+    served, serve = [], FederatedDataModule.indices_dataloader
+
+    def watched(self, idx, seed=None):
+        served.append((idx, self.split_indices("public"), self.split_indices("public_held_out")))
+        return serve(self, idx, seed)
+
+    monkeypatch.setattr(FederatedDataModule, "indices_dataloader", watched)
     tool([*args, "--data.public_samples", "20"], tmp_path)
     assert len(served) == 3
     for idx, pretraining, held_out in served:
