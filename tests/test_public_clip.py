@@ -152,3 +152,6 @@ def test_image_public_split(tmp_path, monkeypatch):
     for idx, pretraining, held_out in served:
         assert len(pretraining) == 20 and len(idx) == 5 and set(idx) <= set(held_out)
         assert not set(idx) & set(pretraining)
+    served.clear()  # --pretraining-images: the images the base was fitted on (to measure the bias)
+    tool([*args, "--data.public_samples", "20", "--pretraining-images"], tmp_path)
+    assert len(served) == 3 and all(set(idx) <= set(pretraining) for idx, pretraining, _ in served)

@@ -59,8 +59,9 @@ class PublicClients:
         return self.serve(self.parts[cid], seed)
 
 
-def public_clients(data: Any, clients: int, windows: int, seed: int) -> PublicClients:
-    """``clients`` pseudo-clients of at most ``windows`` items each, drawn (seeded) from ``data``'s public split."""
+def public_clients(data: Any, clients: int, windows: int, seed: int, pretraining: bool = False) -> PublicClients:
+    """``clients`` pseudo-clients of at most ``windows`` items each, drawn (seeded) from ``data``'s public split
+    (images: those pretraining never saw when there are any, unless ``pretraining``)."""
     rng, name = np.random.default_rng(seed), type(data).__name__
     if callable(getattr(data, "public_groups", None)):  # FederatedTextDataModule: one speaking role each
         groups = data.public_groups()
@@ -77,7 +78,8 @@ def public_clients(data: Any, clients: int, windows: int, seed: int) -> PublicCl
         # A base pretrained on the public images fits them: their updates are smaller than a client's. The public
         # images it never saw (beyond data.public_samples) stand in for clients better, when there are any.
         public, described = data.split_indices("public"), "public images of"
-        held_out = data.split_indices("public_held_out") if getattr(data, "public_samples", None) else public[:0]
+        use_held_out = not pretraining and getattr(data, "public_samples", None)
+        held_out = data.split_indices("public_held_out") if use_held_out else public[:0]
         if len(held_out):
             public, described = held_out, f"public images (held out from pretraining; {len(public)} pretrain) of"
         elif len(public) == 0:
@@ -90,7 +92,9 @@ def public_clients(data: Any, clients: int, windows: int, seed: int) -> PublicCl
                       "FederatedDataModule)")  # fmt: skip
 
 
-def update_norms(run: Any, clients: int = 16, windows: int = 32, seed: int = 0) -> tuple[list[float], PublicClients]:
+def update_norms(
+    run: Any, clients: int = 16, windows: int = 32, seed: int = 0, pretraining: bool = False
+) -> tuple[list[float], PublicClients]:
     """Each public pseudo-client's update norm (as CentralDP clips it) after one federated client's local training."""
     from lightning_fl.federated.loop import FederatedTrainer
 
@@ -104,7 +108,7 @@ def update_norms(run: Any, clients: int = 16, windows: int = 32, seed: int = 0) 
     threads.for_run(trainer.threads)
     fabric = L.Fabric(accelerator=trainer.accelerator, devices=1, precision=trainer.precision, loggers=[])
     model, _ = setup.prepare(fabric, model, data, "fit")  # data set up, the base prepared, as a run does
-    pseudo = public_clients(data, clients, windows, seed)
+    pseudo = public_clients(data, clients, windows, seed, pretraining)
     start = model.federated_state()  # round 0's global state
     # What the server clips: the plain update (no client-side noise, no secure-aggregation masking).
     local = dataclasses.replace(trainer.local, upload_stage=None, secure=None)
@@ -131,12 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=32, help="windows (images) per pseudo-client N")
     parser.add_argument("--seed", type=int, default=0, help="draws the pseudo-clients and their training streams")
     parser.add_argument("--json", default=None, help="also write the JSON line to this file")
+    parser.add_argument(
+        "--pretraining-images",
+        action="store_true",
+        help="images: draw from those the base was pretrained on (to see how much they understate)",
+    )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.clients < 1 or args.windows < 1:
             raise ConfigError(f"--clients {args.clients} --windows {args.windows}: both must be >= 1")
         run = build(rest)
-        norms, pseudo = update_norms(run, args.clients, args.windows, args.seed)
+        norms, pseudo = update_norms(run, args.clients, args.windows, args.seed, args.pretraining_images)
     except UserError as err:  # a config typo, no public split: one line, exit code 2
         print(f"error: {err}", file=sys.stderr)
         return 2
