@@ -687,3 +687,8 @@ def test_paired_seeds_differences_per_seed_at_the_best_and_last_round(tmp_path):
     assert got["last"]["per_seed"] == pytest.approx([-1.0, 2.0])  # last round: 0.85-0.86, 0.72-0.70
     assert got["best"]["mean"] == pytest.approx(3.0) and got["best"]["se"] == pytest.approx(1.0)
     assert got["best"]["ratio"] == pytest.approx(3.0)
+    # --against: b from another CSV (the same label in a rerun); seeds paired across the two files
+    other = tmp_path / "o.csv"
+    other.write_text("label,seed,round,val/acc\na,1,0,0.7\na,1,1,0.75\na,2,1,0.5\n")
+    got = paired_seeds.paired(paired_seeds.accuracies(path), "a", "a", paired_seeds.accuracies(other))
+    assert got["best"]["per_seed"] == pytest.approx([-3.0]) and got["last"]["per_seed"] == pytest.approx([-3.0])

@@ -2,9 +2,12 @@
 
 For each seed both labels have, ``100 (acc_a - acc_b)`` at the best evaluated round after round 0 and at the last
 one; then the mean, its standard error over seeds and their ratio (the project's 2-SE rule reads |ratio| < 2 as a
-tie). Used for the comparisons quoted in docs/results-lora.md.
+tie). Used for the comparisons quoted in docs/results-lora.md. With ``--against OTHER.csv``, ``b`` is read from
+that CSV: the same run in two sweeps (e.g. a study rerun with another clip bound).
 
     python tools/paired_seeds.py docs/results/lora_fashion_mnist.csv latent_d256_r256 ffa_r4
+    python tools/paired_seeds.py docs/results/dp_fashion_mnist_public_clip.csv fedavg_eps4_iid fedavg_eps4_iid \
+        --against docs/results/dp_fashion_mnist.csv
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ def accuracies(path: Path) -> dict[tuple[str, int], dict[int, float]]:
     return out
 
 
-def paired(acc: dict, a: str, b: str) -> dict[str, dict]:
-    """Per seed, best and last round: the differences in points, their mean, SE and mean / SE."""
-    seeds = sorted({s for label, s in acc if label == a} & {s for label, s in acc if label == b})
+def paired(acc: dict, a: str, b: str, other: dict | None = None) -> dict[str, dict]:
+    """Per seed, best and last round: the differences in points, their mean, SE and mean / SE (``b`` from
+    ``other`` when given)."""
+    other = acc if other is None else other
+    seeds = sorted({s for label, s in acc if label == a} & {s for label, s in other if label == b})
     pick = {"best": lambda d: max(v for r, v in d.items() if r > 0), "last": lambda d: d[max(d)]}
     out = {}
     for name, f in pick.items():
-        xs = [100 * (f(acc[(a, s)]) - f(acc[(b, s)])) for s in seeds]
+        xs = [100 * (f(acc[(a, s)]) - f(other[(b, s)])) for s in seeds]
         mean = statistics.mean(xs)
         se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan
         out[name] = {"per_seed": xs, "mean": mean, "se": se, "ratio": mean / se if se else math.nan}
@@ -45,8 +50,11 @@ def main() -> None:
     parser.add_argument("csv", type=Path)
     parser.add_argument("a")
     parser.add_argument("b")
+    parser.add_argument("--against", type=Path, default=None, help="read b from this CSV")
     args = parser.parse_args()
-    for name, r in paired(accuracies(args.csv), args.a, args.b).items():
+    acc = accuracies(args.csv)
+    other = accuracies(args.against) if args.against is not None else None
+    for name, r in paired(acc, args.a, args.b, other).items():
         seeds = ", ".join(f"{x:+.2f}" for x in r["per_seed"])
         print(f"{args.a} - {args.b}, {name} round: per seed {seeds}; mean {r['mean']:+.2f} points, "
               f"SE {r['se']:.2f}, {r['ratio']:+.1f} SE")  # fmt: skip
