@@ -692,3 +692,8 @@ def test_paired_seeds_differences_per_seed_at_the_best_and_last_round(tmp_path):
     other.write_text("label,seed,round,val/acc\na,1,0,0.7\na,1,1,0.75\na,2,1,0.5\n")
     got = paired_seeds.paired(paired_seeds.accuracies(path), "a", "a", paired_seeds.accuracies(other))
     assert got["best"]["per_seed"] == pytest.approx([-3.0]) and got["last"]["per_seed"] == pytest.approx([-3.0])
+    # --metric: perplexity is lower-is-better (the best round is the lowest) and is not scaled to points
+    ppl = tmp_path / "p.csv"
+    ppl.write_text("label,seed,round,val/ppl\na,0,0,9\na,0,1,5\na,0,2,7\nb,0,0,9\nb,0,1,6\nb,0,2,6.5\n")
+    got = paired_seeds.paired(paired_seeds.accuracies(ppl, "val/ppl"), "a", "b", metric="val/ppl")
+    assert got["best"]["per_seed"] == pytest.approx([-1.0]) and got["last"]["per_seed"] == pytest.approx([0.5])

@@ -1,4 +1,5 @@
-"""Paired per-seed differences between two runs of a sweep CSV, in points of test accuracy, at the best and last round.
+"""Paired per-seed differences between two runs of a sweep CSV (test accuracy in points, or ``--metric``), at the
+best and last round.
 
 For each seed both labels have, ``100 (acc_a - acc_b)`` at the best evaluated round after round 0 and at the last
 one; then the mean, its standard error over seeds and their ratio (the project's 2-SE rule reads |ratio| < 2 as a
@@ -6,7 +7,9 @@ tie). Used for the comparisons quoted in docs/results-lora.md. With ``--against 
 that CSV: the same run in two sweeps (e.g. a study rerun with another clip bound).
 
     python tools/paired_seeds.py docs/results/lora_fashion_mnist.csv latent_d256_r256 ffa_r4
-    python tools/paired_seeds.py docs/results/dp_fashion_mnist_public_clip.csv fedavg_eps4_iid fedavg_eps4_iid \
+    python tools/paired_seeds.py docs/results/dp_shakespeare_sgd.csv A B --against docs/results/dp_shakespeare.csv \\
+        --metric val/ppl
+    python tools/paired_seeds.py docs/results/dp_fashion_mnist_public_clip.csv fedavg_eps4_iid fedavg_eps4_iid \\
         --against docs/results/dp_fashion_mnist.csv
 """
 
@@ -20,25 +23,31 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def accuracies(path: Path) -> dict[tuple[str, int], dict[int, float]]:
-    """``{(label, seed): {round: val/acc}}`` for every evaluated row."""
+def accuracies(path: Path, metric: str = "val/acc") -> dict[tuple[str, int], dict[int, float]]:
+    """``{(label, seed): {round: metric}}`` for every evaluated row."""
     out: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     with path.open() as f:
         for row in csv.DictReader(f):
-            if row.get("val/acc"):
-                out[(row["label"], int(row["seed"]))][int(row["round"])] = float(row["val/acc"])
+            if row.get(metric):
+                out[(row["label"], int(row["seed"]))][int(row["round"])] = float(row[metric])
     return out
 
 
-def paired(acc: dict, a: str, b: str, other: dict | None = None) -> dict[str, dict]:
-    """Per seed, best and last round: the differences in points, their mean, SE and mean / SE (``b`` from
-    ``other`` when given)."""
+def lower_is_better(metric: str) -> bool:
+    """Loss and perplexity: the best round is the lowest (the report tool's rule)."""
+    return "loss" in metric or "ppl" in metric
+
+
+def paired(acc: dict, a: str, b: str, other: dict | None = None, metric: str = "val/acc") -> dict[str, dict]:
+    """Per seed, best and last round: the differences (accuracy in points, other metrics as they are), their mean,
+    SE and mean / SE (``b`` from ``other`` when given)."""
     other = acc if other is None else other
     seeds = sorted({s for label, s in acc if label == a} & {s for label, s in other if label == b})
-    pick = {"best": lambda d: max(v for r, v in d.items() if r > 0), "last": lambda d: d[max(d)]}
+    best, scale = (min, 1.0) if lower_is_better(metric) else (max, 100.0 if metric.endswith("acc") else 1.0)
+    pick = {"best": lambda d: best(v for r, v in d.items() if r > 0), "last": lambda d: d[max(d)]}
     out = {}
     for name, f in pick.items():
-        xs = [100 * (f(acc[(a, s)]) - f(other[(b, s)])) for s in seeds]
+        xs = [scale * (f(acc[(a, s)]) - f(other[(b, s)])) for s in seeds]
         mean = statistics.mean(xs)
         se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan
         out[name] = {"per_seed": xs, "mean": mean, "se": se, "ratio": mean / se if se else math.nan}
@@ -51,13 +60,15 @@ def main() -> None:
     parser.add_argument("a")
     parser.add_argument("b")
     parser.add_argument("--against", type=Path, default=None, help="read b from this CSV")
+    parser.add_argument("--metric", default="val/acc", help="a CSV column (loss, ppl: lower is better)")
     args = parser.parse_args()
-    acc = accuracies(args.csv)
-    other = accuracies(args.against) if args.against is not None else None
-    for name, r in paired(acc, args.a, args.b, other).items():
-        seeds = ", ".join(f"{x:+.2f}" for x in r["per_seed"])
-        print(f"{args.a} - {args.b}, {name} round: per seed {seeds}; mean {r['mean']:+.2f} points, "
-              f"SE {r['se']:.2f}, {r['ratio']:+.1f} SE")  # fmt: skip
+    acc = accuracies(args.csv, args.metric)
+    other = accuracies(args.against, args.metric) if args.against is not None else None
+    unit, digits = (" points", 2) if args.metric.endswith("acc") else ("", 4)
+    for name, r in paired(acc, args.a, args.b, other, args.metric).items():
+        seeds = ", ".join(f"{x:+.{digits}f}" for x in r["per_seed"])
+        print(f"{args.a} - {args.b} ({args.metric}), {name} round: per seed {seeds}; mean {r['mean']:+.{digits}f}"
+              f"{unit}, SE {r['se']:.{digits}f}, {r['ratio']:+.1f} SE")  # fmt: skip
 
 
 if __name__ == "__main__":
