@@ -19,8 +19,12 @@ import argparse
 import csv
 import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tools
+from report import lower_is_better  # the report tool's rule: loss, ppl, ECE, bytes, time are lower-is-better
 
 
 def accuracies(path: Path, metric: str = "val/acc") -> dict[tuple[str, int], dict[int, float]]:
@@ -31,11 +35,6 @@ def accuracies(path: Path, metric: str = "val/acc") -> dict[tuple[str, int], dic
             if row.get(metric):
                 out[(row["label"], int(row["seed"]))][int(row["round"])] = float(row[metric])
     return out
-
-
-def lower_is_better(metric: str) -> bool:
-    """Loss and perplexity: the best round is the lowest (the report tool's rule)."""
-    return "loss" in metric or "ppl" in metric
 
 
 def paired(acc: dict, a: str, b: str, other: dict | None = None, metric: str = "val/acc") -> dict[str, dict]:
