@@ -697,3 +697,12 @@ def test_paired_seeds_differences_per_seed_at_the_best_and_last_round(tmp_path):
     ppl.write_text("label,seed,round,val/ppl\na,0,0,9\na,0,1,5\na,0,2,7\nb,0,0,9\nb,0,1,6\nb,0,2,6.5\n")
     got = paired_seeds.paired(paired_seeds.accuracies(ppl, "val/ppl"), "a", "b", metric="val/ppl")
     assert got["best"]["per_seed"] == pytest.approx([-1.0]) and got["last"]["per_seed"] == pytest.approx([0.5])
+    # --each: every label against itself in the other CSV; labels without a shared seed are left out
+    got = paired_seeds.each(paired_seeds.accuracies(path), paired_seeds.accuracies(other))
+    assert list(got) == ["a"] and got["a"]["last"]["per_seed"] == pytest.approx([-3.0])
+    other.write_text("label,seed,round,val/acc\na,0,1,0.80\na,0,2,0.80\nb,0,1,0.83\nb,0,2,0.87\nb,1,1,0.60\n")
+    got = paired_seeds.each(paired_seeds.accuracies(path), paired_seeds.accuracies(other))
+    assert list(got) == ["a", "b"]
+    assert got["a"]["best"]["per_seed"] == pytest.approx([10.0])  # 0.90-0.80
+    assert got["a"]["last"]["per_seed"] == pytest.approx([5.0])  # 0.85-0.80
+    assert got["b"]["best"]["per_seed"] == pytest.approx([-1.0, 10.0])  # 0.86-0.87; 0.70-0.60

@@ -11,6 +11,11 @@ that CSV: the same run in two sweeps (e.g. a study rerun with another clip bound
         --metric val/ppl
     python tools/paired_seeds.py docs/results/dp_fashion_mnist_public_clip.csv fedavg_eps4_iid fedavg_eps4_iid \\
         --against docs/results/dp_fashion_mnist.csv
+    python tools/paired_seeds.py docs/results/dp_fashion_mnist_public_clip.csv --each \\
+        --against docs/results/dp_fashion_mnist.csv
+
+``--each`` (with ``--against``) pairs every label with itself in the other CSV, one line per label, then the
+largest difference over all of them: how much a rerun moved a whole study.
 """
 
 from __future__ import annotations
@@ -53,17 +58,42 @@ def paired(acc: dict, a: str, b: str, other: dict | None = None, metric: str = "
     return out
 
 
+def each(acc: dict, other: dict, metric: str = "val/acc") -> dict[str, dict]:
+    """``paired(acc, label, label, other)`` for every label with a seed in both, in ``acc``'s order."""
+    labels = list(dict.fromkeys(label for label, _ in acc))
+    shared = {(label, s) for label, s in acc} & set(other)
+    return {label: paired(acc, label, label, other, metric) for label in labels if any(k[0] == label for k in shared)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("csv", type=Path)
-    parser.add_argument("a")
-    parser.add_argument("b")
+    parser.add_argument("a", nargs="?")
+    parser.add_argument("b", nargs="?")
     parser.add_argument("--against", type=Path, default=None, help="read b from this CSV")
+    parser.add_argument("--each", action="store_true", help="with --against: every label against itself there")
     parser.add_argument("--metric", default="val/acc", help="a CSV column (loss, ppl: lower is better)")
     args = parser.parse_args()
+    if args.each != (args.a is None and args.b is None) or (args.each and args.against is None):
+        parser.error("give two labels A B, or --each with --against OTHER.csv")
     acc = accuracies(args.csv, args.metric)
     other = accuracies(args.against, args.metric) if args.against is not None else None
     unit, digits = (" points", 2) if args.metric.endswith("acc") else ("", 4)
+    if args.each:
+        rows = each(acc, other, args.metric)
+        for label, r in rows.items():
+            print(
+                f"{label}: seeds {len(r['last']['per_seed'])}; "
+                + "; ".join(f"{name} round {', '.join(f'{x:+.{digits}f}' for x in r[name]['per_seed'])}" for name in r)
+            )
+        worst = {name: max((abs(x) for r in rows.values() for x in r[name]["per_seed"]), default=math.nan)
+                 for name in ("best", "last")}  # fmt: skip
+        runs = sum(len(r["last"]["per_seed"]) for r in rows.values())
+        print(
+            f"{len(rows)} labels, {runs} runs paired; largest |difference|{unit}: best round "
+            f"{worst['best']:.{digits}f}, last round {worst['last']:.{digits}f}"
+        )
+        return
     for name, r in paired(acc, args.a, args.b, other, args.metric).items():
         seeds = ", ".join(f"{x:+.{digits}f}" for x in r["per_seed"])
         print(f"{args.a} - {args.b} ({args.metric}), {name} round: per seed {seeds}; mean {r['mean']:+.{digits}f}"
