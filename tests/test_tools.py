@@ -137,6 +137,31 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path, sweep_main):
     assert any((tmp_path / "tb").iterdir())
 
 
+def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Two sweeps of one spec (two workers) collect into the same results.csv: the CSV is written beside it and moved
+    over it, so an error midway (or a reader at that moment) finds the previous CSV intact."""
+    sweep = sweep_tool()
+    spec = {"name": "s"}
+    runs = [{"label": "a", "seed": 0, "tags": {}}, {"label": "b", "seed": 0, "tags": {}}]
+    history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.75}]
+
+    def status(spec, out, run):
+        if run["label"] == "b":
+            raise RuntimeError("checkpoint being written")
+        return "done", {"history": history}
+
+    monkeypatch.setattr(sweep, "status", status)
+    (tmp_path / "results.csv").write_text("the previous CSV\n")
+    with pytest.raises(RuntimeError):
+        sweep.collect(spec, tmp_path, runs)
+    assert (tmp_path / "results.csv").read_text() == "the previous CSV\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]  # no temporary file left behind
+    sweep.collect(spec, tmp_path, runs[:1])
+    with (tmp_path / "results.csv").open() as f:
+        rows = [(r["label"], r["round"], r["final"], r["val/acc"]) for r in csv.DictReader(f)]
+    assert rows == [("a", "0", "0", "0.5"), ("a", "1", "1", "0.75")]
+
+
 @pytest.mark.distributed  # the sweep tool as a user runs it: its run is a fresh process
 def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
     spec = {

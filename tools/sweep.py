@@ -50,6 +50,7 @@ run's label, seed and tags, ``final`` (1 on the last round), and the logged metr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import os
@@ -213,6 +214,20 @@ def oneshot_status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     return ("partial" if ckpt.is_file() else "missing"), None
 
 
+@contextlib.contextmanager
+def replaced_atomically(path: Path):
+    """A text file written beside ``path`` and moved over it when complete: a reader (or a second sweep of the same
+    spec collecting at the same moment) sees the old CSV or the new one, never half of one, and an error midway
+    leaves the old one as it was."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", newline="") as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     tag_names = sorted({k for r in runs for k in r["tags"]})
     rows = []
@@ -224,7 +239,7 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         rows.append((run, {**fit, **test}))
     columns = sorted({k for _, metrics in rows for k in metrics})
     path = out / "results.csv"
-    with path.open("w", newline="") as f:
+    with replaced_atomically(path) as f:
         writer = csv.writer(f)
         writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *columns])
         for run, metrics in rows:
@@ -273,7 +288,7 @@ def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     tag_names = sorted({k for r in runs for k in r["tags"]})
     path = out / "results.csv"
     rows = 0
-    with path.open("w", newline="") as f:
+    with replaced_atomically(path) as f:
         writer = csv.writer(f)
         writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS])
         for run in runs:
