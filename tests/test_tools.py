@@ -138,8 +138,8 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path, sweep_main):
 
 
 def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
-    """Two sweeps of one spec (two workers) collect into the same results.csv: the CSV is written beside it and moved
-    over it, so an error midway (or a reader at that moment) finds the previous CSV intact."""
+    """Two sweeps of one spec (two workers) collect into the same results.csv: the CSV is built whole, then written
+    through a temp file and a rename, so an error midway (or a reader at that moment) finds the previous CSV intact."""
     sweep = sweep_tool()
     spec = {"name": "s"}
     runs = [{"label": "a", "seed": 0, "tags": {}}, {"label": "b", "seed": 0, "tags": {}}]
@@ -155,8 +155,9 @@ def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         sweep.collect(spec, tmp_path, runs)
     assert (tmp_path / "results.csv").read_text() == "the previous CSV\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]  # no temporary file left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]
     sweep.collect(spec, tmp_path, runs[:1])
+    assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]  # no temporary file left behind
     with (tmp_path / "results.csv").open() as f:
         rows = [(r["label"], r["round"], r["final"], r["val/acc"]) for r in csv.DictReader(f)]
     assert rows == [("a", "0", "0", "0.5"), ("a", "1", "1", "0.75")]

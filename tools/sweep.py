@@ -50,8 +50,8 @@ run's label, seed and tags, ``final`` (1 on the last round), and the logged metr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
+import io
 import itertools
 import os
 import subprocess
@@ -61,6 +61,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+from lightning_fl.checkpoint import atomic_write_text
 
 METRIC_COLUMNS = [
     "val/acc",
@@ -214,20 +216,6 @@ def oneshot_status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     return ("partial" if ckpt.is_file() else "missing"), None
 
 
-@contextlib.contextmanager
-def replaced_atomically(path: Path):
-    """A text file written beside ``path`` and moved over it when complete: a reader (or a second sweep of the same
-    spec collecting at the same moment) sees the old CSV or the new one, never half of one, and an error midway
-    leaves the old one as it was."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w", newline="") as f:
-            yield f
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     tag_names = sorted({k for r in runs for k in r["tags"]})
     rows = []
@@ -239,14 +227,13 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         rows.append((run, {**fit, **test}))
     columns = sorted({k for _, metrics in rows for k in metrics})
     path = out / "results.csv"
-    with replaced_atomically(path) as f:
-        writer = csv.writer(f)
-        writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *columns])
-        for run, metrics in rows:
-            tags = [run["tags"].get(t, "") for t in tag_names]
-            writer.writerow(
-                [spec["name"], run["label"], run["seed"], *tags, 0, 1, *[metrics.get(c, "") for c in columns]]
-            )
+    f = io.StringIO(newline="")
+    writer = csv.writer(f)
+    writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *columns])
+    for run, metrics in rows:
+        tags = [run["tags"].get(t, "") for t in tag_names]
+        writer.writerow([spec["name"], run["label"], run["seed"], *tags, 0, 1, *[metrics.get(c, "") for c in columns]])
+    atomic_write_text(path, f.getvalue())  # two workers of one spec may collect at once: never half a CSV
     print(f"wrote {len(rows)} rows to {path}")
     return path
 
@@ -288,21 +275,22 @@ def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     tag_names = sorted({k for r in runs for k in r["tags"]})
     path = out / "results.csv"
     rows = 0
-    with replaced_atomically(path) as f:
-        writer = csv.writer(f)
-        writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS])
-        for run in runs:
-            state, ckpt = status(spec, out, run)
-            if state != "done":
-                continue
-            history = ckpt["history"]
-            last = max(h["round"] for h in history)
-            for h in history:
-                metrics = [h.get(m, "") for m in METRIC_COLUMNS]
-                tags = [run["tags"].get(t, "") for t in tag_names]
-                writer.writerow([spec["name"], run["label"], run["seed"], *tags, int(h["round"]),
-                                 int(h["round"] == last), *metrics])  # fmt: skip
-                rows += 1
+    f = io.StringIO(newline="")
+    writer = csv.writer(f)
+    writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS])
+    for run in runs:
+        state, ckpt = status(spec, out, run)
+        if state != "done":
+            continue
+        history = ckpt["history"]
+        last = max(h["round"] for h in history)
+        for h in history:
+            metrics = [h.get(m, "") for m in METRIC_COLUMNS]
+            tags = [run["tags"].get(t, "") for t in tag_names]
+            writer.writerow([spec["name"], run["label"], run["seed"], *tags, int(h["round"]),
+                             int(h["round"] == last), *metrics])  # fmt: skip
+            rows += 1
+    atomic_write_text(path, f.getvalue())  # two workers of one spec may collect at once: never half a CSV
     print(f"wrote {rows} rows to {path}")
     return path
 
