@@ -60,9 +60,8 @@ def paired(acc: dict, a: str, b: str, other: dict | None = None, metric: str = "
 
 def each(acc: dict, other: dict, metric: str = "val/acc") -> dict[str, dict]:
     """``paired(acc, label, label, other)`` for every label with a seed in both, in ``acc``'s order."""
-    labels = list(dict.fromkeys(label for label, _ in acc))
-    shared = {(label, s) for label, s in acc} & set(other)
-    return {label: paired(acc, label, label, other, metric) for label in labels if any(k[0] == label for k in shared)}
+    labels = dict.fromkeys(label for label, seed in acc if (label, seed) in other)
+    return {label: paired(acc, label, label, other, metric) for label in labels}
 
 
 def main() -> None:

@@ -216,6 +216,16 @@ def oneshot_status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     return ("partial" if ckpt.is_file() else "missing"), None
 
 
+def write_csv(path: Path, header: list, rows: list[list]) -> Path:
+    """The whole CSV through a temp file and a rename: two workers of one spec may collect at once, and a reader
+    (or an error midway) sees the previous CSV or the new one, never half of one."""
+    f = io.StringIO(newline="")
+    writer = csv.writer(f)
+    writer.writerow(header)
+    writer.writerows(rows)
+    return atomic_write_text(path, f.getvalue())
+
+
 def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     tag_names = sorted({k for r in runs for k in r["tags"]})
     rows = []
@@ -226,14 +236,12 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         fit = {k: v for k, v in scalars(fit_dir(out, run)).items() if k.startswith(("val/", "generator/"))}
         rows.append((run, {**fit, **test}))
     columns = sorted({k for _, metrics in rows for k in metrics})
-    path = out / "results.csv"
-    f = io.StringIO(newline="")
-    writer = csv.writer(f)
-    writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *columns])
-    for run, metrics in rows:
-        tags = [run["tags"].get(t, "") for t in tag_names]
-        writer.writerow([spec["name"], run["label"], run["seed"], *tags, 0, 1, *[metrics.get(c, "") for c in columns]])
-    atomic_write_text(path, f.getvalue())  # two workers of one spec may collect at once: never half a CSV
+    path = write_csv(
+        out / "results.csv",
+        ["sweep", "label", "seed", *tag_names, "round", "final", *columns],
+        [[spec["name"], run["label"], run["seed"], *[run["tags"].get(t, "") for t in tag_names], 0, 1,
+          *[metrics.get(c, "") for c in columns]] for run, metrics in rows],
+    )  # fmt: skip
     print(f"wrote {len(rows)} rows to {path}")
     return path
 
@@ -273,25 +281,20 @@ def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     if spec.get("kind") == "oneshot":
         return oneshot_collect(spec, out, runs)
     tag_names = sorted({k for r in runs for k in r["tags"]})
-    path = out / "results.csv"
-    rows = 0
-    f = io.StringIO(newline="")
-    writer = csv.writer(f)
-    writer.writerow(["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS])
+    rows = []
     for run in runs:
         state, ckpt = status(spec, out, run)
         if state != "done":
             continue
         history = ckpt["history"]
         last = max(h["round"] for h in history)
+        tags = [run["tags"].get(t, "") for t in tag_names]
         for h in history:
-            metrics = [h.get(m, "") for m in METRIC_COLUMNS]
-            tags = [run["tags"].get(t, "") for t in tag_names]
-            writer.writerow([spec["name"], run["label"], run["seed"], *tags, int(h["round"]),
-                             int(h["round"] == last), *metrics])  # fmt: skip
-            rows += 1
-    atomic_write_text(path, f.getvalue())  # two workers of one spec may collect at once: never half a CSV
-    print(f"wrote {rows} rows to {path}")
+            rows.append([spec["name"], run["label"], run["seed"], *tags, int(h["round"]), int(h["round"] == last),
+                         *[h.get(m, "") for m in METRIC_COLUMNS]])  # fmt: skip
+    header = ["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS]
+    path = write_csv(out / "results.csv", header, rows)
+    print(f"wrote {len(rows)} rows to {path}")
     return path
 
 
