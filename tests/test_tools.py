@@ -95,11 +95,13 @@ def sweep_main(tmp_path, monkeypatch, capsys):
 
 
 def test_sweep_runs_skips_resumes_and_reports(tmp_path, sweep_main):
-    first = sweep_main(sweep_file(tmp_path, rounds=1))
+    first = sweep_main(sweep_file(tmp_path, rounds=1), "--no-collect")
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count("running") == 2
+    assert not (tmp_path / "sweep" / "results.csv").exists()  # --no-collect: the runs, not the CSV
     again = sweep_main(sweep_file(tmp_path, rounds=1))
     assert again.stdout.count("done, skipped") == 2
+    assert (tmp_path / "sweep" / "results.csv").is_file()
     longer = sweep_main(sweep_file(tmp_path, rounds=2))
     assert longer.returncode == 0 and longer.stdout.count("resuming") == 2, longer.stdout
     with (tmp_path / "sweep" / "results.csv").open() as f:

@@ -23,6 +23,7 @@ runs:
     python tools/sweep.py SWEEP.yaml --collect  # only (re)build the CSV from the finished checkpoints
     python tools/sweep.py SWEEP.yaml --dry-run  # print the commands
     python tools/sweep.py SWEEP.yaml --seeds 0  # only seed 0 now (the other seeds on a later call)
+    python tools/sweep.py SWEEP.yaml --only A --no-collect  # one worker of several; --collect once they end
 
 A run is finished when its ``last.ckpt`` has done all ``trainer.rounds``; unfinished runs continue from
 it (``--trainer.resume auto``). When a run fails, the sweep goes on with the others, collects what finished,
@@ -303,6 +304,11 @@ def main() -> None:
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--collect", action="store_true", help="only rebuild the CSV")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument(
+        "--no-collect",
+        action="store_true",
+        help="run, but leave the CSV to a later --collect (several workers on one sweep)",
+    )
     parser.add_argument("--only", default=None, help="run only labels containing this text")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="run only these seeds (e.g. 0 first)")
     args = parser.parse_args()
@@ -335,7 +341,7 @@ def main() -> None:
                 failed.append(run["id"])
             else:
                 print(f"  finished in {time.perf_counter() - t0:.0f} s")
-    if not args.dry_run:
+    if not (args.dry_run or args.no_collect):
         collect(spec, out, runs)
     if failed:
         runs_word = "run" if len(failed) == 1 else "runs"
