@@ -369,6 +369,25 @@ def test_a_best_pivot_takes_each_runs_best_round_and_keeps_its_tags():
     assert "| a | 0.5050 (0.0071) | 0.5050 (0.0071) |" in report.pivot_table(rows, {**spec, "best": False, "digits": 4})
 
 
+def test_a_gain_pivot_subtracts_each_runs_own_round_0():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    curve = {1: 0.3, 2: 0.6, 3: 0.5}
+    rows = [
+        {"label": "a", "seed": seed, "round": r, "final": int(r == 3), "method": "a", "epsilon": 1.0,
+         "val/acc": (0.5 - 0.02 * seed) if r == 0 else curve[r] + 0.01 * seed}
+        for seed in (0, 1) for r in (0, 1, 2, 3)
+    ]  # fmt: skip
+    spec = {"pivot": {"rows": "method", "columns": ["epsilon"]}, "metric": "val/acc", "gain": True, "scale": 100}
+    # best: seed 0 0.60 - 0.50, seed 1 0.61 - 0.48 (points: +10, +13); final: 0.50 - 0.50, 0.51 - 0.48 (0, +3)
+    assert "| a | +11.500 (2.121) |" in report.pivot_table(rows, {**spec, "best": True})
+    final = report.pivot_table(rows, {**spec, "digits": 2})
+    assert "| a | +1.50 (2.12) |" in final and "less the run's round 0, x 100" in final
+
+
 def test_fmp_label_probe_scores_summaries_of_a_checkpoint(tmp_path):
     """Uniform labels on the k-means centres cost FMP most of what the centres give (the read-out study)."""
     args = ["fit", "--config", str(CONFIGS / "fmp_digits.yaml"), "--model.generator", "PolyaUrn",

@@ -17,6 +17,8 @@ tables:
     where: {sweep: robustness_digits, state: latent}
     metric: val/acc
     digits: 3                           # decimals of the cells (mean and std)
+    gain: false                         # true: each run's value less its own round 0 (its starting model)
+    scale: 1                            # with gain: times this (100: accuracy in points)
   - title: Table I analogue             # rows are methods: metric columns "test/{method}/{metric}" per label
     methods: [fmp, mp, cann]
     labels: [digits, fashion_mnist]
@@ -177,6 +179,11 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
     metric, digits = spec.get("metric", "val/acc"), int(spec.get("digits", 3))
     chosen = select(rows, spec.get("labels"), spec.get("where"))
     groups = bests(chosen, [metric]) if spec.get("best") else finals(chosen, spec.get("round"), key=per_run)
+    if spec.get("gain"):  # each run's value less its own round-0 value (its starting model), times ``scale``
+        start = {(r.get("sweep"), r["label"], r["seed"]): r.get(metric, "") for r in chosen if r["round"] == 0}
+        scale = float(spec.get("scale", 1))
+        groups = {key: [gain_row(r, start.get((r.get("sweep"), r["label"], r["seed"]), ""), metric, scale)
+                        for r in group] for key, group in groups.items()}  # fmt: skip
     cells: dict[tuple, list[float]] = defaultdict(list)
     row_keys, col_keys = [], []
     for group in groups.values():
@@ -187,6 +194,8 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
         cells[rk, ck] += [r.get(metric, "") for r in group]
     which = "final round" if spec.get("round") is None else f"round {spec['round']}"
     which = "best over rounds 1 to R" if spec.get("best") else which
+    if spec.get("gain"):
+        which += ", less the run's round 0" + (f", x {float(spec['scale']):g}" if "scale" in spec else "")
     seeds = sorted({len(g) for g in groups.values()})
     lines = [
         f"**{spec.get('title', metric)}** ({metric}, {which}, mean (std) over {'/'.join(map(str, seeds))} seeds)",
@@ -200,9 +209,16 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
         values = []
         for ck in col_keys:
             mean, std = mean_std(cells.get((rk, ck), []))
-            values.append("-" if math.isnan(mean) else f"{mean:.{digits}f} ({std:.{digits}f})")
+            sign = "+" if spec.get("gain") else ""
+            values.append("-" if math.isnan(mean) else f"{mean:{sign}.{digits}f} ({std:.{digits}f})")
         lines.append(f"| {rk} | " + " | ".join(values) + " |")
     return "\n".join(lines)
+
+
+def gain_row(row: dict, start, metric: str, scale: float) -> dict:
+    """``row`` with ``metric`` replaced by ``scale (row[metric] - start)``; empty when either is missing."""
+    missing = row.get(metric, "") == "" or start == ""
+    return {**row, metric: "" if missing else scale * (float(row[metric]) - float(start))}
 
 
 def method_table(rows: list[dict], spec: dict) -> str:
