@@ -205,11 +205,11 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
               for ck in col_keys]  # fmt: skip
     lines.append(f"| {row_tag} | " + " | ".join(header) + " |")
     lines.append("| --- | " + " | ".join("---" for _ in header) + " |")
+    sign = "+" if spec.get("gain") else ""
     for rk in row_keys:
         values = []
         for ck in col_keys:
             mean, std = mean_std(cells.get((rk, ck), []))
-            sign = "+" if spec.get("gain") else ""
             values.append("-" if math.isnan(mean) else f"{mean:{sign}.{digits}f} ({std:.{digits}f})")
         lines.append(f"| {rk} | " + " | ".join(values) + " |")
     return "\n".join(lines)
