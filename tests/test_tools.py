@@ -753,36 +753,3 @@ def test_paired_seeds_differences_per_seed_at_the_best_and_last_round(tmp_path):
     assert got["a"]["best"]["per_seed"] == pytest.approx([10.0])  # 0.90-0.80
     assert got["a"]["last"]["per_seed"] == pytest.approx([5.0])  # 0.85-0.80
     assert got["b"]["best"]["per_seed"] == pytest.approx([-1.0, 10.0])  # 0.86-0.87; 0.70-0.60
-
-
-def test_collect_takes_runs_finished_elsewhere_from_an_earlier_csv(tmp_path, monkeypatch, capsys):
-    """A sweep finished across two machines: ``--rows-from`` fills each run not finished here with its rows from
-    the earlier CSV (unchanged, in the spec's order); a run finished here uses its own checkpoint; a CSV of another
-    sweep, or a missing one, is refused with exit 2."""
-    sweep = sweep_tool()
-    spec = {"name": "s"}
-    runs = [{"label": name, "seed": 0, "tags": {"m": name}} for name in "abc"]
-    histories = {name: [{"round": 0, "val/acc": i / 10}, {"round": 1, "val/acc": 0.123456789 + i}]
-                 for i, name in enumerate("abc")}  # fmt: skip
-    here = {"a", "b", "c"}
-    monkeypatch.setattr(sweep, "status", lambda spec, out, run: ("done", {"history": histories[run["label"]]})
-                        if run["label"] in here else ("missing", None))  # fmt: skip
-    full = sweep.collect(spec, tmp_path / "first", runs).read_text()
-    assert full.count("\ns,") == 6
-
-    here = {"b"}  # the new machine finished b only (and differently): a and c come from the first CSV
-    histories["b"][1]["val/acc"] = 0.5
-    merged = sweep.collect(spec, tmp_path / "second", runs, tmp_path / "first" / "results.csv").read_text()
-    first_lines, merged_lines = full.splitlines(), merged.splitlines()
-    assert [line.split(",")[1] for line in merged_lines[1:]] == ["a", "a", "b", "b", "c", "c"]
-    assert merged_lines[1:3] == first_lines[1:3] and merged_lines[5:] == first_lines[5:]
-    assert merged_lines[4] != first_lines[4] and ",0.5," in merged_lines[4]
-    alone = sweep.collect(spec, tmp_path / "alone", runs).read_text()
-    assert [line.split(",")[1] for line in alone.splitlines()[1:]] == ["b", "b"]
-
-    for bad, why in ((tmp_path / "nothing.csv", "no such file"), (tmp_path / "other.csv", "holds sweep 'other'")):
-        if bad.name == "other.csv":
-            bad.write_text(full.replace("\ns,", "\nother,"))
-        with pytest.raises(SystemExit) as exc:
-            sweep.collect(spec, tmp_path / "third", runs, bad)
-        assert exc.value.code == 2 and why in capsys.readouterr().err

@@ -24,7 +24,6 @@ runs:
     python tools/sweep.py SWEEP.yaml --dry-run  # print the commands
     python tools/sweep.py SWEEP.yaml --seeds 0  # only seed 0 now (the other seeds on a later call)
     python tools/sweep.py SWEEP.yaml --only A --no-collect  # one worker of several; --collect once they end
-    python tools/sweep.py SWEEP.yaml --collect --rows-from OLD.csv  # runs finished elsewhere: rows from their CSV
 
 A run is finished when its ``last.ckpt`` has done all ``trainer.rounds``; unfinished runs continue from
 it (``--trainer.resume auto``). When a run fails, the sweep goes on with the others, collects what finished,
@@ -279,44 +278,14 @@ def status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     return ("done" if ckpt["round"] >= target_rounds(spec, out, run) else "partial"), ckpt
 
 
-def earlier_rows(spec: dict, path: Path, header: list) -> dict[tuple[str, int], list[list]]:
-    """Rows of an earlier CSV of this spec (its runs finished on another machine, their folders not here), by
-    (label, seed), in ``header``'s column order. A missing file, a CSV of another sweep or with other columns is
-    refused (exit 2)."""
-
-    def refuse(why: str):
-        print(f"error: --rows-from {path}: {why}; pass a results.csv of sweep {spec['name']!r}", file=sys.stderr)
-        sys.exit(2)
-
-    if not path.is_file():
-        refuse("no such file")
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        if sorted(reader.fieldnames or []) != sorted(header):
-            refuse("its columns are not this sweep's")
-        found: dict[tuple[str, int], list[list]] = {}
-        for row in reader:
-            if row["sweep"] != spec["name"]:
-                refuse(f"it holds sweep {row['sweep']!r}")
-            found.setdefault((row["label"], int(row["seed"])), []).append([row[c] for c in header])
-    return found
-
-
-def collect(spec: dict, out: Path, runs: list[dict], rows_from: Path | None = None) -> Path:
-    """The CSV of every finished run, in the spec's order. With ``rows_from``, a run not finished here takes its
-    rows from that earlier CSV of the spec (unchanged), so a sweep finished across machines is collected whole."""
+def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     if spec.get("kind") == "oneshot":
         return oneshot_collect(spec, out, runs)
     tag_names = sorted({k for r in runs for k in r["tags"]})
-    header = ["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS]
-    earlier = earlier_rows(spec, rows_from, header) if rows_from is not None else {}
-    rows, kept = [], 0
+    rows = []
     for run in runs:
         state, ckpt = status(spec, out, run)
         if state != "done":
-            if (run["label"], run["seed"]) in earlier:
-                rows.extend(earlier[run["label"], run["seed"]])
-                kept += 1
             continue
         history = ckpt["history"]
         last = max(h["round"] for h in history)
@@ -324,8 +293,9 @@ def collect(spec: dict, out: Path, runs: list[dict], rows_from: Path | None = No
         for h in history:
             rows.append([spec["name"], run["label"], run["seed"], *tags, int(h["round"]), int(h["round"] == last),
                          *[h.get(m, "") for m in METRIC_COLUMNS]])  # fmt: skip
+    header = ["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS]
     path = write_csv(out / "results.csv", header, rows)
-    print(f"wrote {len(rows)} rows to {path}" + (f" ({kept} runs' rows from {rows_from})" if rows_from else ""))
+    print(f"wrote {len(rows)} rows to {path}")
     return path
 
 
@@ -338,12 +308,6 @@ def main() -> None:
         "--no-collect",
         action="store_true",
         help="run, but leave the CSV to a later --collect (several workers on one sweep)",
-    )
-    parser.add_argument(
-        "--rows-from",
-        type=Path,
-        default=None,
-        help="an earlier results.csv of this sweep: runs not finished here take their rows from it",
     )
     parser.add_argument("--only", default=None, help="run only labels containing this text")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="run only these seeds (e.g. 0 first)")
@@ -378,7 +342,7 @@ def main() -> None:
             else:
                 print(f"  finished in {time.perf_counter() - t0:.0f} s")
     if not (args.dry_run or args.no_collect):
-        collect(spec, out, runs, args.rows_from)
+        collect(spec, out, runs)
     if failed:
         runs_word = "run" if len(failed) == 1 else "runs"
         sys.exit(f"error: {len(failed)} {runs_word} failed: {', '.join(failed)} (logs: {out}/<run>.log)")
