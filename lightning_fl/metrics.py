@@ -5,18 +5,24 @@ confidence weighted by bin mass (torchmetrics ``MulticlassCalibrationError(norm=
 Accuracy is plain (micro) accuracy, not torchmetrics' default macro average.
 
 Language models (:class:`NextTokenMetrics`) report the mean token cross-entropy, its exponential
-(perplexity) and next-token accuracy (LEAF's Shakespeare metric), every token weighted alike.
+(perplexity) and next-token accuracy (LEAF's Shakespeare metric), every token weighted alike; targets equal to
+:data:`IGNORE_INDEX` (an instruction's prompt and padding) are left out, so on instruction data these are the
+response's perplexity and accuracy. Tasks scored by generation (:class:`ExactMatch`) count the generated answers
+equal to the reference once both are normalised (:func:`normalize_answer`).
 """
 
 from __future__ import annotations
 
 import math
+import unicodedata
 
 import torch
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 
 ECE_BINS = 15
+#: The target id that losses and metrics leave out (PyTorch's ``cross_entropy`` default): prompt and padding tokens.
+IGNORE_INDEX = -100
 
 
 def classification_metrics(num_classes: int, prefix: str) -> MetricCollection:
@@ -33,7 +39,8 @@ def classification_metrics(num_classes: int, prefix: str) -> MetricCollection:
 class NextTokenMetrics(Metric):
     """``{prefix}loss`` (mean token cross-entropy, nats), ``{prefix}ppl`` (its exp) and ``{prefix}acc``.
 
-    Update with ``(logits (B, T, V), targets (B, T))``; sums are kept in float64 and summed over processes.
+    Update with ``(logits (B, T, V), targets (B, T))``; targets equal to :data:`IGNORE_INDEX` are not counted. Sums
+    are kept in float64 and summed over processes.
     """
 
     full_state_update = False
@@ -48,9 +55,11 @@ class NextTokenMetrics(Metric):
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         flat = logits.reshape(-1, logits.shape[-1]).float()
         target = targets.reshape(-1)
-        self.loss_sum += torch.nn.functional.cross_entropy(flat, target, reduction="sum").double()
-        self.correct += (flat.argmax(-1) == target).sum()
-        self.tokens += target.numel()
+        counted = target != IGNORE_INDEX
+        loss = torch.nn.functional.cross_entropy(flat, target, reduction="sum", ignore_index=IGNORE_INDEX)
+        self.loss_sum += loss.double()
+        self.correct += ((flat.argmax(-1) == target) & counted).sum()
+        self.tokens += counted.sum()
 
     def compute(self) -> dict[str, torch.Tensor]:
         if self.tokens == 0:
@@ -59,3 +68,68 @@ class NextTokenMetrics(Metric):
         ppl = torch.exp(loss) if loss < math.log(torch.finfo(torch.float64).max) else torch.tensor(math.inf)
         acc = self.correct.double() / self.tokens
         return {f"{self.prefix}loss": loss.float(), f"{self.prefix}ppl": ppl.float(), f"{self.prefix}acc": acc.float()}
+
+
+#: What :func:`normalize_answer` strips from an answer's ends: quotes, brackets and emphasis around it, and a
+#: sentence's closing punctuation after it (a sign or a dash that belongs to the answer stays).
+_AROUND = "\"'`*_()[]{}<>\u201c\u201d\u2018\u2019"
+_AFTER = ".,;:!?"
+
+
+def normalize_answer(text: str) -> str:
+    """``text`` as :class:`ExactMatch` compares it: Unicode NFKC, case folded, runs of whitespace made one space,
+    quotes, brackets and emphasis stripped from both ends and closing punctuation from the end (``" Hamlet."`` and
+    ``"hamlet"`` match; ``"-5"`` and ``"2019-04-06"`` keep their dashes).
+
+    >>> normalize_answer("  **The  Tempest.**")
+    'the tempest'
+    """
+    text = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    previous = None
+    while text != previous:
+        previous = text
+        text = text.strip(_AROUND + " ").rstrip(_AFTER + " ")
+    return text
+
+
+class ExactMatch(Metric):
+    """``{prefix}exact_match``: the share of generated answers equal to their reference after
+    :func:`normalize_answer` (SQuAD's exact match without its article removal, which would merge "The Tempest" and
+    "Tempest"), and ``{prefix}exact_match/{label}`` for each of ``labels`` (the records of that label alone).
+
+    Update with lists of strings: predictions, references and (with ``labels``) each record's label. Counts are
+    summed over processes.
+    """
+
+    full_state_update = False
+
+    def __init__(self, prefix: str = "", labels: list[str] | None = None) -> None:
+        super().__init__()
+        self.prefix, self.labels = prefix, list(labels or [])
+        size = len(self.labels) + 1  # per label, then all records
+        self.add_state("matches", default=torch.zeros(size, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.zeros(size, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, predictions: list[str], references: list[str], labels: list[str] | None = None) -> None:
+        if len(predictions) != len(references) or (labels is not None and len(labels) != len(references)):
+            raise ValueError(
+                f"Expected as many predictions, references and labels, got {len(predictions)}, {len(references)} "
+                f"and {len(labels) if labels is not None else 'no'} labels"
+            )
+        where = {label: i for i, label in enumerate(self.labels)}
+        for i, (p, r) in enumerate(zip(predictions, references, strict=True)):
+            hit = int(normalize_answer(p) == normalize_answer(r))
+            slots = [-1] + ([where[labels[i]]] if labels is not None and labels[i] in where else [])
+            for slot in slots:
+                self.matches[slot] += hit
+                self.total[slot] += 1
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        if self.total[-1] == 0:
+            raise ValueError("ExactMatch.compute() called before any update")
+        share = self.matches.double() / self.total.clamp(min=1)
+        out = {f"{self.prefix}exact_match": share[-1].float()}
+        for i, label in enumerate(self.labels):
+            if self.total[i] > 0:
+                out[f"{self.prefix}exact_match/{label}"] = share[i].float()
+        return out

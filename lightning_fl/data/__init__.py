@@ -2,6 +2,9 @@
 
 from lightning_fl.data.builtin import Digits, Synthetic
 from lightning_fl.data.datamodule import FederatedDataModule, TransformedSubset
+from lightning_fl.data.instruct import FederatedInstructionDataModule
+from lightning_fl.data.instruction_tasks import InstructionTasks
+from lightning_fl.data.instructions import InstructionFiles, InstructionRecord, InstructionSource
 from lightning_fl.data.partition import IID, Dirichlet, Partitioner, Shards, label_histograms
 from lightning_fl.data.roles import ByPlay, ByRole, Role, TextPartition, TextSource
 from lightning_fl.data.shakespeare import Shakespeare, parse_play
@@ -28,10 +31,15 @@ __all__ = [
     "Dirichlet",
     "FashionMNIST",
     "FederatedDataModule",
+    "FederatedInstructionDataModule",
     "FederatedTextDataModule",
     "FileDataSource",
     "ImageFiles",
     "ImageTransform",
+    "InstructionFiles",
+    "InstructionRecord",
+    "InstructionSource",
+    "InstructionTasks",
     "LabeledImages",
     "Partitioner",
     "Role",

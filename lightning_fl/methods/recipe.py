@@ -30,6 +30,7 @@ from lightning_fl.errors import CheckpointError, ConfigError, UserError
 from lightning_fl.methods import bases
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.schedules import OptimizerName, Recipe, warmup_cosine_factor
+from lightning_fl.metrics import IGNORE_INDEX
 
 __all__ = ["OptimizerName", "Recipe", "TrainingDivergedError", "TrainingRecipe", "load_state_dict_file"]
 
@@ -183,8 +184,11 @@ class TrainingRecipe(L.LightningModule):
 
     @staticmethod
     def train_accuracy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The share of targets whose logit is the largest (what ``training_step`` logs as ``train/acc``)."""
-        return (logits.argmax(-1) == y).float().mean()
+        """The share of targets whose logit is the largest (what ``training_step`` logs as ``train/acc``); targets
+        equal to ``IGNORE_INDEX`` (-100: an instruction's prompt and padding, which the loss leaves out too) are not
+        counted. Written without boolean indexing, so it runs under ``vmap`` (vectorised cohorts)."""
+        counted = y != IGNORE_INDEX
+        return ((logits.argmax(-1) == y) & counted).float().sum() / counted.float().sum().clamp(min=1.0)
 
     def check_loss(self, loss: torch.Tensor) -> None:
         """Raise :class:`TrainingDivergedError` if the training loss is NaN or infinite."""
