@@ -81,7 +81,9 @@ def test_the_hooked_gradient_matches_finite_differences():
 
 
 def test_only_linear_weights_can_be_mapped_two_sided():
-    with pytest.raises(ConfigError, match=r"nn.Linear weights only.*features.0.weight.*Conv2d") as err:
+    with pytest.raises(
+        ConfigError, match=r"weights of linear layers \(nn.Linear, GPT-2.s Conv1D\) only.*features.0.weight.*Conv2d"
+    ) as err:
         LatentMapping(SmallCNN(image_size=8, channels=[4, 8], norm_groups=2), 8, 4, "conv+linear", "two_sided")
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model.rank=5"):

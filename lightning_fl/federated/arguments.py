@@ -132,6 +132,9 @@ class TrainerArguments:
     """Evaluate the global model every this many rounds (and after the last one)."""
     limit_val_batches: int | None = None
     """Evaluate on at most this many validation batches (0: no evaluation)."""
+    test_after_fit: bool = False
+    """Evaluate on the test split twice: the starting model before the first round and the final global model after
+    the last (``test/*``, printed in the summary). The test split then chooses nothing; ``val/*`` does."""
     gradient_clip_val: float | None = None
     """Clip client gradient norms; ``null`` uses the module's ``grad_clip``, if any."""
     check_identity: bool = True

@@ -9,6 +9,7 @@ alarm; a transport (Flower's) is one too, and reports each finished round to its
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -36,24 +37,32 @@ class Callback:
         """After the last round (or the round the privacy budget stopped at)."""
 
 
+#: A round's line is printed at least this often (seconds) where there is no bar, whatever the tenths of the run.
+LINE_EVERY_S = 30.0
+
+
 class ProgressReport(Callback):
     """A bar over rounds on a terminal (``trainer.enable_progress_bar``); elsewhere (CI logs, files), or with the bar
-    off, a plain line every tenth of the run. Shows the metric and the cumulative bytes per client (both directions)
+    off, a plain line every tenth of the run, and after any round that ends :data:`LINE_EVERY_S` or more after the
+    last line. Shows the metric and the cumulative bytes per client (both directions)
     in MiB. From rank 0 only."""
 
     def on_rounds_start(self, trainer: Any, start: int) -> None:
         rank_zero, terminal = trainer.fabric.is_global_zero, sys.stderr.isatty()
         self.lines = rank_zero and not (terminal and trainer.enable_progress_bar)
+        self.printed = time.perf_counter()
         self.bar = tqdm(total=trainer.rounds, initial=start, desc="round", dynamic_ncols=True,
                         disable=not (rank_zero and terminal and trainer.enable_progress_bar))  # fmt: skip
 
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
-        shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl") if k in metrics}
+        shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl", "val/exact_match") if k in metrics}
         shown["MiB/client"] = f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}"
         self.bar.update(1)
         self.bar.set_postfix(shown)
-        total = trainer.rounds
-        if self.lines and (round % max(1, total // 10) == 0 or round == total):
+        total, now = trainer.rounds, time.perf_counter()
+        due = round % max(1, total // 10) == 0 or round == total or now - self.printed >= LINE_EVERY_S
+        if self.lines and due:
+            self.printed = now
             print(f"round {round}/{total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
 
     def on_rounds_end(self, trainer: Any) -> None:

@@ -259,17 +259,26 @@ def _gather(fabric: Any):
     return gather
 
 
-def load_for_evaluation(model: Any, path: Path, device: torch.device) -> None:
+def load_for_evaluation(model: Any, path: Path, device: torch.device, fingerprint: str | None = None) -> int | None:
     """A round checkpoint's global state (checked as a resume checks it) or a module's ``state_dict`` (names,
-    shapes, finite values), into ``model``; anything else is one line naming the file."""
+    shapes, finite values), into ``model``; anything else is one line naming the file. ``fingerprint``: the model's
+    (its factors and base), which a round checkpoint's must equal (a FLITE latent means another model over other
+    factors). Returns the round checkpoint's round (``None`` for a state dict)."""
     name, fix = f"--ckpt_path {path}", "pass a last.ckpt or round_NNNN.ckpt of a run, or a module state_dict"
     ckpt = read_checkpoint(path, "--ckpt_path", fix=fix)
     if isinstance(ckpt, dict) and ckpt.get("format") == FORMAT:
         check_integrity(path, ckpt)
         if (problem := state_mismatch(ckpt["global_state"], model.federated_state())) is not None:
             raise CheckpointError(f"{name}: its global state does not fit this model ({problem}); {fix}")
+        saved = ckpt.get("fingerprint")
+        if fingerprint is not None and saved is not None and saved != fingerprint:
+            raise CheckpointError(
+                f"{name}: the run's model fingerprint differs from this config's (its factors or base: model."
+                "factor_seed, layers, latent_dim, rank, adapter_seed or the base); give the config the run was "
+                "trained with (its run folder's config.yaml)"
+            )
         model.load_federated_state({n: t.to(device) for n, t in ckpt["global_state"].items()})
-        return
+        return int(ckpt["round"])
     state = tensor_state(ckpt, name, keys=("state_dict",), fix=fix)
     if (problem := state_mismatch(state, model.state_dict())) is not None:
         raise CheckpointError(f"{name}: its state_dict does not fit this model ({problem}); {fix}")
@@ -277,3 +286,4 @@ def load_for_evaluation(model: Any, path: Path, device: torch.device) -> None:
     if bad:
         raise CheckpointError(f"{name}: NaN or Inf weights in {bad[:4]}; {fix}")
     model.load_state_dict(state)
+    return None

@@ -21,8 +21,11 @@ is that of one process with the same G, bit for bit.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
+import time
 import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lightning as L
@@ -130,7 +133,7 @@ class Uploads:
         if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
             show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
             bar = tqdm(replies, total=len(share), desc=f"clients r{rnd.index + 1}", leave=False, disable=not show)
-            self._take(rnd, strategy, stages, bar, share)
+            self._take(rnd, strategy, stages, bar if show else progress_lines(replies, len(share), rnd.index), share)
         if rnd.rows is not None:
             if fabric.world_size > 1:
                 gather_rows(fabric, rnd)
@@ -278,3 +281,19 @@ class SecureUploads(Uploads):
         n = len(rnd.folded)
         total = secure.recover(result.total, n) if n else torch.zeros(len(rnd.current), dtype=torch.float64)
         rnd.total = Total(total, float(n), n, updates=True)
+
+
+#: Seconds between two lines saying how far a long round is (no bar: a log, a CI run, or the bars off).
+PROGRESS_EVERY_S = 20.0
+log = logging.getLogger(__name__)
+
+
+def progress_lines(replies: Iterable[Any], total: int, index: int) -> Iterator[Any]:
+    """``replies`` as they come, with a line every :data:`PROGRESS_EVERY_S` seconds saying how many of the round's
+    ``total`` clients have replied (a language model's round can take minutes on a CPU)."""
+    started = last = time.perf_counter()
+    for done, reply in enumerate(replies, start=1):
+        yield reply
+        if (now := time.perf_counter()) - last >= PROGRESS_EVERY_S and done < total:
+            last = now
+            log.info("round %d: %d/%d clients replied, %.0f s", index + 1, done, total, now - started)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import lightning as L
@@ -10,6 +12,10 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_fl.context import StepContext, attached
 from lightning_fl.steps import batch_size
+
+log = logging.getLogger(__name__)
+#: Seconds between two progress lines of a long evaluation (a language model generating answers on a CPU).
+PROGRESS_EVERY_S = 20.0
 
 
 def shard(loader: DataLoader, fabric: L.Fabric) -> DataLoader:
@@ -30,6 +36,8 @@ def evaluate(
     loader = shard(datamodule.val_dataloader() if stage == "val" else datamodule.test_dataloader(), fabric)
     step = model.validation_step if stage == "val" else model.test_step
     epoch_end = model.on_validation_epoch_end if stage == "val" else model.on_test_epoch_end
+    total = len(loader) if limit_batches is None else min(limit_batches, len(loader))
+    started = last = time.perf_counter()
     model.eval()
     try:
         with attached(model, StepContext(fabric)) as context, torch.no_grad():
@@ -40,8 +48,13 @@ def evaluate(
                 context.weight = batch_size(batch)
                 with fabric.autocast():
                     step(batch, batch_idx)
+                if time.perf_counter() - last >= PROGRESS_EVERY_S and fabric.is_global_zero:
+                    last = time.perf_counter()
+                    log.info("evaluating %s: batch %d/%d, %.0f s", stage, batch_idx + 1, total, last - started)
             context.phase = "epoch_end"
             epoch_end()
     finally:
         model.train()
+    if last > started:  # (it printed a progress line: say when it ended)
+        log.info("evaluated %s: %d batches in %.0f s", stage, total, time.perf_counter() - started)
     return context.reduce()

@@ -16,6 +16,9 @@ the same LightningModule trains centrally and federated. One round (:class:`~lig
 Clients are spread over Fabric processes (``devices``); every client's randomness derives from
 ``(seed, round, client)`` and the server aggregates uploads in client order in float64, so the global
 state does not depend on how clients are placed, and a resumed run equals an uninterrupted one.
+
+Kept as one file: ``fit``, ``validate`` and ``test`` share the launch, the run folder, the preparation of the module
+and data and the evaluation; the trainer reads as one table of contents (set up, restore, rounds, finish).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self._write_config()
         if start == 0:  # round 0: the starting model (for FLITE, exactly the pretrained base)
             base = self._evaluate(model, datamodule, "val")
+            if self.test_after_fit:
+                base.update(self._evaluate(model, datamodule, "test"))
             self._log(base, step=0)
             self.history.append({"round": 0, **base})
         callbacks = [ProgressReport(), TensorBoardText(hooks.text_samples), CollapseAlarm(), self.transport,
@@ -147,6 +152,11 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                 callback.on_round_end(self, r + 1, metrics)  # (1-based, as logged)
         for callback in callbacks:
             callback.on_rounds_end(self)
+        if self.test_after_fit and self.history and self.history[-1]["round"] >= 1:  # the final model, read once
+            final = self._evaluate(model, datamodule, "test")
+            self._log(final, step=int(self.history[-1]["round"]))
+            self.history[-1].update(final)
+            self.callback_metrics = {**self.callback_metrics, **final}
         self._finish()
         if self.dp_sgd is not None and self.fabric.is_global_zero:
             write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
@@ -272,9 +282,10 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         command = "validate" if stage == "val" else "test"
         self._launch(evaluation=command)
         try:
-            model, _ = self._prepare(model, datamodule, stage=command)
+            model, hooks = self._prepare(model, datamodule, stage=command)
             if ckpt_path is not None:
-                round_ckpt.load_for_evaluation(model, Path(ckpt_path).expanduser(), self.fabric.device)
+                fingerprint = hooks.factor_fingerprint() if hooks.factor_fingerprint is not None else None
+                round_ckpt.load_for_evaluation(model, Path(ckpt_path).expanduser(), self.fabric.device, fingerprint)
             metrics = self._evaluate(model, datamodule, stage)
             self._write_config()
             self._log(metrics, step=0)

@@ -63,6 +63,7 @@ def trainer_summary(trainer: Any, datamodule: Any, audit: dict[str, Any] | None 
         privacy=privacy.guarantee(trainer.secure_aggregation is not None) if privacy is not None else "",
         record_privacy=dp_sgd.guarantee() if dp_sgd is not None else "",
         audit=audit_lines(audit) if audit is not None else [],
+        data=datamodule.summary_lines() if callable(getattr(datamodule, "summary_lines", None)) else [],
     )  # fmt: skip
 
 
@@ -78,6 +79,7 @@ def run_summary(
     privacy: str = "",
     record_privacy: str = "",
     audit: list[str] | None = None,
+    data: list[str] | None = None,
 ) -> str:
     """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
     early (``stopped``), and where the run's files are.
@@ -90,6 +92,7 @@ def run_summary(
         privacy, record_privacy: What user-level DP's and DP-SGD's epsilons protect (the mechanisms' ``guarantee``),
             each on a line under its epsilon.
         audit: The privacy audit's lines (:func:`~lightning_fl.privacy.audit.audit_lines`), under the epsilon.
+        data: What the data module says of its data (its ``summary_lines()``: e.g. records cut at the context).
     """
     if not history:
         return f"No round ran. Run folder: {log_dir}"
@@ -109,6 +112,10 @@ def run_summary(
         begin = f"{start[key]:.4f} at round 0, " if start is not None and key in start else ""
         at_best = f", best {best[1]:.4f} (round {best[0]})" if best is not None else ""
         lines.append(f"  {key}: {begin}{last[key]:.4f} at the end{at_best}")
+    for key in sorted(k for k in last if k.startswith("test/")):  # trainer.test_after_fit: read once per model
+        begin = f"{start[key]:.4f} before the first round, " if start is not None and key in start else ""
+        lines.append(f"  {key}: {begin}{last[key]:.4f} after the last (the test split, chosen on by nothing)")
+    lines += [f"  {line}" for line in data or []]
     if "comm/cum_client_bytes" in last:
         per_client = last["comm/cum_client_bytes"]
         mib = per_client / 2**20

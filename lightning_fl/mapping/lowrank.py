@@ -111,7 +111,15 @@ def select_weights(module: nn.Module, layers: LayerSelection | Sequence[str]) ->
         params = [n for n, _ in module.named_parameters()]
         names = [n for n in params if any(fnmatch.fnmatchcase(n, p) for p in layers)]
     if not names:
-        raise ConfigError(f"model.layers={layers!r} selects no weight of {type(module).__name__}")
+        example = next((n for n, p in module.named_parameters() if p.dim() >= 2), "(it has no weight matrix)")
+        if isinstance(layers, str):
+            fix = "give name patterns of its weights"
+        else:
+            fix = "fnmatch patterns match whole parameter names"
+        raise ConfigError(
+            f"model.layers={layers!r} selects no weight of {type(module).__name__}: {fix}, e.g. "
+            f"model.layers ['{example}'] or with a wildcard ['*.{example.rsplit('.', 2)[-2]}.weight']"
+        )
     return names
 
 
@@ -373,7 +381,8 @@ class LatentMapping(nn.Module):
                 coeff = self.coefficients(lay, z_l)  # (r_l,) in the latent's precision
                 grid = coeff.reshape(left.shape[1], right.shape[1])
                 target = module.get_submodule(lay.name.rpartition(".")[0])
-                handles.append(target.register_forward_hook(two_sided_hook(left, grid, right)))
+                hook = two_sided_hook(left, grid, right, transposed=not isinstance(target, nn.Linear))
+                handles.append(target.register_forward_hook(hook))
             yield
         finally:
             for handle in handles:
@@ -444,14 +453,16 @@ def identity_v(mode: str, lay: MappedLayer) -> bool:
 
 
 def two_sided_factor(module: nn.Module, lay: MappedLayer, seed: int) -> TwoSidedFactor:
-    """The two-sided factor of one mapped weight, which must be an ``nn.Linear``'s ``weight`` (the family applies
-    its delta to the layer's input); refused in one line otherwise."""
+    """The two-sided factor of one mapped weight, which must be the ``weight`` of an ``nn.Linear`` or of GPT-2's
+    ``Conv1D`` (the family applies its delta to the layer's input); refused in one line otherwise."""
     owner_name, _, attr = lay.name.rpartition(".")
     owner = module.get_submodule(owner_name)
-    if not isinstance(owner, nn.Linear) or attr != "weight":
+    linear = isinstance(owner, nn.Linear) or type(owner).__name__ == "Conv1D"
+    if not linear or attr != "weight" or len(lay.shape) != 2:
         raise ConfigError(
-            f"model.factors two_sided maps nn.Linear weights only, but model.layers selects {lay.name} "
-            f"({type(owner).__name__}.{attr}): choose linear weights with model.layers, or model.factors kronecker"
+            f"model.factors two_sided maps the weights of linear layers (nn.Linear, GPT-2's Conv1D) only, but "
+            f"model.layers selects {lay.name} ({type(owner).__name__}.{attr}): choose linear weights with "
+            "model.layers, or model.factors kronecker (any weight)"
         )
     try:
         return TwoSidedFactor(lay.shape[0], lay.shape[1], lay.rank, seed, lay.index)

@@ -1,15 +1,15 @@
 """The two-sided factor family: FLITE's ``U`` shaped by the weight matrix it maps, applied to activations.
 
-For an ``m x n`` weight (``nn.Linear``: out x in), ``U = A kron B`` with ``A`` (``m x p``) and ``B`` (``n x q``)
-orthonormal, ``p q = r``: with the weight flattened row-major, ``U c = vec(A C B^T)`` for the ``p x q`` grid ``C``
-holding ``c = V^T z``. ``U`` has exactly orthonormal columns (``(A kron B)^T (A kron B) = I``), is regenerated from
-the seed like every other family and is linear in ``z``, so averaging latents is exactly averaging weights
-(FLITE's equation 4). What it adds: a linear layer can apply its delta to its input, ``x B C^T A^T``, instead of
-adding ``A C B^T`` to the weight, so a client step never forms a weight-sized delta nor the weight's gradient
-(``n q + q p + p m`` multiply-adds per token, ``4 (m p + n q)`` bytes of factors per layer). That is what makes
-FLITE affordable on a 135M-parameter language model, where the other families either store ``4 P r`` bytes or
-form every mapped weight and its gradient at each step. The delta has rank at most ``min(p, q)``, within a random
-``p``-dimensional column space and ``q``-dimensional row space of the layer.
+For an ``m x n`` weight (``nn.Linear``: out x in; GPT-2's ``Conv1D``: in x out), ``U = A kron B`` with ``A``
+(``m x p``) and ``B`` (``n x q``) orthonormal, ``p q = r``: with the weight flattened row-major,
+``U c = vec(A C B^T)`` for the ``p x q`` grid ``C`` holding ``c = V^T z``. ``U`` has exactly orthonormal columns
+(``(A kron B)^T (A kron B) = I``), is regenerated from the seed like every other family and is linear in ``z``, so
+averaging latents is exactly averaging weights (FLITE's equation 4). What it adds: a linear layer can apply its
+delta to its input, ``x B C^T A^T``, instead of adding ``A C B^T`` to the weight, so a client step never forms a
+weight-sized delta nor the weight's gradient (``n q + q p + p m`` multiply-adds per token, ``4 (m p + n q)`` bytes
+of factors per layer). That is what makes FLITE affordable on a 135M-parameter language model, where the other
+families either store ``4 P r`` bytes or form every mapped weight and its gradient at each step. The delta has rank
+at most ``min(p, q)``, within a random ``p``-dimensional column space and ``q``-dimensional row space of the layer.
 """
 
 from __future__ import annotations
@@ -57,12 +57,16 @@ def two_sided_delta(coeff: torch.Tensor, left: torch.Tensor, right: torch.Tensor
     return (left @ grid) @ right.T
 
 
-def two_sided_hook(left: torch.Tensor, grid: torch.Tensor, right: torch.Tensor):
+def two_sided_hook(left: torch.Tensor, grid: torch.Tensor, right: torch.Tensor, transposed: bool = False):
     """A forward hook adding ``x B C^T A^T`` to a linear layer's output ``x W^T + b``, so the layer computes with
-    ``W + A C B^T`` (``grid`` is ``C``, differentiable); backward reaches ``C`` through three small products."""
+    ``W + A C B^T`` (``grid`` is ``C``, differentiable); backward reaches ``C`` through three small products.
+    ``transposed``: the layer stores its weight ``in x out`` and computes ``x W + b`` (GPT-2's ``Conv1D``), so the
+    hook adds ``x A C B^T``."""
 
     def hook(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         x = inputs[0]
+        if transposed:
+            return output + ((x @ left.to(x.dtype)) @ grid.to(x.dtype)) @ right.to(x.dtype).T
         return output + ((x @ right.to(x.dtype)) @ grid.to(x.dtype).T) @ left.to(x.dtype).T
 
     return hook

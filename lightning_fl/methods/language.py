@@ -17,6 +17,13 @@ the data must be tokenised by the same tokenizer (``data.tokenizer``; the digest
 ``pretrained = True`` is its own base: it is never pretrained (``pretraining`` is not used, ``base`` must be
 ``pretrained``), so ``LanguageModel``, ``LatentLanguageModel`` and ``LoRALanguageModel`` all start from its weights.
 
+**Instruction data** (:class:`~lightning_fl.data.FederatedInstructionDataModule`, a pretrained network): the loss,
+``loss``, ``ppl`` and ``acc`` cover the responses only (the prompts' targets are ignored), and every evaluation also
+generates an answer for each record from its prompt (``transformers``' ``generate``: key-value cache, greedy, stopped
+at the end-of-sequence token or ``data.max_new_tokens``) and scores it: ``exact_match``, overall and per label
+(``exact_match/<label>``). Generation runs with the fine-tuned weights in place (:meth:`LanguageModel.tuned`), so a
+FLITE latent or LoRA adapters generate as the model a user exports.
+
 Kept as one file: :class:`LatentLanguageModel` is :class:`LanguageModel` with
 :class:`~lightning_fl.methods.latent.LatentSteering` (a constructor and four one-line overrides) and shares its
 vocabulary contract; in a file of its own it would be that glue alone, read only beside this one.
@@ -24,9 +31,11 @@ vocabulary contract; in a file of its own it would be that glue alone, read only
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
-from typing import Literal
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -39,9 +48,11 @@ from lightning_fl.methods.latent import LATENT_RECIPE, LatentSteering
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.recipe import TrainingRecipe
 from lightning_fl.methods.schedules import Recipe
-from lightning_fl.metrics import NextTokenMetrics
+from lightning_fl.metrics import ExactMatch, NextTokenMetrics
 from lightning_fl.models.gpt import generate
-from lightning_fl.models.hf import tied_weights
+from lightning_fl.models.hf import hf_generate, tied_weights
+
+log = logging.getLogger(__name__)
 
 #: The recipe that pretrains a language-model base when no checkpoint is given: AdamW with a half-epoch warm-up,
 #: then cosine decay, and 10 epochs over the central split. Pretraining always clips gradient norms at 1.0.
@@ -75,6 +86,8 @@ class LanguageModel(TrainingRecipe):
 
     weight_prefixes = ("network.", "vocabulary")
     weights_hint = "model.network (vocab_size, n_layer, n_embd, n_head, context)"
+    #: Whether the network's own weights train (full fine-tuning); FLITE and LoRA freeze them.
+    trains_network = True
 
     def __init__(
         self,
@@ -95,6 +108,12 @@ class LanguageModel(TrainingRecipe):
             problems.append("model.sample_tokens must be >= 0 and model.sample_prompt non-empty")
         if sample_top_k is not None and sample_top_k < 1:
             problems.append(f"model.sample_top_k must be >= 1 or null, got {sample_top_k}")
+        if self.trains_network and str(getattr(network, "dtype", "float32")).removeprefix("torch.") != "float32":
+            problems.append(
+                f"model.network.dtype={network.dtype} keeps a frozen base in low precision, but "
+                f"{type(self).__name__} trains every weight (in float32, as its optimiser state): set "
+                "model.network.dtype float32, or fine-tune with LatentLanguageModel or LoRALanguageModel"
+            )
         if problems:
             raise ConfigError("; ".join(problems))
         self.save_hyperparameters(ignore=self._hparams_ignore())
@@ -170,7 +189,8 @@ class LanguageModel(TrainingRecipe):
             raise ConfigError("; ".join(problems))
 
     def _check_tokenised_data(self, datamodule: object) -> None:
-        """The data must be tokenised by the network's tokenizer (same digest), within its vocabulary and context."""
+        """The data must be tokenised by the network's tokenizer (same digest), within its vocabulary and context.
+        Instruction data (its ``max_new_tokens``) also sets up the scoring by generation, per label."""
         spec, digest = getattr(datamodule, "tokenizer", None), getattr(datamodule, "tokenizer_digest", None)
         mine, source = self.network.tokenizer_digest, getattr(self.network, "source", type(self.network).__name__)
         problems = []
@@ -198,6 +218,11 @@ class LanguageModel(TrainingRecipe):
             )
         if problems:
             raise ConfigError("; ".join(problems))
+        max_new_tokens = getattr(datamodule, "max_new_tokens", None)
+        if max_new_tokens is not None:  # instruction data: each evaluation generates and scores answers
+            labels = [label for label in getattr(datamodule, "labels", []) if label]
+            scores = {stage: ExactMatch(f"{stage}/", labels) for stage in ("val", "test")}
+            self.__dict__["_scoring"] = (int(max_new_tokens), scores)  # not submodules: no state, no device
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids of ``text``: the network's tokenizer (no special tokens), else the stored vocabulary (one id per
@@ -223,15 +248,50 @@ class LanguageModel(TrainingRecipe):
         """The function from ids to logits that generation calls repeatedly (weights prepared once)."""
         return self.network
 
+    @contextlib.contextmanager
+    def tuned(self) -> Iterator[None]:
+        """Within the block, ``self.network`` computes as the fine-tuned model (its own weights here; FLITE puts its
+        mapped weights in place): what generation uses."""
+        yield
+
     @torch.no_grad()
-    def generate_text(self, prompt: str, max_new_tokens: int, top_k: int | None = None, seed: int = 0) -> str:
-        """``prompt`` continued by ``max_new_tokens`` tokens (characters, or the tokenizer's): greedy, or top-k
-        sampling seeded by ``seed``."""
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """The fine-tuned network's weights by its own parameter names (``hf.model...`` on an ``HFCausalLM``; a tied
+        weight under each of its names), in float32: here the network's weights as they are; FLITE's latent and LoRA's
+        adapters are merged into the weights they adapt (:mod:`lightning_fl.methods.export` writes them out)."""
+        return {k: v.detach().float() for k, v in self.network.state_dict().items()}
+
+    @torch.no_grad()
+    def generate_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int) -> list[list[int]]:
+        """Greedy answers to left-padded prompts ``(B, P)`` (``prompt_mask`` 1 on real tokens): per prompt the new
+        tokens, up to and without the first end-of-sequence token (``transformers``' ``generate``, with its key-value
+        cache, at most ``max_new_tokens``)."""
         was_training = self.training
         self.eval()
         try:
-            device = self.vocabulary.device if self.tokenizer is None else next(self.network.parameters()).device
-            idx = self.encode(prompt)[None].to(device)
+            with self.tuned():
+                return hf_generate(self.network, prompt_ids, prompt_mask, max_new_tokens)
+        finally:
+            self.train(was_training)
+
+    @torch.no_grad()
+    def generate_text(
+        self, prompt: str, max_new_tokens: int, top_k: int | None = None, seed: int = 0, chat: bool = False
+    ) -> str:
+        """``prompt`` continued by at most ``max_new_tokens`` tokens (characters, or the tokenizer's): greedy, or top-k
+        sampling seeded by ``seed``; the prompt and its continuation. With a tokenizer (a pretrained network)
+        generation runs through ``transformers``' ``generate`` (key-value cache, the whole prompt, stopped at an
+        end-of-sequence token). ``chat`` sends ``prompt`` as a user's message through the tokenizer's chat template
+        (Alpaca's layout when it has none, :data:`~lightning_fl.data.chat.PLAIN_TEMPLATE`) and returns the answer
+        alone."""
+        if self.tokenizer is not None:
+            return self._generate_hf_text(prompt, max_new_tokens, top_k, seed, chat)
+        if chat:
+            raise ConfigError("chat generation needs a tokenizer: a pretrained network (HFCausalLM, SmolLM2)")
+        was_training = self.training
+        self.eval()
+        try:
+            idx = self.encode(prompt)[None].to(self.vocabulary.device)
             generator = torch.Generator(device=idx.device).manual_seed(seed) if top_k is not None else None
             temperature = 0.0 if top_k is None else 1.0
             out = generate(
@@ -240,6 +300,29 @@ class LanguageModel(TrainingRecipe):
         finally:
             self.train(was_training)
         return self.decode(out[0])
+
+    def _generate_hf_text(self, prompt: str, max_new_tokens: int, top_k: int | None, seed: int, chat: bool) -> str:
+        from lightning_fl.data.chat import PLAIN_TEMPLATE
+
+        tokenizer = self.tokenizer
+        if chat:
+            template = getattr(tokenizer, "chat_template", None) or PLAIN_TEMPLATE
+            message = [{"role": "user", "content": prompt}]
+            prompt = tokenizer.apply_chat_template(
+                message, chat_template=template, tokenize=False, add_generation_prompt=True
+            )
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], dtype=torch.long)
+        device = next(self.network.parameters()).device
+        was_training = self.training
+        self.eval()
+        try:
+            with self.tuned(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+                torch.manual_seed(seed)
+                new = hf_generate(self.network, ids.to(device), torch.ones_like(ids).to(device), max_new_tokens, top_k)
+        finally:
+            self.train(was_training)
+        answer = tokenizer.decode(new[0], skip_special_tokens=True)
+        return answer if chat else tokenizer.decode(ids[0].tolist() + new[0])
 
     def text_samples(self) -> dict[str, str]:
         """Markdown samples for TensorBoard's Text tab: ``{tag: text}`` (empty without a vocabulary)."""
@@ -300,9 +383,33 @@ class LanguageModel(TrainingRecipe):
         """Mean next-token cross-entropy over every position, in float32 (logits ``(B, T, V)``, y ``(B, T)``)."""
         return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor] | dict[str, Any], stage: str) -> None:
+        if isinstance(batch, dict):  # instruction data: the response's tokens, then a generated answer per record
+            self._score_instructions(batch, stage)
+            return
         x, y = batch
         (self.val_metrics if stage == "val" else self.test_metrics).update(self(x), y)
+
+    def _score_instructions(self, batch: dict[str, Any], stage: str) -> None:
+        (self.val_metrics if stage == "val" else self.test_metrics).update(self(batch["input_ids"]), batch["targets"])
+        scoring = self.__dict__.get("_scoring")
+        if scoring is None:
+            raise ConfigError(
+                "instruction batches but the model was not set up with their data module (check_data was not called)"
+            )
+        max_new_tokens, scores = scoring
+        new = self.generate_ids(batch["prompt_ids"], batch["prompt_mask"], max_new_tokens)
+        answers = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
+        scores[stage].update(answers, batch["references"], batch["labels"])
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        scoring = self.__dict__.get("_scoring")
+        score = scoring[1][stage] if scoring is not None else None
+        if score is not None and int(score.total[-1]) > 0:
+            values = score.compute()
+            score.reset()
+            self.log_dict(values, sync_dist=True)
+        super()._eval_epoch_end(stage)
 
 
 class LatentLanguageModel(LatentSteering, LanguageModel):
@@ -365,6 +472,9 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
             sample_seed=sample_seed,
         )
         self.steer(latent_dim, rank, layers, factors, factor_seed, max_dense_bytes)
+        log_selection(f"FLITE ({factors} factors)", network, self.mapping.names, 4 * self.mapping.latent_size)
+
+    trains_network = False
 
     @property
     def steered(self) -> nn.Module:
@@ -378,6 +488,26 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
             return self.steered_forward
         weights = self.mapping.weights(self.mapped_base())  # computed once for the whole generation
         return lambda idx: functional_call(self.network, weights, (idx,), strict=False)
+
+    @torch.no_grad()
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """The network's weights with every mapped weight replaced by ``theta_pre + U V^T z`` (float32)."""
+        state = super().merged_weights()
+        mapped = self.mapping.weights({k: v.float() for k, v in self.mapped_base().items()})
+        return state | {name: w.detach().float() for name, w in mapped.items()}
+
+    @contextlib.contextmanager
+    def tuned(self) -> Iterator[None]:
+        """Within the block the network computes with ``theta_pre + U V^T z``: the two-sided family's hooks, or every
+        other family's mapped weights put in place of the base's (formed once, put back after the block)."""
+        if self.mapping.mode == "two_sided":
+            with self.mapping.applied(self.network):
+                yield
+            return
+        with torch.no_grad():
+            mapped = self.mapping.weights(self.mapped_base())
+        with weights_in_place(self.network, mapped):
+            yield
 
     def factor_fingerprint(self) -> str:
         """Fingerprint of the factors and of the base (with its vocabulary); clients refuse to train on another."""
@@ -401,6 +531,11 @@ def mapped_layers(network: nn.Module, layers: LayerSelection | list[str]) -> Lay
     since the tie would make the two one mapped tensor."""
     if layers == "linear" and callable(getattr(network, "default_layers", None)):
         layers = network.default_layers()
+        if not layers:
+            raise ConfigError(
+                f"model.layers='linear' selects no projection of {type(network).__name__} (no nn.Linear or Conv1D "
+                "but its output head): give name patterns of its weights, e.g. model.layers ['*.c_attn.weight']"
+            )
     tied = tied_weights(network)
     if chosen := [n for n in select_weights(network, layers) if n in tied]:
         raise ConfigError(
@@ -408,3 +543,38 @@ def mapped_layers(network: nn.Module, layers: LayerSelection | list[str]) -> Lay
             "leave it out, e.g. model.layers ['*.q_proj.weight', '*.v_proj.weight']"
         )
     return layers
+
+
+@contextlib.contextmanager
+def weights_in_place(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, each named parameter of ``module`` holds the tensor ``weights`` gives it (same shape); the
+    parameters' own tensors are put back after it, whatever happens inside."""
+    params = {name: module.get_parameter(name) for name in weights}
+    kept = {name: p.data for name, p in params.items()}
+    try:
+        for name, p in params.items():
+            p.data = weights[name].to(p.dtype)
+        yield
+    finally:
+        for name, p in params.items():
+            p.data = kept[name]
+
+
+def log_selection(method: str, network: nn.Module, names: list[str], upload_bytes: int) -> None:
+    """Say once which weights ``method`` adapts (how many, by their last name, and their size) and what a client
+    uploads: ``layers: linear`` on a model a user brings then shows what it selected."""
+    kinds: dict[str, int] = {}
+    for name in names:
+        kind = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    owners = (network.get_submodule(n.rpartition(".")[0]) for n in names)
+    weights = sum(getattr(m, "base_layer", m).weight.numel() for m in owners)  # (PEFT wraps what it adapts)
+    log.info(
+        "%s adapts %d weight matrices (%s; %s weights of %s), uploading %s bytes a round",
+        method,
+        len(names),
+        ", ".join(f"{k} x{v}" for k, v in kinds.items()),
+        f"{weights:,}",
+        f"{sum(p.numel() for p in network.parameters()):,}",
+        f"{upload_bytes:,}",
+    )

@@ -32,7 +32,13 @@ from lightning_fl.checkpoint import digest_tensors
 from lightning_fl.errors import ConfigError
 from lightning_fl.mapping.lowrank import LayerSelection, select_weights
 from lightning_fl.methods.classifier import Classifier
-from lightning_fl.methods.language import LM_PRETRAINING, LanguageModel, language_base_source, mapped_layers
+from lightning_fl.methods.language import (
+    LM_PRETRAINING,
+    LanguageModel,
+    language_base_source,
+    log_selection,
+    mapped_layers,
+)
 from lightning_fl.methods.latent import LATENT_RECIPE, LatentSteering
 from lightning_fl.methods.pretraining import PAPER_PRETRAINING, Pretraining
 from lightning_fl.methods.schedules import Recipe
@@ -219,6 +225,7 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
     """
 
     adapted_attr = "network"
+    trains_network = False
 
     def __init__(
         self,
@@ -249,9 +256,29 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
             sample_seed=sample_seed,
         )
         self.adapt(layers, variant, rank, alpha, adapter_seed)
+        trained = sum(p.numel() for p in self.trainable_parameters().values())
+        method = f"{'FFA-LoRA' if variant == 'ffa' else 'LoRA'} (r = {rank})"
+        log_selection(method, network, [f"{t}.weight" for t in self.adapted], 4 * trained)
 
     def base_network(self) -> nn.Module:
         return self._plain_network
+
+    @torch.no_grad()
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """The base's weights (plain names) with each adapted one replaced by ``W0 + (alpha / r) B A``, the delta
+        PEFT's own layer computes (``get_delta_weight``, which also handles GPT-2's ``in x out`` layout); float32."""
+        state = {plain_name(k): v.detach().float() for k, v in self.network.state_dict().items() if ".lora_" not in k}
+        for name in self.adapted:
+            layer = self.network.get_submodule(name)
+            state[f"{name}.weight"] = layer.base_layer.weight.float() + layer.get_delta_weight(ADAPTER).float()
+        return state
+
+    def adapter_config(self) -> dict[str, object]:
+        """What PEFT's ``LoraConfig`` needs to rebuild these adapters on the network's ``hf`` model (module names
+        relative to it): rank, alpha and the exact target modules."""
+        prefix = "hf."
+        targets = [t.removeprefix(prefix) for t in self.adapted]
+        return {"r": self.hparams.rank, "lora_alpha": self.hparams.alpha or self.hparams.rank, "targets": targets}
 
 
 def plain_name(key: str) -> str:
@@ -265,8 +292,20 @@ def inject(network: nn.Module, targets: list[str], rank: int, alpha: float, seed
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:  # an optional dependency
         raise ConfigError("LoRA methods need PEFT: pip install -e '.[lora]' (or pip install peft)") from err
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
     exactly = "|".join(re.escape(t) for t in targets)  # a string is matched whole; a list would match suffixes too
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=f"(?:{exactly})", lora_dropout=0.0, bias="none")
+    transposed = all(type(network.get_submodule(t)).__name__ == "Conv1D" for t in targets)  # GPT-2's layout
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=f"(?:{exactly})",
+        lora_dropout=0.0,
+        bias="none",
+        fan_in_fan_out=transposed,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(config, network, adapter_name=ADAPTER)
+    # a bf16 base: PEFT made the adapters bf16 too; they train in float32 (PEFT's own cast, as PeftModel does)
+    cast_adapter_dtype(network, ADAPTER, autocast_adapter_dtype=True)
