@@ -71,8 +71,8 @@ def test_the_top_level_help_is_answered_before_torch_is_imported(tmp_path):
         missing = argv == "no arguments"
         text = result["err"] if missing else result["out"]
         assert result["code"] == (2 if missing else 0), argv
-        start = "error: give a subcommand: fit, validate, test.\n\n" if missing else ""
-        assert text.startswith(f"{start}usage: python -m lightning_fl {{fit,validate,test}} --config FILE"), argv
+        start = "error: give a subcommand: fit, validate, test, export.\n\n" if missing else ""
+        assert text.startswith(f"{start}usage: python -m lightning_fl {{fit,validate,test,export}} --config FILE"), argv
         for name, what in SUBCOMMANDS.items():
             assert f"  {name} " in text and what in text, (argv, name)
         assert "  python -m lightning_fl fit --config configs/quickstart.yaml\n" in text, argv

@@ -1,4 +1,4 @@
-"""The command line, ``python -m lightning_fl fit|validate|test --config FILE [--key.sub value ...]``.
+"""The command line, ``python -m lightning_fl fit|validate|test|export --config FILE [--key.sub value ...]``.
 
 - :mod:`~lightning_fl.cli.command`: parse, seed, build the plug-ins and run the subcommand (:func:`main`,
   :func:`build`); :mod:`~lightning_fl.cli.parser`: the parsers (:func:`build_parser`) and the YAML of a config.

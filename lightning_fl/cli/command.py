@@ -1,4 +1,4 @@
-"""``python -m lightning_fl fit|validate|test --config FILE [--key.sub value ...]``.
+"""``python -m lightning_fl fit|validate|test|export --config FILE [--key.sub value ...]``.
 
 A thin jsonargparse program with LightningCLI's syntax. Unlike ``LightningCLI``, the trainer is
 a plug-in too: any class with ``fit/validate/test(model, *, datamodule=..., ckpt_path=...)``
@@ -16,7 +16,7 @@ import contextlib
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,7 @@ class Run:
     data: Any
     ckpt_path: str | None
     config_yaml: str
+    options: dict[str, Any] = field(default_factory=dict)  # a subcommand's own options (export's --out, --adapter)
 
 
 class ConfigParseError(UserError):
@@ -202,7 +203,8 @@ def build(argv: list[str]) -> Run:
         reason = build_error(err, sub_cfg, failed)
         raise ConfigParseError(f"{subcommand}: could not build the config: {reason}") from None
     run = init[subcommand]
-    return Run(subcommand, run.trainer, run.model, run.data, run.ckpt_path, config_yaml)
+    options = {key: sub_cfg.get(key) for key in ("out", "adapter") if subcommand == "export"}
+    return Run(subcommand, run.trainer, run.model, run.data, run.ckpt_path, config_yaml, options)
 
 
 def main(argv: list[str] | None = None) -> Any:
@@ -215,6 +217,11 @@ def main(argv: list[str] | None = None) -> Any:
         _fail(str(err))
     lock = None
     try:
+        if run.subcommand == "export":
+            from lightning_fl.cli.export import run_export
+
+            print(run_export(run.model, run.ckpt_path, run.options["out"], bool(run.options["adapter"])), flush=True)
+            return None
         _check_ckpt_path(run.ckpt_path, run.trainer, run.model)
         _attach_config(run.trainer, run.config_yaml)
         method = getattr(run.trainer, run.subcommand)

@@ -1,5 +1,6 @@
-"""The command line's parsers: the root parser, one subcommand parser each for ``fit``, ``validate`` and ``test``
-(their keys are :data:`~lightning_fl.cli.precheck.TOP_KEYS`), and the YAML they write of a parsed config.
+"""The command line's parsers: the root parser, one subcommand parser each for ``fit``, ``validate``, ``test`` and
+``export`` (their keys are :data:`~lightning_fl.cli.precheck.TOP_KEYS`; ``export`` adds ``--out`` and ``--adapter``),
+and the YAML they write of a parsed config.
 
 A class's help (``--KEY.help CLASS``) is named as users type it (``usage: python -m lightning_fl fit ...``); what
 else the parsers do differently from jsonargparse's own is in :mod:`lightning_fl.cli.corrections`.
@@ -65,6 +66,11 @@ def _subcommand_parser(name: str) -> ArgumentParser:
     for key, kwargs in arguments.items():
         flags = ["-c", "--config"] if key == "config" else [f"--{key}"]
         parser.add_argument(*flags, help=TOP_KEYS[key], **kwargs)
+    if name == "export":  # its own options, given on the command line
+        from lightning_fl.cli.export import EXPORT_OPTIONS
+
+        parser.add_argument("--out", type=str | None, default=None, help=EXPORT_OPTIONS["out"])
+        parser.add_argument("--adapter", type=bool, default=False, help=EXPORT_OPTIONS["adapter"])
     return parser
 
 

@@ -26,6 +26,8 @@ SUBCOMMANDS = {
     "fit": "Train the model (resume with --ckpt_path).",
     "validate": "Evaluate on the validation split (weights from --ckpt_path).",
     "test": "Evaluate on the test split (weights from --ckpt_path).",
+    "export": "Write the fine-tuned language model as a Hugging Face folder (--ckpt_path, --out DIR; --adapter: "
+    "LoRA's PEFT adapter).",
 }
 
 # The top-level keys of every config, with their help, in the order messages list them: the CLI's subcommand
