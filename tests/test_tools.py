@@ -139,6 +139,45 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path, sweep_main):
     assert any((tmp_path / "tb").iterdir())
 
 
+def test_a_runs_own_seed_args_follow_the_sweeps_and_extra_metrics_become_columns(tmp_path, monkeypatch):
+    """A method's own seed (FLITE's factors, LoRA's adapters) varies with the run's seed; ``metrics`` adds columns."""
+    sweep = sweep_tool()
+    spec = {
+        "name": "s",
+        "seeds": [0, 2],
+        "seed_args": ["--data.init_args.seed", "{seed}"],
+        "metrics": ["val/exact_match", "val/acc"],
+        "runs": [
+            {
+                "label": "lora_lr{lr}",
+                "config": "c.yaml",
+                "grid": {"lr": [0.1]},
+                "args": ["--lr", "{lr}"],
+                "seed_args": ["--model.init_args.adapter_seed", "{seed}"],
+            },
+            {"label": "plain", "config": "c.yaml"},
+        ],
+    }
+    runs = {(r["label"], r["seed"]): r for r in sweep.expand(spec)}
+    lora = sweep.command(spec, tmp_path, runs[("lora_lr0.1", 2)])
+    i = lora.index("--seed_everything")
+    assert lora[i : i + 6] == [
+        "--seed_everything",
+        "2",
+        "--data.init_args.seed",
+        "2",
+        "--model.init_args.adapter_seed",
+        "2",
+    ]
+    assert "--model.init_args.adapter_seed" not in sweep.command(spec, tmp_path, runs[("plain", 0)])
+    assert sweep.metric_columns(spec)[-1] == "val/exact_match" and sweep.metric_columns(spec).count("val/acc") == 1
+    history = [{"round": 0, "val/exact_match": 0.25}, {"round": 1, "val/exact_match": 0.5}]
+    monkeypatch.setattr(sweep, "status", lambda spec, out, run: ("done", {"history": history}))
+    sweep.collect(spec, tmp_path, [runs[("plain", 0)]])
+    with (tmp_path / "results.csv").open() as f:
+        assert [r["val/exact_match"] for r in csv.DictReader(f)] == ["0.25", "0.5"]
+
+
 def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
     """Two sweeps of one spec (two workers) collect into the same results.csv: the CSV is built whole, then written
     through a temp file and a rename, so an error midway (or a reader at that moment) finds the previous CSV intact."""

@@ -31,6 +31,10 @@ and exits with status 1 naming the failed runs. A run may list its own ``seeds``
 seed). ``seed_args`` (e.g. ``["--data.seed", "{seed}"]``) are added to every command with the seed filled in,
 for configs whose data or caches have seeds of their own.
 
+A run may list ``seed_args`` of its own too (a method's seed of its factors or adapters: ``["--model.init_args.
+factor_seed", "{seed}"]``), added after the sweep's. ``metrics`` lists metric columns the CSV adds to the standard
+ones (e.g. ``val/exact_match``, ``test/exact_match``).
+
 ``config_args`` (``{config path: [arguments]}``) puts arguments right after ``--config`` for the runs of that
 config, before ``common`` and the run's own arguments, which override them: a sweep pins there the settings its
 configs had when it ran, so it reruns as it ran after the configs change.
@@ -123,6 +127,7 @@ def expand(spec: dict) -> list[dict]:
                     "args": [sub(a) for a in entry.get("args", [])],
                     "tags": {k: sub(v) for k, v in (entry.get("tags") or {}).items()},
                     "fit_from": sub(entry["fit_from"]) if entry.get("fit_from") is not None else None,
+                    "seed_args": list(entry.get("seed_args", [])),  # filled with the seed only
                     "seeds": entry.get("seeds"),  # a run's own seeds (a check on one seed), else the sweep's
                 }
             )
@@ -157,7 +162,13 @@ def fit_dir(out: Path, run: dict) -> Path:
 
 
 def seed_args(spec: dict, run: dict) -> list[str]:
-    return [str(a).format(seed=run["seed"]) for a in spec.get("seed_args", [])]
+    """The sweep's ``seed_args`` and then the run's own (e.g. a method's factor or adapter seed), the seed filled in."""
+    return [str(a).format(seed=run["seed"]) for a in [*spec.get("seed_args", []), *run.get("seed_args", [])]]
+
+
+def metric_columns(spec: dict) -> list[str]:
+    """The CSV's metric columns: :data:`METRIC_COLUMNS`, then the sweep's ``metrics`` (e.g. ``val/exact_match``)."""
+    return [*METRIC_COLUMNS, *(m for m in spec.get("metrics", []) if m not in METRIC_COLUMNS)]
 
 
 def config_args(spec: dict, run: dict) -> list[str]:
@@ -282,6 +293,7 @@ def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     if spec.get("kind") == "oneshot":
         return oneshot_collect(spec, out, runs)
     tag_names = sorted({k for r in runs for k in r["tags"]})
+    columns = metric_columns(spec)
     rows = []
     for run in runs:
         state, ckpt = status(spec, out, run)
@@ -292,8 +304,8 @@ def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         tags = [run["tags"].get(t, "") for t in tag_names]
         for h in history:
             rows.append([spec["name"], run["label"], run["seed"], *tags, int(h["round"]), int(h["round"] == last),
-                         *[h.get(m, "") for m in METRIC_COLUMNS]])  # fmt: skip
-    header = ["sweep", "label", "seed", *tag_names, "round", "final", *METRIC_COLUMNS]
+                         *[h.get(m, "") for m in columns]])  # fmt: skip
+    header = ["sweep", "label", "seed", *tag_names, "round", "final", *columns]
     path = write_csv(out / "results.csv", header, rows)
     print(f"wrote {len(rows)} rows to {path}")
     return path
