@@ -240,3 +240,53 @@ def test_smollm2_fine_tuned_with_lora_exports_a_model_transformers_generates_fro
         assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-4
     for question in (QUESTION, "Which number is larger, 4817 or 4871? Answer with the number only."):
         assert their_answer(theirs, tokenizer, question, 12) == ours.generate_text(question, 12, chat=True)
+
+
+def test_the_how_to_runs_as_written_with_a_tiny_model_in_smollm2s_place(tiny_chat_llama, in_tmp, capsys):
+    """docs/how-to/instruction-data.md: its ten records, its fit and export commands (the tiny chat model put in
+    SmolLM2's place by overrides) and its Python that generates with plain transformers."""
+    import contextlib
+    import io
+    import shlex
+
+    from conftest import REPO
+
+    page = (REPO / "docs" / "how-to" / "instruction-data.md").read_text()
+    records = page.split("```json\n", 1)[1].split("```", 1)[0]
+    assert len(records.strip().splitlines()) == 10
+    (in_tmp / "my_instructions.jsonl").write_text(records)
+    (in_tmp / "configs").mkdir()
+    (in_tmp / "configs" / "smollm2_instruct_lora.yaml").write_text((CONFIGS / "smollm2_instruct_lora.yaml").read_text())
+    commands = [" ".join(b.split("```", 1)[0].replace("\\\n", " ").split()) for b in page.split("```bash\n")[1:]]
+    fit, export = (shlex.split(c)[3:] for c in commands)  # (after "python -m lightning_fl")
+    network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_chat_llama}, context: 64}}}}"
+    tiny = [
+        "--model.init_args.network",
+        network,
+        "--data.init_args.tokenizer",
+        str(tiny_chat_llama),
+        "--data.init_args.context",
+        "64",
+        "--trainer.threads",
+        "1",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
+    assert run_cli(*fit, *tiny) == 0
+    out = capsys.readouterr()
+    assert "instruction data: train: 8 records" in out.out and "val/exact_match: " in out.out
+    assert "4 clients" in out.err  # alice, bob, carol, dave
+    assert run_cli(*export) == 0
+    python = page.split("```python\n", 1)[1].split("```", 1)[0]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(python, "instruction-data.md", "exec"), {})
+    from lightning_fl.cli import build
+    from lightning_fl.federated.checkpoint import load_for_evaluation
+
+    folder = in_tmp / "runs" / "my_instructions" / "version_0"
+    ours = build(["validate", "--config", str(folder / "config.yaml")]).model
+    load_for_evaluation(ours, folder / "checkpoints" / "last.ckpt", torch.device("cpu"))
+    assert printed.getvalue() == ours.eval().generate_text("What is the capital of Spain?", 16, chat=True) + "\n"

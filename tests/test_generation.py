@@ -103,6 +103,29 @@ def test_next_token_metrics_leave_the_ignored_targets_out():
     assert TrainingRecipe.train_accuracy(logits, targets).item() == pytest.approx(acc.item())
 
 
+@pytest.mark.parametrize("method", ["flite", "lora"])
+def test_response_metrics_from_the_kept_positions_equal_those_of_every_position(method, tiny_chat_llama):
+    network = HFCausalLM(str(tiny_chat_llama), context=64)
+    if method == "flite":
+        model = LatentLanguageModel(network, latent_dim=16, rank=16, factors="two_sided", sample_tokens=0)
+    else:
+        model = LoRALanguageModel(network, rank=2, sample_tokens=0)
+    with torch.no_grad():
+        for p in model.trainable_parameters().values():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.3)
+    data = instruction_data(tiny_chat_llama, eval_batch_size=8)
+    data.setup()
+    batch = next(iter(data.val_dataloader()))
+    kept, targets = model.eval()._response_logits(batch["input_ids"], batch["targets"])
+    assert kept.shape[1] < batch["input_ids"].shape[1]  # the prompts' positions are left out
+    every, full = NextTokenMetrics(), NextTokenMetrics()
+    with torch.no_grad():
+        every.update(model(batch["input_ids"]), batch["targets"])
+    full.update(kept, targets)
+    for key, value in every.compute().items():
+        assert full.compute()[key].item() == pytest.approx(value.item(), rel=1e-5), key
+
+
 def test_chat_generation_of_text_uses_the_template_and_returns_the_answer_alone(net):
     from lightning_fl.methods import LanguageModel
 

@@ -48,7 +48,7 @@ from lightning_fl.methods.latent import LATENT_RECIPE, LatentSteering
 from lightning_fl.methods.pretraining import Pretraining
 from lightning_fl.methods.recipe import TrainingRecipe
 from lightning_fl.methods.schedules import Recipe
-from lightning_fl.metrics import ExactMatch, NextTokenMetrics
+from lightning_fl.metrics import IGNORE_INDEX, ExactMatch, NextTokenMetrics
 from lightning_fl.models.gpt import generate
 from lightning_fl.models.hf import hf_generate, tied_weights
 
@@ -391,7 +391,8 @@ class LanguageModel(TrainingRecipe):
         (self.val_metrics if stage == "val" else self.test_metrics).update(self(x), y)
 
     def _score_instructions(self, batch: dict[str, Any], stage: str) -> None:
-        (self.val_metrics if stage == "val" else self.test_metrics).update(self(batch["input_ids"]), batch["targets"])
+        logits, targets = self._response_logits(batch["input_ids"], batch["targets"])
+        (self.val_metrics if stage == "val" else self.test_metrics).update(logits, targets)
         scoring = self.__dict__.get("_scoring")
         if scoring is None:
             raise ConfigError(
@@ -401,6 +402,18 @@ class LanguageModel(TrainingRecipe):
         new = self.generate_ids(batch["prompt_ids"], batch["prompt_mask"], max_new_tokens)
         answers = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
         scores[stage].update(answers, batch["references"], batch["labels"])
+
+    def _response_logits(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits at the positions where some record of the batch has a response target, and those targets: the
+        output head (49,152 x 576 on SmolLM2) runs on a response's positions only, not on its prompt's
+        (``transformers``' ``logits_to_keep``); the ignored targets in between leave the metrics unchanged."""
+        positions = (y != IGNORE_INDEX).any(0).nonzero().squeeze(1)
+        hf = getattr(self.network, "hf", None)
+        if hf is None or len(positions) == 0:
+            return self(x), y
+        with self.tuned():
+            logits = hf(input_ids=x, use_cache=False, logits_to_keep=positions).logits  # (B, K, V)
+        return logits, y[:, positions]
 
     def _eval_epoch_end(self, stage: str) -> None:
         scoring = self.__dict__.get("_scoring")
