@@ -70,7 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "fmp", "flite", "rounds", "smollm2")
 #: Seconds per part on a GPU machine: 6 minutes in all, so one run and a rerun fit 15 minutes of device time.
 LIMITS = {"tests": 100, "fmp": 60, "flite": 75, "rounds": 80, "smollm2": 45}
-TINY_LIMITS = {"tests": 120, "fmp": 120, "flite": 60, "rounds": 120, "smollm2": 60}
+TINY_LIMITS = dict.fromkeys(PARTS, 300)  # generous: a shared 2-core machine can be 5x slower than idle
 #: Default-suite tests whose trainers take ``accelerator: auto`` (FederatedTrainer, lightning.Trainer), so they run
 #: on the GPU (55 tests: 200 s on 2 CPU cores with 2 workers, 104 s of CPU time).
 SAMPLE = ["tests/test_federated.py", "tests/test_steps.py", "tests/test_cohort.py", "tests/test_lora.py"]
@@ -270,26 +270,27 @@ def cpu_name() -> str:
 
 
 class Context:
-    """What a part's child holds: the arguments, its device and accelerator name, its JSON, the work folder."""
+    """What a part's child holds: the arguments, its device and accelerator name, its JSON, the work folder.
+
+    The device comes from the probe (``args.cuda``), not from CUDA: a process that has touched CUDA (even
+    ``torch.cuda.is_available()``) cannot fork a child that uses it, and the tests part forks its pytest sessions.
+    :meth:`describe` (which does touch it) records the environment: at the start of a part, or after its children.
+    """
 
     def __init__(self, args: argparse.Namespace, part: str, record: Record) -> None:
         import torch
 
         self.args, self.part, self.record, self.tiny = args, part, record, args.tiny
-        if args.accelerator == "cpu":
-            self.device = torch.device("cpu")
-        elif torch.cuda.is_available():
-            self.device = torch.device("cuda", 0)
-        elif args.accelerator == "gpu":
-            raise SystemExit(f"--accelerator gpu, but torch {torch.__version__} sees no CUDA device")
-        else:
-            self.device = torch.device("cpu")
-        self.accelerator = "gpu" if self.device.type == "cuda" else "cpu"
+        self.device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
+        self.accelerator = "gpu" if args.cuda else "cpu"
         self.work = args.work / part
         self.work.mkdir(parents=True, exist_ok=True)
         record.data["accelerator"] = self.accelerator
-        record.data["environment"] = environment(self.device)
         record.save()
+
+    def describe(self) -> None:
+        self.record.data["environment"] = environment(self.device)
+        self.record.save()
 
     @property
     def cuda(self) -> bool:
@@ -371,6 +372,13 @@ def part_tests(ctx: Context) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     paths = TINY_GPU_PATHS if ctx.tiny else ["tests"]
     runs = {"gpu_marked": ["-m", "gpu", "-n", "0", *paths], "sample": ["-n", str(ctx.args.workers), *ctx.args.sample]}
+    try:
+        run_sessions(ctx, runs)
+    finally:
+        ctx.describe()  # CUDA touched only now, after the sessions were forked
+
+
+def run_sessions(ctx: Context, runs: dict[str, list[str]]) -> None:
     for name, selection in runs.items():
         ctx.record.results[name] = result = pytest_session(ctx, name, selection)
         ctx.record.save()
@@ -859,7 +867,8 @@ def drive(args: argparse.Namespace) -> int:
     env_path = args.work / "environment.json"
     status, _, _ = run_forked(lambda: probe(args, env_path), 120, log)
     env = json.loads(env_path.read_text()) if status == "ok" else {}
-    if args.accelerator == "gpu" and not env.get("cuda_available"):
+    args.cuda = args.accelerator != "cpu" and bool(env.get("cuda_available"))
+    if args.accelerator == "gpu" and not args.cuda:
         print(f"gpu_check: --accelerator gpu, but torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
     print(
@@ -883,7 +892,10 @@ def drive(args: argparse.Namespace) -> int:
         part_log.write_text("")
 
         def child(part=part, record=record) -> None:
-            functions[part](Context(args, part, record))
+            ctx = Context(args, part, record)
+            if part != "tests":  # (it forks pytest sessions first)
+                ctx.describe()
+            functions[part](ctx)
             if record.data["errors"]:
                 raise SystemExit(1)
 

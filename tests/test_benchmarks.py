@@ -351,7 +351,7 @@ def test_gpu_check_writes_every_part_on_a_cpu_at_a_tiny_size(tmp_path):
     pytest.importorskip("peft")
     fake_mnist_folder(tmp_path / "fashion", n_train=200, n_test=40)
     args = ["--out", "out", "--tiny", "--accelerator", "cpu", "--fashion-mnist", "fashion"]
-    proc = run_script("gpu_check.py", args, tmp_path, 600)
+    proc = run_script("gpu_check.py", args, tmp_path, 1200)
     log = tmp_path / "out" / "gpu_check.log"
     report = f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n" + (
         log.read_text()[-6000:] if log.is_file() else ""
