@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, fake_mnist_folder
 from forking import run_python
 
 BENCHMARKS = REPO / "benchmarks"
@@ -138,6 +138,13 @@ CASES = {
         timeout=900.0,
         outputs=["rate_limited_rounds.csv", "rate_limited_rounds.md", "rate_limited_rounds.json"],
         needs="flwr",
+    ),
+    "gpu_check.py": Case(
+        ["--out", "gc", "--tiny", "--accelerator", "cpu", "--parts", "flite", "smollm2", "--limit", "flite=120"],
+        "every part ok",
+        slow=True,  # test_gpu_check_writes_every_part_on_a_cpu_at_a_tiny_size runs every part by default
+        outputs=["gc/flite.json", "gc/smollm2.json", "gc/summary.json"],
+        needs="peft",
     ),
     "threads.py": Case(
         ["--rounds", "1", "--repeats", "1", "--root", "runs", "--out", "threads.json"],
@@ -327,3 +334,110 @@ def test_a_population_of_100000_clients_costs_little_memory(tmp_path):
     (result,) = json.loads((tmp_path / "p.json").read_text())["results"]["populations"]
     assert result["peak_rss_mib"] - result["rss_after_import_mib"] < 400, result
     assert result["clients_with_state"] == {"residuals": 100}, result
+
+
+GPU_CHECK_PARTS = ("tests", "fmp", "flite", "rounds", "smollm2")
+
+
+def test_gpu_check_writes_every_part_on_a_cpu_at_a_tiny_size(tmp_path):
+    """benchmarks/gpu_check.py --tiny --accelerator cpu (issue 76's one command for a GPU machine): every part ends ok
+    and writes its JSON with the environment and its figures, finite and in range; on a CPU the GPU tests are selected
+    and skipped, 16-mixed is recorded as unsupported, the rounds have no GPU side and there is no GPU memory; no
+    folder of this machine is written into the JSON (the work and data folders are WORK and DATA)."""
+    import tempfile
+
+    import torch
+
+    pytest.importorskip("peft")
+    fake_mnist_folder(tmp_path / "fashion", n_train=200, n_test=40)
+    args = ["--out", "out", "--tiny", "--accelerator", "cpu", "--fashion-mnist", "fashion"]
+    proc = run_script("gpu_check.py", args, tmp_path, 1200)
+    log = tmp_path / "out" / "gpu_check.log"
+    report = f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n" + (
+        log.read_text()[-6000:] if log.is_file() else ""
+    )
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("every part ok"), report
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted([*(f"{p}.json" for p in GPU_CHECK_PARTS), "summary.json", "gpu_check.log"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert {p: s["status"] for p, s in summary["parts"].items()} == dict.fromkeys(GPU_CHECK_PARTS, "ok"), report
+    parts = {p: json.loads((out / f"{p}.json").read_text()) for p in GPU_CHECK_PARTS}
+    for name, data in parts.items():
+        assert data["part"] == name and data["status"] == "ok" and data["errors"] == [], (name, data["errors"])
+        env = data["environment"]
+        assert data["accelerator"] == env["device"] == "cpu" and data["tiny"] is True and env["device_name"]
+        assert env["torch"] == torch.__version__ and env["cuda"] == torch.version.cuda
+        assert 0 < data["seconds"] < data["limit_s"]
+        text = (out / f"{name}.json").read_text()
+        for folder in (tmp_path, REPO, tempfile.gettempdir()):
+            assert str(folder) not in text, (name, folder)
+
+    tests = parts["tests"]["results"]
+    gpu, sample = tests["gpu_marked"], tests["sample"]
+    assert gpu["exit_code"] == 0 and gpu["selected"] == gpu["skipped"] >= 1  # they need CUDA
+    assert sample["exit_code"] == 0 and sample["selected"] == sample["passed"] >= 1 and sample["failures"] == []
+
+    fmp = parts["fmp"]["results"]["precisions"]
+    assert fmp["16-mixed"]["status"] == "unsupported"
+    for precision in ("32-true", "bf16-mixed"):
+        run = fmp[precision]
+        assert run["status"] == "ok" and run["steps"] == len(run["loss_curve"]) == 6 and run["warmup_steps"] == 2
+        assert all(math.isfinite(x) and x > 0 for x in run["loss_curve"])
+        assert all(r["mean"] > 0 and r["median"] > 0 for r in run["steps_per_s"].values())
+    agree = fmp["bf16-mixed"]["against_32_true"]
+    assert agree["steps_compared"] == 6 and agree["warmup"]["steps"] == 2 and agree["theta_distance"]["steps"] == 4
+    assert 0 <= agree["theta_distance"]["median_rel_diff"] <= agree["theta_distance"]["max_rel_diff"] < 0.05
+
+    flite = parts["flite"]["results"]
+    assert flite["modes"] == ["stored", "regenerate", "streamed", "kronecker"]
+    for precision in ("32-true", "bf16-mixed"):
+        run = flite["precisions"][precision]
+        assert run["status"] == "ok" and set(run["step_s"]) == {"full", *flite["modes"]}
+        assert all(s["median"] > 0 for s in run["step_s"].values())
+        assert set(run["latent_over_full"]) == set(flite["modes"])
+        assert all(math.isfinite(r["median"]) and r["median"] > 0 for r in run["latent_over_full"].values())
+        assert all(set(m.values()) == {None} for m in run["memory"].values())  # GPU memory: on a GPU
+
+    rounds = parts["rounds"]["results"]
+    assert rounds["accelerators"] == ["cpu"] and rounds["rounds"] == 1
+    for name in ("quickstart", "flite_fashion_mnist"):
+        assert set(rounds["configs"][name]) == {"cpu"}
+        run = rounds["configs"][name]["cpu"]
+        (last,) = run["rounds"]
+        assert run["status"] == "ok" and last["round"] == 1 and run["last_round_s"] == last["round_s"]
+        assert last["round_s"] >= last["clients_and_server_s"] > 0 and 0 <= last["val_acc"] <= 1
+
+    llm = parts["smollm2"]["results"]
+    assert llm["model"].startswith("random tiny Llama") and llm["projections"] == 14
+    for precision in ("32-true", "bf16-mixed"):
+        per = llm["precisions"][precision]
+        assert list(per) == ["full", "flite", "lora", "ffa"]
+        assert all(m["status"] == "ok" and m["step_s"]["median"] > 0 for m in per.values())
+        uploads = {k: m["upload_floats"] for k, m in per.items()}
+        assert uploads["full"] == llm["weights"] and uploads["flite"] == llm["latent_dim"] * llm["projections"]
+        assert 0 < uploads["ffa"] < uploads["lora"] < uploads["full"]
+
+
+def test_gpu_check_records_a_part_past_its_limit_or_failing_and_goes_on(tmp_path):
+    """A part that outruns its limit is written as timed out, keeping what it had recorded, a failing part as failed
+    with its error, and the script exits 1; bad arguments exit 2 with one line."""
+    (tmp_path / "bad.gguf").write_bytes(b"not a model")
+    args = ["--out", "out", "--accelerator", "cpu", "--parts", "fmp", "smollm2", "--limit", "fmp=2"]
+    args += ["--smollm2", "bad.gguf"]
+    proc = run_script("gpu_check.py", args, tmp_path, 300)
+    assert proc.returncode == 1 and proc.stdout.rstrip().endswith("not ok: fmp, smollm2"), proc.stdout[-3000:]
+    fmp = json.loads((tmp_path / "out" / "fmp.json").read_text())
+    assert fmp["status"] == "timeout" and fmp["errors"] == ["ran past its limit of 2 s"] and fmp["seconds"] >= 2
+    assert fmp["results"]["config"] == "configs/fmp_digits.yaml"  # written before the limit
+    llm = json.loads((tmp_path / "out" / "smollm2.json").read_text())
+    (error,) = llm["errors"]
+    assert llm["status"] == "failed" and error.startswith("smollm2 model: "), error
+
+    parts = ", ".join(GPU_CHECK_PARTS)
+    for bad, line in [
+        (["--limit", "fmp=soon"], f"gpu_check: --limit fmp=soon: give PART=SECONDS, PART one of {parts}, SECONDS > 0"),
+        (["--fashion-mnist", "nowhere"], "gpu_check: --fashion-mnist nowhere: no such folder"),
+    ]:
+        proc = run_script("gpu_check.py", ["--out", "o2", *bad], tmp_path, 120)
+        assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr

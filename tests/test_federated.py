@@ -376,6 +376,17 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
     assert ckpt["format"] == "lightning_fl.federated" and ckpt["round"] == 1
 
 
+@pytest.mark.parametrize("factors", ["stored", "regenerate", "kronecker"])
+def test_a_latent_client_trains_under_bf16_mixed_precision(tmp_path, factors):
+    """``trainer.precision bf16-mixed`` with FLITE's latent: the round runs (on a CPU the stored and regenerated
+    factors failed in autocast's ``addmv``) and the server's latent stays float32."""
+    trainer = make_trainer(tmp_path, rounds=1, logger=False, precision="bf16-mixed")
+    trainer.fit(make_model(factors=factors), datamodule=make_dm())
+    last = trainer.history[-1]
+    assert torch.isfinite(torch.tensor(last["val/loss"])) and last["fed/identity_error"] <= 1e-6
+    assert trainer.global_state["mapping.latent"].dtype == torch.float32
+
+
 def test_full_weight_fedavg_of_a_classifier_runs_through_the_same_trainer(tmp_path):
     from lightning_fl.methods import Classifier
 

@@ -502,7 +502,10 @@ def test_warmup_weighs_the_label_parts_as_set(tmp_path, monkeypatch, label_weigh
         # Lightning runs fp16 AMP on a CPU as bf16: this case only checks that substitution, nothing more.
         ("16-mixed", "cpu", torch.bfloat16),
         pytest.param(
-            "16-mixed", "cuda", torch.float16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU")
+            "16-mixed",
+            "cuda",
+            torch.float16,
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU")],
         ),
     ],
     ids=["bf16-cpu", "16-on-cpu-is-bf16", "16-gpu"],

@@ -93,6 +93,32 @@ def test_gradient_wrt_latent_matches_finite_differences(mode):
     assert torch.autograd.gradcheck(loss, (z,), eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+@pytest.mark.parametrize("mode", [*MODES, "dense", "kronecker"])
+def test_mapped_weights_are_formed_in_float32_under_bf16_autocast(mode, device):
+    """Under ``bf16-mixed`` the mapped weights are the float32 ones, bit for bit, and the step backpropagates to the
+    latent (on a CPU, ``stored``, ``regenerate`` and ``streamed`` failed: autocast made ``V^T z`` bfloat16 and left
+    ``addmv``'s other inputs float32; found by benchmarks/gpu_check.py's FLITE step)."""
+    torch.manual_seed(0)
+    net = SmallCNN(image_size=8, channels=[4, 8], feature_dim=6, norm_groups=2).to(device)
+    mapping = LatentMapping(net, latent_dim=[3, 5, 4], rank=2, layers="conv+linear", mode=mode, seed=1).to(device)
+    with torch.no_grad():
+        mapping.latent.normal_()
+    base = {n: p.detach() for n, p in net.named_parameters()}
+    plain = mapping.weights(base)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        mixed = mapping.weights(base)
+        out = torch.func.functional_call(net, mixed, (torch.randn(2, 1, 8, 8, device=device),), strict=False)
+    assert out.dtype == torch.bfloat16
+    for name, weight in plain.items():
+        assert mixed[name].dtype == torch.float32 and torch.equal(mixed[name], weight), name
+    out.float().square().sum().backward()
+    assert mapping.latent.grad.dtype == torch.float32 and torch.isfinite(mapping.latent.grad).all()
+
+
 def classifier_pair(factors="stored"):
     torch.manual_seed(0)
     backbone = SmallCNN(image_size=8, channels=[8, 16], norm_groups=4)

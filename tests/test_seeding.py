@@ -34,6 +34,7 @@ def test_quiet_seeding_draws_what_manual_seed_draws_without_calling_it(monkeypat
     assert got[2] == expected[2] and np.array_equal(got[3], expected[3])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_quiet_seeding_seeds_cuda_once_it_is_initialised():
     torch.zeros(1, device="cuda")

@@ -329,8 +329,16 @@ class LatentMapping(nn.Module):
         self, lay: MappedLayer, base: torch.Tensor, z_l: torch.Tensor, kept: KeptStart | None = None
     ) -> torch.Tensor:
         """``base + U_l V_l^T z_l`` (``base + W_l z_l`` in dense mode), flat ``(P_l,)``, fused with the addition
-        (``kept``: formed once for the round's starting latent, see :meth:`keep_start`)."""
+        (``kept``: formed once for the round's starting latent, see :meth:`keep_start`).
+
+        Formed in the base's dtype with autocast off: under mixed precision the mapped weight is made in float32,
+        as a full-weight model's parameter is, and the layer that uses it autocasts it (autocast's own casts differ
+        by device: on a CPU it left ``addmv``'s inputs in two dtypes and the step failed)."""
         self._materialise()
+        with torch.autocast(base.device.type, enabled=False):
+            return self._mapped(lay, base, z_l, kept)
+
+    def _mapped(self, lay: MappedLayer, base: torch.Tensor, z_l: torch.Tensor, kept: KeptStart | None) -> torch.Tensor:
         weight, base = base, base.reshape(-1)
         z_l = z_l.to(base.dtype)
         if self.mode in ("stored", "dense"):
