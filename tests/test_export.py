@@ -11,6 +11,7 @@ import torch
 
 from conftest import CONFIGS, run_cli
 from lightning_fl import FederatedTrainer, LatentLanguageModel
+from lightning_fl.checkpoint import read_checkpoint
 from lightning_fl.cli.export import run_export
 from lightning_fl.data import Dirichlet, FederatedInstructionDataModule, InstructionTasks
 from lightning_fl.errors import CheckpointError, ConfigError, UserError
@@ -290,3 +291,46 @@ def test_the_how_to_runs_as_written_with_a_tiny_model_in_smollm2s_place(tiny_cha
     ours = build(["validate", "--config", str(folder / "config.yaml")]).model
     load_for_evaluation(ours, folder / "checkpoints" / "last.ckpt", torch.device("cpu"))
     assert printed.getvalue() == ours.eval().generate_text("What is the capital of Spain?", 16, chat=True) + "\n"
+
+
+@pytest.mark.parametrize(
+    "private",
+    [
+        [
+            "--trainer.privacy",
+            "CentralDP",
+            "--trainer.privacy.noise_multiplier",
+            "1.0",
+            "--trainer.privacy.clip_norm",
+            "0.05",
+            "--trainer.max_update_norm_ratio",
+            "null",
+            "--trainer.strategy.init_args.weighted",
+            "false",
+        ],
+        [
+            "--trainer.dp_sgd",
+            "DPSGD",
+            "--trainer.dp_sgd.noise_multiplier",
+            "1.0",
+            "--trainer.dp_sgd.max_grad_norm",
+            "1.0",
+            "--trainer.strategy.init_args.weighted",
+            "false",
+        ],
+    ],
+    ids=["central_dp", "dp_sgd"],
+)
+def test_instruction_tuning_runs_privately_and_spends_a_budget(private, tiny_chat_llama, in_tmp, capsys):
+    config = str(CONFIGS / "smollm2_instruct_lora.yaml")
+    args = ["--config", config, *tiny_instruction_args(tiny_chat_llama), "--trainer.rounds", "2"]
+    assert run_cli("fit", *args, *private) == 0
+    out = capsys.readouterr().out
+    assert "val/exact_match: " in out and "epsilon" in out
+    ckpt = read_checkpoint(next(Path("runs").rglob("last.ckpt")))
+    if "--trainer.privacy" in private:  # user-level: every round spends
+        spent = [h["privacy/epsilon"] for h in ckpt["history"][1:]]
+        assert 0 < spent[0] < spent[1] < float("inf")
+    else:  # record-level: the worst client's spend, which grows when that client trains again
+        spent = [h["privacy/record_epsilon_max"] for h in ckpt["history"][1:]]
+        assert 0 < spent[0] <= spent[1] < float("inf")
