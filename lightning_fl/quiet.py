@@ -71,10 +71,13 @@ class _CurrentStderr(logging.Handler):
 
 
 def show_progress() -> None:
-    """Print the package's own progress lines (INFO and above of the ``lightning_fl`` loggers) on stderr."""
+    """Print the package's own progress lines (INFO and above of the ``lightning_fl`` loggers) on stderr, once: they
+    do not propagate to the root logger, where a dependency may have put a handler of its own (``import opacus``
+    adds one, which printed every line a second time)."""
     logger = logging.getLogger("lightning_fl")
     if not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
         handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False

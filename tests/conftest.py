@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -26,6 +27,20 @@ def pytest_collection_modifyitems(config, items):
     """Tests that start processes (marked ``distributed``), the longest ones, run first; the short ones even out the
     workers at the end (with pytest-xdist's ``worksteal``, an idle worker takes over another's pending tests)."""
     items.sort(key=lambda item: item.get_closest_marker("distributed") is None)
+
+
+@pytest.fixture(autouse=True)
+def _package_logs_reach_caplog(caplog):
+    """The package's log lines do not propagate to the root logger once the CLI shows them (``quiet.show_progress``:
+    a dependency's root handler would print each a second time), and the root logger is where pytest's ``caplog``
+    listens: give caplog's handler to the package's logger itself, for every test alike."""
+    logger = logging.getLogger("lightning_fl")
+    propagate = logger.propagate
+    logger.propagate = False
+    logger.addHandler(caplog.handler)
+    yield
+    logger.removeHandler(caplog.handler)
+    logger.propagate = propagate
 
 
 @pytest.fixture

@@ -630,3 +630,17 @@ def test_readme_python_example_runs(in_tmp, monkeypatch):
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
     assert (in_tmp / "runs" / "quickstart" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_progress_lines_print_once_when_a_dependency_puts_a_handler_on_the_root_logger():
+    """``import opacus`` adds a handler to Python's root logger: the package's lines must not reach it as well."""
+    code = (
+        "import logging\n"
+        "from lightning_fl.quiet import show_progress\n"
+        "logging.basicConfig(format='ROOT:%(message)s')  # what opacus does on import\n"
+        "show_progress()\n"
+        "logging.getLogger('lightning_fl.methods.centralised').info('pretraining epoch 1/15')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["pretraining epoch 1/15"]
