@@ -634,9 +634,11 @@ def test_distributed_dp_under_secagg_on_flower_equals_in_process_bitwise(in_tmp)
     assert eps == [h["privacy/epsilon"] for h in reference["history"][1:]] and 0 < eps[0] < eps[1]
 
 
-DISTRIBUTED = ["--trainer.privacy", "lightning_fl.privacy.DistributedDP", "--trainer.privacy.noise_multiplier",
-               "1.0", "--trainer.privacy.clip_norm", "0.5", "--trainer.privacy.noise_seed", "0",
-               "--trainer.max_update_norm_ratio", "null"]  # fmt: skip
+DISTRIBUTED = [
+    *("--trainer.privacy", "lightning_fl.privacy.DistributedDP", "--trainer.privacy.noise_multiplier", "1.0"),
+    *("--trainer.privacy.clip_norm", "0.5", "--trainer.privacy.noise_seed", "0"),
+    *("--trainer.max_update_norm_ratio", "null"),
+]
 PINNED = {"require-secure-aggregation": True, "require-privacy": "DistributedDP", "min-noise-multiplier": 1.0}
 
 
@@ -663,14 +665,21 @@ def noise_shares(monkeypatch) -> list[float]:
     return stds
 
 
+def announce(monkeypatch, num_clients: int) -> None:
+    """A hostile server: every train message it sends states a federation of ``num_clients`` clients."""
+    real = messages.train_content
+
+    def hostile(arrays, round, seed, client, fingerprint, honest=0):
+        return real(arrays, round, seed, client, fingerprint, num_clients)
+
+    monkeypatch.setattr(messages, "train_content", hostile)
+
+
 def test_a_server_announcing_a_huge_federation_cannot_shrink_a_pinned_nodes_noise_share(in_tmp, monkeypatch):
     """The red team's attack: a server whose train messages announce 10^8 clients (``num-clients``), to nodes that
     pin secure aggregation, DistributedDP and z >= 1. Each node sees 4 nodes in SecAgg+'s key sharing, so its share
     stays ``z S / sqrt(4) = 0.25`` (it was ``0.5 / sqrt(10^8) = 5e-5``, every pin passing)."""
-    real = messages.train_content
-    monkeypatch.setattr(messages, "train_content",
-                        lambda arrays, round, seed, client, fingerprint, num_clients=0:
-                        real(arrays, round, seed, client, fingerprint, 10**8))  # fmt: skip
+    announce(monkeypatch, 10**8)
     stds = noise_shares(monkeypatch)
     configs = [{**c, **PINNED} for c in nodes()]
     on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs), *SECURE, *DISTRIBUTED)
@@ -687,8 +696,8 @@ def test_a_nodes_noise_share_is_for_the_cohort_it_sees_in_secagg(in_tmp, monkeyp
     on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *SECURE, *DISTRIBUTED, name="all")
     assert stds == pytest.approx([0.5 / 4**0.5] * 8, rel=1e-4)
     stds.clear()
-    on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *SECURE, *DISTRIBUTED,
-              "--trainer.clients_per_round", "2", name="two")  # fmt: skip
+    two = ["--trainer.clients_per_round", "2"]
+    on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *SECURE, *DISTRIBUTED, *two, name="two")
     assert stds == pytest.approx([0.5 / 2**0.5] * 4, rel=1e-4)
     stds.clear()
     grid = LocalGrid(nodes(), tamper={3: secagg_reply("pk1", _bad_key)})
@@ -721,10 +730,7 @@ def test_a_node_that_pins_its_noise_checks_the_cohort_or_pins_the_largest(in_tmp
     on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(pinned), *DISTRIBUTED, name="honest")
     assert stds == pytest.approx([0.25] * 8, rel=1e-4)
     stds.clear()
-    real = messages.train_content
-    monkeypatch.setattr(messages, "train_content",
-                        lambda arrays, round, seed, client, fingerprint, num_clients=0:
-                        real(arrays, round, seed, client, fingerprint, 10**8))  # fmt: skip
+    announce(monkeypatch, 10**8)
     with pytest.warns(UserWarning, match="refused: this node pins max-cohort 4, and the run plans 100,000,000 clients"):
         trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(pinned), *DISTRIBUTED, name="hostile")
     assert stds == [] and [h["fed/dropped_clients"] for h in trainer.history[1:]] == [4.0, 4.0]
