@@ -577,7 +577,7 @@ def test_server_refuses_a_non_federated_trainer(in_tmp):
 SECURE = [
     "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
     "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "0.5",
-    "--trainer.max_update_norm_ratio", "null",
+    "--trainer.secure_aggregation.rounding_seed", "0", "--trainer.max_update_norm_ratio", "null",
 ]  # fmt: skip
 
 

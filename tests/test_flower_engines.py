@@ -426,6 +426,7 @@ SECURE = [
     "--model.init_args.pretraining.epochs", "2", "--trainer.max_update_norm_ratio", "null",
     "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
     "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "90",
+    "--trainer.secure_aggregation.rounding_seed", "0",
 ]  # fmt: skip
 
 
