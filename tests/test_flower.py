@@ -451,6 +451,37 @@ def test_run_config_mistakes_get_one_line():
     assert settings({"config": "x.yaml", "round-timeout": 30})["round_timeout"] == 30.0
 
 
+def test_a_run_that_stops_on_our_error_logs_one_line_and_no_traceback():
+    """What ``flwr log`` shows when the ServerApp stops on a user error (as a run resumed on a SuperLink restarted
+    without its database does, every node gone): our one line, then Flower's report of the exception the ServerApp
+    raised (its run_serverapp logs it with ``exc_info``), with no traceback. The run still ends as failed."""
+    import io
+    import logging
+
+    from flwr.common.logger import FLOWER_LOGGER, log
+
+    from lightning_fl.errors import UserError
+    from lightning_fl.flower import server
+
+    why = "no sampled client replied in 2 attempts in a row at round 3; start the SuperNodes, then resume"
+
+    def fit():
+        raise UserError(why)
+
+    stream, outcome = io.StringIO(), {}
+    handler = logging.StreamHandler(stream)
+    FLOWER_LOGGER.addHandler(handler)
+    try:
+        with pytest.raises(UserError) as raised:
+            server._run(None, fit, outcome)
+        log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=raised.value)  # as Flower's runtime does
+    finally:
+        FLOWER_LOGGER.removeHandler(handler)
+    text = stream.getvalue()
+    assert "Traceback" not in text and "File " not in text, text
+    assert f"error: {why}" in text and str(raised.value) == why and str(outcome["error"]) == why
+
+
 def test_the_app_declares_every_run_config_key_with_the_servers_default():
     """Flower refuses a `flwr run --run-config` key the app's pyproject.toml does not declare: every key the
     ServerApp reads is declared there, with the default the ServerApp uses when it is absent."""
