@@ -200,8 +200,8 @@ def test_yaml_typos_are_named(in_tmp, capsys):
 
 QUICKSTART = str(CONFIGS / "quickstart.yaml")  # a FederatedTrainer
 FMP = str(CONFIGS / "fmp_digits.yaml")  # lightning.Trainer, a model with an optional summariser class
-DP = str(CONFIGS / "dp_fedavg_fashion_mnist.yaml")  # CentralDP, noise_seed: 0
-DP_SGD = str(CONFIGS / "dp_sgd_fashion_mnist.yaml")  # DPSGD, noise_seed: 0
+DP = str(CONFIGS / "dp_fedavg_fashion_mnist.yaml")  # CentralDP, noise_seed: null
+DP_SGD = str(CONFIGS / "dp_sgd_fashion_mnist.yaml")  # DPSGD, noise_seed: null
 
 
 class StrictDigits(Digits):
@@ -343,19 +343,23 @@ def test_the_real_cause_comes_first_in_one_line_naming_the_key(case, in_tmp, cap
 
 def test_null_on_the_command_line_reaches_a_class_inside_the_trainer(in_tmp):
     """``--trainer.privacy.noise_seed null``: jsonargparse read ``null`` for the trainer, then handed the privacy
-    class the text ``None`` (refused: "expected int or null, got 'None'"); the DP configs set 0 and say null for a
-    deployment. The same from a YAML config, for DP-SGD, and one class deeper."""
+    class the text ``None`` (refused: "expected int or null, got 'None'"); here over a config that seeds the noise
+    (the shipped DP configs say null). The same from a YAML config, for DP-SGD, and one class deeper."""
     from lightning_fl.cli import build
 
-    central = build(["fit", "--config", DP, "--trainer.privacy.noise_seed", "null"])
+    def seeded(key: str, value: str) -> str:
+        text = f"trainer:\n  init_args:\n    {key}:\n      init_args:\n        noise_seed: {value}\n"
+        return write(in_tmp / f"{key}_{value}.yaml", text)
+
+    central = build(["fit", "--config", DP, "--config", seeded("privacy", "0"), "--trainer.privacy.noise_seed", "null"])
     assert central.trainer.privacy.noise_seed is None
     assert "noise_seed: null" in central.config_yaml
-    dp_sgd = build(["fit", "--config", DP_SGD, "--trainer.dp_sgd.noise_seed", "null"])
+    sgd_seeded = seeded("dp_sgd", "0")
+    dp_sgd = build(["fit", "--config", DP_SGD, "--config", sgd_seeded, "--trainer.dp_sgd.noise_seed", "null"])
     assert dp_sgd.trainer.dp_sgd.noise_seed is None
-    config = write(
-        in_tmp / "seed.yaml", "trainer:\n  init_args:\n    privacy:\n      init_args:\n        noise_seed: null\n"
-    )
-    assert build(["fit", "--config", DP, "--config", config]).trainer.privacy.noise_seed is None
+    configs = ["--config", DP, "--config", seeded("privacy", "0"), "--config", seeded("privacy", "null")]
+    assert build(["fit", *configs]).trainer.privacy.noise_seed is None
+    assert build(["fit", "--config", DP, "--trainer.privacy.noise_seed", "0"]).trainer.privacy.noise_seed == 0
     adaptive = ["--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std"]
     assert build(["fit", "--config", DP, *adaptive, "null"]).trainer.privacy.adaptive.count_std is None
     assert build(["fit", "--config", DP, *adaptive, "0.5"]).trainer.privacy.adaptive.count_std == 0.5

@@ -44,6 +44,18 @@ def test_config_parses_and_instantiates(path):
         run.model.check_data(run.data)  # classes, channels and image size agree
 
 
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_private_configs_draw_their_noise_from_the_os(path):
+    """A shipped config of a private run seeds none of its randomness (noise, cohorts, DP-SGD's sampling, secure
+    rounding): a seed is public, so a config copied into a deployment must not carry one. A sweep that must
+    reproduce pins it in its own spec (``config_args``)."""
+    trainer = (yaml.safe_load(path.read_text()).get("trainer") or {}).get("init_args") or {}
+    for key, seed in (("privacy", "noise_seed"), ("dp_sgd", "noise_seed"), ("secure_aggregation", "rounding_seed")):
+        plugin = trainer.get(key)
+        if isinstance(plugin, dict):
+            assert (plugin.get("init_args") or {}).get(seed) is None, f"trainer.{key}.{seed} in {path.name}"
+
+
 def header_commands(path):
     """The ``python -m lightning_fl ...`` commands given in a config's header (continuations joined)."""
     lines = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")]

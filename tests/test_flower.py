@@ -451,6 +451,37 @@ def test_run_config_mistakes_get_one_line():
     assert settings({"config": "x.yaml", "round-timeout": 30})["round_timeout"] == 30.0
 
 
+def test_a_run_that_stops_on_our_error_logs_one_line_and_no_traceback():
+    """What ``flwr log`` shows when the ServerApp stops on a user error (as a run resumed on a SuperLink restarted
+    without its database does, every node gone): our one line, then Flower's report of the exception the ServerApp
+    raised (its run_serverapp logs it with ``exc_info``), with no traceback. The run still ends as failed."""
+    import io
+    import logging
+
+    from flwr.common.logger import FLOWER_LOGGER, log
+
+    from lightning_fl.errors import UserError
+    from lightning_fl.flower import server
+
+    why = "no sampled client replied in 2 attempts in a row at round 3; start the SuperNodes, then resume"
+
+    def fit():
+        raise UserError(why)
+
+    stream, outcome = io.StringIO(), {}
+    handler = logging.StreamHandler(stream)
+    FLOWER_LOGGER.addHandler(handler)
+    try:
+        with pytest.raises(UserError) as raised:
+            server._run(None, fit, outcome)
+        log(logging.ERROR, "%s raised an exception", "ServerApp", exc_info=raised.value)  # as Flower's runtime does
+    finally:
+        FLOWER_LOGGER.removeHandler(handler)
+    text = stream.getvalue()
+    assert "Traceback" not in text and "File " not in text, text
+    assert f"error: {why}" in text and str(raised.value) == why and str(outcome["error"]) == why
+
+
 def test_the_app_declares_every_run_config_key_with_the_servers_default():
     """Flower refuses a `flwr run --run-config` key the app's pyproject.toml does not declare: every key the
     ServerApp reads is declared there, with the default the ServerApp uses when it is absent."""
@@ -577,7 +608,7 @@ def test_server_refuses_a_non_federated_trainer(in_tmp):
 SECURE = [
     "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
     "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "0.5",
-    "--trainer.max_update_norm_ratio", "null",
+    "--trainer.secure_aggregation.rounding_seed", "0", "--trainer.max_update_norm_ratio", "null",
 ]  # fmt: skip
 
 
@@ -632,6 +663,108 @@ def test_distributed_dp_under_secagg_on_flower_equals_in_process_bitwise(in_tmp)
     assert not any(k.startswith("train/") for h in trainer.history for k in h)  # the nodes' losses stay with them
     eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
     assert eps == [h["privacy/epsilon"] for h in reference["history"][1:]] and 0 < eps[0] < eps[1]
+
+
+DISTRIBUTED = [
+    *("--trainer.privacy", "lightning_fl.privacy.DistributedDP", "--trainer.privacy.noise_multiplier", "1.0"),
+    *("--trainer.privacy.clip_norm", "0.5", "--trainer.privacy.noise_seed", "0"),
+    *("--trainer.max_update_norm_ratio", "null"),
+]
+PINNED = {"require-secure-aggregation": True, "require-privacy": "DistributedDP", "min-noise-multiplier": 1.0}
+
+
+def noise_shares(monkeypatch) -> list[float]:
+    """Record the standard deviation of every DistributedDP noise share a node adds: its update is clipped to
+    nothing, so what it adds to the global state is its share, and with the noise seeded the share is
+    ``std * g`` for the generator's own draw ``g``: ``std = <share, g> / <g, g>`` (exact up to float32)."""
+    from lightning_fl.privacy import distributed
+    from lightning_fl.privacy.base import flat_update, randomness
+    from lightning_fl.seeding import STREAM_DISTRIBUTED_NOISE
+
+    stds: list[float] = []
+    real = distributed.DistributedDP.privatize
+
+    def spy(self, state, global_state, client, round, seed):
+        out = real(self, state, global_state, client, round, seed)
+        share = flat_update(out, global_state)
+        g = randomness(self.noise_seed, seed, round, client, STREAM_DISTRIBUTED_NOISE).randn(share.shape)
+        stds.append(float(share @ g / (g @ g)))
+        return out
+
+    monkeypatch.setattr(distributed, "clip", lambda delta, bound, layers: (torch.zeros_like(delta), 0.0, 0))
+    monkeypatch.setattr(distributed.DistributedDP, "privatize", spy)
+    return stds
+
+
+def announce(monkeypatch, num_clients: int) -> None:
+    """A hostile server: every train message it sends states a federation of ``num_clients`` clients."""
+    real = messages.train_content
+
+    def hostile(arrays, round, seed, client, fingerprint, honest=0):
+        return real(arrays, round, seed, client, fingerprint, num_clients)
+
+    monkeypatch.setattr(messages, "train_content", hostile)
+
+
+def test_a_server_announcing_a_huge_federation_cannot_shrink_a_pinned_nodes_noise_share(in_tmp, monkeypatch):
+    """The red team's attack: a server whose train messages announce 10^8 clients (``num-clients``), to nodes that
+    pin secure aggregation, DistributedDP and z >= 1. Each node sees 4 nodes in SecAgg+'s key sharing, so its share
+    stays ``z S / sqrt(4) = 0.25`` (it was ``0.5 / sqrt(10^8) = 5e-5``, every pin passing)."""
+    announce(monkeypatch, 10**8)
+    stds = noise_shares(monkeypatch)
+    configs = [{**c, **PINNED} for c in nodes()]
+    on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs), *SECURE, *DISTRIBUTED)
+    assert len(stds) == 2 * 4  # every node, every round: none refused, none shrunk
+    assert stds == pytest.approx([0.25] * 8, rel=1e-4)
+
+
+def test_a_nodes_noise_share_is_for_the_cohort_it_sees_in_secagg(in_tmp, monkeypatch):
+    """The honest path: each node's share has ``std = z S / sqrt(m)`` for the round's real cohort, ``m = 4`` with
+    every client in each round, 2 with ``clients_per_round 2``, and 3 when one of 4 nodes fails at SecAgg+'s
+    setup (the protocol runs again with the other three, each adding a third of the noise's variance: the sum
+    keeps the central noise, more than the server's accountant counts on)."""
+    stds = noise_shares(monkeypatch)
+    on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *SECURE, *DISTRIBUTED, name="all")
+    assert stds == pytest.approx([0.5 / 4**0.5] * 8, rel=1e-4)
+    stds.clear()
+    two = ["--trainer.clients_per_round", "2"]
+    on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *SECURE, *DISTRIBUTED, *two, name="two")
+    assert stds == pytest.approx([0.5 / 2**0.5] * 4, rel=1e-4)
+    stds.clear()
+    grid = LocalGrid(nodes(), tamper={3: secagg_reply("pk1", _bad_key)})
+    with pytest.warns(UserWarning, match="setup stage: malformed SecAgg"):
+        on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE, *DISTRIBUTED, name="three")
+    # (each node trains twice a round: the first attempt halts at unmasking, nobody holding the dead node's shares)
+    assert len(stds) >= 6 and stds == pytest.approx([0.5 / 3**0.5] * len(stds), rel=1e-4)
+
+
+def test_a_node_that_pins_its_noise_checks_the_cohort_or_pins_the_largest(in_tmp, monkeypatch):
+    """Without secure aggregation a node sees no cohort: one that pins DistributedDP's noise refuses such a run
+    unless it pins max-cohort; then a server announcing 10^8 clients is refused, not served with less noise, and
+    an honest run draws the share of its real cohort. A malformed max-cohort is named."""
+    from lightning_fl.flower.pins import pin_problem
+
+    plain = flower_node.build_node(_yaml(in_tmp, *DISTRIBUTED), {"partition-id": 0}).local
+    assert pin_problem(plain, {"require-privacy": "DistributedDP"}) == (
+        "this node pins require-privacy DistributedDP, and its DistributedDP share is for the round's cohort, which "
+        "a node sees only in secure aggregation: pin max-cohort (the most clients a round) or "
+        "require-secure-aggregation"
+    )
+    assert pin_problem(plain, {"min-noise-multiplier": 1.0}).startswith("this node pins min-noise-multiplier 1, and")
+    assert pin_problem(plain, {"require-privacy": "DistributedDP", "max-cohort": 4}) is None
+    assert pin_problem(plain, {}) is None  # (a node that pins nothing serves what the server describes)
+    for bad in (0, "lots", 2.5, True):
+        with pytest.raises(ValueError, match=f"node config max-cohort must be an integer >= 1 .*got {bad!r}"):
+            pin_problem(plain, {"max-cohort": bad})
+    stds = noise_shares(monkeypatch)
+    pinned = [{**c, "require-privacy": "DistributedDP", "min-noise-multiplier": 1.0, "max-cohort": 4} for c in nodes()]
+    on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(pinned), *DISTRIBUTED, name="honest")
+    assert stds == pytest.approx([0.25] * 8, rel=1e-4)
+    stds.clear()
+    announce(monkeypatch, 10**8)
+    with pytest.warns(UserWarning, match="refused: this node pins max-cohort 4, and the run plans 100,000,000 clients"):
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(pinned), *DISTRIBUTED, name="hostile")
+    assert stds == [] and [h["fed/dropped_clients"] for h in trainer.history[1:]] == [4.0, 4.0]
 
 
 def _absent(tmp_path) -> dict:

@@ -268,6 +268,23 @@ def test_what_a_quorum_voids_is_refused_in_one_line_before_any_message(in_tmp, e
     assert grid.sent == []
 
 
+UNMET = [  # a quorum above what a round can send, and the most a round sends
+    ([], 5, "4 messages a round sends (data.num_clients=4)"),
+    (["--trainer.clients_per_round", "2"], 3, "2 messages a round sends (trainer.clients_per_round=2)"),
+    (["--trainer.client_fraction", "0.5"], 3, "2 messages a round sends (trainer.client_fraction=0.5 of 4 clients)"),
+]
+
+
+@pytest.mark.parametrize(("extra", "quorum", "most"), UNMET, ids=["federation", "clients-per-round", "fraction"])
+def test_a_quorum_no_round_can_meet_is_refused_in_one_line_before_any_message(in_tmp, extra, quorum, most):
+    grid = LocalGrid(nodes())
+    with pytest.raises(ConfigError) as refused:
+        run(in_tmp, grid, *extra, quorum=quorum)
+    message = str(refused.value)
+    assert message.startswith(f"run config 'quorum' {quorum} is more than the {most}") and "\n" not in message
+    assert message.endswith("set quorum at most that, or 0 to wait for every reply") and grid.sent == []
+
+
 def test_the_new_run_config_keys_are_checked_one_line_each():
     got = settings({"config": "x.yaml", "quorum": 3, "max-staleness": 2, "staleness": "polynomial",
                     "staleness-exponent": 1.0})  # fmt: skip

@@ -389,6 +389,20 @@ def test_distributed_shares_add_up_to_the_central_mechanisms_noise():
     assert float(clipped.norm()) == pytest.approx(0.7, rel=1e-6)
 
 
+def test_a_share_for_a_checked_cohort_is_never_smaller_than_the_plans():
+    """A client that checked its round's cohort (a Flower node: the nodes of its SecAgg+ round) draws its share for
+    ``min(m, cohort)``: more noise for a smaller cohort, never less for a larger one; the plan's share and its
+    accounting are left as they were (the copy is the client's own)."""
+    privacy = distributed(50)
+    plan_std = 1.3 * 0.7 / math.sqrt(50)
+    assert privacy.share_std() == pytest.approx(plan_std)
+    assert privacy.for_cohort(8).share_std() == pytest.approx(1.3 * 0.7 / math.sqrt(8))
+    assert privacy.for_cohort(10**8).share_std() == pytest.approx(plan_std)  # a larger cohort: the plan's share
+    assert privacy.share_std() == pytest.approx(plan_std) and privacy.share_cohort is None
+    with pytest.raises(ValueError, match="a noise share is for a cohort of at least 1 client, got 0"):
+        privacy.for_cohort(0)
+
+
 def replace_one_gaussians(*multipliers: float, delta: float = 1e-5) -> float:
     """dp-accounting's epsilon of Gaussian mechanisms composed, replace-one neighbours (sensitivity 2: one
     client's clipped update replaced by another), one per multiplier (std / S): the independent reference."""

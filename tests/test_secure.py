@@ -57,6 +57,24 @@ def test_the_rounding_is_unbiased_seeded_and_clips_to_the_range():
                        secure.quantize(x, torch.Generator().manual_seed(3)))  # fmt: skip
 
 
+def test_secure_rounding_draws_from_the_os_unless_a_seed_is_given():
+    """``noise_seed: null`` promises the operating system's randomness everywhere: secure aggregation's rounding too,
+    by default (two uploads of one update round apart); an integer ``rounding_seed`` rounds reproducibly."""
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    start = {"w": torch.zeros(4096)}
+    state = {"w": torch.full((4096,), 0.3)}  # between two grid points: every coordinate is rounded at random
+    assert SecureAggregation().rounding_seed is None
+
+    def upload(secure):
+        return secure.encode(state, start, client=1, round=2, seed=0).tensors["secure"].parts["q"]
+
+    default = SecureAggregation(clipping_range=1.0, quantization_range=2**4)
+    assert not torch.equal(upload(default), upload(default))
+    seeded = SecureAggregation(clipping_range=1.0, quantization_range=2**4, rounding_seed=7)
+    assert torch.equal(upload(seeded), upload(seeded))
+
+
 def test_a_sum_that_would_wrap_is_refused_and_settings_must_be_powers_of_two():
     secure = SecureSum(clipping_range=1.0, quantization_range=2**8, modulus_range=2**10)
     assert secure.max_clients == 3
@@ -90,7 +108,7 @@ def test_a_secure_round_steps_by_the_exact_mean_of_the_clients_quantised_updates
     from lightning_fl.federated.client import LocalTraining, run_client
     from lightning_fl.privacy.secure import SecureAggregation
 
-    secure = SecureAggregation(clipping_range=1.0, quantization_range=2**12)  # a coarse step: rounding shows
+    secure = SecureAggregation(clipping_range=1.0, quantization_range=2**12, rounding_seed=0)  # a coarse step
     run = secure_fit(tmp_path, "secure", secure, rounds=1)
     model, dm = make_model(), make_dm(num_clients=4)
     dm.prepare_data()

@@ -156,6 +156,25 @@ def quorum_problem(trainer: Any) -> str | None:
     return next((line.replace("run config quorum", "run config 'quorum'") for bad, line in refused if bad), None)
 
 
+def quorum_unmet(trainer: Any, quorum: int, num_clients: int) -> str | None:
+    """Why no round could meet ``quorum`` (``None``: one can): it asks for more replies than a round sends messages,
+    the round's sample (``fixed`` sampling) or the whole federation (Poisson sampling or over-selection, whose
+    rounds may send more than they expect)."""
+    most, why = num_clients, f"data.num_clients={num_clients}"
+    if trainer.sampling == "fixed" and getattr(trainer, "clock", None) is None:
+        count = min(trainer._clients_per_round(num_clients), num_clients)
+        if count < num_clients and trainer.clients_per_round:
+            most, why = count, f"trainer.clients_per_round={trainer.clients_per_round}"
+        elif count < num_clients:
+            most, why = count, f"trainer.client_fraction={trainer.client_fraction:g} of {num_clients} clients"
+    if quorum <= most:
+        return None
+    return (
+        f"run config 'quorum' {quorum} is more than the {most} messages a round sends ({why}): no round could "
+        "meet it; set quorum at most that, or 0 to wait for every reply"
+    )
+
+
 def check(quorum: int, max_staleness: int, staleness: str, exponent: float) -> None:
     """Refuse run config values that cannot be (one line each)."""
     whole = {"quorum": quorum, "max-staleness": max_staleness}

@@ -10,8 +10,10 @@ is and where its data lives:
   a silo that holds exactly its own data sets ``overrides="--data.num_clients 1"`` and ``data-partition=0``.
 - ``overrides`` (optional): more dotted overrides applied on this node only (e.g. ``--data.batch_size 16``).
 - ``worker`` (optional): the Unix socket of this node's warm worker (see :mod:`lightning_fl.flower.worker`).
-- ``require-secure-aggregation``, ``require-privacy``, ``min-noise-multiplier`` (optional): what no server
-  message can switch off (:mod:`lightning_fl.flower.pins`).
+- ``require-secure-aggregation``, ``require-privacy``, ``min-noise-multiplier``, ``max-cohort`` (optional): what
+  no server message can switch off or shrink (:mod:`lightning_fl.flower.pins`). A DistributedDP noise share is
+  drawn for the cohort the node checks (the nodes of its SecAgg+ round, ``max-cohort``), never for a federation
+  size the server states.
 
 The node builds the run from the YAML the server sends (so model, codec and local training match the
 server's), plus the node's own data settings, refuses to train when its model fingerprint differs from the
@@ -21,6 +23,7 @@ server's, and replies with the payload encoded in our wire format. Nothing it re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import io
 import shlex
@@ -39,7 +42,7 @@ from lightning_fl.errors import UserError
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.setup import prepare
 from lightning_fl.flower import messages as wire_msg
-from lightning_fl.flower.pins import pin_problem
+from lightning_fl.flower.pins import noise_cohort, pin_problem
 
 
 def _secure_aggregation_if_asked(message: Message, context: Context, call_next):
@@ -203,6 +206,7 @@ def train(message: Message, context: Context) -> Message:
         elif (why := pin_problem(node.local, dict(context.node_config))) is not None:
             failure = f"refused: {why}"
         else:
+            local = _checked_share(node.local, dict(context.node_config), _secagg_cohort(message) if secure else None)
             client = int(instructions["client"])
             data = node.datamodule
             if node.data_partition is not None:
@@ -213,7 +217,7 @@ def train(message: Message, context: Context) -> Message:
             _load_codec_state(codec, context)
             result = run_client(
                 node.model, data, state, client, int(instructions["round"]), int(instructions["seed"]),
-                codec=codec, local=node.local, fabric=node.fabric,
+                codec=codec, local=local, fabric=node.fabric,
             )  # fmt: skip
             _save_codec_state(codec, context)
             payload = result.payload
@@ -252,6 +256,27 @@ def _plan_noise_share(node: NodeRun, instructions: Any) -> str | None:
             except UserError as err:
                 return f"refused: {err}"
     return None
+
+
+def _secagg_cohort(message: Message) -> int:
+    """The nodes this node sees in its SecAgg+ round, itself included: those whose key shares the server forwards
+    to it with the masked-upload stage (``srcs``), the nodes of the key sharing it will be summed with. A node it
+    exchanged no keys with cannot be among them (Flower's mod finds no shared key for it and masks nothing), so a
+    server can shrink this count but not inflate it beyond the public keys it relayed at key sharing."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    sources = message.content.config_records[RECORD_KEY_CONFIGS].get(Key.SOURCE_LIST)
+    others = set(sources) if isinstance(sources, list) else set()
+    return len(others - {message.metadata.dst_node_id}) + 1
+
+
+def _checked_share(local: Any, node_config: dict[str, Any], seen: int | None) -> Any:
+    """``local`` with a DistributedDP share drawn for the cohort this node checked (:func:`noise_cohort`): never
+    for more clients than it saw in SecAgg+ or pinned as ``max-cohort``, whatever the server's messages say."""
+    cohort = noise_cohort(local, node_config, seen)
+    if cohort is None:
+        return local
+    return dataclasses.replace(local, upload_stage=local.upload_stage.for_cohort(cohort))
 
 
 def _load_codec_state(codec: Any, context: Context) -> None:

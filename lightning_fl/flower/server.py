@@ -69,6 +69,9 @@ def serve(
     late.check(quorum, max_staleness, staleness, staleness_exponent)
     if quorum and (problem := late.quorum_problem(trainer)):
         raise ConfigError(f"run config 'quorum' {quorum}: {problem}")
+    num_clients = getattr(run.data, "num_clients", None)
+    if quorum and isinstance(num_clients, int) and (problem := late.quorum_unmet(trainer, quorum, num_clients)):
+        raise ConfigError(problem)
     behind = late.late_replies(quorum, max_staleness, staleness, staleness_exponent)
     transport = FlowerTransport(grid, run.config_yaml, round_timeout, hello_timeout=hello_timeout,
                                 wait_for_nodes=wait_for_nodes, max_silent_rounds=max_silent_rounds,
@@ -131,13 +134,27 @@ def server_app(outcome: dict | None = None, **kwargs: Any) -> ServerApp:
     return server
 
 
+class RunStopped(UserError):
+    """The ServerApp stopped on a user error, already logged in one line. Flower's runtime logs the exception a
+    ServerApp raises with its traceback (``flwr log`` shows it); this one carries none, so the log says the line,
+    Flower's "ServerApp raised an exception" and the line again, and the run still ends as failed."""
+
+    @property
+    def __traceback__(self) -> None:  # what logging and the traceback module read: no stack to print
+        return None
+
+    @__traceback__.setter
+    def __traceback__(self, value: Any) -> None:  # (the interpreter keeps the real one where it needs it)
+        pass
+
+
 def _run(grid: Grid, fit, outcome: dict) -> None:
     try:
         outcome["trainer"] = fit()
     except UserError as err:
         outcome["error"] = err
         log(ERROR, "error: %s", err)  # one line; the run ends as failed
-        raise
+        raise RunStopped(str(err)) from None
 
 
 app = ServerApp()

@@ -31,10 +31,17 @@ only up to the quantisation step and as long as nothing wraps (docs/privacy.md).
 Trust: without secure aggregation the server sees every upload, each carrying only ``1 / sqrt(m)`` of the noise:
 against the server this protects no more than local DP with ``z / sqrt(m)``; what the server releases is as
 private as under central DP. Its purpose is to run under secure aggregation, where the server sees the sum only.
+
+``m`` comes from the plan, which on Flower a node builds from the server's messages. A node therefore draws its
+share for the cohort it checked (:meth:`DistributedDP.for_cohort`): ``min(m, the nodes of its SecAgg+ round, its
+pinned max-cohort)`` (:func:`lightning_fl.flower.pins.noise_cohort`), so a server that states a larger federation
+cannot shrink it. A smaller checked cohort adds more noise than the accountant (the plan's ``m``) counts on: the
+reported epsilon is then an upper bound.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -83,6 +90,9 @@ class DistributedDP(CentralDP):
                          noise_seed)  # fmt: skip
         #: Per client, the sum of ``mu_i^-2`` over the rounds its share reached the sum (module docstring).
         self.precision: dict[int, float] = {}
+        #: The cohort a client draws its share for, when it checked a smaller one than the plan's ``m``
+        #: (:meth:`for_cohort`); ``None``: the plan's.
+        self.share_cohort: float | None = None
 
     def expected_rounds(self, plan: Plan) -> int:
         """The rounds a client takes part in on average: ``ceil(rounds m / N)`` (at least 1)."""
@@ -127,7 +137,18 @@ class DistributedDP(CentralDP):
     # ------------------------------------------------------------------------------------------ the client
     def share_std(self) -> float:
         """The standard deviation of one client's noise share per coordinate: ``z S / sqrt(m)``."""
-        return self.z * self.bound / math.sqrt(self.plan.expected_clients)
+        m = self.plan.expected_clients if self.share_cohort is None else self.share_cohort
+        return self.z * self.bound / math.sqrt(m)
+
+    def for_cohort(self, cohort: float) -> DistributedDP:
+        """This mechanism for a client that checked its round's cohort: its share is drawn for ``min(m, cohort)``
+        clients, never for more than the plan's ``m`` (a Flower node counts the nodes of the round's SecAgg+ key
+        sharing, :func:`~lightning_fl.flower.pins.noise_cohort`). A copy: the accounting stays the plan's."""
+        if not cohort >= 1:
+            raise ValueError(f"a noise share is for a cohort of at least 1 client, got {cohort!r}")
+        mine = copy.copy(self)
+        mine.share_cohort = min(float(self.plan.expected_clients), float(cohort))
+        return mine
 
     def privatize(self, state, global_state, client, round, seed) -> dict[str, torch.Tensor]:
         delta = flat_update(state, global_state)

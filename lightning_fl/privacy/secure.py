@@ -10,11 +10,12 @@ else. The sum of the dequantised updates is ``(sum_i q_i - n T / 2) 2c / T`` for
 nothing wraps (``n T < M``).
 
 Flower's own rounding draws from NumPy's global, unseeded generator, so two runs (or a simulation and a
-deployment) never round alike. This module rounds with a generator seeded per ``(run seed, round, client)``
-instead and gives the client the values on Flower's grid (:meth:`SecureSum.on_grid`): with ``c`` and ``T`` powers
-of two, Flower's quantisation maps them back to the same integers exactly (its rounding then has nothing to
-round), so an in-process secure sum equals a deployed one bit for bit (``tests/test_secure.py`` checks it against
-Flower's ``quantize`` and its server's dequantisation).
+deployment) never round alike. This module rounds with its own generator (the operating system's secure one by
+default; with ``rounding_seed`` an integer, one seeded per ``(rounding seed, run seed, round, client)``) and gives
+the client the values on Flower's grid (:meth:`SecureSum.on_grid`): with ``c`` and ``T`` powers of two, Flower's
+quantisation maps them back to the same integers exactly (its rounding then has nothing to round), so with a
+rounding seed an in-process secure sum equals a deployed one bit for bit (``tests/test_secure.py`` checks it
+against Flower's ``quantize`` and its server's dequantisation).
 
 The masking and the key agreement are Flower's, never ours; in process, where no party needs hiding from
 another, the sum is taken directly (the masks would cancel).
@@ -40,7 +41,7 @@ def _power_of_two(value: float) -> bool:
 
 
 class SecureSum:
-    """SecAgg+'s quantisation and modular sum, with seeded rounding.
+    """SecAgg+'s quantisation and modular sum, with our own rounding (seeded or from the operating system).
 
     Args:
         clipping_range: ``c``: every coordinate of an update is clipped to ``[-c, c]`` (a power of two, e.g. 0.125).
@@ -143,8 +144,9 @@ class SecureAggregation(SecureSum):
         clipping_range: As :class:`SecureSum` (a power of two).
         quantization_range: As :class:`SecureSum` (a power of two).
         modulus_range: As :class:`SecureSum` (a power of two).
-        rounding_seed: Seed of the stochastic rounding, with the run's seed, the round and the client; ``null``:
-            the operating system's randomness.
+        rounding_seed: ``null`` (default): the stochastic rounding draws from the operating system's secure
+            generator, as every noise does under ``noise_seed: null``; an integer seeds it (with the run's seed,
+            the round and the client) for a reproducible simulation, a seed then public to whoever reads the run.
         num_shares: On Flower: how many nodes hold shares of each node's secrets (its neighbours on SecAgg+'s
             ring, itself included): an integer above 2, or a fraction of the round's nodes (``1.0``: every node,
             i.e. SecAgg). In process it has no effect.
@@ -160,7 +162,7 @@ class SecureAggregation(SecureSum):
         clipping_range: float = 0.125,
         quantization_range: int = 2**22,
         modulus_range: int = 2**32,
-        rounding_seed: int | None = 0,
+        rounding_seed: int | None = None,
         num_shares: int | float = 1.0,
         reconstruction_threshold: int | float = 0.67,
         stage_timeout: float = 120.0,
