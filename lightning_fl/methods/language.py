@@ -441,10 +441,11 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         latent_dim: ``d`` per mapped layer: one value, or one per layer (the FLITE paper's TinyGPT: 1024).
         rank: ``r`` of the factors.
         layers: Which network weights are mapped: ``linear`` (every projection; on ``HFCausalLM``, its
-            ``default_layers``: every untied ``nn.Linear``, so not a tied LM head), or a list of name patterns (e.g.
-            ``["*.q_proj.weight", "*.v_proj.weight"]``). A weight tied to another is refused.
+            ``default_layers``: the attention and MLP projections, never the output head), or a list of name
+            patterns (e.g. ``["*.q_proj.weight", "*.v_proj.weight"]``). A weight tied to another is refused.
         factors: ``stored``, ``regenerate``, ``streamed``, ``dense``, ``kronecker`` or ``two_sided`` (linear
-            weights only, the family for large models; see :mod:`lightning_fl.mapping.lowrank`).
+            weights only, ``nn.Linear`` or GPT-2's ``Conv1D``: the family for large models; see
+            :mod:`lightning_fl.mapping.lowrank`).
         factor_seed: The 64-bit seed of the factors, shared by every client.
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
         recipe: The latent's optimiser recipe; default ``LATENT_RECIPE``, the paper's: Adam at 1e-2, weight decay

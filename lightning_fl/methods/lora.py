@@ -214,8 +214,8 @@ class LoRALanguageModel(LoRAAdapters, LanguageModel):
         rank: As for :class:`LoRAClassifier`.
         alpha: As for :class:`LoRAClassifier`.
         adapter_seed: As for :class:`LoRAClassifier`.
-        layers: Which network weights get adapters: ``linear`` (every projection; on ``HFCausalLM`` every untied
-            ``nn.Linear``, its ``default_layers``) or a list of name patterns
+        layers: Which network weights get adapters: ``linear`` (every projection; on ``HFCausalLM`` its attention and
+            MLP projections, never the output head: its ``default_layers``) or a list of name patterns
             (``["*.q_proj.weight", "*.v_proj.weight"]``).
         recipe: As for :class:`LoRAClassifier` (default ``LORA_RECIPE``).
         sample_prompt: As for :class:`~lightning_fl.methods.LanguageModel`.
