@@ -63,7 +63,13 @@ from lightning_fl.mapping.factors import (
     streamed_projection,
 )
 from lightning_fl.mapping.kept import KeptStart
-from lightning_fl.mapping.two_sided import TwoSidedFactor, two_sided_delta, two_sided_hook, two_sided_shape
+from lightning_fl.mapping.two_sided import (
+    TwoSidedFactor,
+    add_two_sided,
+    two_sided_delta,
+    two_sided_hook,
+    two_sided_shape,
+)
 from lightning_fl.seeding import STREAM_DENSE, STREAM_U, STREAM_V
 
 FactorMode = Literal["stored", "regenerate", "streamed", "dense", "kronecker", "two_sided"]
@@ -373,13 +379,50 @@ class LatentMapping(nn.Module):
         with self.applied(module):
             return module(*args)
 
+    def attach(self, module: nn.Module) -> None:
+        """From now on ``module``'s mapped linear layers always compute with ``theta_pre + U V^T z`` (``two_sided``
+        family only): forward hooks that stay, each reading the latent when its layer runs. A forward recomputed in
+        the backward pass (gradient checkpointing) then computes what the forward did, which the hooks of
+        :meth:`applied`, gone by then, would not. :meth:`applied` on an attached module only changes the latent the
+        hooks read."""
+        if self.mode != "two_sided" or self.__dict__.get("_attached_to") is module:
+            return
+        if self.__dict__.get("_attached_to") is not None:
+            raise ValueError("this mapping's deltas are attached to another module already")
+        handles = []
+        for lay in self.layers:
+            target = module.get_submodule(lay.name.rpartition(".")[0])
+            handles.append(target.register_forward_hook(self._attached_hook(lay, not isinstance(target, nn.Linear))))
+        self.__dict__["_attached_to"] = module  # (not a submodule: the mapping does not own the network)
+        self.__dict__["_handles"] = handles
+
+    def _attached_hook(self, lay: MappedLayer, transposed: bool):
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+            self._materialise()
+            z = self.__dict__.get("_override")
+            z = self.latent if z is None else z
+            left, right = getattr(self, f"ta_{lay.index}"), getattr(self, f"tb_{lay.index}")
+            coeff = self.coefficients(lay, z[lay.offset : lay.offset + lay.latent_dim])  # (r_l,)
+            grid = coeff.reshape(left.shape[1], right.shape[1])
+            return add_two_sided(output, inputs[0], left, grid, right, transposed)
+
+        return hook
+
     @contextlib.contextmanager
     def applied(self, module: nn.Module, z: torch.Tensor | None = None) -> Iterator[None]:
         """Within the block, ``module``'s mapped linear layers compute with ``theta_pre + U V^T z`` (``z``: the trained
         latent by default) by adding ``x B C^T A^T`` to their outputs: the ``two_sided`` family's forward pass, which
-        never forms a mapped weight. ``module`` is the network the mapping was built over."""
+        never forms a mapped weight. ``module`` is the network the mapping was built over (attached or not)."""
         if self.mode != "two_sided":
             raise ValueError(f"applied() is the two_sided family's forward pass; this mapping is {self.mode!r}")
+        if self.__dict__.get("_attached_to") is module:  # its hooks are there: only the latent they read changes
+            previous = self.__dict__.get("_override")
+            self.__dict__["_override"] = z
+            try:
+                yield
+            finally:
+                self.__dict__["_override"] = previous
+            return
         self._materialise()
         z = self.latent if z is None else z
         handles = []

@@ -57,16 +57,26 @@ def two_sided_delta(coeff: torch.Tensor, left: torch.Tensor, right: torch.Tensor
     return (left @ grid) @ right.T
 
 
+def add_two_sided(
+    output: torch.Tensor,
+    x: torch.Tensor,
+    left: torch.Tensor,
+    grid: torch.Tensor,
+    right: torch.Tensor,
+    transposed: bool = False,
+) -> torch.Tensor:
+    """A linear layer's output ``x W^T + b`` plus ``x B C^T A^T`` (``grid`` is ``C``, differentiable): what the layer
+    computes with ``W + A C B^T``; backward reaches ``C`` through three small products. ``transposed``: the layer
+    stores its weight ``in x out`` and computes ``x W + b`` (GPT-2's ``Conv1D``), so ``x A C B^T`` is added."""
+    if transposed:
+        return output + ((x @ left.to(x.dtype)) @ grid.to(x.dtype)) @ right.to(x.dtype).T
+    return output + ((x @ right.to(x.dtype)) @ grid.to(x.dtype).T) @ left.to(x.dtype).T
+
+
 def two_sided_hook(left: torch.Tensor, grid: torch.Tensor, right: torch.Tensor, transposed: bool = False):
-    """A forward hook adding ``x B C^T A^T`` to a linear layer's output ``x W^T + b``, so the layer computes with
-    ``W + A C B^T`` (``grid`` is ``C``, differentiable); backward reaches ``C`` through three small products.
-    ``transposed``: the layer stores its weight ``in x out`` and computes ``x W + b`` (GPT-2's ``Conv1D``), so the
-    hook adds ``x A C B^T``."""
+    """A forward hook adding :func:`add_two_sided`'s delta for a fixed ``grid`` to a linear layer's output."""
 
     def hook(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        x = inputs[0]
-        if transposed:
-            return output + ((x @ left.to(x.dtype)) @ grid.to(x.dtype)) @ right.to(x.dtype).T
-        return output + ((x @ right.to(x.dtype)) @ grid.to(x.dtype).T) @ left.to(x.dtype).T
+        return add_two_sided(output, inputs[0], left, grid, right, transposed)
 
     return hook

@@ -514,7 +514,7 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
     def tuned(self) -> Iterator[None]:
         """Within the block the network computes with ``theta_pre + U V^T z``: the two-sided family's hooks, or every
         other family's mapped weights put in place of the base's (formed once, put back after the block)."""
-        if self.mapping.mode == "two_sided":
+        if self.mapping.mode == "two_sided":  # (hooks for the block, or those attached for gradient checkpointing)
             with self.mapping.applied(self.network):
                 yield
             return
