@@ -66,8 +66,11 @@ class ModelFiles:
         return self.folder / self.gguf_file if self.gguf_file else self.folder
 
     def from_pretrained_args(self) -> tuple[str, dict[str, Any]]:
-        """The positional path and keyword arguments of ``from_pretrained`` (always offline)."""
-        return str(self.folder), {"local_files_only": True} | ({"gguf_file": self.gguf_file} if self.gguf_file else {})
+        """The positional path and keyword arguments of ``from_pretrained``: always offline, and never the code a
+        folder ships (``trust_remote_code=False``: a tokenizer's or model's ``auto_map`` is ignored, not asked about
+        on a terminal)."""
+        kwargs = {"local_files_only": True, "trust_remote_code": False}
+        return str(self.folder), kwargs | ({"gguf_file": self.gguf_file} if self.gguf_file else {})
 
 
 def model_files(path: str, gguf_file: str | None = None, key: str = "model.network.path") -> ModelFiles:
@@ -173,11 +176,11 @@ def load_tokenizer(files: ModelFiles, key: str = "model.network") -> Any:
         path, kwargs = files.from_pretrained_args()
         try:
             _TOKENIZERS[cache_key] = transformers.AutoTokenizer.from_pretrained(path, **kwargs)
-        except (OSError, ValueError, KeyError) as err:
+        except Exception as err:  # a file from the user: one line, whatever it holds
             raise ConfigError(
-                f"{key}: no tokenizer could be loaded from {files.path} ({first_line(err)}); save the "
-                "tokenizer with save_pretrained into that folder, or pass a GGUF file"
-            ) from err
+                f"{key}: no tokenizer could be loaded from {files.path} ({type(err).__name__}: {first_line(err)}); "
+                "save the tokenizer with save_pretrained into that folder, or pass a GGUF file"
+            ) from None
     return _TOKENIZERS[cache_key]
 
 

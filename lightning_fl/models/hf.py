@@ -83,16 +83,28 @@ class HFCausalLM(nn.Module):
         transformers = pretrained.require("transformers", key)
         started = time.perf_counter()
         log.info("loading %s (%s) ...", files.path, dtype)
+        check_architecture(files, key)
         tokenizer = pretrained.load_tokenizer(files, key)  # checks for gguf too
         path, kwargs = files.from_pretrained_args()
         try:
             with quiet_loading(transformers):
-                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
-        except (OSError, ValueError, KeyError) as err:
+                model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+                )
+        except Exception as err:  # a file from the user (truncated, garbage, a pickle, a wrong config): one line
             raise ConfigError(
-                f"{key}: transformers could not load a causal LM from {files.path} ({pretrained.first_line(err)}); "
-                "pass a save_pretrained folder or GGUF file of a causal language model"
-            ) from err
+                f"{key}: transformers could not load a causal LM from {files.path} ({type(err).__name__}: "
+                f"{pretrained.first_line(err)}); pass a save_pretrained folder (safetensors) or GGUF file of a causal "
+                "language model"
+            ) from None
+        if absent := sorted(info["missing_keys"]) + sorted(k for k, *_ in info["mismatched_keys"]):
+            raise ConfigError(
+                f"{key}: {files.path} lacks {len(absent)} of the model's weights or holds them in another shape "
+                f"(first: {absent[0]}), which would start random: pass the files of a trained causal LM whose "
+                "config.json matches its weights"
+            )
+        if bad := [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]:
+            raise ConfigError(f"{key}: {files.path} holds NaN or Inf weights ({bad[0]}); pass an intact model")
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         if not isinstance(context, int) or context < 1 or (limit is not None and context > limit):
             raise ConfigError(
@@ -143,6 +155,33 @@ class HFCausalLM(nn.Module):
 
     def extra_repr(self) -> str:
         return f"source={self.source!r}, context={self.context}, vocab_size={self.vocab_size}, dtype={self.dtype}"
+
+
+def check_architecture(files: ModelFiles, key: str) -> None:
+    """Refuse a folder whose ``config.json`` names no causal LM class (a BERT folder would load as a causal LM with a
+    bidirectional encoder) or is not a JSON object, in one line; a GGUF file's architecture is read by transformers."""
+    import json
+
+    if files.gguf_file:
+        return
+    config_file = files.folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}: {config_file} is not readable JSON ({err}); pass an intact model folder") from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"{key}: {config_file} holds a {type(config).__name__}, not a JSON object; pass a model folder"
+        )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    named = config.get("architectures") or []
+    if named and not any(name in causal for name in named):
+        raise ConfigError(
+            f"{key}: {config_file} names {', '.join(map(str, named))}, not a causal language model (the classes "
+            "AutoModelForCausalLM loads, e.g. LlamaForCausalLM); pass a causal LM's folder"
+        )
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -196,14 +235,17 @@ def hf_generate(
 @contextlib.contextmanager
 def quiet_loading(transformers: Any) -> Iterator[None]:
     """Without the progress bars transformers draws while it loads a model (a few seconds of them: noise in a run's
-    output): its logging switch, and the GGUF dequantisation's own ``tqdm``, which that switch does not reach."""
+    output): its logging switch, and the GGUF dequantisation's own ``tqdm``, which that switch does not reach; and
+    without its load report (a table of missing or reshaped weights), which :class:`HFCausalLM` turns into one line."""
     try:
         gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:
         gguf_utils = None
     original = getattr(gguf_utils, "tqdm", None)
     bars = transformers.utils.logging.is_progress_bar_enabled()
+    verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     if original is not None:
         gguf_utils.tqdm = functools.partial(original, disable=True)
     try:
@@ -213,6 +255,7 @@ def quiet_loading(transformers: Any) -> Iterator[None]:
             gguf_utils.tqdm = original
         if bars:
             transformers.utils.logging.enable_progress_bar()
+        transformers.utils.logging.set_verbosity(verbosity)
 
 
 def tied_weights(module: nn.Module) -> dict[str, list[str]]:
