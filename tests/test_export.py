@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")  # the llm extra
 #: merged weight): float32 rounding of sums taken in another order.
 ATOL = 1e-5
 QUESTION = "What is 12 + 30? Answer with the number only."
-METHODS = ["full", "flite_two_sided", "flite_stored", "lora", "ffa"]
+METHODS = ["full", "flite_two_sided", "flite_stored", "flite_kronecker", "lora", "ffa"]
 
 
 def build(folder: Path, method: str, **kwargs):
