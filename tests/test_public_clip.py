@@ -100,9 +100,9 @@ def test_the_private_clients_are_never_read(lora, tmp_path, monkeypatch):
 
 def test_no_public_split_is_one_line(lora, capsys):
     assert clip.main([*lora, "--data.init_args.pretrain_plays", "0", *SMALL]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: data.pretrain_plays=0:") and "--data.pretrain_plays" in err
-    assert len(err.splitlines()) == 1
+    err = capsys.readouterr().err.strip().splitlines()  # (after the lines that say the model is loading)
+    assert err[-1].startswith("error: data.pretrain_plays=0:") and "--data.pretrain_plays" in err[-1]
+    assert [line for line in err if line.startswith("error")] == err[-1:] and not any("Traceback" in x for x in err)
     with pytest.raises(ConfigError, match="has no public split") as raised:  # no public split at all
         clip.public_clients(object(), 2, 4, 0)
     assert "\n" not in str(raised.value)
@@ -117,13 +117,42 @@ def test_tinygpt_character_model(corpus, tmp_path, monkeypatch):
     data = FederatedTextDataModule(Shakespeare(str(corpus), download=False), partition=ByRole(10), pretrain_plays=1)
     data.setup()
     args = [
-        "fit", "--config", str(CONFIGS / "fedavg_shakespeare.yaml"), "--data.source.root", str(corpus),
-        "--data.source.download", "false", "--data.partition.min_lines", "10", "--data.pretrain_plays", "1",
-        "--data.context", "16", "--data.batch_size", "8", "--model.network.vocab_size", str(data.vocab_size),
-        "--model.network.n_layer", "1", "--model.network.n_embd", "16", "--model.network.n_head", "2",
-        "--model.network.context", "16", "--model.sample_tokens", "0", "--model.pretraining.epochs", "1",
-        "--trainer.local_steps", "2", "--trainer.logger", "false", "--trainer.threads", "1",
-    ]  # fmt: skip
+        "fit",
+        "--config",
+        str(CONFIGS / "fedavg_shakespeare.yaml"),
+        "--data.source.root",
+        str(corpus),
+        "--data.source.download",
+        "false",
+        "--data.partition.min_lines",
+        "10",
+        "--data.pretrain_plays",
+        "1",
+        "--data.context",
+        "16",
+        "--data.batch_size",
+        "8",
+        "--model.network.vocab_size",
+        str(data.vocab_size),
+        "--model.network.n_layer",
+        "1",
+        "--model.network.n_embd",
+        "16",
+        "--model.network.n_head",
+        "2",
+        "--model.network.context",
+        "16",
+        "--model.sample_tokens",
+        "0",
+        "--model.pretraining.epochs",
+        "1",
+        "--trainer.local_steps",
+        "2",
+        "--trainer.logger",
+        "false",
+        "--trainer.threads",
+        "1",
+    ]
     out = tool(args, tmp_path)
     assert len(out["norms"]) == 3 and out["min"] <= out["median"] <= out["max"] and out["min"] > 0
 
@@ -133,10 +162,24 @@ def test_image_public_split(tmp_path, monkeypatch):
     for name in ("client_dataloader", "client_num_samples", "client_indices"):  # the clients stay unread here too
         monkeypatch.setattr(FederatedDataModule, name, lambda *a, **k: pytest.fail("a private client was read"))
     args = [
-        "fit", "--config", str(CONFIGS / "fedavg_fashion_mnist.yaml"), "--data.source", "Synthetic",
-        "--data.source.image_size", "28", "--data.source.train_size", "320", "--data.source.test_size", "64",
-        "--model.pretraining.epochs", "1", "--trainer.logger", "false", "--trainer.threads", "1",
-    ]  # fmt: skip
+        "fit",
+        "--config",
+        str(CONFIGS / "fedavg_fashion_mnist.yaml"),
+        "--data.source",
+        "Synthetic",
+        "--data.source.image_size",
+        "28",
+        "--data.source.train_size",
+        "320",
+        "--data.source.test_size",
+        "64",
+        "--model.pretraining.epochs",
+        "1",
+        "--trainer.logger",
+        "false",
+        "--trainer.threads",
+        "1",
+    ]
     out = tool(args, tmp_path)
     assert len(out["norms"]) == 3 and 0 < out["min"] <= out["median"] <= out["max"]
     # With public_samples, the pseudo-clients are the public images pretraining never saw (a base fits its own).
@@ -155,3 +198,52 @@ def test_image_public_split(tmp_path, monkeypatch):
     served.clear()  # --pretraining-images: the images the base was fitted on (to measure the bias)
     tool([*args, "--data.public_samples", "20", "--pretraining-images"], tmp_path)
     assert len(served) == 3 and all(set(idx) <= set(pretraining) for idx, pretraining, _ in served)
+
+
+def test_instruction_data_draws_pseudo_clients_from_its_public_records_only(tiny_chat_llama, tmp_path, monkeypatch):
+    """configs/smollm2_instruct_lora.yaml on the tiny chat model: the public records (InstructionTasks'
+    public_per_task), in groups of a mean client's size, never a client's."""
+    from lightning_fl.data import FederatedInstructionDataModule
+
+    network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_chat_llama}, context: 64}}}}"
+    args = [
+        "fit",
+        "--config",
+        str(CONFIGS / "smollm2_instruct_lora.yaml"),
+        "--model.init_args.network",
+        network,
+        "--data.init_args.tokenizer",
+        str(tiny_chat_llama),
+        "--data.init_args.context",
+        "64",
+        "--data.init_args.source.init_args.tasks",
+        "[arithmetic, units]",
+        "--data.init_args.source.init_args.train_per_task",
+        "24",
+        "--data.init_args.source.init_args.public_per_task",
+        "12",
+        "--data.init_args.num_clients",
+        "4",
+        "--trainer.local_steps",
+        "2",
+        "--trainer.threads",
+        "1",
+    ]
+    run = build(args)
+    run.data.setup()
+    groups = run.data.public_groups()
+    assert [len(g) for g in groups] == [12, 12]  # 24 public records, clients of 12 on average
+    public = {tuple(e.prompt.tolist()) for g in groups for e in g}  # the questions
+    held = {tuple(e.prompt.tolist()) for k in range(4) for e in run.data._client(k)}
+    assert public and not public & held
+
+    def private(*a, **k):
+        raise AssertionError("a private client's data was read")
+
+    for name in ("client_dataloader", "client_num_samples", "_client"):
+        monkeypatch.setattr(FederatedInstructionDataModule, name, private)
+    out = tool(args, tmp_path)
+    assert len(out["norms"]) == 3 and all(n > 0 for n in out["norms"])
+    without = [*args, "--data.init_args.source.init_args.public_per_task", "0"]
+    with pytest.raises(ConfigError, match="has no public records to draw pseudo-clients from"):
+        clip.update_norms(build(without), 3, 5, 1)

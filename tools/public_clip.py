@@ -14,7 +14,8 @@ float64, over every tensor of the federated state. It prints the quantiles and s
 Public splits: ``FederatedTextDataModule``'s ``pretrain_plays`` (pseudo-clients one speaking role each, the roles
 in a seeded order, reused with other windows when K exceeds them) and ``FederatedDataModule``'s
 ``public_fraction`` (N random public images each; with ``public_samples``, the public images beyond them, which the
-pretrained base never saw: a base fits its own pretraining images, and their updates understate a client's). A data
+pretrained base never saw: a base fits its own pretraining images, and their updates understate a client's), and
+``FederatedInstructionDataModule``'s public records (groups of a mean client's size, N records each). A data
 module without one is refused in one line.
 
     python tools/public_clip.py fit --config configs/smollm2_lora.yaml [--clients 16] [--windows 32] [--seed 0] \\
@@ -63,17 +64,23 @@ def public_clients(data: Any, clients: int, windows: int, seed: int, pretraining
     """``clients`` pseudo-clients of at most ``windows`` items each, drawn (seeded) from ``data``'s public split
     (images: those pretraining never saw when there are any, unless ``pretraining``)."""
     rng, name = np.random.default_rng(seed), type(data).__name__
-    if callable(getattr(data, "public_groups", None)):  # FederatedTextDataModule: one speaking role each
+    if callable(getattr(data, "public_groups", None)):  # text: a speaking role each; instructions: client-sized groups
         groups = data.public_groups()
-        if not groups:
+        if not groups and hasattr(data, "pretrain_plays"):
             raise ConfigError(f"data.pretrain_plays={data.pretrain_plays}: {name} has no public window to draw "
                               "pseudo-clients from; set --data.pretrain_plays (e.g. 0.2)")  # fmt: skip
+        if not groups:
+            raise ConfigError(
+                f"data.source: {name} has no public records to draw pseudo-clients from; give the source a public "
+                "split (InstructionFiles' public file, InstructionTasks' public_per_task)"
+            )
         order, parts = rng.permutation(len(groups)), []
         for k in range(clients):
             group = groups[order[k % len(groups)]]
             take = np.sort(rng.choice(len(group), min(windows, len(group)), replace=False))
-            parts.append(type(group)(group.ids, group.starts[take], group.context))
-        return PublicClients(parts, data.windows_dataloader, "windows", f"{len(groups)} public roles of {name}")
+            parts.append(group.subset(take) if hasattr(group, "subset") else [group[i] for i in take])
+        unit, groups_are = ("windows", "public roles") if hasattr(groups[0], "subset") else ("records", "public groups")
+        return PublicClients(parts, data.windows_dataloader, unit, f"{len(groups)} {groups_are} of {name}")
     if callable(getattr(data, "split_indices", None)) and callable(getattr(data, "indices_dataloader", None)):
         # A base pretrained on the public images fits them: their updates are smaller than a client's. The public
         # images it never saw (beyond data.public_samples) stand in for clients better, when there are any.

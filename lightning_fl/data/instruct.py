@@ -243,6 +243,22 @@ class FederatedInstructionDataModule(L.LightningDataModule):
         self.setup()
         return self._loader([e for c in self._clients for e in c], train=True)
 
+    def windows_dataloader(self, examples: list[Example], seed: int | None = None) -> DataLoader:
+        """A client's shuffled training batches over any ``examples`` (e.g. a public group's)."""
+        return self._loader(examples, train=True, seed=seed)
+
+    def public_groups(self) -> list[list[Example]]:
+        """The public records (no client holds them) in groups of a mean client's size, in a seeded order: pseudo-
+        clients for a DP clip bound chosen without the clients (``tools/public_clip.py``); none without a public
+        split."""
+        self.setup()
+        public = self._splits.get("public", [])
+        if not public:
+            return []
+        size = max(1, round(sum(map(len, self._clients)) / len(self._clients)))
+        order = np.random.default_rng([self.seed, 3]).permutation(len(public))
+        return [[public[i] for i in order[k : k + size]] for k in range(0, len(order), size)]
+
     @property
     def val_is_test(self) -> bool:
         """Never: validation records are their own split."""

@@ -39,6 +39,10 @@ class TextWindows(Dataset):
         s = int(self.starts[i])
         return self.ids[s : s + self.context], self.ids[s + 1 : s + self.context + 1]
 
+    def subset(self, indices: np.ndarray) -> TextWindows:
+        """The windows at ``indices`` (of this set's), over the same id stream."""
+        return TextWindows(self.ids, self.starts[indices], self.context)
+
 
 class FederatedTextDataModule(L.LightningDataModule):
     """Next-character windows of a :class:`TextSource` for clients (splits: module docstring), with the client
