@@ -286,6 +286,9 @@ class LatentMapping(nn.Module):
         self._two_sided = {lay.index: two_sided_factor(module, lay, seed) for lay in self.layers if mode == "two_sided"}
         self._materialised = False
         self._kept: KeptStart | None = None  # the starting latent's mapped weights (keep_start)
+        #: Where the two-sided parts come from: ``random`` (seeded) or what :meth:`use_subspace` was told.
+        self.subspace = "random"
+        self._given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keep_start(self) -> None:
         """Where the latent is now is where every client of a round starts: with ``stored`` or ``dense`` factors, keep
@@ -315,9 +318,35 @@ class LatentMapping(nn.Module):
                 for name, part in zip(("a", "b", "s"), self._kron[lay.index].parts(), strict=True):
                     self.register_buffer(f"k{name}_{lay.index}", part.to(device), persistent=False)
             if self.mode == "two_sided":
-                for name, part in zip(("a", "b"), self._two_sided[lay.index].parts(), strict=True):
+                parts = self._given.get(lay.index) or self._two_sided[lay.index].parts()
+                for name, part in zip(("a", "b"), parts, strict=True):
                     self.register_buffer(f"t{name}_{lay.index}", part.to(device), persistent=False)
         self._materialised = True
+
+    def use_subspace(self, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], source: str) -> None:
+        """Map each layer through given two-sided parts instead of seeded random ones (``two_sided`` family):
+        ``parts[name] = (A, B)``, ``A`` ``(m, p)`` and ``B`` ``(n, q)`` with orthonormal columns (checked), e.g. the
+        top singular vectors of a public-data statistic (:mod:`lightning_fl.methods.subspace`). ``source`` names how
+        they were made and enters the fingerprint, which hashes the parts' bytes as for random ones."""
+        if self.mode != "two_sided":
+            raise ConfigError(f"a subspace from data is for model.factors two_sided, not {self.mode!r}")
+        given = {}
+        for lay in self.layers:
+            factor = self._two_sided[lay.index]
+            left, right = (t.detach().to(torch.float32) for t in parts[lay.name])
+            if left.shape != (factor.m, factor.p) or right.shape != (factor.n, factor.q):
+                raise ValueError(
+                    f"{lay.name}: parts of shapes {tuple(left.shape)} and {tuple(right.shape)}, expected "
+                    f"{(factor.m, factor.p)} and {(factor.n, factor.q)}"
+                )
+            for part in (left, right):
+                gram = part.T.double() @ part.double()
+                if not torch.allclose(gram, torch.eye(len(gram), dtype=torch.float64), atol=1e-4):
+                    raise ValueError(f"{lay.name}: the parts' columns are not orthonormal")
+            given[lay.index] = (left.contiguous(), right.contiguous())
+        self._given, self.subspace = given, source
+        self._materialised = False
+        self._materialise()  # the buffers, made again from the given parts
 
     @property
     def names(self) -> list[str]:
@@ -444,6 +473,9 @@ class LatentMapping(nn.Module):
         if self.mode == "kronecker":
             return self._kron[lay.index].full()
         if self.mode == "two_sided":
+            if lay.index in self._given:
+                left, right = self._given[lay.index]
+                return torch.einsum("ip,jq->ijpq", left, right).reshape(left.shape[0] * right.shape[0], -1)
             return self._two_sided[lay.index].full()
         return self._u[lay.index].full()
 
@@ -470,6 +502,8 @@ class LatentMapping(nn.Module):
         families = {"dense": "dense-orthonormal", "kronecker": "lowrank-kronecker", "two_sided": "lowrank-two-sided"}
         family = families.get(self.mode, "lowrank-orthonormal")
         layout = {"family": family, "seed": self.seed, "chunk_rows": CHUNK_ROWS}
+        if self.subspace != "random":  # (random factors keep the fingerprints they always had)
+            layout["subspace"] = self.subspace
         layout["layers"] = [asdict(lay) for lay in self.layers]
         h.update(json.dumps(layout, sort_keys=True).encode())
 

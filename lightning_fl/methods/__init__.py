@@ -1,6 +1,7 @@
 """Methods: LightningModules that train under ``lightning.Trainer`` and, per round, under federated trainers."""
 
 from lightning_fl.methods.classifier import CLASSIFIER_RECIPE, Classifier, TrainingDivergedError, load_state_dict_file
+from lightning_fl.methods.fed_sb import FedSBLanguageModel
 from lightning_fl.methods.fedprox import FedProx
 from lightning_fl.methods.language import LM_PRETRAINING, LM_RECIPE, LanguageModel, LatentLanguageModel
 from lightning_fl.methods.latent import LATENT_RECIPE, LatentClassifier
@@ -16,6 +17,7 @@ __all__ = [
     "LORA_RECIPE",
     "Classifier",
     "FedProx",
+    "FedSBLanguageModel",
     "LanguageModel",
     "LatentClassifier",
     "LatentLanguageModel",

@@ -450,6 +450,12 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         max_dense_bytes: Largest dense projection ``factors: dense`` may allocate.
         recipe: The latent's optimiser recipe; default ``LATENT_RECIPE``, the paper's: Adam at 1e-2, weight decay
             1e-4, constant, gradient norms clipped at 1.0.
+        subspace: ``random`` (the seeded two-sided parts) or ``public``: the top singular vectors of a statistic of
+            public records (:mod:`lightning_fl.methods.subspace`; two-sided factors only), computed once at set-up.
+        public_records: Public records the ``public`` statistic is computed over.
+        latent_init: ``zero`` (the model starts exactly at the base) or ``svd`` (Fed-SB's, with ``subspace:
+            public`` and ``rank`` equal to ``latent_dim``: each grid starts at the statistic's singular values on its
+            diagonal, so the model starts one approximate full-fine-tuning step from the base).
         sample_prompt: See :class:`LanguageModel`.
         sample_tokens: See :class:`LanguageModel`.
         sample_top_k: See :class:`LanguageModel`.
@@ -469,11 +475,33 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
         factor_seed: int = 0,
         max_dense_bytes: int = 2**31,
         recipe: Recipe = LATENT_RECIPE,
+        subspace: Literal["random", "public"] = "random",
+        public_records: int = 64,
+        latent_init: Literal["zero", "svd"] = "zero",
         sample_prompt: str = "To be, or not to be",
         sample_tokens: int = 200,
         sample_top_k: int | None = None,
         sample_seed: int = 0,
     ) -> None:
+        problems = []
+        if subspace not in ("random", "public") or latent_init not in ("zero", "svd"):
+            problems.append(
+                f"model.subspace must be random or public and model.latent_init zero or svd, got "
+                f"{subspace!r} and {latent_init!r}"
+            )
+        if subspace == "public" and factors != "two_sided":
+            problems.append(
+                f"model.subspace public chooses two-sided parts: set model.factors two_sided, not {factors!r}"
+            )
+        if latent_init == "svd" and (subspace != "public" or latent_dim != rank):
+            problems.append(
+                "model.latent_init svd starts the grid at the public statistic's singular values: it needs "
+                "model.subspace public and model.rank equal to model.latent_dim (V the identity)"
+            )
+        if not isinstance(public_records, int) or public_records < 1:
+            problems.append(f"model.public_records must be an integer >= 1, got {public_records!r}")
+        if problems:
+            raise ConfigError("; ".join(problems))
         source = language_base_source(network, base, base_checkpoint, pretraining)
         layers = mapped_layers(network, layers)  # recorded in hparams as resolved
         super().__init__(
@@ -486,7 +514,34 @@ class LatentLanguageModel(LatentSteering, LanguageModel):
             sample_seed=sample_seed,
         )
         self.steer(latent_dim, rank, layers, factors, factor_seed, max_dense_bytes)
-        log_selection(f"FLITE ({factors} factors)", network, self.mapping.names, 4 * self.mapping.latent_size)
+        log_selection(self.method_name(), network, self.mapping.names, 4 * self.mapping.latent_size)
+
+    def method_name(self) -> str:
+        """What the selection line calls this method."""
+        subspace = ", a subspace of public data" if self.hparams.subspace == "public" else ""
+        return f"FLITE ({self.hparams.factors} factors{subspace})"
+
+    def prepare_base(self, datamodule: object, allow_training: bool = True) -> None:
+        """The base, then (``subspace: public``) the two-sided parts from public records, once."""
+        super().prepare_base(datamodule, allow_training)
+        if self.hparams.subspace != "public" or self.mapping.subspace != "random":
+            return
+        from lightning_fl.methods.subspace import public_batches, use_public_subspace
+
+        batches = public_batches(datamodule, self.hparams.public_records)
+        device = self.mapping.latent.device
+        batches = [tuple(t.to(device) for t in batch) for batch in batches]
+        values = use_public_subspace(
+            self.mapping, self.network, self.network, self.compute_loss, batches, self.recipe.lr
+        )
+        if self.hparams.latent_init == "svd":
+            with torch.no_grad():
+                for lay, z_l in zip(self.mapping.layers, self.mapping.split(self.mapping.latent), strict=True):
+                    factor = self.mapping._two_sided[lay.index]
+                    grid = torch.zeros(factor.p, factor.q)
+                    k = min(factor.p, factor.q)
+                    grid[range(k), range(k)] = values[lay.name][:k]
+                    z_l.copy_(grid.reshape(-1))
 
     trains_network = False
 
