@@ -148,3 +148,26 @@ def test_what_a_subspace_from_public_data_needs_is_said_in_one_line(tiny_chat_ll
         LatentLanguageModel(network, latent_dim=4, rank=4, factors="two_sided", latent_init="svd", sample_tokens=0)
     with pytest.raises(ConfigError, match="has no public records to compute it from"):
         fed_sb(tiny_chat_llama).prepare_base(data(tiny_chat_llama, public_per_task=0))
+
+
+def test_a_fed_sb_run_exports_the_model_it_trained(tiny_chat_llama, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_fl.cli.export import run_export
+
+    model = fed_sb(tiny_chat_llama)
+    trainer = FederatedTrainer(
+        rounds=1,
+        clients_per_round=2,
+        local_steps=2,
+        accelerator="cpu",
+        logger=False,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, datamodule=data(tiny_chat_llama))
+    ckpt = next(tmp_path.rglob("last.ckpt"))
+    run_export(fed_sb(tiny_chat_llama), str(ckpt), str(tmp_path / "hf"), False, data(tiny_chat_llama))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (model.eval()(ids) - theirs(ids).logits).abs().max().item() < 1e-5

@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> Any:
         if run.subcommand == "export":
             from lightning_fl.cli.export import run_export
 
-            print(run_export(run.model, run.ckpt_path, run.options["out"], bool(run.options["adapter"])), flush=True)
+            out, adapter = run.options["out"], bool(run.options["adapter"])
+            print(run_export(run.model, run.ckpt_path, out, adapter, run.data), flush=True)
             return None
         _check_ckpt_path(run.ckpt_path, run.trainer, run.model)
         _attach_config(run.trainer, run.config_yaml)

@@ -24,8 +24,10 @@ EXPORT_OPTIONS = {
 }
 
 
-def run_export(model: Any, ckpt_path: str | None, out: str | None, adapter: bool) -> str:
-    """Load ``ckpt_path`` into ``model`` and write it to ``out``; the lines to print."""
+def run_export(model: Any, ckpt_path: str | None, out: str | None, adapter: bool, data: Any = None) -> str:
+    """Load ``ckpt_path`` into ``model`` and write it to ``out``; the lines to print. ``data``: the config's data
+    module, which prepares what the model makes from data before the checkpoint is loaded (a subspace from public
+    records: Fed-SB, ``subspace: public``)."""
     from lightning_fl.federated.checkpoint import load_for_evaluation
     from lightning_fl.methods.export import export_adapter, export_model
 
@@ -38,6 +40,10 @@ def run_export(model: Any, ckpt_path: str | None, out: str | None, adapter: bool
         raise UserError(
             f"ckpt_path {ckpt_path} does not exist; pass a checkpoint file (e.g. <run>/checkpoints/last.ckpt)"
         )
+    if data is not None and getattr(model, "hparams", {}).get("subspace") == "public":
+        data.prepare_data()
+        data.setup("fit")
+        model.prepare_base(data)
     fingerprint = model.factor_fingerprint() if callable(getattr(model, "factor_fingerprint", None)) else None
     completed = load_for_evaluation(model, path, torch.device("cpu"), fingerprint)
     record: dict[str, Any] = {"checkpoint": str(path)} | ({"round": completed} if completed is not None else {})
