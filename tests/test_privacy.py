@@ -650,6 +650,78 @@ def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload
             FederatedTrainer(strategy=FedAvg(weighted=True), **kinds[mechanism])
 
 
+def neighbour(value: float):
+    """The test data with client 0's first record's pixels all ``value``: data sets of two calls differ in that one
+    record (the images are made float, so that the record can hold what uint8 cannot). A batch holds a client's 60
+    records, so DP-SGD's Poisson rate is 1: every step draws the record."""
+    dm = make_dm(augment=False, batch_size=64)
+    dm.prepare_data()
+    dm.setup("fit")
+    images = dm._train.images.float()
+    images[int(dm._clients[0][0])] = value
+    dm._train.images = images
+    return dm
+
+
+def dp_sgd_classifier():
+    """A GroupNorm CNN that Opacus wraps (``auto`` picks the opacus engine; the latent takes torch.func)."""
+    from lightning_fl.methods import Classifier, Recipe
+    from lightning_fl.models import SmallCNN
+
+    torch.manual_seed(0)
+    recipe = Recipe("sgd", 0.05, weight_decay=0.0, warmup_epochs=0, schedule="constant")
+    return Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, recipe=recipe)
+
+
+@pytest.mark.parametrize(
+    "mechanism", ["local", "local_cohort", "distributed", "dp_sgd_opacus", "dp_sgd_functorch", "dp_sgd_cohort"]
+)
+def test_a_non_finite_record_is_not_told_apart_by_the_reply_and_is_accounted(tmp_path, monkeypatch, mechanism):
+    """Neighbouring data sets: client 0's first record finite in one, NaN in the other. Under a mechanism that does
+    not trust the server the reply must not tell them apart: a noised upload every time, nothing else (no failure),
+    the same shape; and the client is accounted in both. (A NaN record used to make the client reply "local training
+    failed" with no upload, and local DP then left it unaccounted.)"""
+    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.privacy import DPSGD, DistributedDP, LocalDP
+
+    def kind():
+        if mechanism.startswith("local"):
+            return {"privacy": LocalDP(clip_norm=0.1, noise_multiplier=1.0)}
+        if mechanism == "distributed":
+            return {"privacy": DistributedDP(clip_norm=0.1, noise_multiplier=1.0)}
+        engine = "opacus" if mechanism == "dp_sgd_opacus" else "functorch"
+        return {"dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=1.0, engine=engine)}
+
+    def spent(trainer):
+        if trainer.dp_sgd is not None:
+            return dict(trainer.dp_sgd.participations), trainer.history[-1]["privacy/record_epsilon_max"]
+        counted = getattr(trainer.privacy, "uploads", None) or dict.fromkeys(trainer.privacy.precision, 1)
+        return dict(counted), trainer.history[-1]["privacy/epsilon"]
+
+    seen, inner = [], InProcess.replies
+
+    def spy(self, *args, **kwargs):
+        for reply in inner(self, *args, **kwargs):
+            seen.append(reply)
+            yield reply
+
+    monkeypatch.setattr(InProcess, "replies", spy)
+    cohort = {"client_batching": "vmap"} if mechanism.endswith("cohort") else {}
+    replies, budgets = [], []
+    for value in (0.0, math.nan):
+        seen.clear()
+        model = dp_sgd_classifier() if mechanism == "dp_sgd_opacus" else make_model()
+        args = {"rounds": 1, "logger": False, "max_update_norm_ratio": None, "clients_per_round": 4, **cohort}
+        trainer = make_trainer(tmp_path / str(value), **args, **kind())
+        fit(trainer, model=model, dm=neighbour(value))
+        replies.append(
+            sorted((r.client, r.payload and r.payload.nbytes, r.failure, r.num_samples, r.logged) for r in seen)
+        )
+        budgets.append(spent(trainer))
+    assert replies[0] == replies[1] and all(size and failure is None for _, size, failure, *_ in replies[1]), replies
+    assert budgets[0] == budgets[1] and budgets[1][0] == {0: 1, 1: 1, 2: 1, 3: 1}, budgets
+
+
 # ------------------------------------------------------------------------------------------ secret cohorts
 def test_a_secret_cohort_is_uniform_and_changes_with_every_draw():
     """Seed ``None``: the OS's secure generator. Fixed-size sampling: ``count`` distinct clients, every client as

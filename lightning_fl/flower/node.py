@@ -28,6 +28,7 @@ import hashlib
 import io
 import shlex
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,6 +221,10 @@ def train(message: Message, context: Context) -> Message:
                 codec=codec, local=local, fabric=node.fabric,
             )  # fmt: skip
             _save_codec_state(codec, context)
+            if result.withheld is not None:  # (this node's own log: the reply shows nothing of it)
+                round_ = int(instructions["round"]) + 1
+                why = f"round {round_}: local training failed ({result.withheld}); it uploaded a noised zero update"
+                warnings.warn(why, stacklevel=1)
             payload = result.payload
             num_samples, logged, failure = result.released(node.local)  # (nothing data-dependent under local DP)
             if (dp := node.local.dp_sgd) is not None and client in dp.plans:
