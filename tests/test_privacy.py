@@ -451,11 +451,77 @@ def test_distributed_target_epsilon_is_spent_by_a_client_in_the_expected_number_
         metrics = often.end_round(r, list(range(10)))  # client 0 in 3 full rounds: the target
     assert metrics["privacy/epsilon"] == pytest.approx(3.0, rel=1e-6)
     assert replace_one_gaussians(often.z, often.z, often.z) == pytest.approx(3.0, rel=2e-3)
+    assert "could spend epsilon 7.03" in often.stop_reason()  # a fourth round with client 0's share alone
+    often.min_shares = 10  # a round with any share missing is refused: the stop assumes all 10 arrive
     assert often.stop_reason() is None  # a fourth round: 3.53
     for r in range(3, 7):
         often.end_round(r, [0])  # client 0 alone: one share of 10, far less noise, a large epsilon
     assert often.epsilon() == pytest.approx(replace_one_gaussians(*[often.z] * 3, *[often.z / 10**0.5] * 4), rel=2e-3)
     assert "could spend epsilon" in often.stop_reason() and "max_epsilon=5" in often.stop_reason()
+
+
+def test_distributed_dp_max_epsilon_holds_when_fewer_shares_arrive_than_expected():
+    """The issue's numbers: z = 4, m = 4, cap 5. After three rounds with all four shares a client has spent 3.71;
+    the stop used to predict a fourth round with four shares (4.38) and let it run, and one where the client's share
+    arrived alone took it to 6.07. Predicting with one share (min_shares 1, the default) stops before it (already
+    before the third round: 5.55); with min_shares 4 the stop may assume four shares, and a round with fewer is
+    refused, nobody charged."""
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DistributedDP, Plan
+
+    def mechanism(**kwargs):
+        privacy = DistributedDP(clip_norm=1.0, noise_multiplier=4.0, max_epsilon=5.0, delta=1e-5, **kwargs)
+        privacy.setup(Plan(40, 4.0, "poisson", 100, 0, FedAvg()))
+        return privacy
+
+    alone = replace_one_gaussians(4.0, 4.0, 4.0, 4.0 * 0.5)  # three full sums, then one with the share alone
+    assert alone == pytest.approx(6.07, abs=0.01)
+    privacy = mechanism()
+    for r in range(3):
+        assert (privacy.stop_reason() is None) == (r < 2), r
+        privacy.end_round(r, [0, 1, 2, 3])
+    assert privacy.epsilon() == pytest.approx(3.71, abs=0.01)
+    why = privacy.stop_reason()
+    assert why is not None and "could spend epsilon 6.07" in why and "if the sum carries its share alone" in why
+    for arrivals in ([[0]] * 20, [[0, 1, 2, 3], [0], [0, 1], [0]] * 5):  # whatever arrives, the cap holds
+        privacy = mechanism()
+        for r, participants in enumerate(arrivals):
+            if privacy.stop_reason() is not None:
+                break
+            privacy.end_round(r, participants)
+        assert 0 < privacy.epsilon() <= 5.0
+    full = mechanism(min_shares=4)
+    for r in range(3):
+        full.end_round(r, [0, 1, 2, 3])
+    assert full.stop_reason() is None  # a fourth full round: 4.38
+    assert "carries 1 noise share(s), fewer than trainer.privacy.min_shares=4" in full.refusal(1)
+    assert full.refusal(4) is None and full.refusal(0) is None  # (nobody's share: nothing of anyone released)
+    with pytest.raises(ConfigError, match=r"trainer.privacy.min_shares=5 is above the 4 clients a round"):
+        mechanism(min_shares=5)
+    with pytest.raises(ConfigError, match=r"trainer.privacy.min_shares must be an integer >= 1, got 0"):
+        DistributedDP(noise_multiplier=1.0, min_shares=0)
+
+
+def test_a_distributed_dp_run_with_dropouts_stays_within_max_epsilon(tmp_path):
+    """Four clients a round, each away with probability 1/2 (seeded): the first rounds' sums carry one share. The
+    stop used to assume four shares and let a client reach 6.57 against a cap of 5; now it stops at or below the
+    cap, and with min_shares 4 every short round is refused: the state kept, nobody charged."""
+    from lightning_fl.privacy import DistributedDP
+
+    def run(name, **kwargs):
+        privacy = DistributedDP(clip_norm=0.1, noise_multiplier=4.0, max_epsilon=5.0, **kwargs)
+        args = {"rounds": 6, "logger": False, "name": name, "dropout": 0.5, "clients_per_round": 4}
+        return fit(make_trainer(tmp_path, max_update_norm_ratio=None, privacy=privacy, **args))
+
+    default = run("default")
+    assert 0 < default.privacy.epsilon() <= 5.0 and "its share alone" in default.stopped
+    refusing = run("refusing", min_shares=4)
+    rounds = refusing.history[1:]
+    short = [h for h in rounds if h["privacy/noise_shares"] < 4]
+    assert short and all(h["fed/round_skipped"] == 1.0 and h["privacy/round_noise_multiplier"] == 0 for h in short)
+    assert refusing.privacy.epsilon() <= 5.0
+    released = sum(h["privacy/noise_shares"] for h in rounds if h["fed/round_skipped"] == 0.0)
+    assert sum(p / 4.0 for p in refusing.privacy.precision.values()) == pytest.approx(released)  # (mu = 2: 1/4)
 
 
 def test_a_distributed_dp_run_reports_its_worst_clients_unamplified_epsilon(tmp_path):

@@ -186,13 +186,16 @@ class RoundRunner:
     def _step(self, rnd: Round) -> Step:
         """The strategy's step from the round's sum (after the stages' ``on_aggregate``) or rows, through the stages'
         ``on_step``. A round whose sum no mechanism released keeps its state when the strategy cannot aggregate its
-        number of uploads (``min_clients``)."""
+        number of uploads (``min_clients``), and a round whose sum a mechanism refuses (``Total.refused``) keeps it."""
         total = rnd.total
         if total is not None:  # (a robust strategy reads rows, not a sum)
             for stage in self.stages:
                 total = stage.on_aggregate(rnd, total)
         released = total is not None and total.released
-        step = Step(problem=None if released else self.strategy.problem(len(rnd.folded)))
+        if total is not None and total.refused is not None:
+            step = Step(problem=total.refused)
+        else:
+            step = Step(problem=None if released else self.strategy.problem(len(rnd.folded)))
         if step.accepted:
             if self.strategy.streams:
                 step.flat, step.metrics = self.strategy.step(rnd.index, rnd.current, total.mean(rnd.current64))
