@@ -215,6 +215,40 @@ def test_central_dp_bounds_the_step_whatever_the_codec_did_and_local_dp_encodes_
     assert local.history[-1]["privacy/epsilon"] == pytest.approx(4.0, rel=1e-6)
 
 
+#: What the server computes from the clients' un-noised updates, or the clients log: never a private run's export.
+UNPROTECTED = {"train/loss", "train/acc", "fed/update_norm_median", "fed/update_norm_max_ratio", "fed/identity_error"}
+UNPROTECTED |= {"fed/dropped_clients", "comm/rejected_bytes", "comm/cum_rejected_bytes"}
+
+
+def test_a_private_run_keeps_statistics_of_raw_updates_out_of_what_it_exports_unless_asked(tmp_path, capsys):
+    """Under CentralDP the server sees the clients' updates in the clear: their logged loss, update norms, the
+    averaging identity error and the uploads it refused are computed from them, outside the mechanism. A private
+    run keeps them out of its metrics, TensorBoard and checkpoint history (they were in every DP study's CSV);
+    trainer.unprotected_statistics logs them as unprotected/<key>, and a run without privacy as before."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def run(name, **kwargs):
+        trainer = fit(make_trainer(tmp_path, rounds=2, name=name, **DP_ARGS, **kwargs))
+        events = EventAccumulator(str(trainer.log_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        ckpt = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        return trainer.history[-1].keys() | ckpt["history"][-1].keys() | set(events.Tags()["scalars"])
+
+    capsys.readouterr()
+    plain = run("plain")
+    assert {"train/loss", "fed/update_norm_median", "fed/identity_error", "fed/dropped_clients"} <= plain
+    private = run("private", privacy=CentralDP(clip_norm=0.5, noise_multiplier=1.0))
+    assert "privacy/epsilon" in private and not private & UNPROTECTED
+    assert not any(k.startswith("unprotected/") for k in private) and "unprotected/*" not in capsys.readouterr().out
+    labelled = run("labelled", privacy=CentralDP(clip_norm=0.5, noise_multiplier=1.0), unprotected_statistics=True)
+    assert not labelled & UNPROTECTED
+    assert {f"unprotected/{k}" for k in ("train/loss", "fed/update_norm_median", "fed/identity_error")} <= labelled
+    out = capsys.readouterr().out
+    assert "unprotected/* holds statistics of the clients' updates outside the privacy guarantee" in out
+    with pytest.raises(ConfigError, match=r"trainer.unprotected_statistics labels .* has no trainer.privacy"):
+        make_trainer(tmp_path, unprotected_statistics=True)
+
+
 def test_target_epsilon_is_calibrated_before_round_1_and_spent_by_the_last(tmp_path):
     privacy = CentralDP(clip_norm=0.5, target_epsilon=6.0, delta=1e-4)
     trainer = fit(make_trainer(tmp_path, rounds=3, logger=False, privacy=privacy, **DP_ARGS))
@@ -232,10 +266,10 @@ def test_central_dp_accounts_every_round_even_one_without_an_accepted_upload(tmp
     from lightning_fl.federated import NaNUpload
 
     privacy = CentralDP(clip_norm=0.5, noise_multiplier=1.0)
-    trainer = fit(make_trainer(tmp_path, rounds=2, logger=False, privacy=privacy, attack=NaNUpload(list(range(8))),
-                               **DP_ARGS))  # fmt: skip
+    args = {"rounds": 2, "logger": False, "privacy": privacy, "attack": NaNUpload(list(range(8)))}
+    trainer = fit(make_trainer(tmp_path, **args, unprotected_statistics=True, **DP_ARGS))
     rounds = trainer.history[1:]
-    assert [(h["fed/clients"], h["fed/dropped_clients"]) for h in rounds] == [(4, 4)] * 2  # nothing accepted
+    assert [(h["fed/clients"], h["unprotected/fed/dropped_clients"]) for h in rounds] == [(4, 4)] * 2  # none in
     fresh = Accountant(num_clients=8, expected_clients=4, sampling="fixed", method="rdp")
     spent = []
     for _ in rounds:
@@ -707,7 +741,7 @@ def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload
     fit(trainer)
     trusted = mechanism == "central"
     assert seen and all((r.num_samples > 0 and bool(r.logged)) == trusted for r in seen)
-    assert ("train/loss" in trainer.history[-1]) == trusted
+    assert "train/loss" not in trainer.history[-1]  # (central DP's server gets it, and keeps it out of its logs)
     failed = ClientResult(0, 10, None, {"train/loss": (1e9, 1.0)}, "local training failed: train/loss became inf")
     assert failed.released(LocalTraining(upload_stage=LocalDP(noise_multiplier=1.0)))[2] == (
         "local training failed (details withheld under local privacy)")  # fmt: skip

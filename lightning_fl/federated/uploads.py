@@ -120,6 +120,9 @@ class Round:
     counts: Counter = field(default_factory=Counter)
     downloads: dict[int, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Keys of ``metrics`` computed from what the clients sent or logged, outside any privacy mechanism (their logged
+    #: means, update norms, the identity error, the uploads refused): what a private run keeps out of its exports.
+    unprotected: set[str] = field(default_factory=set)
 
     @functools.cached_property
     def current64(self) -> torch.Tensor:
