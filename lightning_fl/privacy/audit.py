@@ -20,7 +20,7 @@ accounted, a clip that does not clip) is caught. Two measurements from one run, 
   ``Binomial(r, e^eps / (1 + e^eps))``, up to a term in ``delta`` (their Theorem 5.2). The largest epsilon that
   this rejects at the chosen confidence is a **lower bound** that holds with that confidence. Its power is limited
   by the number of guesses: even all ``r`` right rule out no epsilon above :func:`one_run_ceiling` (2.55 for the
-  40 guesses of 200 canaries, 4.17 for 1,000, never above about 8.1 at delta 1e-5 and 95%), so against an
+  40 guesses of 200 canaries, 4.17 for 1,000, never above about 8.25 at delta 1e-5 and 95%), so against an
   accountant's epsilon above that ceiling the bound cannot fail; the report says so (``one_run_ceiling``,
   ``one_run_can_fail``). A confidence below 1/2 is refused: such a "bound" holds less often than not, and
   chance-level guesses would rule out epsilon well above 0.
