@@ -51,15 +51,16 @@ def ceiling(row: dict) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| side | z | accountant epsilon | epsilon-hat, every round (95% interval) | epsilon-hat, final model | "
-             "one-run lower bound | largest it can show | val/acc |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    head = "| side | z | accountant epsilon | epsilon-hat, every round (95% interval) | epsilon-hat, final model | "
+    head += "one-run lower bound | largest it can show | val/acc |"
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lo, hi = r["interval_every_round"]
-        lines.append(f"| {r['side']} | {r['z']:g} | {r['accountant_epsilon']:.4g} | {r['epsilon_hat_every_round']:.3g} "
-                     f"({lo:.3g}-{hi:.3g}) | {r.get('epsilon_hat_final_model', float('nan')):.3g} | "
-                     f"{r['one_run_lower_bound']:.3g} | {ceiling(r):.3g} | "
-                     f"{r['val_acc'].removeprefix('val/acc: ')} |")  # fmt: skip
+        cells = [r["side"], f"{r['z']:g}", f"{r['accountant_epsilon']:.4g}"]
+        cells += [f"{r['epsilon_hat_every_round']:.3g} ({lo:.3g}-{hi:.3g})"]
+        cells += [f"{r.get('epsilon_hat_final_model', float('nan')):.3g}", f"{r['one_run_lower_bound']:.3g}"]
+        cells += [f"{ceiling(r):.3g}", r["val_acc"].removeprefix("val/acc: ")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
