@@ -62,7 +62,7 @@ def test_the_audit_states_the_largest_epsilon_its_guesses_can_show():
         assert report["one_run_can_fail"] is can_fail and (report["violation"] is not None) == can_fail
         power = audit_lines(report)[2]
         assert power.startswith("  the largest epsilon 40 guesses can show is 2.55 (all right): ")
-        assert ("cannot contradict it whatever the run leaks" in power) != can_fail
+        assert ("lies above it: this bound cannot contradict it" in power) != can_fail
 
 
 def test_a_confidence_below_one_half_is_refused_and_chance_guesses_bound_nothing():
@@ -73,7 +73,9 @@ def test_a_confidence_below_one_half_is_refused_and_chance_guesses_bound_nothing
         assert one_run_lower_bound(200, 40, 20, 1e-5, confidence) == 0.0
     with pytest.raises(ValueError, match=r"confidence must be in \[0.5, 1\), got 1e-06"):
         one_run_lower_bound(200, 40, 20, 1e-5, 1e-6)
-    with pytest.raises(ConfigError, match=r"trainer.privacy_audit.confidence must be in \[0.5, 1\), got 1e-06: below"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.privacy_audit.confidence must be in \[0.5, 1\), e.g. 0.95, got 1e-06"
+    ):
         PrivacyAudit(confidence=1e-6)
     with pytest.raises(ConfigError, match=r"trainer.privacy_audit.max_memory_mb must be a finite number > 0, got 0"):
         PrivacyAudit(max_memory_mb=0)

@@ -30,6 +30,7 @@ from lightning_fl.federated.local import (
     configure_optimizer,
     encode_upload,
     gradient_clip,
+    warn_withheld,
 )
 from lightning_fl.federated.state import State
 from lightning_fl.steps import train_steps
@@ -43,6 +44,7 @@ __all__ = [
     "encode_upload",
     "gradient_clip",
     "run_client",
+    "warn_withheld",
 ]
 
 

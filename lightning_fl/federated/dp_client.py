@@ -183,7 +183,7 @@ def finite_records(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def keep_rows(keep: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``g`` with the entries along its leading dimensions (``keep``'s shape) set to zero where ``keep`` is false."""
-    return torch.where(keep.view(*keep.shape, *([1] * (g.dim() - keep.dim()))), g, torch.zeros((), dtype=g.dtype))
+    return torch.where(keep.view(*keep.shape, *([1] * (g.dim() - keep.dim()))), g, g.new_zeros(()))
 
 
 def zero_non_finite_records(dp_optimizer: Any) -> None:

@@ -9,6 +9,7 @@ DP-SGD) stand on this module and import nothing from each other's files; it impo
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,14 @@ class ClientResult:
         if not local.withholds_metadata:
             return self.num_samples, self.logged, self.failure
         return 0, {}, None if self.failure is None else "local training failed (details withheld under local privacy)"
+
+
+def warn_withheld(result: ClientResult, round: int) -> None:
+    """On the client's own side (a Flower node's log), why it uploaded a noised zero update instead of its own
+    (``result.withheld``): its reply says nothing of it."""
+    if result.withheld is not None:
+        why = f"round {round + 1}: local training failed ({result.withheld}); a noised zero update was uploaded"
+        warnings.warn(why, stacklevel=2)
 
 
 @functools.cache
