@@ -43,6 +43,10 @@ class StepContext:
         self.weight = 1
         self.current_epoch = 0
         self.global_step = 0
+        #: Whether a step may stop training on a non-finite loss (a recipe's ``check_loss``). DP-SGD sets it false:
+        #: a record's non-finite gradient is zeroed out of the step instead, since stopping would tell the server
+        #: what one record holds.
+        self.check_finite = True
         self._sums: dict[str, float] = {}
         self._weights: dict[str, float] = {}
         self._epoch_end: dict[str, float] = {}

@@ -11,10 +11,16 @@ import pytest
 import torch
 from scipy import stats
 
-from conftest import make_dm, make_model, make_trainer
+from conftest import CONFIGS, make_dm, make_model, make_trainer, run_cli
 from lightning_fl.errors import ConfigError
 from lightning_fl.privacy import DPSGD, CentralDP, LocalDP, PrivacyAudit, gaussian_epsilon_closed_form
-from lightning_fl.privacy.audit import gaussian_pair_epsilon, one_run_lower_bound, one_run_p_value
+from lightning_fl.privacy.audit import (
+    audit_lines,
+    gaussian_pair_epsilon,
+    one_run_ceiling,
+    one_run_lower_bound,
+    one_run_p_value,
+)
 
 
 # ------------------------------------------------------------------------------------------ the estimators
@@ -38,6 +44,53 @@ def test_the_one_run_bound_is_the_binomial_tail_without_delta_and_pays_for_delta
     assert one_run_p_value(m, r, v, eps, 0.0) == pytest.approx(0.05, rel=1e-3)
     assert 0 < one_run_lower_bound(m, r, v, 1e-5, 0.95) < eps
     assert one_run_lower_bound(m, r, r // 2, 1e-5, 0.95) == 0.0
+
+
+def test_the_audit_states_the_largest_epsilon_its_guesses_can_show():
+    """Steinke et al.'s bound cannot exceed what all guesses right give: 2.55 for the 40 guesses of 200 canaries,
+    4.17 for the 200 of 1,000. The report and the summary say so beside the result, and whether the bound could
+    contradict the accountant at all."""
+    assert one_run_ceiling(200, 40, 1e-5, 0.95) == pytest.approx(2.55, abs=0.005)
+    assert one_run_ceiling(1000, 200, 1e-5, 0.95) == pytest.approx(4.17, abs=0.005)
+    audit = PrivacyAudit(canaries=200, seed=1)
+    audit.setup(64, 1.0)
+    audit.rounds, audit.every = 30, torch.from_numpy(np.where(audit.inserted, 1.0, 0.0) + np.linspace(0, 0.1, 200))
+    for epsilon, can_fail in ((1.0, True), (110.4, False), (math.inf, False)):
+        report = audit.report(epsilon, 1e-5)
+        assert report["one_run_correct"] == report["one_run_guesses"] == 40  # every guess right: the ceiling
+        assert report["one_run_lower_bound"] == report["one_run_ceiling"] == pytest.approx(2.55, abs=0.005)
+        assert report["one_run_can_fail"] is can_fail and (report["violation"] is not None) == can_fail
+        power = audit_lines(report)[2]
+        assert power.startswith("  the largest epsilon 40 guesses can show is 2.55 (all right): ")
+        assert ("lies above it: this bound cannot contradict it" in power) != can_fail
+
+
+def test_a_confidence_below_one_half_is_refused_and_chance_guesses_bound_nothing():
+    """At confidence 1e-6 chance-level guesses (20 of 40 right) used to give a lower bound of 1.5: a "bound" that
+    holds with probability one in a million. Below 1/2 the confidence is refused; from 1/2 up chance rules out
+    nothing."""
+    for confidence in (0.5, 0.8, 0.95, 0.999999):
+        assert one_run_lower_bound(200, 40, 20, 1e-5, confidence) == 0.0
+    with pytest.raises(ValueError, match=r"confidence must be in \[0.5, 1\), got 1e-06"):
+        one_run_lower_bound(200, 40, 20, 1e-5, 1e-6)
+    with pytest.raises(
+        ConfigError, match=r"trainer.privacy_audit.confidence must be in \[0.5, 1\), e.g. 0.95, got 1e-06"
+    ):
+        PrivacyAudit(confidence=1e-6)
+    with pytest.raises(ConfigError, match=r"trainer.privacy_audit.max_memory_mb must be a finite number > 0, got 0"):
+        PrivacyAudit(max_memory_mb=0)
+
+
+def test_a_negative_audit_seed_is_one_line_from_the_command_line(in_tmp, capsys, monkeypatch):
+    """``--trainer.privacy_audit.seed -1`` ended in a traceback from NumPy when the canaries were drawn."""
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    base = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--model.pretraining.epochs", "1"]
+    dp = ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0"]
+    dp += ["--trainer.max_update_norm_ratio", "null", "--trainer.privacy_audit", "PrivacyAudit"]
+    assert run_cli("fit", *base, *dp, "--trainer.privacy_audit.seed", "-1") == 2
+    err = capsys.readouterr().err
+    assert "trainer.privacy_audit.seed must be an integer >= 0 or null, got -1" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2, err
 
 
 # ------------------------------------------------------------------------------------------ through a run

@@ -1,6 +1,7 @@
 """The numbers in the docs come from the CSVs in docs/results/: every table file regenerates byte for byte from
 its CSV, and every averaging-identity bound quoted in the prose is what tools/identity_bounds.py prints."""
 
+import csv
 import re
 import shlex
 
@@ -267,3 +268,18 @@ def test_every_relative_link_and_anchor_in_readme_and_docs_resolves():
             elif anchor and file.suffix == ".md" and anchor not in _slugs(file.read_text()):
                 broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_private_studies_csvs_publish_no_statistic_of_the_clients_raw_updates():
+    """Every CSV of a private study (a row with ``privacy/epsilon`` or ``privacy/record_epsilon_max``) leaves out what
+    the server computed from the clients' updates outside the mechanism (tools/sweep.py's ``UNPROTECTED_COLUMNS``:
+    the logged loss, update norms, the identity error, refused uploads), which they all carried."""
+    sweep = tool_module("sweep")
+    private = []
+    for path in sorted((DOCS / "results").glob("*.csv")):
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        if any(r.get("privacy/epsilon") or r.get("privacy/record_epsilon_max") for r in rows):
+            private.append(path.name)
+            assert not set(rows[0]) & set(sweep.UNPROTECTED_COLUMNS), path.name
+    assert len(private) == 9 and {"smollm2_dp_frontier.csv", "dp_sgd_fashion_mnist.csv"} <= set(private), private

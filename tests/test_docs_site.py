@@ -76,7 +76,7 @@ def test_every_page_is_in_the_navigation_and_opens_with_its_title():
 
 
 # -------------------------------------------------------------------------------------------------- metric names
-PREFIXES = ("val", "test", "train", "fed", "comm", "privacy", "time", "strategy", "generator", "samples")
+PREFIXES = ("val", "test", "train", "fed", "comm", "privacy", "time", "strategy", "generator", "samples", "unprotected")
 LITERAL = re.compile(rf"""(?<!\w)["']((?:{"|".join(PREFIXES)})/[A-Za-z0-9_/]*[A-Za-z0-9_])["']""")
 TEMPLATE = re.compile(rf"""f["']((?:{"|".join(PREFIXES)})/[A-Za-z0-9_/]*)\{{""")  # f"comm/msg_client_{direction}..."
 STRATEGY_METRIC = re.compile(r"""["'](\w+)["']: float\(""")  # what a strategy's step returns, logged as strategy/<key>

@@ -762,9 +762,10 @@ def test_a_node_that_pins_its_noise_checks_the_cohort_or_pins_the_largest(in_tmp
     assert stds == pytest.approx([0.25] * 8, rel=1e-4)
     stds.clear()
     announce(monkeypatch, 10**8)
+    hostile = [*DISTRIBUTED, "--trainer.unprotected_statistics", "true"]  # (a private run logs refusals only if asked)
     with pytest.warns(UserWarning, match="refused: this node pins max-cohort 4, and the run plans 100,000,000 clients"):
-        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(pinned), *DISTRIBUTED, name="hostile")
-    assert stds == [] and [h["fed/dropped_clients"] for h in trainer.history[1:]] == [4.0, 4.0]
+        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(pinned), *hostile, name="hostile")
+    assert stds == [] and [h["unprotected/fed/dropped_clients"] for h in trainer.history[1:]] == [4.0, 4.0]
 
 
 def _absent(tmp_path) -> dict:

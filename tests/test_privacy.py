@@ -215,6 +215,40 @@ def test_central_dp_bounds_the_step_whatever_the_codec_did_and_local_dp_encodes_
     assert local.history[-1]["privacy/epsilon"] == pytest.approx(4.0, rel=1e-6)
 
 
+#: What the server computes from the clients' un-noised updates, or the clients log: never a private run's export.
+UNPROTECTED = {"train/loss", "train/acc", "fed/update_norm_median", "fed/update_norm_max_ratio", "fed/identity_error"}
+UNPROTECTED |= {"fed/dropped_clients", "comm/rejected_bytes", "comm/cum_rejected_bytes"}
+
+
+def test_a_private_run_keeps_statistics_of_raw_updates_out_of_what_it_exports_unless_asked(tmp_path, capsys):
+    """Under CentralDP the server sees the clients' updates in the clear: their logged loss, update norms, the
+    averaging identity error and the uploads it refused are computed from them, outside the mechanism. A private
+    run keeps them out of its metrics, TensorBoard and checkpoint history (they were in every DP study's CSV);
+    trainer.unprotected_statistics logs them as unprotected/<key>, and a run without privacy as before."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def run(name, **kwargs):
+        trainer = fit(make_trainer(tmp_path, rounds=2, name=name, **DP_ARGS, **kwargs))
+        events = EventAccumulator(str(trainer.log_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        ckpt = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        return trainer.history[-1].keys() | ckpt["history"][-1].keys() | set(events.Tags()["scalars"])
+
+    capsys.readouterr()
+    plain = run("plain")
+    assert {"train/loss", "fed/update_norm_median", "fed/identity_error", "fed/dropped_clients"} <= plain
+    private = run("private", privacy=CentralDP(clip_norm=0.5, noise_multiplier=1.0))
+    assert "privacy/epsilon" in private and not private & UNPROTECTED
+    assert not any(k.startswith("unprotected/") for k in private) and "unprotected/*" not in capsys.readouterr().out
+    labelled = run("labelled", privacy=CentralDP(clip_norm=0.5, noise_multiplier=1.0), unprotected_statistics=True)
+    assert not labelled & UNPROTECTED
+    assert {f"unprotected/{k}" for k in ("train/loss", "fed/update_norm_median", "fed/identity_error")} <= labelled
+    out = capsys.readouterr().out
+    assert "unprotected/* holds statistics of the clients' updates outside the privacy guarantee" in out
+    with pytest.raises(ConfigError, match=r"trainer.unprotected_statistics labels .* has no trainer.privacy"):
+        make_trainer(tmp_path, unprotected_statistics=True)
+
+
 def test_target_epsilon_is_calibrated_before_round_1_and_spent_by_the_last(tmp_path):
     privacy = CentralDP(clip_norm=0.5, target_epsilon=6.0, delta=1e-4)
     trainer = fit(make_trainer(tmp_path, rounds=3, logger=False, privacy=privacy, **DP_ARGS))
@@ -232,10 +266,10 @@ def test_central_dp_accounts_every_round_even_one_without_an_accepted_upload(tmp
     from lightning_fl.federated import NaNUpload
 
     privacy = CentralDP(clip_norm=0.5, noise_multiplier=1.0)
-    trainer = fit(make_trainer(tmp_path, rounds=2, logger=False, privacy=privacy, attack=NaNUpload(list(range(8))),
-                               **DP_ARGS))  # fmt: skip
+    args = {"rounds": 2, "logger": False, "privacy": privacy, "attack": NaNUpload(list(range(8)))}
+    trainer = fit(make_trainer(tmp_path, **args, unprotected_statistics=True, **DP_ARGS))
     rounds = trainer.history[1:]
-    assert [(h["fed/clients"], h["fed/dropped_clients"]) for h in rounds] == [(4, 4)] * 2  # nothing accepted
+    assert [(h["fed/clients"], h["unprotected/fed/dropped_clients"]) for h in rounds] == [(4, 4)] * 2  # none in
     fresh = Accountant(num_clients=8, expected_clients=4, sampling="fixed", method="rdp")
     spent = []
     for _ in rounds:
@@ -451,11 +485,77 @@ def test_distributed_target_epsilon_is_spent_by_a_client_in_the_expected_number_
         metrics = often.end_round(r, list(range(10)))  # client 0 in 3 full rounds: the target
     assert metrics["privacy/epsilon"] == pytest.approx(3.0, rel=1e-6)
     assert replace_one_gaussians(often.z, often.z, often.z) == pytest.approx(3.0, rel=2e-3)
+    assert "could spend epsilon 7.03" in often.stop_reason()  # a fourth round with client 0's share alone
+    often.min_shares = 10  # a round with any share missing is refused: the stop assumes all 10 arrive
     assert often.stop_reason() is None  # a fourth round: 3.53
     for r in range(3, 7):
         often.end_round(r, [0])  # client 0 alone: one share of 10, far less noise, a large epsilon
     assert often.epsilon() == pytest.approx(replace_one_gaussians(*[often.z] * 3, *[often.z / 10**0.5] * 4), rel=2e-3)
     assert "could spend epsilon" in often.stop_reason() and "max_epsilon=5" in often.stop_reason()
+
+
+def test_distributed_dp_max_epsilon_holds_when_fewer_shares_arrive_than_expected():
+    """The issue's numbers: z = 4, m = 4, cap 5. After three rounds with all four shares a client has spent 3.71;
+    the stop used to predict a fourth round with four shares (4.38) and let it run, and one where the client's share
+    arrived alone took it to 6.07. Predicting with one share (min_shares 1, the default) stops before it (already
+    before the third round: 5.55); with min_shares 4 the stop may assume four shares, and a round with fewer is
+    refused, nobody charged."""
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DistributedDP, Plan
+
+    def mechanism(**kwargs):
+        privacy = DistributedDP(clip_norm=1.0, noise_multiplier=4.0, max_epsilon=5.0, delta=1e-5, **kwargs)
+        privacy.setup(Plan(40, 4.0, "poisson", 100, 0, FedAvg()))
+        return privacy
+
+    alone = replace_one_gaussians(4.0, 4.0, 4.0, 4.0 * 0.5)  # three full sums, then one with the share alone
+    assert alone == pytest.approx(6.07, abs=0.01)
+    privacy = mechanism()
+    for r in range(3):
+        assert (privacy.stop_reason() is None) == (r < 2), r
+        privacy.end_round(r, [0, 1, 2, 3])
+    assert privacy.epsilon() == pytest.approx(3.71, abs=0.01)
+    why = privacy.stop_reason()
+    assert why is not None and "could spend epsilon 6.07" in why and "if the sum carries its share alone" in why
+    for arrivals in ([[0]] * 20, [[0, 1, 2, 3], [0], [0, 1], [0]] * 5):  # whatever arrives, the cap holds
+        privacy = mechanism()
+        for r, participants in enumerate(arrivals):
+            if privacy.stop_reason() is not None:
+                break
+            privacy.end_round(r, participants)
+        assert 0 < privacy.epsilon() <= 5.0
+    full = mechanism(min_shares=4)
+    for r in range(3):
+        full.end_round(r, [0, 1, 2, 3])
+    assert full.stop_reason() is None  # a fourth full round: 4.38
+    assert "carries 1 noise share(s), fewer than trainer.privacy.min_shares=4" in full.refusal(1)
+    assert full.refusal(4) is None and full.refusal(0) is None  # (nobody's share: nothing of anyone released)
+    with pytest.raises(ConfigError, match=r"trainer.privacy.min_shares=5 is above the 4 clients a round"):
+        mechanism(min_shares=5)
+    with pytest.raises(ConfigError, match=r"trainer.privacy.min_shares must be an integer >= 1, got 0"):
+        DistributedDP(noise_multiplier=1.0, min_shares=0)
+
+
+def test_a_distributed_dp_run_with_dropouts_stays_within_max_epsilon(tmp_path):
+    """Four clients a round, each away with probability 1/2 (seeded): the first rounds' sums carry one share. The
+    stop used to assume four shares and let a client reach 6.57 against a cap of 5; now it stops at or below the
+    cap, and with min_shares 4 every short round is refused: the state kept, nobody charged."""
+    from lightning_fl.privacy import DistributedDP
+
+    def run(name, **kwargs):
+        privacy = DistributedDP(clip_norm=0.1, noise_multiplier=4.0, max_epsilon=5.0, **kwargs)
+        args = {"rounds": 6, "logger": False, "name": name, "dropout": 0.5, "clients_per_round": 4}
+        return fit(make_trainer(tmp_path, max_update_norm_ratio=None, privacy=privacy, **args))
+
+    default = run("default")
+    assert 0 < default.privacy.epsilon() <= 5.0 and "its share alone" in default.stopped
+    refusing = run("refusing", min_shares=4)
+    rounds = refusing.history[1:]
+    short = [h for h in rounds if h["privacy/noise_shares"] < 4]
+    assert short and all(h["fed/round_skipped"] == 1.0 and h["privacy/round_noise_multiplier"] == 0 for h in short)
+    assert refusing.privacy.epsilon() <= 5.0
+    released = sum(h["privacy/noise_shares"] for h in rounds if h["fed/round_skipped"] == 0.0)
+    assert sum(p / 4.0 for p in refusing.privacy.precision.values()) == pytest.approx(released)  # (mu = 2: 1/4)
 
 
 def test_a_distributed_dp_run_reports_its_worst_clients_unamplified_epsilon(tmp_path):
@@ -641,13 +741,85 @@ def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload
     fit(trainer)
     trusted = mechanism == "central"
     assert seen and all((r.num_samples > 0 and bool(r.logged)) == trusted for r in seen)
-    assert ("train/loss" in trainer.history[-1]) == trusted
+    assert "train/loss" not in trainer.history[-1]  # (central DP's server gets it, and keeps it out of its logs)
     failed = ClientResult(0, 10, None, {"train/loss": (1e9, 1.0)}, "local training failed: train/loss became inf")
     assert failed.released(LocalTraining(upload_stage=LocalDP(noise_multiplier=1.0)))[2] == (
         "local training failed (details withheld under local privacy)")  # fmt: skip
     if not trusted:  # a strategy weighing by sample counts would need what is withheld
         with pytest.raises(ConfigError, match=r"trainer.strategy weighted: true .* set weighted: false"):
             FederatedTrainer(strategy=FedAvg(weighted=True), **kinds[mechanism])
+
+
+def neighbour(value: float):
+    """The test data with client 0's first record's pixels all ``value``: data sets of two calls differ in that one
+    record (the images are made float, so that the record can hold what uint8 cannot). A batch holds a client's 60
+    records, so DP-SGD's Poisson rate is 1: every step draws the record."""
+    dm = make_dm(augment=False, batch_size=64)
+    dm.prepare_data()
+    dm.setup("fit")
+    images = dm._train.images.float()
+    images[int(dm._clients[0][0])] = value
+    dm._train.images = images
+    return dm
+
+
+def dp_sgd_classifier():
+    """A GroupNorm CNN that Opacus wraps (``auto`` picks the opacus engine; the latent takes torch.func)."""
+    from lightning_fl.methods import Classifier, Recipe
+    from lightning_fl.models import SmallCNN
+
+    torch.manual_seed(0)
+    recipe = Recipe("sgd", 0.05, weight_decay=0.0, warmup_epochs=0, schedule="constant")
+    return Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, recipe=recipe)
+
+
+@pytest.mark.parametrize(
+    "mechanism", ["local", "local_cohort", "distributed", "dp_sgd_opacus", "dp_sgd_functorch", "dp_sgd_cohort"]
+)
+def test_a_non_finite_record_is_not_told_apart_by_the_reply_and_is_accounted(tmp_path, monkeypatch, mechanism):
+    """Neighbouring data sets: client 0's first record finite in one, NaN in the other. Under a mechanism that does
+    not trust the server the reply must not tell them apart: a noised upload every time, nothing else (no failure),
+    the same shape; and the client is accounted in both. (A NaN record used to make the client reply "local training
+    failed" with no upload, and local DP then left it unaccounted.)"""
+    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.privacy import DPSGD, DistributedDP, LocalDP
+
+    def kind():
+        if mechanism.startswith("local"):
+            return {"privacy": LocalDP(clip_norm=0.1, noise_multiplier=1.0)}
+        if mechanism == "distributed":
+            return {"privacy": DistributedDP(clip_norm=0.1, noise_multiplier=1.0)}
+        engine = "opacus" if mechanism == "dp_sgd_opacus" else "functorch"
+        return {"dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=1.0, engine=engine)}
+
+    def spent(trainer):
+        if trainer.dp_sgd is not None:
+            return dict(trainer.dp_sgd.participations), trainer.history[-1]["privacy/record_epsilon_max"]
+        counted = getattr(trainer.privacy, "uploads", None) or dict.fromkeys(trainer.privacy.precision, 1)
+        return dict(counted), trainer.history[-1]["privacy/epsilon"]
+
+    seen, inner = [], InProcess.replies
+
+    def spy(self, *args, **kwargs):
+        for reply in inner(self, *args, **kwargs):
+            seen.append(reply)
+            yield reply
+
+    monkeypatch.setattr(InProcess, "replies", spy)
+    cohort = {"client_batching": "vmap"} if mechanism.endswith("cohort") else {}
+    replies, budgets = [], []
+    for value in (0.0, math.nan):
+        seen.clear()
+        model = dp_sgd_classifier() if mechanism == "dp_sgd_opacus" else make_model()
+        args = {"rounds": 1, "logger": False, "max_update_norm_ratio": None, "clients_per_round": 4, **cohort}
+        trainer = make_trainer(tmp_path / str(value), **args, **kind())
+        fit(trainer, model=model, dm=neighbour(value))
+        replies.append(
+            sorted((r.client, r.payload and r.payload.nbytes, r.failure, r.num_samples, r.logged) for r in seen)
+        )
+        budgets.append(spent(trainer))
+    assert replies[0] == replies[1] and all(size and failure is None for _, size, failure, *_ in replies[1]), replies
+    assert budgets[0] == budgets[1] and budgets[1][0] == {0: 1, 1: 1, 2: 1, 3: 1}, budgets
 
 
 # ------------------------------------------------------------------------------------------ secret cohorts

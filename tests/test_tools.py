@@ -204,6 +204,32 @@ def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
     assert rows == [("a", "0", "0", "0.5"), ("a", "1", "1", "0.75")]
 
 
+def test_collect_leaves_a_private_runs_unprotected_statistics_out_of_the_csv(tmp_path, monkeypatch):
+    """A checkpoint of a private run written before runs withheld them still holds train/loss, update norms and
+    the identity error: the CSV leaves them blank for its rows and, when no row has them, out; a sweep without
+    private runs keeps them."""
+    sweep = sweep_tool()
+    raw = {"train/loss": 2.0, "fed/update_norm_median": 0.4, "fed/update_norm_max_ratio": 1.5}
+    raw |= {"fed/identity_error": 3e-7, "fed/dropped_clients": 0.0, "comm/cum_rejected_bytes": 0.0}
+    start = {"round": 0, "val/acc": 0.5}
+    histories = {
+        "dp": [start, {"round": 1, "val/acc": 0.6, "privacy/epsilon": 1.0, **raw}],
+        "plain": [start, {"round": 1, "val/acc": 0.7, **raw}],
+    }
+    monkeypatch.setattr(sweep, "status", lambda spec, out, run: ("done", {"history": histories[run["label"]]}))
+
+    def collected(labels):
+        sweep.collect({"name": "s"}, tmp_path, [{"label": label, "seed": 0, "tags": {}} for label in labels])
+        with (tmp_path / "results.csv").open() as f:
+            return list(csv.DictReader(f))
+
+    private = collected(["dp"])
+    assert not set(private[-1]) & set(raw) and private[-1]["privacy/epsilon"] == "1.0"
+    mixed = collected(["dp", "plain"])
+    assert [r["train/loss"] for r in mixed] == ["", "", "", "2.0"]  # the private run's rows blank
+    assert collected(["plain"])[-1]["fed/update_norm_median"] == "0.4"
+
+
 @pytest.mark.distributed  # the sweep tool as a user runs it: its run is a fresh process
 def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
     spec = {

@@ -50,6 +50,10 @@ repeated; the label must name a run listed before it that fits itself.
 For federated runs the CSV (``<out>/results.csv``) has one row per run and round, with the
 run's label, seed and tags, ``final`` (1 on the last round), and the logged metrics: ``val/acc``,
 ``val/ece``, ``comm/cum_client_bytes``, ``comm/client_up_bytes``, ``fed/identity_error``, ``time/elapsed_s``...
+A private run (its history logs ``privacy/epsilon`` or ``privacy/record_epsilon_max``) leaves the columns of
+:data:`UNPROTECTED_COLUMNS` blank, statistics of the clients' updates outside the mechanism (a run now keeps them out
+of its history, unless ``trainer.unprotected_statistics`` renames them ``unprotected/*``; checkpoints of older runs
+hold them), and a sweep with private runs leaves out those of them no row has.
 """
 
 from __future__ import annotations
@@ -105,6 +109,23 @@ METRIC_COLUMNS = [
     "fed/staleness_mean",
     "fed/staleness_max",
 ]
+
+
+#: What a private run's rows never carry (docs/privacy.md, "What is not protected"): the clients' logged loss, their
+#: update norms, the averaging identity error of their uploads, and the uploads refused.
+UNPROTECTED_COLUMNS = (
+    "train/loss",
+    "comm/cum_rejected_bytes",
+    "fed/identity_error",
+    "fed/update_norm_median",
+    "fed/update_norm_max_ratio",
+    "fed/dropped_clients",
+)
+
+
+def private(history: list[dict]) -> bool:
+    """Whether a run's history is a private run's (user-level or record-level DP)."""
+    return any("privacy/epsilon" in h or "privacy/record_epsilon_max" in h for h in history)
 
 
 def expand(spec: dict) -> list[dict]:
@@ -294,7 +315,7 @@ def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         return oneshot_collect(spec, out, runs)
     tag_names = sorted({k for r in runs for k in r["tags"]})
     columns = metric_columns(spec)
-    rows = []
+    rows, any_private = [], False
     for run in runs:
         state, ckpt = status(spec, out, run)
         if state != "done":
@@ -302,10 +323,16 @@ def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         history = ckpt["history"]
         last = max(h["round"] for h in history)
         tags = [run["tags"].get(t, "") for t in tag_names]
+        withheld = UNPROTECTED_COLUMNS if private(history) else ()
+        any_private = any_private or bool(withheld)
         for h in history:
-            rows.append([spec["name"], run["label"], run["seed"], *tags, int(h["round"]), int(h["round"] == last),
-                         *[h.get(m, "") for m in columns]])  # fmt: skip
+            head = [spec["name"], run["label"], run["seed"], *tags, int(h["round"]), int(h["round"] == last)]
+            rows.append(head + ["" if m in withheld else h.get(m, "") for m in columns])
     header = ["sweep", "label", "seed", *tag_names, "round", "final", *columns]
+    if any_private:  # (a column no row has stays out, as the committed CSVs of the DP studies have it)
+        empty = {i for i, c in enumerate(header) if c in UNPROTECTED_COLUMNS and all(r[i] == "" for r in rows)}
+        header = [c for i, c in enumerate(header) if i not in empty]
+        rows = [[v for i, v in enumerate(r) if i not in empty] for r in rows]
     path = write_csv(out / "results.csv", header, rows)
     print(f"wrote {len(rows)} rows to {path}")
     return path

@@ -139,6 +139,12 @@ class TrainerArguments:
     """Clip client gradient norms; ``null`` uses the module's ``grad_clip``, if any."""
     check_identity: bool = True
     """Log the averaging identity error (modules with ``averaging_identity_error``, linear strategies only)."""
+    unprotected_statistics: bool = False
+    """In a private run (``privacy`` or ``dp_sgd``) also log what the server computes from the clients' updates, or
+    the clients log, outside the mechanism (``train/*``, ``fed/update_norm_median``, ``fed/update_norm_max_ratio``,
+    ``fed/identity_error``, ``fed/dropped_clients``, ``comm/rejected_bytes``), renamed ``unprotected/<key>``: not
+    covered by the privacy guarantee. ``false``: they are kept out of the metrics, TensorBoard, the checkpoints'
+    history and every file the run writes. A run without privacy logs them under their own names."""
     enable_progress_bar: bool = True
     """Progress bars on a terminal (over rounds, and over a round's clients); ``false``: no bars. Wherever there is no
     bar (output to a file or a CI log, or the bars off) a plain line reports every tenth of the run."""
@@ -230,6 +236,13 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         problems.append(f"trainer.upload_policy 'raise' with trainer.privacy {type(a['privacy']).__name__}: one "
                         "client's upload (its data) would decide whether the whole run stops, which the guarantee "
                         "does not cover; use trainer.upload_policy drop")  # fmt: skip
+    if a["unprotected_statistics"] is True and a["privacy"] is None and a["dp_sgd"] is None:
+        problems.append(
+            "trainer.unprotected_statistics labels the statistics a private run keeps out of its logs, and this run "
+            "has no trainer.privacy or trainer.dp_sgd (it logs them as they are): remove the key"
+        )
+    if a["unprotected_statistics"] not in (True, False):
+        problems.append(f"trainer.unprotected_statistics must be true or false, got {a['unprotected_statistics']!r}")
     if a["privacy_audit"] is not None and a["privacy"] is None and a["dp_sgd"] is None:
         problems.append("trainer.privacy_audit audits trainer.privacy or trainer.dp_sgd: set one, or remove "
                         "trainer.privacy_audit")  # fmt: skip

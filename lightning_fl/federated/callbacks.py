@@ -82,9 +82,10 @@ class TensorBoardText(Callback):
             self._samples(trainer, 0)
 
     def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
-        dropped = trainer.round_runner.dropped
-        if dropped and (experiment := _experiment(trainer)) is not None:
-            experiment.add_text("fed/dropped_clients", ", ".join(map(str, dropped)), round)
+        dropped, mode = trainer.round_runner.dropped, unprotected(trainer)
+        if dropped and mode != "withhold" and (experiment := _experiment(trainer)) is not None:
+            tag = "fed/dropped_clients" if mode == "keep" else "unprotected/fed/dropped_clients"
+            experiment.add_text(tag, ", ".join(map(str, dropped)), round)
 
     def on_rounds_end(self, trainer: Any) -> None:
         if self.ran:
@@ -112,6 +113,8 @@ class CollapseAlarm(Callback):
         largest = ", ".join(f"client {c} (norm {n:.3g})" for n, c in trainer.round_runner.update_norms[:3])
         seen = "no single update is seen (secure aggregation)" if trainer.secure_aggregation is not None else (
             f"the largest updates aggregated: {largest or 'none known'}")  # fmt: skip
+        if unprotected(trainer) == "withhold" and trainer.secure_aggregation is None:
+            seen = "the updates' norms stay out of a private run's logs (trainer.unprotected_statistics)"
         trainer.alarm = f"round {round}: the global model collapsed: {why}; {seen}; {collapse_advice(trainer)}"
         warnings.warn(trainer.alarm, stacklevel=2)
 
@@ -134,6 +137,11 @@ def collapse_advice(trainer: Any) -> str:
         return (f"DP-SGD's noise inside the clients may be what moved it (a larger trainer.dp_sgd.target_epsilon or "
                 f"more records per client lower it); else {robust}")  # fmt: skip
     return robust
+
+
+def unprotected(trainer: Any) -> str:
+    """What the trainer's rounds do with statistics from the clients' updates (``RoundSettings.unprotected``)."""
+    return getattr(getattr(trainer.round_runner, "settings", None), "unprotected", "keep")
 
 
 def _experiment(trainer: Any) -> Any:

@@ -30,6 +30,7 @@ from lightning_fl.federated.local import (
     configure_optimizer,
     encode_upload,
     gradient_clip,
+    warn_withheld,
 )
 from lightning_fl.federated.state import State
 from lightning_fl.steps import train_steps
@@ -43,6 +44,7 @@ __all__ = [
     "encode_upload",
     "gradient_clip",
     "run_client",
+    "warn_withheld",
 ]
 
 
@@ -72,7 +74,9 @@ def run_client(
         fabric: Device placement, precision and backward; ``None``: one CPU process.
 
     Local training that diverges (``FloatingPointError`` or a non-finite state) is reported in ``failure``
-    and uploads nothing; a configuration problem (e.g. a client without batches) raises.
+    and uploads nothing, except under an upload stage (local DP, distributed DP), where the client uploads a noised
+    zero update instead (:func:`~lightning_fl.federated.local.encode_upload`); under DP-SGD a record's non-finite
+    gradient is zeroed and training goes on. A configuration problem (e.g. a client without batches) raises.
     """
     fabric = fabric if fabric is not None else _cpu_fabric()
     loader = client_loader(datamodule, client, round, seed)
@@ -111,7 +115,5 @@ def run_client(
             raise
         result.failure = f"local training failed: {err}"
     result.logged = context.step_values()
-    if result.failure is not None:
-        return result
     encode_upload(result, module.federated_state(), global_state, codec, local, round, seed)
     return result

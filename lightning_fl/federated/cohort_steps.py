@@ -108,6 +108,9 @@ class Cohort:
     sums: list[dict[str, list[float]]]
     alive: list[bool]
     epoch_of: Callable[[int, int], int]
+    #: A member whose loss is not finite fails (plain training); DP-SGD sets it false: its records' non-finite
+    #: gradients are zeroed instead, and stopping would tell the server what one record holds.
+    check_finite: bool = True
 
 
 def start_cohort(global_state: State, names, clients: list[int], optimizer, datamodule: Any, device, epoch_of):
@@ -140,8 +143,8 @@ def train_cohort(
     ``k``, each trained as one batched computation) gets its gradients, losses, accuracies and batch weights from
     ``gradients``; a member with weight 0 (a DP-SGD client that drew no record) logs nothing and still steps. A
     member whose loss is not finite fails with the message its module's ``check_loss`` gives one client at a time
-    and leaves the cohort before its gradients are transformed; the others' gradients go through ``transform`` and
-    the cohort's optimiser steps their rows."""
+    and leaves the cohort before its gradients are transformed (not under DP-SGD: ``cohort.check_finite``); the
+    others' gradients go through ``transform`` and the cohort's optimiser steps their rows."""
     C, device = len(cohort.clients), fabric.device
     for t in range(steps):
         for members in groups(t):
@@ -168,7 +171,7 @@ def _log_and_check(module, fabric, round: int, cohort: Cohort, t: int, members, 
         if weights[i] == 0:
             keep.append(i)
             continue
-        if not finite[i]:  # the message the module's own check gives, with this client's epoch and step
+        if not finite[i] and cohort.check_finite:  # the message the module's own check gives, at this epoch and step
             context = StepContext(fabric, client=cohort.clients[k], round=round)
             context.current_epoch, context.global_step = cohort.epoch_of(k, t), t
             try:
@@ -186,12 +189,12 @@ def _log_and_check(module, fabric, round: int, cohort: Cohort, t: int, members, 
 
 
 def finish_cohort(module, cohort: Cohort, global_state: State, codec, local, round: int, seed: int) -> list:
-    """Each client's logged sums and, unless its training failed, the encoding of its trained row of the
-    cohort's tensors; the module back at ``global_state``."""
+    """Each client's logged sums and the encoding of its trained row of the cohort's tensors (a failed client's as
+    :func:`~lightning_fl.federated.local.encode_upload` says: nothing, or under an upload stage a noised zero
+    update); the module back at ``global_state``."""
     for k, result in enumerate(cohort.results):
         result.logged = {key: (s, w) for key, (s, w) in sorted(cohort.sums[k].items()) if w > 0}
-        if result.failure is None:
-            trained = {n: p[k].detach().clone() for n, p in cohort.params.items()}
-            encode_upload(result, trained, global_state, codec, local, round, seed)
+        trained = {n: p[k].detach().clone() for n, p in cohort.params.items()} if result.failure is None else {}
+        encode_upload(result, trained, global_state, codec, local, round, seed)
     module.load_federated_state(global_state)
     return cohort.results

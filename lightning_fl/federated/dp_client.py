@@ -148,6 +148,7 @@ def train_dp_sgd(
     per_epoch = -(-plan.records // plan.batch_size)  # the batches of an epoch: what current_epoch counts
     dp_optimizer = dp_optimizer_for(optimizer, plan, dp.max_grad_norm, noise)
     grad_samples = _opacus_grad_samples if engine == "opacus" else _functorch_grad_samples
+    context.check_finite = False  # a non-finite loss stops nothing: its records' gradients are zeroed below
     try:
         with grad_samples(module, fabric, context) as fill:
             for t in range(plan.steps):
@@ -158,6 +159,7 @@ def train_dp_sgd(
                         p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
                 else:
                     fill(fabric.to_device(batch) if fabric.device.type != "cpu" else batch, t)
+                    zero_non_finite_records(dp_optimizer)
                 dp_optimizer.step()
                 if dp.canaries is not None:  # the privacy audit scores the step's noised gradient (not changing it)
                     gradient = torch.cat([p.grad.detach().reshape(-1).cpu() for p in dp_optimizer.params])
@@ -166,10 +168,37 @@ def train_dp_sgd(
                 if scheduler is not None:
                     scheduler.step()
     finally:  # the parameters as they were: the module trains the next client (maybe with the other engine)
+        context.check_finite = True
         for p in dp_optimizer.params:
             for name in ("grad_sample", "summed_grad"):
                 if hasattr(p, name):
                     delattr(p, name)
+
+
+def finite_records(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Which records' gradients are finite in every tensor: ``grads`` holds one tensor per trainable parameter,
+    records along the first dimension; a boolean vector, one entry per record."""
+    return torch.stack([torch.isfinite(g.flatten(1)).all(1) for g in grads]).all(0)
+
+
+def keep_rows(keep: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g`` with the entries along its leading dimensions (``keep``'s shape) set to zero where ``keep`` is false."""
+    return torch.where(keep.view(*keep.shape, *([1] * (g.dim() - keep.dim()))), g, g.new_zeros(()))
+
+
+def zero_non_finite_records(dp_optimizer: Any) -> None:
+    """Replace by zero the per-record gradient of every record whose gradient holds a NaN or an infinity (in any
+    trainable tensor), before Opacus clips them. The step stays a Gaussian mechanism on the clipped sum (a zero
+    gradient is clipped like any other), so a non-finite record changes the step by at most ``C`` like any record,
+    where its NaN would have turned the whole sum, and the client's upload, into NaN: a failure the server sees."""
+    grads = dp_optimizer.grad_samples
+    if not grads or len(grads[0]) == 0:
+        return
+    finite = finite_records(grads)
+    if bool(finite.all()):
+        return
+    for p, g in zip(dp_optimizer.params, grads, strict=True):
+        p.grad_sample = keep_rows(finite, g)
 
 
 def dp_optimizer_for(optimizer: torch.optim.Optimizer, plan: ClientPlan, max_grad_norm: float, noise: Randomness):
@@ -251,7 +280,7 @@ def _functorch_grad_samples(module: L.LightningModule, fabric: L.Fabric, context
         x, y = batch
         grads, (losses, logits) = per_record({n: p.detach() for n, p in trainable.items()}, x, y)
         loss = losses.mean()
-        module.check_loss(loss)
+        module.check_loss(loss)  # (a no-op under DP-SGD's context: a non-finite record is zeroed, never fatal)
         context.weight = len(y)
         context.log("train/loss", loss)
         context.log("train/acc", module.train_accuracy(logits.detach(), y))

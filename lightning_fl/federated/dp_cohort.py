@@ -22,7 +22,13 @@ from torch.func import functional_call, grad, vmap
 from lightning_fl.compress.base import Codec
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.cohort_steps import finish_cohort, start_cohort, train_cohort
-from lightning_fl.federated.dp_client import PoissonBatches, batchnorm_problem, functorch_problem
+from lightning_fl.federated.dp_client import (
+    PoissonBatches,
+    batchnorm_problem,
+    finite_records,
+    functorch_problem,
+    keep_rows,
+)
 from lightning_fl.federated.local import ClientResult, LocalTraining, client_loader, configure_optimizer
 from lightning_fl.federated.state import State
 
@@ -70,6 +76,7 @@ def run_cohort_dp_sgd(
     per_epoch = [-(-plan.records // plan.batch_size) for plan in plans]  # (what current_epoch counts, as alone)
     cohort = start_cohort(global_state, list(trainable), clients, optimizer, datamodule, device,
                           epoch_of=lambda k, t: t // per_epoch[k])  # fmt: skip
+    cohort.check_finite = False  # a record's non-finite gradient is zeroed (below), never a client's failure
 
     def one_record(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
         logits = functional_call(module, p, (x.unsqueeze(0),), strict=False)
@@ -115,6 +122,9 @@ def run_cohort_dp_sgd(
         width = grads[ordered[0]].shape[1]
         mask = (torch.arange(width).unsqueeze(0) < torch.tensor([sizes[k][t] for k in members]).unsqueeze(1)).to(
             device)  # fmt: skip
+        if width:  # a record's (or a padding record's) non-finite gradient is zero, as one client alone zeroes it
+            finite = finite_records([grads[n].flatten(0, 1) for n in ordered]).view(len(members), width)
+            grads = {n: keep_rows(finite, g) for n, g in grads.items()}
         flat = [grads[n].flatten(2) for n in ordered]  # (M, width, numel)
         norms = torch.stack([g.norm(2, dim=-1) for g in flat], dim=2).norm(2, dim=2)  # (M, width)
         factor = (dp.max_grad_norm / (norms + 1e-6)).clamp(max=1.0) * mask

@@ -9,6 +9,7 @@ DP-SGD) stand on this module and import nothing from each other's files; it impo
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,8 @@ class ClientResult:
     ``payload`` is ``None`` when local training failed (``failure`` says why): nothing is uploaded then.
     ``logged`` holds what the module logged in ``training_step`` (``self.log``): per key, the sum of the
     values weighted by batch size and the total weight, so means over clients weight every sample alike.
+    Under a client stage that noises the upload a failed client uploads a noised zero update instead
+    (:func:`encode_upload`); ``withheld`` then says why, and stays on the client.
     """
 
     client: int
@@ -66,6 +69,7 @@ class ClientResult:
     payload: Payload | None
     logged: dict[str, tuple[float, float]] = field(default_factory=dict)
     failure: str | None = None
+    withheld: str | None = None
 
     @property
     def up_bytes(self) -> int:
@@ -77,6 +81,14 @@ class ClientResult:
         if not local.withholds_metadata:
             return self.num_samples, self.logged, self.failure
         return 0, {}, None if self.failure is None else "local training failed (details withheld under local privacy)"
+
+
+def warn_withheld(result: ClientResult, round: int) -> None:
+    """On the client's own side (a Flower node's log), why it uploaded a noised zero update instead of its own
+    (``result.withheld``): its reply says nothing of it."""
+    if result.withheld is not None:
+        why = f"round {round + 1}: local training failed ({result.withheld}); a noised zero update was uploaded"
+        warnings.warn(why, stacklevel=2)
 
 
 @functools.cache
@@ -135,10 +147,23 @@ def encode_upload(
     seed: int = 0,
 ) -> None:
     """Fill ``result.payload`` with the codec's encoding of the trained ``state`` (after ``local.upload_stage``,
-    e.g. local DP's clipping and noise), or ``result.failure`` when the state holds non-finite values."""
-    if bad := non_finite(state):
-        result.failure = "; ".join(f"{n}: non-finite values" for n in bad)
-        return
+    e.g. local DP's clipping and noise), or ``result.failure`` when training failed or the state holds non-finite
+    values.
+
+    Under an upload stage (local DP, distributed DP's noise share) a failure must not show: whether a client's
+    training failed is a function of its data (one non-finite record), and a reply without an upload would release
+    it un-noised. Such a client uploads its update as zero (``state`` replaced by ``global_state``) through the same
+    clipping and noise, so its reply looks like any other and is accounted like any other; why stays on the client
+    in ``result.withheld``. ``state`` is not read after a failure.
+    """
+    problem = result.failure
+    if problem is None and (bad := non_finite(state)):
+        problem = "; ".join(f"{n}: non-finite values" for n in bad)
+    if problem is not None:
+        if local.upload_stage is None:
+            result.failure = problem
+            return
+        result.failure, result.withheld, state = None, problem, global_state
     if local.upload_stage is not None:
         state = local.upload_stage.privatize(state, global_state, result.client, round, seed)
     if local.secure is not None:

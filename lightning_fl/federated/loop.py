@@ -185,7 +185,11 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.downlink.start(num_clients)
         stages = round_stages(self, fabric, self.local, self.downlink, identity, self._clients_per_round(num_clients))
         secret = self.privacy is not None and self.privacy.amplified and self.privacy.noise_seed is None
-        settings = RoundSettings(self.sampling, self.dropout, self.upload_policy, secret_cohorts=secret)
+        private = self.privacy is not None or self.dp_sgd is not None  # (statistics outside it: withheld or labelled)
+        unprotected = ("label" if self.unprotected_statistics else "withhold") if private else "keep"
+        settings = RoundSettings(
+            self.sampling, self.dropout, self.upload_policy, secret_cohorts=secret, unprotected=unprotected
+        )
         self.round_runner = runner_of(self, collection, stages, settings)  # a round's, or FedBuff's steps
         if self.strategy.weighted and self.strategy.linear and self.max_client_weight is None and not in_process:
             warnings.warn("trainer.strategy.weighted takes each node's declared sample count as given (a node can "

@@ -51,12 +51,17 @@ class RoundSettings:
         secret_cohorts: Draw each round's clients from the operating system's secure generator (rank 0's, sent to
             every process), not from the run's seed: what a DP mechanism amplified by sampling needs when its
             ``noise_seed`` is null (:attr:`~lightning_fl.privacy.Privacy.amplified`).
+        unprotected: What the round's metrics carry of the statistics computed from the clients' updates or logged
+            by them (``Round.unprotected``): ``keep`` them (a run without privacy), ``withhold`` them (a private
+            run's default), or ``label`` them ``unprotected/<key>`` (a private run's opt-in,
+            ``trainer.unprotected_statistics``).
     """
 
     sampling: Literal["fixed", "poisson"] = "fixed"
     dropout: float = 0.0
     upload_policy: Literal["drop", "raise"] = "drop"
     secret_cohorts: bool = False
+    unprotected: Literal["keep", "withhold", "label"] = "keep"
 
 
 class RoundRunner:
@@ -159,6 +164,8 @@ class RoundRunner:
         self.dropped = [e.client for e in rnd.answered if e.client not in aggregated]
         self.update_norms = sorted(((rnd.entry(c).norm, c) for c in aggregated if not math.isnan(rnd.entry(c).norm)),
                                    reverse=True)  # fmt: skip
+        logged = mean_over_clients([e.logged for e in rnd.answered if e.client in aggregated])
+        rnd.unprotected.update({*logged, "fed/dropped_clients", "comm/rejected_bytes", "comm/cum_rejected_bytes"})
         rnd.metrics = {
             "fed/round": float(r + 1),
             "fed/clients": float(len(sampled)),
@@ -167,7 +174,7 @@ class RoundRunner:
             "fed/kept_rows": self.kept_rows,  # uploads held at once (0: streamed into running sums)
             "fed/dropped_clients": len(self.dropped),
             # what the round aggregated: the metrics and the ledger's upload bytes leave dropped clients out
-            **mean_over_clients([e.logged for e in rnd.answered if e.client in aggregated]),
+            **logged,
             **self.collection.transport.round_metrics(),
             **rnd.metrics,
         }
@@ -181,18 +188,21 @@ class RoundRunner:
         for stage in self.stages:
             stage.end_round(rnd)
         rnd.metrics.update(self.ledger.metrics())
-        return state, {k: float(v) for k, v in rnd.metrics.items()}
+        return state, exported(rnd.metrics, rnd.unprotected, self.settings.unprotected)
 
     def _step(self, rnd: Round) -> Step:
         """The strategy's step from the round's sum (after the stages' ``on_aggregate``) or rows, through the stages'
         ``on_step``. A round whose sum no mechanism released keeps its state when the strategy cannot aggregate its
-        number of uploads (``min_clients``)."""
+        number of uploads (``min_clients``), and a round whose sum a mechanism refuses (``Total.refused``) keeps it."""
         total = rnd.total
         if total is not None:  # (a robust strategy reads rows, not a sum)
             for stage in self.stages:
                 total = stage.on_aggregate(rnd, total)
         released = total is not None and total.released
-        step = Step(problem=None if released else self.strategy.problem(len(rnd.folded)))
+        if total is not None and total.refused is not None:
+            step = Step(problem=total.refused)
+        else:
+            step = Step(problem=None if released else self.strategy.problem(len(rnd.folded)))
         if step.accepted:
             if self.strategy.streams:
                 step.flat, step.metrics = self.strategy.step(rnd.index, rnd.current, total.mean(rnd.current64))
@@ -206,3 +216,13 @@ class RoundRunner:
         if step.accepted:
             rnd.metrics.update({f"strategy/{k}": float(v) for k, v in step.metrics.items()})
         return step
+
+
+def exported(metrics: dict[str, Any], unprotected: set[str], mode: str) -> dict[str, float]:
+    """A round's ``metrics`` as the run logs, keeps and exports them: the ``unprotected`` keys (computed from what
+    the clients sent or logged, outside any privacy mechanism) kept (``keep``), left out (``withhold``), or renamed
+    ``unprotected/<key>`` (``label``: outside the privacy guarantee, as their name says wherever they go)."""
+    out = {k: float(v) for k, v in metrics.items() if mode == "keep" or k not in unprotected}
+    if mode == "label":
+        out.update({f"unprotected/{k}": float(metrics[k]) for k in sorted(unprotected) if k in metrics})
+    return out

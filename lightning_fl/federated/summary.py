@@ -52,6 +52,13 @@ def write_audit(trainer: Any) -> dict[str, Any]:
     return report
 
 
+#: The summary's line for a private run that logs its unprotected statistics (``trainer.unprotected_statistics``).
+UNPROTECTED = (
+    "  unprotected/* holds statistics of the clients' updates outside the privacy guarantee "
+    "(trainer.unprotected_statistics): keep them with the server"
+)
+
+
 def trainer_summary(trainer: Any, datamodule: Any, audit: dict[str, Any] | None = None) -> str:
     """:func:`run_summary` of ``trainer`` (a :class:`~lightning_fl.federated.FederatedTrainer`) after its fit on
     ``datamodule`` (``audit``: the privacy audit's report)."""
@@ -139,6 +146,8 @@ def run_summary(
                      f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
                      "dp_sgd_clients.csv)")  # fmt: skip
         lines += [f"    {line}" for line in record_privacy.splitlines()]
+    if any(k.startswith("unprotected/") for k in last):  # trainer.unprotected_statistics
+        lines.append(UNPROTECTED)
     lines += [f"  {line}" for line in audit or []]
     if alarm is not None:
         lines.append(f"  warning: {alarm}")

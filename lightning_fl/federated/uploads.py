@@ -65,7 +65,8 @@ class Total:
     ``total`` (float64 ``(D,)``) adds ``count`` uploads with weights summing to ``weight``; the strategy steps from
     :meth:`mean`. ``updates``: the sum is of updates ``x_k - x`` (central DP's clipped updates, a secure sum), not
     of uploads. ``released``: a mechanism released it, so the strategy steps from it whatever the number of uploads
-    (skipping a round because few uploads arrived would reveal how many did).
+    (skipping a round because few uploads arrived would reveal how many did). ``refused``: why a mechanism refuses to
+    release it (distributed DP with fewer noise shares than its ``min_shares``): the strategy does not step.
     """
 
     total: torch.Tensor
@@ -73,6 +74,7 @@ class Total:
     count: int
     updates: bool = False
     released: bool = False
+    refused: str | None = None
 
     @classmethod
     def of(cls, running: RunningSum) -> Total:
@@ -118,6 +120,9 @@ class Round:
     counts: Counter = field(default_factory=Counter)
     downloads: dict[int, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Keys of ``metrics`` computed from what the clients sent or logged, outside any privacy mechanism (their logged
+    #: means, update norms, the identity error, the uploads refused): what a private run keeps out of its exports.
+    unprotected: set[str] = field(default_factory=set)
 
     @functools.cached_property
     def current64(self) -> torch.Tensor:

@@ -39,7 +39,7 @@ from flwr.clientapp import ClientApp
 
 from lightning_fl.checkpoint import read_checkpoint
 from lightning_fl.errors import UserError
-from lightning_fl.federated.client import run_client
+from lightning_fl.federated.client import run_client, warn_withheld
 from lightning_fl.federated.setup import prepare
 from lightning_fl.flower import messages as wire_msg
 from lightning_fl.flower.pins import noise_cohort, pin_problem
@@ -220,6 +220,7 @@ def train(message: Message, context: Context) -> Message:
                 codec=codec, local=local, fabric=node.fabric,
             )  # fmt: skip
             _save_codec_state(codec, context)
+            warn_withheld(result, int(instructions["round"]))  # (this node's own log: its reply shows nothing)
             payload = result.payload
             num_samples, logged, failure = result.released(node.local)  # (nothing data-dependent under local DP)
             if (dp := node.local.dp_sgd) is not None and client in dp.plans:

@@ -134,9 +134,10 @@ class FlowerTransport(Transport):
         """One line per round (``round``: 1-based, as logged) in the ServerApp's log (``flwr log``): who answered,
         accuracy, bytes. A completed round ends a streak of silent attempts."""
         answered = metrics["fed/clients"] - metrics["fed/unavailable_clients"] - metrics["fed/lost_clients"]
+        rejected = metrics.get("fed/dropped_clients")  # (a private run keeps it out of its logs)
         parts = [
             f"round {round}: {answered:.0f} of {metrics['fed/clients']:.0f} sampled clients replied",
-            f"{metrics['fed/lost_clients']:.0f} lost, {metrics['fed/dropped_clients']:.0f} rejected",
+            f"{metrics['fed/lost_clients']:.0f} lost" + (f", {rejected:.0f} rejected" if rejected is not None else ""),
         ] + ([f"{metrics['fed/stale_replies']:.0f} late replies folded"] if metrics.get("fed/stale_replies") else [])
         if "val/acc" in metrics:
             parts.append(f"val/acc {metrics['val/acc']:.4f}")

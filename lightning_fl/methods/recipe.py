@@ -191,8 +191,9 @@ class TrainingRecipe(L.LightningModule):
         return ((logits.argmax(-1) == y) & counted).float().sum() / counted.float().sum().clamp(min=1.0)
 
     def check_loss(self, loss: torch.Tensor) -> None:
-        """Raise :class:`TrainingDivergedError` if the training loss is NaN or infinite."""
-        if not torch.isfinite(loss):
+        """Raise :class:`TrainingDivergedError` if the training loss is NaN or infinite (not under DP-SGD, whose
+        step context turns the check off: a record's non-finite gradient is zeroed there instead)."""
+        if not torch.isfinite(loss) and getattr(self.fabric, "check_finite", True):
             raise TrainingDivergedError(
                 f"train/loss became {loss.item()} at epoch {self.current_epoch}, step {self.global_step}. "
                 "Lower model.recipe.lr, raise model.recipe.warmup_epochs, or check the data for NaNs."

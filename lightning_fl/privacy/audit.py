@@ -18,7 +18,9 @@ accounted, a clip that does not clip) is caught. Two measurements from one run, 
   "inserted" for the 10% highest every-iterate scores and "not inserted" for the 10% lowest (fixed in advance); if
   the mechanism were (epsilon, delta)-DP, ``v`` correct guesses of ``r`` would be at most as likely as under
   ``Binomial(r, e^eps / (1 + e^eps))``, up to a term in ``delta`` (their Theorem 5.2). The largest epsilon that
-  this rejects at the chosen confidence is a **lower bound** that holds with that confidence.
+  this rejects at the chosen confidence is a **lower bound** that holds with that confidence. Even all ``r`` right
+  rule out nothing above :func:`one_run_ceiling` (2.55 for 200 canaries, 4.17 for 1,000, about 8.25 at most at
+  delta 1e-5): the report says whether the bound could contradict the accountant at all (``one_run_can_fail``).
 
 Where the canaries enter (:class:`~lightning_fl.federated.stages.audit.CanaryStage`): under central and
 distributed DP their clipped updates join the round's clipped sum before the noise of the same release, so the
@@ -104,6 +106,8 @@ def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
 
 def one_run_lower_bound(m: int, r: int, v: int, delta: float, confidence: float) -> float:
     """The largest epsilon that ``v`` correct guesses of ``r`` rule out at ``confidence`` (0: none)."""
+    if not 0.5 <= confidence < 1:
+        raise ValueError(f"a lower bound's confidence must be in [0.5, 1), got {confidence!r}")
     level = 1 - confidence
     if r == 0 or one_run_p_value(m, r, v, 0.0, delta) >= level:
         return 0.0
@@ -116,15 +120,20 @@ def one_run_lower_bound(m: int, r: int, v: int, delta: float, confidence: float)
     return lo
 
 
+def one_run_ceiling(m: int, r: int, delta: float, confidence: float) -> float:
+    """The largest lower bound ``r`` guesses about ``m`` canaries can give (all right): no epsilon above it shows."""
+    return one_run_lower_bound(m, r, r, delta, confidence)
+
+
 class PrivacyAudit:
     """Canary clients that measure what a private run leaks (module docstring); ``trainer.privacy_audit``.
 
     Args:
         canaries: How many canary clients (each inserted with probability 1/2).
-        confidence: Of the bootstrap interval and of the one-run lower bound.
+        confidence: Of the bootstrap interval and of the one-run lower bound, in [0.5, 1).
         guess_fraction: The share of canaries guessed "inserted" (highest scores), and as many "not inserted"
             (lowest), for the one-run bound.
-        seed: Of the canaries' directions and insertions (``null``: the operating system's randomness).
+        seed: Of the canaries' directions and insertions, an integer >= 0 (``null``: the OS's randomness).
         max_memory_mb: The most memory the directions may take (``canaries x D x 4`` bytes).
     """
 
@@ -132,8 +141,12 @@ class PrivacyAudit:
                  seed: int | None = None, max_memory_mb: float = 1024.0) -> None:  # fmt: skip
         problems = [f"trainer.privacy_audit.canaries must be an integer >= 10, got {canaries!r}"] * (
             isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < 10)  # fmt: skip
-        problems += [f"trainer.privacy_audit.confidence must be in (0, 1), got {confidence!r}"] * (
-            not 0 < confidence < 1)  # fmt: skip
+        if not (isinstance(confidence, (int, float)) and 0.5 <= confidence < 1):  # (below 1/2 a bound says nothing)
+            problems.append(f"trainer.privacy_audit.confidence must be in [0.5, 1), e.g. 0.95, got {confidence!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            problems.append(f"trainer.privacy_audit.seed must be an integer >= 0 or null, got {seed!r}")
+        if not (isinstance(max_memory_mb, (int, float)) and math.isfinite(max_memory_mb) and max_memory_mb > 0):
+            problems.append(f"trainer.privacy_audit.max_memory_mb must be a finite number > 0, got {max_memory_mb!r}")
         problems += [f"trainer.privacy_audit.guess_fraction must be in (0, 0.5], got {guess_fraction!r}"] * (
             not 0 < guess_fraction <= 0.5)  # fmt: skip
         if problems:
@@ -207,6 +220,8 @@ class PrivacyAudit:
         correct = int(truth[order[-k:]].sum()) + int((~truth[order[:k]]).sum())
         out["one_run_guesses"], out["one_run_correct"] = 2 * k, correct
         out["one_run_lower_bound"] = one_run_lower_bound(int(seen.sum()), 2 * k, correct, delta, self.confidence)
+        out["one_run_ceiling"] = one_run_ceiling(int(seen.sum()), 2 * k, delta, self.confidence)
+        out["one_run_can_fail"] = bool(epsilon < out["one_run_ceiling"])
         out["violation"] = violation(out)
         return out
 
@@ -264,9 +279,20 @@ def audit_lines(report: dict[str, Any]) -> list[str]:
     lines.append(f"  one-run lower bound {report['one_run_lower_bound']:.3g} at {conf} confidence ("
                  f"{report['one_run_correct']} of {report['one_run_guesses']} guesses right; Steinke et al. 2023); "
                  f"the accountant's epsilon {report['accountant_epsilon']:.4g} is an upper bound")  # fmt: skip
+    lines += [power_line(report)] if "one_run_ceiling" in report else []
     if report.get("violation"):
         lines.append(f"  warning: {report['violation']}")
     return lines
+
+
+def power_line(report: dict[str, Any]) -> str:
+    """What the one-run bound could show at most, and whether that can contradict the accountant."""
+    ceiling, guesses, epsilon = report["one_run_ceiling"], report["one_run_guesses"], report["accountant_epsilon"]
+    head = f"  the largest epsilon {guesses} guesses can show is {ceiling:.3g} (all right): "
+    if report["one_run_can_fail"]:
+        return head + f"the bound could contradict the accountant's {epsilon:.4g}"
+    tail = f"the accountant's {epsilon:.4g} lies above it: this bound cannot contradict it (more canaries raise it)"
+    return head + tail
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:

@@ -85,6 +85,11 @@ class Privacy:
         """Why the next round must not run (a spent budget); ``None``: it may."""
         return None
 
+    def refusal(self, shares: int) -> str | None:
+        """Why a round whose sum carries ``shares`` uploads must not be released (the server releases nothing from
+        it and charges nobody); ``None`` (default): it is released."""
+        return None
+
     def privatize(self, state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], client: int,
                   round: int, seed: int) -> dict[str, torch.Tensor]:  # fmt: skip
         """A client's stage: what it uploads instead of its trained ``state`` (default: ``state`` itself)."""

@@ -16,9 +16,16 @@ of ``mu = z sqrt(n / m) / 2`` in units of the sensitivity. A client's rounds com
 ``mu = (sum_i mu_i^-2)^-1/2``, whose epsilon is Balle and Wang's exact curve (as :class:`~lightning_fl.privacy.LocalDP`
 reports its clients'); the run reports the worst client's (``privacy/epsilon``). ``target_epsilon`` calibrates
 ``z`` so that a client taking part in the expected number of rounds, ``ceil(rounds m / N)``, spends it when every
-expected share arrives; a client sampled more often spends more (reported), and ``max_epsilon`` stops the run
-before any client could exceed it. A round where a client's share does not arrive spends nothing of its budget;
-a dropped share leaves the others' rounds less noise (a larger epsilon for them). Someone who sees only the released
+expected share arrives; a client sampled more often spends more (reported). A round where a client's share does not
+arrive spends nothing of its budget; a dropped share leaves the others' rounds less noise (a larger epsilon for
+them). ``max_epsilon`` stops the run before any client could exceed it: the stop predicts the next round with the
+fewest shares a released sum can carry, ``min_shares`` (default 1: one client's share alone, the worst that Poisson
+sampling, dropouts or a rejected upload can leave), and a round whose sum carries fewer than ``min_shares`` (but
+some) is not released: the global state stays, no client is charged (:meth:`DistributedDP.refusal`). Predicting
+with all ``m`` shares let a client overshoot: z = 4, m = 4, cap 5, three full rounds then one with its share alone
+reached 6.07. A refused sum was still formed by the server (in process, and on Flower once SecAgg+ unmasks it): with
+``min_shares`` above 1 the cap holds for everything released and against a server that discards what it refuses,
+not against one that keeps it; against such a server only ``min_shares`` 1 holds. Someone who sees only the released
 models, not who took part, would also get amplification by sampling (what :class:`~lightning_fl.privacy.CentralDP`
 accounts) if the cohorts stay secret from them; this class does not claim it. Kairouz, Liu, Steinke (2021), "The
 Distributed Discrete Gaussian Mechanism for Federated Learning with Secure Aggregation" (ICML) analyse the same
@@ -70,6 +77,10 @@ class DistributedDP(CentralDP):
         per_layer: As :class:`~lightning_fl.privacy.CentralDP`.
         noise_seed: ``null`` (default): each client's share from its operating system's secure generator; an
             integer seeds it (with the run's seed, the round and the client) for a reproducible simulation.
+        min_shares: The fewest noise shares a released sum may carry: ``max_epsilon``'s stop predicts the next round
+            with this many, and a round whose sum carries fewer (but at least one) is refused, nothing released and
+            nobody charged. 1 (default): every round is released, and the stop assumes a share may arrive alone;
+            ``m``: the stop assumes every share arrives, and a round any share misses is refused.
     """
 
     amplified = False  # the server sees who takes part (module docstring)
@@ -85,14 +96,26 @@ class DistributedDP(CentralDP):
         max_epsilon: float | None = None,
         per_layer: bool = False,
         noise_seed: int | None = None,
+        min_shares: int = 1,
     ) -> None:
+        if isinstance(min_shares, bool) or not isinstance(min_shares, int) or min_shares < 1:
+            raise ConfigError(f"trainer.privacy.min_shares must be an integer >= 1, got {min_shares!r}")
         super().__init__(clip_norm, noise_multiplier, target_epsilon, delta, max_epsilon, per_layer, None, "rdp",
                          noise_seed)  # fmt: skip
+        self.min_shares = min_shares
         #: Per client, the sum of ``mu_i^-2`` over the rounds its share reached the sum (module docstring).
         self.precision: dict[int, float] = {}
         #: The cohort a client draws its share for, when it checked a smaller one than the plan's ``m``
         #: (:meth:`for_cohort`); ``None``: the plan's.
         self.share_cohort: float | None = None
+
+    def setup(self, plan: Plan) -> None:
+        super().setup(plan)
+        if self.min_shares > plan.expected_clients:
+            raise ConfigError(
+                f"trainer.privacy.min_shares={self.min_shares} is above the {plan.expected_clients:g} clients a round "
+                "(trainer.clients_per_round): nearly every round would be refused; set min_shares at most that"
+            )
 
     def expected_rounds(self, plan: Plan) -> int:
         """The rounds a client takes part in on average: ``ceil(rounds m / N)`` (at least 1)."""
@@ -119,13 +142,26 @@ class DistributedDP(CentralDP):
     def stop_reason(self) -> str | None:
         if self.max_epsilon is None:
             return None
-        full = self.sum_multiplier(self.plan.expected_clients) / 2  # one more round, every expected share in
+        fewest = self.sum_multiplier(self.min_shares) / 2  # one more round released with the fewest shares it may
         worst = max(self.precision.values(), default=0.0)
-        after = self.client_epsilon(worst + (full**-2 if full > 0 else math.inf))
+        after = self.client_epsilon(worst + (fewest**-2 if fewest > 0 else math.inf))
         if after <= self.max_epsilon:
             return None
-        return (f"a client taking part in the next round could spend epsilon {after:.4g} at delta {self.delta:.3g}, "
-                f"more than trainer.privacy.max_epsilon={self.max_epsilon:g}")  # fmt: skip
+        shares = "its share alone" if self.min_shares == 1 else f"{self.min_shares} shares (min_shares)"
+        return (
+            f"a client taking part in the next round could spend epsilon {after:.4g} at delta {self.delta:.3g} if "
+            f"the sum carries {shares}, more than trainer.privacy.max_epsilon={self.max_epsilon:g}"
+        )
+
+    def refusal(self, shares: int) -> str | None:
+        """Why a round whose sum carries ``shares`` noise shares is not released: fewer than ``min_shares`` (but
+        some) carry less noise than the budget stop assumed. ``None``: it is released."""
+        if not 0 < shares < self.min_shares:
+            return None
+        return (
+            f"its sum carries {shares} noise share(s), fewer than trainer.privacy.min_shares={self.min_shares} "
+            "(less noise than the budget stop assumed): nothing is released and no client is charged"
+        )
 
     def guarantee(self, secure_sum: bool = False) -> str:
         seen = ("the server sees only their sum (secure aggregation)" if secure_sum else "without secure aggregation "
@@ -203,4 +239,7 @@ class DistributedDP(CentralDP):
         self.precision = {int(c): float(p) for c, p in state["precision"].tolist()}
 
     def __repr__(self) -> str:
-        return f"DistributedDP(clip_norm={self.clip_norm}, noise_multiplier={self.z}, delta={self.delta})"
+        return (
+            f"DistributedDP(clip_norm={self.clip_norm}, noise_multiplier={self.z}, delta={self.delta}, "
+            f"min_shares={self.min_shares})"
+        )

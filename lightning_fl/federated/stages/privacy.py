@@ -25,10 +25,13 @@ class CentralPrivacy(Stage):
     """User-level DP on the server's sum (:class:`~lightning_fl.privacy.CentralDP`, and
     :class:`~lightning_fl.privacy.DistributedDP`, whose clients clipped and noised already): each accepted update is
     clipped as it is folded, the sum is released with noise over the fixed denominator ``m``, and every round is
-    accounted, with or without uploads (every round releases its noised sum)."""
+    accounted, with or without uploads (every round releases its noised sum), except a round whose sum the plug-in
+    refuses (:meth:`~lightning_fl.privacy.Privacy.refusal`: distributed DP with fewer shares than its
+    ``min_shares``), which releases nothing and charges nobody."""
 
     def __init__(self, privacy: Privacy, fabric: L.Fabric) -> None:
         self.privacy, self.fabric = privacy, fabric
+        self.refused = False
 
     def on_fold(self, rnd: Round, entry: Entry, row: torch.Tensor) -> torch.Tensor:
         """The client's update ``x_k - x`` (float64), clipped to the bound; counted when the clip left it unchanged."""
@@ -38,7 +41,11 @@ class CentralPrivacy(Stage):
 
     def on_aggregate(self, rnd: Round, total: Total) -> Total:
         """The noisy mean update (the plug-in's release); under several processes rank 0's holds (noise from the OS
-        differs per process)."""
+        differs per process). A sum the plug-in refuses is not released: the strategy does not step from it."""
+        self.refused = (why := self.privacy.refusal(len(rnd.folded))) is not None
+        if self.refused:
+            rnd.metrics["privacy/noise_shares"] = float(len(rnd.folded))
+            return Total(total.total, total.weight, total.count, updates=True, refused=f"privacy: {why}")
         mean, released = self.privacy.release(total.total, rnd.counts["unclipped"], len(rnd.folded), rnd.index)
         if self.fabric.world_size > 1:
             mean, released, self.privacy.bound = self.fabric.broadcast((mean, released, self.privacy.bound))
@@ -46,7 +53,7 @@ class CentralPrivacy(Stage):
         return Total(mean, 1.0, total.count, updates=True, released=True)  # (dividing by 1.0 changes no bit)
 
     def end_round(self, rnd: Round) -> None:
-        rnd.metrics.update(self.privacy.end_round(rnd.index, rnd.folded))
+        rnd.metrics.update(self.privacy.end_round(rnd.index, [] if self.refused else rnd.folded))
 
     def __repr__(self) -> str:
         return f"CentralPrivacy({self.privacy!r})"

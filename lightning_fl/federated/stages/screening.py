@@ -160,6 +160,7 @@ class NormGate(Stage):
             rnd.metrics["fed/update_norm_median"] = median = float(norms.median())
             if median > 0:  # the largest over the median: the gate ratio under which this round refuses nothing
                 rnd.metrics["fed/update_norm_max_ratio"] = float(norms.max()) / median
+            rnd.unprotected.update({"fed/update_norm_median", "fed/update_norm_max_ratio"})
 
     def __repr__(self) -> str:
         return f"NormGate(max_update_norm={self.max_update_norm}, max_update_norm_ratio={self.max_update_norm_ratio})"

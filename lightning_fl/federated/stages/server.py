@@ -57,6 +57,7 @@ class IdentityCheck(Stage):
         if step.accepted and self.fabric.is_global_zero and len(rnd.folded):
             uploads = [unflatten(u, rnd.state, rnd.names) for u in rnd.rows.values]
             rnd.metrics["fed/identity_error"] = self.identity(uploads)
+            rnd.unprotected.add("fed/identity_error")  # (computed from the uploads themselves)
 
     def __repr__(self) -> str:
         return f"IdentityCheck({getattr(self.identity, '__qualname__', self.identity)})"
