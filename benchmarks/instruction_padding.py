@@ -10,12 +10,14 @@ other) and of the per-record loss that the prompt mask and DP-SGD keep simple.
     python benchmarks/instruction_padding.py                            # SmolLM2's tokenizer (the cache)
     python benchmarks/instruction_padding.py --json docs/results/instruction_padding.json
     python benchmarks/instruction_padding.py --tokenizer PATH           # any save_pretrained folder or .gguf
+    python benchmarks/instruction_padding.py --tiny --tasks arithmetic --epochs 1 --batch 4   # checks the script
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +40,17 @@ def padding(lengths: np.ndarray, batch: int, epochs: int, seed: int = 0) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default="SmolLM2", help="SmolLM2, a save_pretrained folder or a .gguf file")
+    parser.add_argument("--tiny", action="store_true", help="a tiny chat model's tokenizer (checks the script)")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--tasks", nargs="+", default=None, help="task types (default: all five)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.tiny:
+        from lightning_fl.models.tiny import save_tiny_chat_model, task_text
+
+        args.tokenizer = str(save_tiny_chat_model(Path(tempfile.mkdtemp(prefix="tiny-chat-")), task_text()))
     data = FederatedInstructionDataModule(
         InstructionTasks(tasks=args.tasks),
         tokenizer=args.tokenizer,

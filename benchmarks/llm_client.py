@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,7 +141,7 @@ def plain(method: str, mine: Any, args: argparse.Namespace, client: FixedBatches
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", default=None, help="a save_pretrained folder of a tiny chat model instead of SmolLM2")
+    parser.add_argument("--tiny", action="store_true", help="a random tiny chat Llama instead of SmolLM2")
     parser.add_argument("--steps", type=int, default=4, help="local steps per round")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
@@ -150,6 +152,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     before = machine()
+    if args.tiny:  # a folder of its own, as a user's model would be
+        from lightning_fl.models.tiny import save_tiny_chat_model, task_text
+
+        args.tiny = str(save_tiny_chat_model(Path(tempfile.mkdtemp(prefix="tiny-chat-")), task_text()))
     client = FixedBatches(batches(args, args.tiny or "SmolLM2"))
     sides: dict[str, Any] = {}
     for method in [args.only] if args.only else ["lora", "full"]:

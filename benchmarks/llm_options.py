@@ -9,7 +9,7 @@ above it during the steps (activations, gradients, the optimiser's state) and th
 turns ``--repeats`` times; memory is the median over repeats, time the min and median.
 
     python benchmarks/llm_options.py --repeats 3 --json docs/results/llm_options.json
-    python benchmarks/llm_options.py --tiny FOLDER --steps 2 --repeats 1       # a tiny model: checks the script
+    python benchmarks/llm_options.py --tiny --steps 2 --repeats 1 --method lora   # a tiny model: checks the script
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,7 +94,13 @@ def one(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", default=None, help="a save_pretrained folder of a tiny chat model instead of SmolLM2")
+    parser.add_argument(
+        "--tiny",
+        nargs="?",
+        const="",
+        default=None,
+        help="a random tiny chat Llama instead of SmolLM2 (or the save_pretrained folder of one)",
+    )
     parser.add_argument("--method", choices=["lora", "flite"], nargs="+", default=["lora", "flite"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
@@ -105,6 +112,10 @@ def main() -> None:
     if args.setting is not None:
         print(json.dumps(one(argparse.Namespace(**vars(args) | {"method": args.method[0]}))))
         return
+    if args.tiny == "":  # one folder for every child, as a user's model would be
+        from lightning_fl.models.tiny import save_tiny_chat_model, task_text
+
+        args.tiny = str(save_tiny_chat_model(Path(tempfile.mkdtemp(prefix="tiny-chat-")), task_text()))
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for method in args.method:

@@ -146,6 +146,25 @@ CASES = {
         outputs=["gc/flite.json", "gc/smollm2.json", "gc/summary.json"],
         needs="peft",
     ),
+    "llm_client.py": Case(
+        ["--tiny", "--steps", "2", "--repeats", "1", "--threads", "1", "--json", "client.json"],
+        "[llm_client] wrote client.json",
+        outputs=["client.json"],
+        needs="peft",
+    ),
+    "llm_options.py": Case(
+        ["--tiny", "--steps", "1", "--repeats", "1", "--threads", "1", "--method", "lora", "--json", "options.json"],
+        "lora bfloat16+checkpointing:",
+        outputs=["options.json"],
+        needs="peft",
+        timeout=300.0,
+    ),
+    "instruction_padding.py": Case(
+        ["--tiny", "--tasks", "arithmetic", "units", "--epochs", "1", "--batch", "1", "4", "--json", "pad.json"],
+        "batch   4:",
+        outputs=["pad.json"],
+        needs="transformers",
+    ),
     "threads.py": Case(
         ["--rounds", "1", "--repeats", "1", "--root", "runs", "--out", "threads.json"],
         "wrote threads.json",

@@ -369,7 +369,8 @@ def test_null_on_the_command_line_reaches_a_class_inside_the_trainer(in_tmp):
 NO_CONFIG = {
     "help for an unknown model": (
         ["--model.help", "Foo"],
-        "error: fit: model: unknown class 'Foo'. Accepted short names: Classifier, FMPMetaLearner, FedProx, Language",
+        "error: fit: model: unknown class 'Foo'. Accepted short names: Classifier, FMPMetaLearner, FedProx, "
+        "FedSBLanguageModel, Language",
     ),
     "a model key before the model": (
         ["--model.recipe.lr", "3"],

@@ -140,10 +140,8 @@ class LatentSteering:
         self.mapping.keep_start()
 
     def steered_forward(self, *args: torch.Tensor) -> torch.Tensor:
-        """``steered(*args)`` with the mapped weights ``theta_pre + U V^T z`` (differentiable in ``z``). On a network
-        that checkpoints its activations (``gradient_checkpointing``) the ``two_sided`` family's deltas are attached
-        to it at its first forward and stay (:meth:`~lightning_fl.mapping.LatentMapping.attach`), so the backward
-        pass's recomputation adds them too; its ``network`` then computes the mapped model whenever it is called."""
+        """``steered(*args)`` with the mapped weights ``theta_pre + U V^T z`` (differentiable in ``z``); under
+        ``gradient_checkpointing`` the deltas stay attached (:meth:`~lightning_fl.mapping.LatentMapping.attach`)."""
         if getattr(self.steered, "gradient_checkpointing", False):
             self.mapping.attach(self.steered)
         return self.mapping.call(self.steered, self.mapped_base(), *args)

@@ -16,6 +16,10 @@ a base is made, cached or loaded (:meth:`own_weights`), so a LoRA run shares the
 FedAvg on the same architecture, data and recipe. The adapters' initial values come from ``adapter_seed`` alone
 (not the run's random state), so every process builds the same ``A``; the frozen tensors' digest is the
 fingerprint every client must agree on.
+
+Kept as one file: :class:`LoRAAdapters` is what both LoRA classes are (injection, base weights, the fingerprint, the
+identity check, the merged weights) and each class adds a constructor; apart, one method's adapters would be read
+across three files.
 """
 
 from __future__ import annotations
