@@ -292,20 +292,57 @@ def test_private_runs_from_the_command_line_and_their_refusals(in_tmp, capsys, m
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     base = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--model.pretraining.epochs", "1"]
     dp = ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0"]
-    assert run_cli("fit", *base, *dp) == 2
+    assert run_cli("fit", *base, *dp, "--trainer.max_update_norm_ratio", "10") == 2  # a ratio the user asked for
     err = capsys.readouterr().err
     assert "set trainer.max_update_norm_ratio null with trainer.privacy CentralDP" in err and len(err.splitlines()) == 2
     assert run_cli("fit", *base, *dp, "--trainer.privacy.target_epsilon", "2") == 2
     assert "exactly one of noise_multiplier and target_epsilon" in capsys.readouterr().err
-    ok = [*base, *dp, "--trainer.max_update_norm_ratio", "null", "--trainer.sampling", "poisson",
-          "--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2"]  # fmt: skip
+    # One key turns DP on: the default gate (max_update_norm_ratio auto) is off under CentralDP, and says so.
+    adaptive = ["--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2"]
+    ok = [*base, *dp, "--trainer.sampling", "poisson", *adaptive]
     assert run_cli("fit", *ok) == 0
     out = capsys.readouterr().out
     assert "privacy: user-level epsilon" in out and "at delta" in out
     assert "    trust: central, the server clips and noises the sum; neighbours: one client's data added or removed " \
            "(poisson sampling)\n" in out  # fmt: skip
+    note = "relative norm gate off (trainer.max_update_norm_ratio auto under trainer.privacy CentralDP)"
+    assert f"  {note}: the clip bound bounds every upload instead\n" in out
     config = (in_tmp / "runs" / "quickstart" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_fl.privacy.CentralDP" in config and "sampling: poisson" in config
+
+
+def test_the_default_norm_gate_is_off_under_a_mechanism_that_clips_every_upload(tmp_path, capsys):
+    """``max_update_norm_ratio: auto`` (the default) is 10, and off under CentralDP, DistributedDP or secure
+    aggregation, whose clip bound bounds every upload: the run equals one with the gate off (null), bit for bit, and
+    its summary says why; a ratio the user gives is still refused under CentralDP."""
+    from lightning_fl.federated import FederatedTrainer
+    from lightning_fl.privacy import DistributedDP
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    assert FederatedTrainer().norm_gate_ratio == 10.0 and FederatedTrainer().max_update_norm_ratio == "auto"
+    assert FederatedTrainer(max_update_norm_ratio=3.0).norm_gate_ratio == 3.0
+    assert FederatedTrainer(privacy=LocalDP(clip_norm=0.1, epsilon=4.0)).norm_gate_ratio == 10.0  # clipped, noised
+    assert FederatedTrainer(privacy=CentralDP(noise_multiplier=1.0)).norm_gate_ratio is None
+    sum_only = FederatedTrainer(privacy=DistributedDP(noise_multiplier=1.0), secure_aggregation=SecureAggregation())
+    assert sum_only.norm_gate_ratio is None
+    assert FederatedTrainer(secure_aggregation=SecureAggregation()).norm_gate_ratio is None
+    runs = {}
+    for ratio in ("auto", None):
+        capsys.readouterr()
+        privacy = CentralDP(noise_multiplier=1.0, noise_seed=0)
+        args = {"rounds": 2, "logger": False, "clients_per_round": 4, "max_update_norm_ratio": ratio}
+        runs[ratio] = (
+            fit(make_trainer(tmp_path / str(ratio), privacy=privacy, **args)).global_state,
+            capsys.readouterr().out,
+        )
+    assert all(torch.equal(runs["auto"][0][k], runs[None][0][k]) for k in runs[None][0])
+    note = "relative norm gate off (trainer.max_update_norm_ratio auto under trainer.privacy CentralDP)"
+    assert note in runs["auto"][1] and "relative norm gate" not in runs[None][1]
+    ten = make_trainer(
+        tmp_path / "ten", privacy=CentralDP(noise_multiplier=1.0), **{**args, "max_update_norm_ratio": 10}
+    )
+    with pytest.raises(ConfigError, match="set trainer.max_update_norm_ratio null with trainer.privacy CentralDP"):
+        fit(ten)
 
 
 def test_the_summary_says_what_the_epsilon_protects_and_the_bytes_of_the_clients_that_took_part(tmp_path, capsys):

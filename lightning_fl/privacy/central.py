@@ -147,7 +147,8 @@ class CentralDP(Privacy):
             problems.append(
                 "trainer.max_update_norm_ratio compares each update with the round's median, so one client's data "
                 "decides whether another's is used, which the DP guarantee does not cover: set "
-                "trainer.max_update_norm_ratio null with trainer.privacy CentralDP"
+                "trainer.max_update_norm_ratio null with trainer.privacy CentralDP (or leave the key out: its "
+                "default, auto, is off under it)"
             )
         if strategy.min_clients > 1:
             problems.append(
