@@ -2,6 +2,8 @@
 private runs end to end (calibration, the budget stop, resuming the budget, refusals)."""
 
 import math
+import re
+import sys
 import warnings
 
 import numpy as np
@@ -343,6 +345,30 @@ def test_the_default_norm_gate_is_off_under_a_mechanism_that_clips_every_upload(
     )
     with pytest.raises(ConfigError, match="set trainer.max_update_norm_ratio null with trainer.privacy CentralDP"):
         fit(ten)
+
+
+def test_a_mechanism_whose_extra_is_missing_is_refused_when_it_is_made(in_tmp, capsys, monkeypatch):
+    """Without the ``privacy`` extra, CentralDP and DP-SGD are refused in one line as they are made: before the CLI
+    loads data or pretrains a base (DistributedDP and LocalDP need neither package)."""
+    from lightning_fl.privacy import DPSGD, DistributedDP
+
+    monkeypatch.setitem(sys.modules, "opacus", None)  # (importing it raises ImportError; find_spec gives None)
+    fix = "pip install 'lightning-fl[privacy]'"
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.dp_sgd needs Opacus, which is not installed: {fix}")):
+        DPSGD(noise_multiplier=1.0)
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))  # no base cached: it would pretrain first
+    base = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--model.pretraining.epochs", "1"]
+    assert run_cli("fit", *base, "--trainer.dp_sgd", "DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0") == 2
+    out, err = capsys.readouterr()
+    assert f"trainer.dp_sgd needs Opacus, which is not installed: {fix}\n" in err
+    assert "pretraining" not in (out + err).lower() and not (in_tmp / "cache").exists()
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)
+    message = f"trainer.privacy CentralDP needs Google's dp-accounting, which is not installed: {fix}"
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        CentralDP(target_epsilon=8.0)
+    with pytest.raises(ConfigError, match="trainer.dp_sgd needs Google's dp-accounting and Opacus, which are not"):
+        DPSGD(noise_multiplier=1.0)
+    DistributedDP(noise_multiplier=1.0), LocalDP(clip_norm=0.1, epsilon=4.0)
 
 
 def test_the_summary_says_what_the_epsilon_protects_and_the_bytes_of_the_clients_that_took_part(tmp_path, capsys):

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.privacy.accountant import Accountant, RoundEvent, update_noise_multiplier
+from lightning_fl.privacy.accountant import Accountant, RoundEvent, require_extra, update_noise_multiplier
 from lightning_fl.privacy.base import (
     Plan,
     Privacy,
@@ -96,6 +96,8 @@ class CentralDP(Privacy):
 
     central = True
     amplified = True
+    #: The modules of the ``privacy`` extra it needs (checked when it is made): the accountant's.
+    needs: tuple[str, ...] = ("dp_accounting",)
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class CentralDP(Privacy):
         accountant: Literal["rdp", "pld"] = "rdp",
         noise_seed: int | None = None,
     ) -> None:
+        require_extra(f"trainer.privacy {type(self).__name__}", *self.needs)
         problems = positive("clip_norm", clip_norm)
         problems += positive("noise_multiplier", noise_multiplier, allow_zero=True, allow_none=True)
         if target_epsilon != math.inf:  # inf: no noise (clipping only), the right end of a privacy-utility curve
