@@ -642,6 +642,27 @@ def test_the_planner_assumes_the_trainers_sampling_and_says_so(capsys):
     assert "Poisson sampling, add/remove-one neighbours" in capsys.readouterr().out
 
 
+def test_the_planner_says_on_stderr_which_setting_it_computes_and_that_it_still_is(capsys, monkeypatch):
+    """A setting can take a minute: each says when it starts (its place among the settings), then every ``TICK``
+    seconds that it is still being computed, and the planner how long they took; the table alone is on stdout."""
+    from lightning_fl.privacy import __main__ as planner
+
+    monkeypatch.setattr(planner, "TICK", 1e-4)  # every setting outlasts it
+    argv = ["--clients", "200", "--per-round", "20", "--rounds", "5", "--epsilon", "1", "8", "--sampling", "poisson"]
+    assert planner.main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == "1/2: computing the noise multiplier for epsilon 1 (RDP accounting over 5 rounds) ..."
+    assert "2/2: computing the noise multiplier for epsilon 8 (RDP accounting over 5 rounds) ..." in lines
+    assert lines[1].startswith("1/2: still computing the noise multiplier for epsilon 1 (RDP accounting over 5 ")
+    assert lines[1].endswith(" s so far") and re.fullmatch(r"planned 2 setting\(s\) in \d+ s", lines[-1])
+    assert out.count("\n| ") == 3 and "still" not in out  # the header and two rows
+    argv = ["dp-sgd", "--records", "100", "--batch", "10", "--steps", "2", "--rounds", "1", "--noise-multiplier", "1"]
+    assert planner.main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("1/1: computing the epsilon of z = 1 (PLD accounting over 2 steps) ...\n")
+
+
 @pytest.mark.parametrize("mechanism", ["CentralDP", "DistributedDP", "LocalDP"])
 def test_a_delta_not_below_one_over_the_population_is_refused_naming_the_key(mechanism):
     from lightning_fl import privacy as dp
