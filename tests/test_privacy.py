@@ -642,6 +642,28 @@ def test_the_planner_assumes_the_trainers_sampling_and_says_so(capsys):
     assert "Poisson sampling, add/remove-one neighbours" in capsys.readouterr().out
 
 
+def test_a_run_says_when_it_calibrates_its_noise_and_what_it_found(caplog):
+    """Calibrating ``target_epsilon`` searches through the accountant (tens of seconds for 2,000 clients under PLD):
+    a private run says so in a line before its first round, and the multiplier it found after."""
+    import logging
+
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DistributedDP, Plan
+
+    caplog.set_level(logging.INFO, logger="lightning_fl")
+    privacy = CentralDP(target_epsilon=8.0)
+    privacy.setup(Plan(8, 8.0, "fixed", 30, 0, FedAvg()))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_fl.privacy.central"]
+    assert lines[0] == (
+        "calibrating the noise multiplier to trainer.privacy.target_epsilon 8 at delta 1e-05 (RDP accounting over 30 "
+        "rounds) ..."
+    )
+    assert re.fullmatch(rf"noise multiplier {privacy.z:.4g}, calibrated in \d+ s", lines[1]) and len(lines) == 2
+    caplog.clear()
+    DistributedDP(target_epsilon=8.0).setup(Plan(8, 8.0, "fixed", 30, 0, FedAvg()))  # a closed form: no search
+    assert not [r for r in caplog.records if r.name == "lightning_fl.privacy.central"]
+
+
 def test_the_planner_says_on_stderr_which_setting_it_computes_and_that_it_still_is(capsys, monkeypatch):
     """A setting can take a minute: each says when it starts (its place among the settings), then every ``TICK``
     seconds that it is still being computed, and the planner how long they took; the table alone is on stdout."""

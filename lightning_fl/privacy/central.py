@@ -22,7 +22,9 @@ multiplier is raised so both together spend what one query with ``z`` would (the
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any, Literal
 
 import torch
@@ -40,6 +42,8 @@ from lightning_fl.privacy.base import (
     seeding,
 )
 from lightning_fl.seeding import STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE
+
+log = logging.getLogger(__name__)
 
 
 class AdaptiveClipping:
@@ -172,8 +176,15 @@ class CentralDP(Privacy):
             update_noise_multiplier(self.z, self.adaptive.count_std)  # refuses a count noise too small for z
 
     def calibrate(self, plan: Plan) -> float:
-        """The noise multiplier that spends ``target_epsilon`` over ``plan.rounds`` rounds."""
-        return self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds)
+        """The noise multiplier that spends ``target_epsilon`` over ``plan.rounds`` rounds (a search through the
+        accountant, which takes tens of seconds for a large population under PLD: said in a line before and after)."""
+        target = f"trainer.privacy.target_epsilon {self.target_epsilon:g} at delta {self.delta:.3g}"
+        how = f"{self.accountant_method.upper()} accounting over {plan.rounds} rounds"
+        log.info("calibrating the noise multiplier to %s (%s) ...", target, how)
+        started = time.perf_counter()
+        z = self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds)
+        log.info("noise multiplier %.4g, calibrated in %.0f s", z, time.perf_counter() - started)
+        return z
 
     def count_std(self) -> float:
         return self.adaptive.count_std if self.adaptive is not None else 0.0
