@@ -197,6 +197,12 @@ class FMPMetaLearner(L.LightningModule):
         for line in lines:
             log.warning("%s", line)
 
+    def on_validation_start(self) -> None:
+        self.prepare_generator()
+
+    def on_test_start(self) -> None:
+        self.prepare_generator()
+
     def generator_cache_key(self) -> dict:
         dm = self.trainer.datamodule
         init = copy.deepcopy(self.generator)
