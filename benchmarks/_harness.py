@@ -9,7 +9,9 @@ a comparison look ten times slower. So every benchmark
   or, for processes not waited for yet, :func:`descendants_cpu_seconds`) beside wall time: a
   neighbour steals wall time, much less CPU time;
 - prints the torch thread count and the load average before and after (:func:`machine`), and writes all of
-  it as JSON (``--json PATH``) for the results pages (docs/results-*.md) to quote.
+  it as JSON (``--json PATH``) for the results pages (docs/results-*.md) to quote;
+- names no folder of the machine it ran on in what it writes (:func:`portable`, :func:`command_line`): a path
+  inside the repository is written relative to it, any other absolute path as a placeholder.
 
 Use it from a benchmark script: ``from _harness import ...`` (Python puts a script's folder on ``sys.path``).
 """
@@ -21,6 +23,8 @@ import json
 import math
 import os
 import platform
+import re
+import shlex
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+#: An absolute path in a text (not one inside a URL or a relative path).
+ABSOLUTE = re.compile(r"(?<![\w.~/:-])/[^\s`'\"(),;=]+")
 
 
 @dataclass(frozen=True)
@@ -187,9 +195,38 @@ def report(name: str, before: dict[str, Any], results: dict[str, Any], path: Pat
     payload = {"benchmark": name, "machine_before": before, "machine_after": after, "results": results}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2, default=_plain) + "\n")
+        path.write_text(json.dumps(portable(json.loads(json.dumps(payload, default=_plain))), indent=2) + "\n")
         print(f"[{name}] wrote {path}")
     return payload
+
+
+def portable(value: Any, name: str = "path") -> Any:
+    """``value`` as a published file may hold it: every absolute path in a string (or in the strings of a dict or
+    list, named by their key) written relative to the repository when it lies inside it, else as ``<name>``."""
+    if isinstance(value, dict):
+        return {k: portable(v, k if isinstance(k, str) else name) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v, name) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str):
+        return value
+
+    def shown(match: re.Match) -> str:
+        path = Path(match.group(0))
+        return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else f"<{name}>"
+
+    return ABSOLUTE.sub(shown, value)
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """``python benchmarks/SCRIPT ARGV`` as a results file quotes it: each absolute path among the arguments
+    :func:`portable`, named after the option before it (``--workdir /tmp/x`` -> ``--workdir <workdir>``)."""
+    words = ["python", f"benchmarks/{script}"]
+    for before, arg in zip(["", *argv], argv, strict=False):
+        shown = portable(arg, before[2:] if before.startswith("--") else "path")
+        words.append(shown if re.fullmatch(r"<[\w-]+>", shown) else shlex.quote(shown))
+    return " ".join(words)
 
 
 def _plain(value: Any) -> Any:

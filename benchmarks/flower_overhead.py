@@ -82,6 +82,7 @@ from _harness import (
     Sample,
     add_arguments,
     children_cpu_seconds,
+    command_line,
     descendants_cpu_seconds,
     machine,
     ratios,
@@ -538,7 +539,7 @@ def main() -> None:
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (round 1 is warm-up)")
     before = machine()
-    command = shlex.join(["python", "benchmarks/flower_overhead.py", *sys.argv[1:]])
+    command = command_line("flower_overhead.py", sys.argv[1:])
     # Absolute: the SuperLink, SuperNodes and flwr CLI run in folders under it, with FLWR_HOMEs under it.
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="flower_overhead-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)

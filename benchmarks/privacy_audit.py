@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _harness import command_line
+
 from lightning_fl.privacy.audit import one_run_ceiling
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +83,7 @@ def main() -> None:
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     if args.json is not None:
-        command = "python benchmarks/privacy_audit.py " + " ".join(sys.argv[1:])
+        command = command_line("privacy_audit.py", sys.argv[1:])
         args.json.write_text(json.dumps({"command": command, "rows": rows}, indent=1, default=str) + "\n")
 
 

@@ -62,6 +62,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _harness import command_line
+
 from lightning_fl.federated.callbacks import Callback
 
 REPO = Path(__file__).resolve().parents[1]
@@ -354,7 +356,7 @@ def main() -> None:
         return
     if args.from_json is not None:
         raw = json.loads(args.from_json.read_text(encoding="utf-8"))
-        write(raw, args.out, regenerated=shlex.join(["python", "benchmarks/rate_limited_rounds.py", *sys.argv[1:]]))
+        write(raw, args.out, regenerated=command_line("rate_limited_rounds.py", sys.argv[1:]))
         return
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (round 1 is warm-up)")
@@ -363,7 +365,7 @@ def main() -> None:
 
     if reason := _netns.unavailable():
         sys.exit(f"rate_limited_rounds.py: {reason}")
-    command = shlex.join(["python", "benchmarks/rate_limited_rounds.py", *sys.argv[1:]])
+    command = command_line("rate_limited_rounds.py", sys.argv[1:])
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="rate_limited-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ settings, results per condition and setting, ratios per condition) and, with ``-
 every sample and the machine's state.
 
     python benchmarks/threads.py                       # 5 rounds, 3 repeats per setting and condition
-    python benchmarks/threads.py --rounds 2 --repeats 1 --out /tmp/threads.json
+    python benchmarks/threads.py --rounds 2 --repeats 1 --out threads.json
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -50,12 +51,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     add_arguments(parser, repeats=3)
-    parser.add_argument("--root", type=Path, default=Path("/tmp/lightning_fl_threads_bench"))
+    parser.add_argument("--root", type=Path, default=None, help="the runs' folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=Path("threads.json"))
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lightning_fl_threads_bench-") as tmp:
+        measure_threads(args, args.root if args.root is not None else Path(tmp))
+
+
+def measure_threads(args: argparse.Namespace, root: Path) -> None:
+    """The measurements, with the runs written under ``root``."""
     before = machine()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    run_once(1, 1, args.root, env)  # warm-up: pretrains and caches the base
+    run_once(1, 1, root, env)  # warm-up: pretrains and caches the base
     results, per_repeat, raw = {}, {}, {}
     for condition in ("quiet", "one busy neighbour"):
         neighbour = subprocess.Popen([sys.executable, "-c", BUSY]) if condition != "quiet" else None
@@ -63,7 +70,7 @@ def main() -> None:
             samples: dict[str, list[Sample]] = {"threads 1": [], "threads 2": []}
             for _ in range(args.repeats):
                 for threads in (1, 2):  # alternate the two settings
-                    samples[f"threads {threads}"].append(run_once(threads, args.rounds, args.root, env))
+                    samples[f"threads {threads}"].append(run_once(threads, args.rounds, root, env))
         finally:  # the neighbour's CPU joins the children's once waited for here: after the last sample
             if neighbour is not None:
                 neighbour.kill()

@@ -341,6 +341,24 @@ def test_the_harness_alternates_the_sides_and_reports_min_and_median():
     assert _harness.summarise(fake, per=2)["a"]["wall"] == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 2}
 
 
+def test_what_a_benchmark_writes_names_no_folder_of_the_machine_it_ran_on(tmp_path, capsys):
+    """A results file quotes its command and settings with every path inside the repository relative to it and any
+    other absolute path as a placeholder named after its option; threads.py's runs go to a temporary folder."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import _harness
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    work, inside = tmp_path / "work", REPO / "docs" / "results" / "x.json"
+    command = _harness.command_line("rate_limited_rounds.py", ["--workdir", str(work), "--json", str(inside), "-v"])
+    assert command == "python benchmarks/rate_limited_rounds.py --workdir <workdir> --json docs/results/x.json -v"
+    written = tmp_path / "out.json"
+    _harness.report("b", _harness.machine(), {"json": str(tmp_path / "r.json"), "root": work, "n": 3}, written)
+    results = json.loads(written.read_text())["results"]
+    assert results == {"json": "<json>", "root": "<root>", "n": 3} and str(tmp_path) not in written.read_text()
+    assert "/tmp/" not in (BENCHMARKS / "threads.py").read_text()
+
+
 @pytest.mark.slow
 def test_a_population_of_100000_clients_costs_little_memory(tmp_path):
     """10^5 clients (800,000 images): the images are generated a chunk at a time, the partition is two flat arrays

@@ -77,6 +77,8 @@ def test_the_top_level_help_is_answered_before_torch_is_imported(tmp_path):
             assert f"  {name} " in text and what in text, (argv, name)
         assert "  python -m lightning_fl fit --config configs/quickstart.yaml\n" in text, argv
         assert "configs/ in the repository" in text and "docs/index.md" in text and "mkdocs serve" in text, argv
+        # what fit --help lists (test_the_subcommand_parser_has_exactly_the_top_keys), and where every key is
+        assert "fit --help lists the top-level keys" in text and "--print_config every key" in text, argv
 
 
 def full_parser_message(argv: list[str]) -> str:

@@ -265,6 +265,8 @@ def test_every_relative_link_and_anchor_in_readme_and_docs_resolves():
             file = (doc.parent / path).resolve() if path else doc
             if not file.exists():
                 broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif file.is_dir() and doc.is_relative_to(DOCS) and not (file / "index.md").exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (a folder: the site has no page for it)")
             elif anchor and file.suffix == ".md" and anchor not in _slugs(file.read_text()):
                 broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)

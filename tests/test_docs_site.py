@@ -5,6 +5,7 @@ commands the pages give agree with what the package defines and prints."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -169,3 +170,33 @@ def test_readme_and_the_install_page_list_every_extra():
     assert set(re.findall(r"`([\w-]+)`\s\(", paragraph)) == extras
     install = (DOCS / "tutorials" / "quickstart.md").read_text()
     assert set(re.findall(r"^\| `([\w-]+)` \|", install, re.M)) == extras
+
+
+#: An absolute path of the machine a file was written on: a temporary folder, a home or a workspace.
+MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp|home|root|work|Users|mnt|scratch|var/folders|private/var)/[^\s`'\")]*")
+
+
+def test_no_published_file_holds_an_absolute_path_of_the_machine_it_was_written_on():
+    """What docs/ publishes (pages, result tables, JSON records) names paths relative to the repository or
+    placeholders, never a folder of the machine that ran it (``/tmp/...``, ``/home/...``, ``/root/...``,
+    ``/work/...``): a reader's machine has none of them."""
+    found = []
+    for path in sorted(p for p in DOCS.rglob("*") if p.is_file()):
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # a figure
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            found += [f"{path.relative_to(REPO)}:{number}: {m}" for m in MACHINE_PATH.findall(line)]
+    assert not found, "\n".join(found)
+
+
+def test_every_table_has_a_header():
+    """A Markdown table whose header row is empty renders as a blank bar above the rows."""
+    empty = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for number, (line, rule) in enumerate(itertools.pairwise(lines), 1):
+            if re.fullmatch(r"\|( *\|)+ *", line.strip()) and re.fullmatch(r"\|( *:?-+:? *\|)+", rule.strip()):
+                empty.append(f"{page.relative_to(REPO)}:{number}")
+    assert not empty, "\n".join(empty)

@@ -152,9 +152,10 @@ def test_either_engine_without_opacus_says_how_to_install_it(monkeypatch):
 
     from lightning_fl.federated.dp_client import choose_engine
 
+    dp = DPSGD(noise_multiplier=1.0, engine="functorch")  # (made without Opacus, it is refused: test_privacy.py)
     monkeypatch.setitem(sys.modules, "opacus", None)  # (import opacus then raises ImportError)
     with pytest.raises(ConfigError, match=r"trainer.dp_sgd needs Opacus: pip install 'lightning-fl\[privacy\]'"):
-        choose_engine(make_model(), DPSGD(noise_multiplier=1.0, engine="functorch"))
+        choose_engine(make_model(), dp)
 
 
 @pytest.mark.parametrize("engine", ["opacus", "functorch"])

@@ -562,6 +562,27 @@ def test_fmp_digits_config_fits_then_tests_from_its_checkpoint(in_tmp, monkeypat
     assert 0.0 <= metrics["test/acc"] <= 1.0 and 0.3 < metrics["test/mp/acc"] <= 1.0
 
 
+def test_a_shortened_run_validates_at_its_last_step_and_names_what_its_steps_leave_long(
+    in_tmp, monkeypatch, capsys, caplog
+):
+    """``--trainer.max_steps`` below the config's ``val_check_interval`` (300) validates at the run's last step; lines
+    name the generator's own steps and a k-means warm-up that covers every step; without a progress bar the
+    meta-training reports its steps."""
+    from conftest import CONFIGS, run_cli
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
+    shrink = dict(zip(FMP_SHRINK[::2], FMP_SHRINK[1::2], strict=True))
+    del shrink["--trainer.val_check_interval"]  # the config's 300
+    shrink["--model.generator_training.steps"] = "5"  # more than the run's 4 steps
+    assert run_cli("fit", "--config", str(CONFIGS / "fmp_digits.yaml"), *(a for kv in shrink.items() for a in kv)) == 0
+    assert "val/theta_dist: " in capsys.readouterr().out  # it validated
+    assert "trainer.val_check_interval 300 is beyond trainer.max_steps 4: validating at step 4, the last" in caplog.text
+    assert "Training the predictive generator for 5 steps" in caplog.text
+    assert "more than trainer.max_steps 4: add --model.generator_training.steps 4 too" in caplog.text
+    assert "model.warmup_steps 600 covers all 4 steps" in caplog.text and "--model.warmup_steps 2" in caplog.text
+    assert "meta-training step 4/4 (k-means warm-up): loss " in caplog.text
+
+
 def test_the_polya_urn_is_selected_by_class_path_and_needs_no_training(in_tmp, monkeypatch):
     from conftest import CONFIGS, capture_test_results, run_cli
 

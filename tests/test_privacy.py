@@ -2,6 +2,8 @@
 private runs end to end (calibration, the budget stop, resuming the budget, refusals)."""
 
 import math
+import re
+import sys
 import warnings
 
 import numpy as np
@@ -326,20 +328,81 @@ def test_private_runs_from_the_command_line_and_their_refusals(in_tmp, capsys, m
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     base = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--model.pretraining.epochs", "1"]
     dp = ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0"]
-    assert run_cli("fit", *base, *dp) == 2
+    assert run_cli("fit", *base, *dp, "--trainer.max_update_norm_ratio", "10") == 2  # a ratio the user asked for
     err = capsys.readouterr().err
     assert "set trainer.max_update_norm_ratio null with trainer.privacy CentralDP" in err and len(err.splitlines()) == 2
     assert run_cli("fit", *base, *dp, "--trainer.privacy.target_epsilon", "2") == 2
     assert "exactly one of noise_multiplier and target_epsilon" in capsys.readouterr().err
-    ok = [*base, *dp, "--trainer.max_update_norm_ratio", "null", "--trainer.sampling", "poisson",
-          "--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2"]  # fmt: skip
+    # One key turns DP on: the default gate (max_update_norm_ratio auto) is off under CentralDP, and says so.
+    adaptive = ["--trainer.privacy.adaptive", "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2"]
+    ok = [*base, *dp, "--trainer.sampling", "poisson", *adaptive]
     assert run_cli("fit", *ok) == 0
     out = capsys.readouterr().out
     assert "privacy: user-level epsilon" in out and "at delta" in out
     assert "    trust: central, the server clips and noises the sum; neighbours: one client's data added or removed " \
            "(poisson sampling)\n" in out  # fmt: skip
+    note = "relative norm gate off (trainer.max_update_norm_ratio auto under trainer.privacy CentralDP)"
+    assert f"  {note}: the clip bound bounds every upload instead\n" in out
     config = (in_tmp / "runs" / "quickstart" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_fl.privacy.CentralDP" in config and "sampling: poisson" in config
+
+
+def test_the_default_norm_gate_is_off_under_a_mechanism_that_clips_every_upload(tmp_path, capsys):
+    """``max_update_norm_ratio: auto`` (the default) is 10, and off under CentralDP, DistributedDP or secure
+    aggregation, whose clip bound bounds every upload: the run equals one with the gate off (null), bit for bit, and
+    its summary says why; a ratio the user gives is still refused under CentralDP."""
+    from lightning_fl.federated import FederatedTrainer
+    from lightning_fl.privacy import DistributedDP
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    assert FederatedTrainer().norm_gate_ratio == 10.0 and FederatedTrainer().max_update_norm_ratio == "auto"
+    assert FederatedTrainer(max_update_norm_ratio=3.0).norm_gate_ratio == 3.0
+    assert FederatedTrainer(privacy=LocalDP(clip_norm=0.1, epsilon=4.0)).norm_gate_ratio == 10.0  # clipped, noised
+    assert FederatedTrainer(privacy=CentralDP(noise_multiplier=1.0)).norm_gate_ratio is None
+    sum_only = FederatedTrainer(privacy=DistributedDP(noise_multiplier=1.0), secure_aggregation=SecureAggregation())
+    assert sum_only.norm_gate_ratio is None
+    assert FederatedTrainer(secure_aggregation=SecureAggregation()).norm_gate_ratio is None
+    runs = {}
+    for ratio in ("auto", None):
+        capsys.readouterr()
+        privacy = CentralDP(noise_multiplier=1.0, noise_seed=0)
+        args = {"rounds": 2, "logger": False, "clients_per_round": 4, "max_update_norm_ratio": ratio}
+        runs[ratio] = (
+            fit(make_trainer(tmp_path / str(ratio), privacy=privacy, **args)).global_state,
+            capsys.readouterr().out,
+        )
+    assert all(torch.equal(runs["auto"][0][k], runs[None][0][k]) for k in runs[None][0])
+    note = "relative norm gate off (trainer.max_update_norm_ratio auto under trainer.privacy CentralDP)"
+    assert note in runs["auto"][1] and "relative norm gate" not in runs[None][1]
+    ten = make_trainer(
+        tmp_path / "ten", privacy=CentralDP(noise_multiplier=1.0), **{**args, "max_update_norm_ratio": 10}
+    )
+    with pytest.raises(ConfigError, match="set trainer.max_update_norm_ratio null with trainer.privacy CentralDP"):
+        fit(ten)
+
+
+def test_a_mechanism_whose_extra_is_missing_is_refused_when_it_is_made(in_tmp, capsys, monkeypatch):
+    """Without the ``privacy`` extra, CentralDP and DP-SGD are refused in one line as they are made: before the CLI
+    loads data or pretrains a base (DistributedDP and LocalDP need neither package)."""
+    from lightning_fl.privacy import DPSGD, DistributedDP
+
+    monkeypatch.setitem(sys.modules, "opacus", None)  # (importing it raises ImportError; find_spec gives None)
+    fix = "pip install 'lightning-fl[privacy]'"
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.dp_sgd needs Opacus, which is not installed: {fix}")):
+        DPSGD(noise_multiplier=1.0)
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))  # no base cached: it would pretrain first
+    base = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "1", "--model.pretraining.epochs", "1"]
+    assert run_cli("fit", *base, "--trainer.dp_sgd", "DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0") == 2
+    out, err = capsys.readouterr()
+    assert f"trainer.dp_sgd needs Opacus, which is not installed: {fix}\n" in err
+    assert "pretraining" not in (out + err).lower() and not (in_tmp / "cache").exists()
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)
+    message = f"trainer.privacy CentralDP needs Google's dp-accounting, which is not installed: {fix}"
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        CentralDP(target_epsilon=8.0)
+    with pytest.raises(ConfigError, match="trainer.dp_sgd needs Google's dp-accounting and Opacus, which are not"):
+        DPSGD(noise_multiplier=1.0)
+    DistributedDP(noise_multiplier=1.0), LocalDP(clip_norm=0.1, epsilon=4.0)
 
 
 def test_the_summary_says_what_the_epsilon_protects_and_the_bytes_of_the_clients_that_took_part(tmp_path, capsys):
@@ -677,6 +740,49 @@ def test_the_planner_assumes_the_trainers_sampling_and_says_so(capsys):
     assert main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--noise-multiplier", "1.0",
                  "--accountant", "pld", "--sampling", "poisson"]) == 0  # fmt: skip
     assert "Poisson sampling, add/remove-one neighbours" in capsys.readouterr().out
+
+
+def test_a_run_says_when_it_calibrates_its_noise_and_what_it_found(caplog):
+    """Calibrating ``target_epsilon`` searches through the accountant (tens of seconds for 2,000 clients under PLD):
+    a private run says so in a line before its first round, and the multiplier it found after."""
+    import logging
+
+    from lightning_fl.federated import FedAvg
+    from lightning_fl.privacy import DistributedDP, Plan
+
+    caplog.set_level(logging.INFO, logger="lightning_fl")
+    privacy = CentralDP(target_epsilon=8.0)
+    privacy.setup(Plan(8, 8.0, "fixed", 30, 0, FedAvg()))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_fl.privacy.central"]
+    assert lines[0] == (
+        "calibrating the noise multiplier to trainer.privacy.target_epsilon 8 at delta 1e-05 (RDP accounting over 30 "
+        "rounds) ..."
+    )
+    assert re.fullmatch(rf"noise multiplier {privacy.z:.4g}, calibrated in \d+ s", lines[1]) and len(lines) == 2
+    caplog.clear()
+    DistributedDP(target_epsilon=8.0).setup(Plan(8, 8.0, "fixed", 30, 0, FedAvg()))  # a closed form: no search
+    assert not [r for r in caplog.records if r.name == "lightning_fl.privacy.central"]
+
+
+def test_the_planner_says_on_stderr_which_setting_it_computes_and_that_it_still_is(capsys, monkeypatch):
+    """A setting can take a minute: each says when it starts (its place among the settings), then every ``TICK``
+    seconds that it is still being computed, and the planner how long they took; the table alone is on stdout."""
+    from lightning_fl.privacy import __main__ as planner
+
+    monkeypatch.setattr(planner, "TICK", 1e-4)  # every setting outlasts it
+    argv = ["--clients", "200", "--per-round", "20", "--rounds", "5", "--epsilon", "1", "8", "--sampling", "poisson"]
+    assert planner.main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == "1/2: computing the noise multiplier for epsilon 1 (RDP accounting over 5 rounds) ..."
+    assert "2/2: computing the noise multiplier for epsilon 8 (RDP accounting over 5 rounds) ..." in lines
+    assert lines[1].startswith("1/2: still computing the noise multiplier for epsilon 1 (RDP accounting over 5 ")
+    assert lines[1].endswith(" s so far") and re.fullmatch(r"planned 2 setting\(s\) in \d+ s", lines[-1])
+    assert out.count("\n| ") == 3 and "still" not in out  # the header and two rows
+    argv = ["dp-sgd", "--records", "100", "--batch", "10", "--steps", "2", "--rounds", "1", "--noise-multiplier", "1"]
+    assert planner.main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("1/1: computing the epsilon of z = 1 (PLD accounting over 2 steps) ...\n")
 
 
 @pytest.mark.parametrize("mechanism", ["CentralDP", "DistributedDP", "LocalDP"])

@@ -263,7 +263,7 @@ def test_the_absolute_bound_and_the_raise_policy(tmp_path):
     assert torch.equal(latent(kept), torch.zeros_like(latent(kept)))  # every upload refused: the base is kept
     assert [h["fed/dropped_clients"] for h in kept.history[1:]] == [4, 4]
     assert not torch.equal(start, torch.zeros_like(start))
-    with pytest.raises(ConfigError, match="trainer.max_update_norm_ratio must be a positive number or null, got 0"):
+    with pytest.raises(ConfigError, match="max_update_norm_ratio must be a positive number, 'auto' or null, got 0"):
         make_trainer(tmp_path, max_update_norm_ratio=0)
 
 

@@ -63,8 +63,9 @@ USAGE = "\n".join(
         "",
         "configs:  configs/ in the repository, one YAML file per experiment; override any key with a dotted",
         "          option, e.g. --trainer.rounds 5.",
-        f"keys:     {PROG} fit --help lists every key; --KEY.help CLASS the options of one class",
-        "          (e.g. --trainer.help FederatedTrainer).",
+        f"keys:     {PROG} fit --help lists the top-level keys (trainer, model, data, ...);",
+        "          --KEY.help CLASS the options of one class (e.g. --trainer.help FederatedTrainer);",
+        "          --config FILE --print_config every key of a config with its value.",
         'docs:     docs/ in the repository (start at docs/index.md); the site: pip install -e ".[docs]", then',
         "          mkdocs serve.",
     ]

@@ -58,9 +58,12 @@ class TrainerArguments:
     max_update_norm: float | None = None
     """The gate refuses an upload whose change to the global state (L2 norm over the whole federated state) exceeds
     this; ``null``: no absolute bound. The aggregate's step obeys it too."""
-    max_update_norm_ratio: float | None = 10.0
+    max_update_norm_ratio: float | Literal["auto"] | None = "auto"
     """The gate refuses an upload whose update norm is more than this many times the round's median update norm;
-    ``null``: off. With a linear strategy the aggregate's step obeys it too."""
+    ``null``: off. With a linear strategy the aggregate's step obeys it too. ``auto`` (default): 10, and off under a
+    mechanism that clips every upload (``privacy`` CentralDP or DistributedDP, ``secure_aggregation``), whose clip
+    bound already bounds it and which a gate relative to the other clients' updates would break (the run's summary
+    says so)."""
     max_client_weight: float | None = None
     """The most samples a client's upload may weigh under a sample-weighted strategy (a larger declared count is capped,
     warned): on Flower each node declares its own count."""
@@ -171,6 +174,48 @@ class TrainerArguments:
         if problems := trainer_problems(vars(self)):
             raise ConfigError("; ".join(problems))
 
+    @property
+    def norm_gate_ratio(self) -> float | None:
+        """``max_update_norm_ratio`` as the gate applies it (``auto`` resolved; ``None``: off)."""
+        return norm_gate_ratio(vars(self))
+
+    @property
+    def norm_gate_note(self) -> str | None:
+        """The summary's line when ``max_update_norm_ratio: auto`` turned the gate off (``None``: it did not)."""
+        return norm_gate_note(vars(self))
+
+
+#: What ``trainer.max_update_norm_ratio: auto`` is when no mechanism clips every upload.
+DEFAULT_NORM_RATIO = 10.0
+#: Why the summary says the default gate is off.
+NOTE_TAIL = "the clip bound bounds every upload instead"
+
+
+def clipping_mechanism(a: dict[str, Any]) -> str | None:
+    """The key whose mechanism clips every upload to a public bound (``trainer.privacy`` CentralDP or DistributedDP,
+    ``trainer.secure_aggregation``), which turns ``max_update_norm_ratio: auto`` off; ``None``: there is none."""
+    if isinstance(a["privacy"], Privacy) and a["privacy"].central:
+        return f"trainer.privacy {type(a['privacy']).__name__}"
+    if a["secure_aggregation"] is not None:
+        return "trainer.secure_aggregation"
+    return None
+
+
+def norm_gate_ratio(a: dict[str, Any]) -> float | None:
+    """The relative bound the gate applies for the trainer's arguments ``a``: ``max_update_norm_ratio``, with ``auto``
+    :data:`DEFAULT_NORM_RATIO`, or ``None`` (off) under a :func:`clipping_mechanism`."""
+    value = a["max_update_norm_ratio"]
+    if value != "auto":
+        return value
+    return None if clipping_mechanism(a) is not None else DEFAULT_NORM_RATIO
+
+
+def norm_gate_note(a: dict[str, Any]) -> str | None:
+    """The summary's line when ``max_update_norm_ratio: auto`` is off (``None``: it is not)."""
+    if a["max_update_norm_ratio"] != "auto" or (mechanism := clipping_mechanism(a)) is None:
+        return None
+    return f"relative norm gate off (trainer.max_update_norm_ratio auto under {mechanism}): {NOTE_TAIL}"
+
 
 def _devices_problems(devices: Any, accelerator: str, num_nodes: int) -> list[str]:
     d = str(devices).replace(" ", "")
@@ -210,8 +255,10 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
                                              and a["threads"] >= 1), "a whole number >= 1 or null"),
     }  # fmt: skip
     for key in ("max_update_norm", "max_update_norm_ratio", "max_client_weight"):
-        value = a[key]
-        ranges[key] = (value is None or (math.isfinite(value) and value > 0), "a positive number or null")
+        value, auto = a[key], key == "max_update_norm_ratio"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        ok = value is None or number or (auto and value == "auto")
+        ranges[key] = (ok, "a positive number, 'auto' or null" if auto else "a positive number or null")
     kinds = {  # key: (class, its names in the message)
         "strategy": (Strategy, "a Strategy"),
         "privacy": (Privacy, "CentralDP, DistributedDP, LocalDP or null"),
@@ -261,7 +308,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
         problems.append(f"trainer.dp_sgd trains in 32-bit; trainer.precision is {a['precision']!r}: set it to "
                         "32-true or null")  # fmt: skip
     if isinstance(secure := a["secure_aggregation"], SecureAggregation):
-        problems += secure.problems(a["strategy"], a["privacy"], a["codec"], a["max_update_norm_ratio"], a["attack"])
+        problems += secure.problems(a["strategy"], a["privacy"], a["codec"], norm_gate_ratio(a), a["attack"])
     problems += downlink_problems(a["compressed_downloads"], a["codec"], secure) + clock_problems(a)
     return problems + (buffered_problems(a) if isinstance(a["buffered"], FedBuff) else [])
 

@@ -254,7 +254,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
     def _privacy_plan(self, num_clients: int, count: int, seed: int) -> Plan:
         return Plan(
             num_clients=num_clients, expected_clients=float(count), sampling=self.sampling, rounds=self.rounds,
-            seed=seed, strategy=self.strategy, max_update_norm_ratio=self.max_update_norm_ratio,
+            seed=seed, strategy=self.strategy, max_update_norm_ratio=self.norm_gate_ratio,
         )  # fmt: skip
 
     def _clients_per_round(self, num_clients: int) -> int:

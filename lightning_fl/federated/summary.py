@@ -71,6 +71,7 @@ def trainer_summary(trainer: Any, datamodule: Any, audit: dict[str, Any] | None 
         record_privacy=dp_sgd.guarantee() if dp_sgd is not None else "",
         audit=audit_lines(audit) if audit is not None else [],
         data=datamodule.summary_lines() if callable(getattr(datamodule, "summary_lines", None)) else [],
+        gate=trainer.norm_gate_note,
     )  # fmt: skip
 
 
@@ -87,6 +88,7 @@ def run_summary(
     record_privacy: str = "",
     audit: list[str] | None = None,
     data: list[str] | None = None,
+    gate: str | None = None,
 ) -> str:
     """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
     early (``stopped``), and where the run's files are.
@@ -100,6 +102,7 @@ def run_summary(
             each on a line under its epsilon.
         audit: The privacy audit's lines (:func:`~lightning_fl.privacy.audit.audit_lines`), under the epsilon.
         data: What the data module says of its data (its ``summary_lines()``: e.g. records cut at the context).
+        gate: Why the relative norm gate is off by default (the trainer's ``norm_gate_note``).
     """
     if not history:
         return f"No round ran. Run folder: {log_dir}"
@@ -149,6 +152,8 @@ def run_summary(
     if any(k.startswith("unprotected/") for k in last):  # trainer.unprotected_statistics
         lines.append(UNPROTECTED)
     lines += [f"  {line}" for line in audit or []]
+    if gate is not None:
+        lines.append(f"  {gate}")
     if alarm is not None:
         lines.append(f"  warning: {alarm}")
     if stopped is not None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -169,7 +171,31 @@ class FMPMetaLearner(L.LightningModule):
         self._configured = True
 
     def on_fit_start(self) -> None:
+        self._shorten_to(self.trainer)
         self.prepare_generator()
+
+    def _shorten_to(self, trainer: L.Trainer) -> None:
+        """Fit a shortened run (``--trainer.max_steps`` below the config's): with ``val_check_interval`` beyond
+        ``max_steps`` it would never validate, so it validates at its last step (said in a line), and a line names a
+        k-means warm-up that covers every step (the generator's line names its own steps)."""
+        steps = trainer.max_steps
+        if steps is None or steps < 1:
+            return
+        interval = trainer.val_check_interval
+        lines = []
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval > steps:
+            trainer.val_check_interval = steps
+            lines.append(
+                f"trainer.val_check_interval {interval} is beyond trainer.max_steps {steps}: validating at "
+                f"step {steps}, the last"
+            )
+        if self.warmup_steps >= steps:
+            lines.append(
+                f"model.warmup_steps {self.warmup_steps} covers all {steps} steps, so the summariser trains "
+                f"only on the k-means warm-up: add --model.warmup_steps {steps // 2} to leave it half"
+            )
+        for line in lines:
+            log.warning("%s", line)
 
     def on_validation_start(self) -> None:
         self.prepare_generator()
@@ -254,7 +280,10 @@ class FMPMetaLearner(L.LightningModule):
     def _train_generator(self, path: Path, key: dict) -> None:
         dm = self.trainer.datamodule
         recipe = self.generator_training
-        log.warning("Training the predictive generator for %d steps (cached as %s)", recipe.steps, path)
+        steps, shorten = self.trainer.max_steps, ""
+        if steps is not None and 0 < steps < recipe.steps:  # a shortened run: the generator's steps are its own
+            shorten = f"; more than trainer.max_steps {steps}: add --model.generator_training.steps {steps} too"
+        log.warning("Training the predictive generator for %d steps (cached as %s)%s", recipe.steps, path, shorten)
         with torch.random.fork_rng():
             torch.manual_seed(recipe.seed)
             self.generator.configure(dm.feature_dim, dm.num_classes)  # the initial weights named in the key
@@ -313,6 +342,24 @@ class FMPMetaLearner(L.LightningModule):
         summary = summariser(clients.reshape(B * M, n, P), generator=generator)
         W = self._sample(summary.reshape(B, -1, P), noise)
         return (W - target).flatten(2).norm(dim=-1)
+
+    def on_train_start(self) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """Without a progress bar, a line every tenth of the meta-training (and at its last step): the step, the
+        phase, the loss and the time so far."""
+        trainer = self.trainer
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        if trainer.progress_bar_callback is not None or not math.isfinite(total) or not trainer.is_global_zero:
+            return
+        step, total = self.global_step, int(total)
+        if step % max(1, total // 10) and step != total:
+            return
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        phase = "k-means warm-up" if step <= self.warmup_steps else "theta distance"
+        elapsed = time.perf_counter() - getattr(self, "_started", time.perf_counter())
+        log.info("meta-training step %d/%d (%s): loss %.4f, %.0f s", step, total, phase, float(loss), elapsed)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         B = batch.shape[0]

@@ -10,16 +10,48 @@ It prints, for each setting, the noise multiplier ``z`` (noise std over the clip
 epsilon at delta, and the standard deviation of the noise on each coordinate of the mean update for a clip
 bound ``--clip``: what ``trainer.privacy CentralDP`` would use (see docs/privacy.md). ``dp-sgd`` plans one
 client's record-level DP-SGD (``trainer.dp_sgd``) instead.
+
+Each setting can take a minute on a small machine (the accountants compose hundreds of sampled Gaussians, and a
+target epsilon is met by a search over ``z``): the planner says on stderr which setting it computes, how many are
+left, and every :data:`TICK` seconds that it is still at it; the table alone goes to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.privacy.accountant import Accountant, RoundEvent
 from lightning_fl.privacy.dpsgd import epsilon, noise_multiplier
+
+#: Seconds between two "still computing" lines of one setting.
+TICK = 30.0
+
+
+@contextlib.contextmanager
+def progress(what: str, index: int, total: int) -> Iterator[None]:
+    """Say on stderr that setting ``index`` of ``total`` (``what``) is being computed, then every :data:`TICK`
+    seconds that it still is, until the block ends."""
+    started, done = time.perf_counter(), threading.Event()
+    print(f"{index}/{total}: {what} ...", file=sys.stderr, flush=True)
+
+    def tick() -> None:
+        while not done.wait(TICK):
+            elapsed = time.perf_counter() - started
+            print(f"{index}/{total}: still {what}, {elapsed:.0f} s so far", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         accountant = Accountant(args.clients, args.per_round, args.sampling, args.accountant)
         delta = args.delta if args.delta is not None else min(1e-5, args.clients**-1.1)
-        rows = []
-        for value in args.epsilon or args.noise_multiplier:
-            z = accountant.calibrate(value, delta, args.rounds) if args.epsilon else value
-            eps = accountant.epsilon(delta, (RoundEvent(z), args.rounds))
+        rows, values, started = [], args.epsilon or args.noise_multiplier, time.perf_counter()
+        how = f"{args.accountant.upper()} accounting over {args.rounds} rounds"
+        for index, value in enumerate(values, 1):
+            what = f"the noise multiplier for epsilon {value:g}" if args.epsilon else f"the epsilon of z = {value:g}"
+            with progress(f"computing {what} ({how})", index, len(values)):
+                z = accountant.calibrate(value, delta, args.rounds) if args.epsilon else value
+                eps = accountant.epsilon(delta, (RoundEvent(z), args.rounds))
             rows.append((z, eps))
+        print(f"planned {len(values)} setting(s) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -88,10 +124,13 @@ def plan_dp_sgd(argv: list[str] | None = None) -> int:
         return 2
     q, total = min(1.0, args.batch / args.records), args.steps * args.rounds
     try:
-        rows = []
-        for value in args.epsilon or args.noise_multiplier:
-            z = noise_multiplier(value, args.delta, q, total) if args.epsilon else value
-            rows.append((z, epsilon(q, total, z, args.delta)))
+        rows, values, started = [], args.epsilon or args.noise_multiplier, time.perf_counter()
+        for index, value in enumerate(values, 1):
+            what = f"the noise multiplier for epsilon {value:g}" if args.epsilon else f"the epsilon of z = {value:g}"
+            with progress(f"computing {what} (PLD accounting over {total} steps)", index, len(values)):
+                z = noise_multiplier(value, args.delta, q, total) if args.epsilon else value
+                rows.append((z, epsilon(q, total, z, args.delta)))
+        print(f"planned {len(values)} setting(s) in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ A count query over ``sum_k (b_k - 1/2)`` (``b_k`` = 1 when client ``k`` was not 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from dataclasses import dataclass
@@ -30,6 +31,21 @@ from lightning_fl.errors import ConfigError
 
 Sampling = Literal["fixed", "poisson"]
 Method = Literal["rdp", "pld"]
+
+
+#: The packages of the ``privacy`` extra, by module: what a message calls each.
+EXTRA_PACKAGES = {"dp_accounting": "Google's dp-accounting", "opacus": "Opacus"}
+
+
+def require_extra(key: str, *modules: str) -> None:
+    """Refuse ``key`` in one line when a package of the ``privacy`` extra it needs (``modules``) is not installed: a
+    mechanism checks when it is made, before any data is loaded or any base pretrained. Only looks the packages up
+    (``importlib.util.find_spec``), so it costs no import."""
+    missing = [EXTRA_PACKAGES.get(m, m) for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        are = "is" if len(missing) == 1 else "are"
+        fix = "pip install 'lightning-fl[privacy]'"
+        raise ConfigError(f"{key} needs {' and '.join(missing)}, which {are} not installed: {fix}")
 
 
 def dp_accounting():

@@ -22,13 +22,15 @@ multiplier is raised so both together spend what one query with ``z`` would (the
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any, Literal
 
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.privacy.accountant import Accountant, RoundEvent, update_noise_multiplier
+from lightning_fl.privacy.accountant import Accountant, RoundEvent, require_extra, update_noise_multiplier
 from lightning_fl.privacy.base import (
     Plan,
     Privacy,
@@ -40,6 +42,8 @@ from lightning_fl.privacy.base import (
     seeding,
 )
 from lightning_fl.seeding import STREAM_CENTRAL_NOISE, STREAM_COUNT_NOISE
+
+log = logging.getLogger(__name__)
 
 
 class AdaptiveClipping:
@@ -96,6 +100,8 @@ class CentralDP(Privacy):
 
     central = True
     amplified = True
+    #: The modules of the ``privacy`` extra it needs (checked when it is made): the accountant's.
+    needs: tuple[str, ...] = ("dp_accounting",)
 
     def __init__(
         self,
@@ -109,6 +115,7 @@ class CentralDP(Privacy):
         accountant: Literal["rdp", "pld"] = "rdp",
         noise_seed: int | None = None,
     ) -> None:
+        require_extra(f"trainer.privacy {type(self).__name__}", *self.needs)
         problems = positive("clip_norm", clip_norm)
         problems += positive("noise_multiplier", noise_multiplier, allow_zero=True, allow_none=True)
         if target_epsilon != math.inf:  # inf: no noise (clipping only), the right end of a privacy-utility curve
@@ -147,7 +154,8 @@ class CentralDP(Privacy):
             problems.append(
                 "trainer.max_update_norm_ratio compares each update with the round's median, so one client's data "
                 "decides whether another's is used, which the DP guarantee does not cover: set "
-                "trainer.max_update_norm_ratio null with trainer.privacy CentralDP"
+                "trainer.max_update_norm_ratio null with trainer.privacy CentralDP (or leave the key out: its "
+                "default, auto, is off under it)"
             )
         if strategy.min_clients > 1:
             problems.append(
@@ -168,8 +176,15 @@ class CentralDP(Privacy):
             update_noise_multiplier(self.z, self.adaptive.count_std)  # refuses a count noise too small for z
 
     def calibrate(self, plan: Plan) -> float:
-        """The noise multiplier that spends ``target_epsilon`` over ``plan.rounds`` rounds."""
-        return self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds)
+        """The noise multiplier that spends ``target_epsilon`` over ``plan.rounds`` rounds (a search through the
+        accountant, which takes tens of seconds for a large population under PLD: said in a line before and after)."""
+        target = f"trainer.privacy.target_epsilon {self.target_epsilon:g} at delta {self.delta:.3g}"
+        how = f"{self.accountant_method.upper()} accounting over {plan.rounds} rounds"
+        log.info("calibrating the noise multiplier to %s (%s) ...", target, how)
+        started = time.perf_counter()
+        z = self.accountant.calibrate(self.target_epsilon, self.delta, plan.rounds)
+        log.info("noise multiplier %.4g, calibrated in %.0f s", z, time.perf_counter() - started)
+        return z
 
     def count_std(self) -> float:
         return self.adaptive.count_std if self.adaptive is not None else 0.0

@@ -86,6 +86,7 @@ class DistributedDP(CentralDP):
     amplified = False  # the server sees who takes part (module docstring)
     central = True  # the server folds the (already clipped, already noised) updates and divides by m
     client_stage = True  # every client clips and adds its share before encoding
+    needs = ()  # (its epsilon has a closed form: no accountant)
 
     def __init__(
         self,

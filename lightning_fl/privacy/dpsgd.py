@@ -53,7 +53,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.privacy.accountant import dp_accounting
+from lightning_fl.privacy.accountant import dp_accounting, require_extra
 from lightning_fl.privacy.base import Randomness, check_noise_seed, delta_problem, positive, randomness, seeding
 from lightning_fl.seeding import STREAM_DPSGD_NOISE, STREAM_DPSGD_SAMPLING
 
@@ -149,6 +149,7 @@ class DPSGD:
         engine: Engine = "auto",
         noise_seed: int | None = None,
     ) -> None:
+        require_extra("trainer.dp_sgd", "dp_accounting", "opacus")  # (the accountant; Opacus' DPOptimizer steps)
         problems = [p.replace("trainer.privacy.", "trainer.dp_sgd.") for p in positive("max_grad_norm", max_grad_norm)]
         if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             problems.append(f"trainer.dp_sgd.noise_multiplier must be a finite number >= 0, got {noise_multiplier}")

@@ -66,7 +66,7 @@ def round_stages(
         stages.append(WeightCap(settings.max_client_weight))
     if settings.attack is not None:
         stages.append(SimulatedAttack(settings.attack))
-    stages.append(NormGate(strategy, settings.max_update_norm, settings.max_update_norm_ratio))
+    stages.append(NormGate(strategy, settings.max_update_norm, settings.norm_gate_ratio))
     if privacy is not None:  # on the server's sum, or (local DP) accounted only: each client noised its own upload
         stages.append(CentralPrivacy(privacy, fabric) if privacy.central else ClientPrivacy(privacy))
     if settings.privacy_audit is not None and privacy is not None:  # (after the privacy stage: it scores its release)

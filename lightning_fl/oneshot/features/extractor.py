@@ -320,6 +320,7 @@ class ExtractedFeatures(FeatureData):
         parts, correct = [], 0
         offset = 0
         last_line = time.monotonic()
+        log.info("extracting %s features: %d images through %s", split, len(y), type(model.backbone).__name__)
         for x in eval_batches(images, idx, self.source.transform(train=False)):
             h = model.backbone(x.to(device, non_blocking=True)).float()  # (B, D)
             if has_head:
