@@ -560,7 +560,8 @@ def test_report_label_tables_take_a_where_filter():
 
 
 def test_fmp_claims_checks_each_claim_in_its_own_column():
-    """tools/fmp_claims.py: Table I's claims on the iid run alone, Fig. 2's at each alpha, ties by standard errors."""
+    """tools/fmp_claims.py: Table I's claims on the iid run alone, Fig. 2's at each alpha, ties by standard errors of
+    the per-seed differences (every method of a seed is tested on that seed's target tasks)."""
     claims = tool_module("fmp_claims")
 
     def run(label, seed, **values):
@@ -570,7 +571,9 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
 
     rows = []
     for seed, wiggle in enumerate((-0.001, 0.0, 0.001)):
-        # iid: FMP lowest ECE, but CFMP 0.1 pp ahead in accuracy (tied: 0.001 / sqrt(2 * (0.001/sqrt(3))^2) < 2 SE)
+        # FMP moves against the others from seed to seed: its per-seed differences spread by 2 x 0.001
+        side = {"fmp": -wiggle}
+        # iid: FMP lowest ECE, but CFMP 0.1 pp ahead in accuracy (a tie, below)
         base = dict.fromkeys(("cann", "cbnn", "fedlpa", "bpc"), (0.9, 0.05))
         base.update(
             cfmp=(0.911, 0.04), fmp=(0.910, 0.02), mp=(0.92, 0.01), fmp_random=(0.9, 0.03), fmp_mean=(0.9, 0.01)
@@ -579,7 +582,11 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
             run(
                 "iid",
                 seed,
-                **{f"{m}__{k}": v + wiggle for m, (a, e) in base.items() for k, v in (("acc", a), ("ece", e))},
+                **{
+                    f"{m}__{k}": v + side.get(m, wiggle)
+                    for m, (a, e) in base.items()
+                    for k, v in (("acc", a), ("ece", e))
+                },
             )
         )
         # alpha 1: FMP ahead by 1 pp; alpha 0.1: ahead by 5 pp; ECE: FMP behind CANN at alpha 1
@@ -587,29 +594,32 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
             vals = {f"{m}__acc": 0.85 - (0.1 if label == "dir0.1" else 0) + wiggle for m in claims.ONE_SHOT}
             vals.update(
                 {f"{m}__ece": 0.1 for m in claims.ONE_SHOT},
-                fmp__acc=fmp_acc + wiggle,
+                fmp__acc=fmp_acc - wiggle,
                 fmp__ece=0.05,
                 cann__ece=cann_ece,
             )
             rows.append(run(label, seed, **vals))
     text = "\n".join(claims.claims(rows))
-    # accuracy: CFMP 0.1 pp ahead, 0.001 / sqrt(2 * (0.001 / sqrt(3))^2) = 1.2 SE: a tie (the claim allows one)
+    # accuracy, FMP less CFMP per seed: -0.003, -0.001, +0.001: mean -0.001, SE 0.002 / sqrt(3) = 0.00115, -0.9 SE: a
+    # tie (the claim allows one). Unpaired it would be 0.001 / sqrt(2 (0.001 / sqrt(3))^2) = 1.2 SE.
     assert (
-        "tied-highest) mean accuracy among the one-shot federated methods: **tie** (-1.2 SE, CFMP): FMP 0.9100" in text
+        "tied-highest) mean accuracy among the one-shot federated methods: **tie** (-0.9 SE, CFMP): FMP 0.9100" in text
     )
+    # ECE, CFMP less FMP per seed: 0.018, 0.020, 0.022: 0.02 / 0.00115 = 17.3 SE
     assert (
-        "lowest mean ECE among the one-shot federated methods: **holds** (+24.5 SE, CFMP): FMP 0.0200 +/- 0.0006"
+        "lowest mean ECE among the one-shot federated methods: **holds** (+17.3 SE, CFMP): FMP 0.0200 +/- 0.0006"
         in text
     )
-    # close: 1.66 pp less the 1.00 pp gap, over its SE 0.0816 pp
-    assert 'close to the centralized MP benchmark": **holds** (+8.1 SE)' in text and "-1.00 +/- 0.08 pp" in text
-    assert "mean pooling at the same s: **fails** (-12.2 SE, ECE vs mean pooling)" in text  # mean pooling's ECE
-    assert "highest mean accuracy across all alpha: **holds** (+12.2 SE, alpha 1 vs CANN)" in text
+    # close: 1.66 pp less the 1.00 pp gap (per seed 0.8, 1.0, 1.2 pp), over its SE 0.115 pp
+    assert 'close to the centralized MP benchmark": **holds** (+5.7 SE)' in text and "-1.00 +/- 0.12 pp" in text
+    assert "mean pooling at the same s: **fails** (-8.7 SE, ECE vs mean pooling)" in text  # mean pooling's ECE
+    assert "highest mean accuracy across all alpha: **holds** (+8.7 SE, alpha 1 vs CANN)" in text
     assert "lowest mean ECE across all alpha: **fails** (exact, alpha 1 vs CANN)" in text  # no spread: exact
-    assert "at alpha 1: +1.00 +/- 0.08 pp, 0.1: +5.00 +/- 0.08 pp" in text
-    assert '"with the largest advantage ... at alpha = 0.1": accuracy: **holds** (+34.6 SE, against alpha 1)' in text
+    assert "at alpha 1: +1.00 +/- 0.12 pp, 0.1: +5.00 +/- 0.12 pp" in text
+    # the lead at 0.1 less the lead at 1, per seed: 0.04 each (both leads move with the seed alike): exact
+    assert '"with the largest advantage ... at alpha = 0.1": accuracy: **holds** (exact, against alpha 1)' in text
     strict = claims.claims(rows, tie=0.5)[0]
-    assert "tied-highest) mean accuracy among the one-shot federated methods: **fails** (-1.2 SE, CFMP)" in strict
+    assert "tied-highest) mean accuracy among the one-shot federated methods: **fails** (-0.9 SE, CFMP)" in strict
 
 
 def _events(folder, steps, name=None):
