@@ -112,6 +112,8 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path, sweep_main):
     assert finals["latent_d4"]["d"] == "4" and finals["latent_d8"]["method"] == "latent"
     assert float(finals["latent_d8"]["comm/client_up_bytes"]) == 4 * 8 * 3
     assert float(finals["latent_d4"]["fed/identity_error"]) <= 1e-6
+    (machine,) = {r["environment"] for r in rows}  # every row records the machine its run ran on
+    assert machine.startswith("torch=") and "device=cpu" in machine and "threads=" in machine
 
     report = {
         "csv": str(tmp_path / "sweep" / "results.csv"),
@@ -183,7 +185,7 @@ def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
     through a temp file and a rename, so an error midway (or a reader at that moment) finds the previous CSV intact."""
     sweep = sweep_tool()
     spec = {"name": "s"}
-    runs = [{"label": "a", "seed": 0, "tags": {}}, {"label": "b", "seed": 0, "tags": {}}]
+    runs = [{"label": x, "seed": 0, "tags": {}, "id": f"{x}__seed0"} for x in ("a", "b")]
     history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.75}]
 
     def status(spec, out, run):
@@ -202,6 +204,57 @@ def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
     with (tmp_path / "results.csv").open() as f:
         rows = [(r["label"], r["round"], r["final"], r["val/acc"]) for r in csv.DictReader(f)]
     assert rows == [("a", "0", "0", "0.5"), ("a", "1", "1", "0.75")]
+
+
+def test_collect_report_and_pairing_refuse_rows_from_two_machines(tmp_path, monkeypatch):
+    """A run folder lists the machines its run ran on (environment.json; a second one when it resumed elsewhere);
+    collecting puts that in an ``environment`` column and refuses, in one line, a sweep whose runs ran on different
+    machines (their bases differ); tools/report.py and tools/paired_seeds.py refuse a CSV that mixes them."""
+    import json
+
+    import lightning_fl.checkpoint
+    from lightning_fl.trainer_api import record_environment
+
+    sweep = sweep_tool()
+    spec = {"name": "s"}
+    runs = [{"label": label, "seed": 0, "tags": {}, "id": f"{label}__seed0"} for label in ("a", "b")]
+    history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.75}]
+    monkeypatch.setattr(sweep, "status", lambda spec, out, run: ("done", {"history": history}))
+    one = {"torch": "2.14.1", "device": "cpu", "cpu": "AVX512", "threads": 1}
+    other = {**one, "cpu": "AVX2"}
+    for run, env in zip(runs, (one, other), strict=True):
+        sweep.run_dir(tmp_path, run).mkdir(parents=True)
+        monkeypatch.setattr(lightning_fl.checkpoint, "compute_environment", lambda device, env=env: env)
+        record_environment(sweep.run_dir(tmp_path, run))
+        record_environment(sweep.run_dir(tmp_path, run))  # the same machine again: listed once
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: sweep s's runs ran on different machines, .*: 1 on torch=2\.14\.1 "
+        r"device=cpu cpu=AVX512 threads=1 \(e\.g\. a__seed0\); 1 on .*cpu=AVX2 .*b__seed0",
+    ):
+        sweep.collect(spec, tmp_path, runs)
+    assert not (tmp_path / "results.csv").exists()
+    record_environment(sweep.run_dir(tmp_path, runs[0]))  # a resumes on b's machine: it ran on both
+    assert sweep.machine([sweep.run_dir(tmp_path, runs[0])]).count(" + ") == 1
+    with pytest.raises(SystemExit, match="ran on different machines"):
+        sweep.collect(spec, tmp_path, runs)
+    (sweep.run_dir(tmp_path, runs[0]) / "environment.json").write_text(json.dumps([one]))
+    (sweep.run_dir(tmp_path, runs[1]) / "environment.json").write_text(json.dumps([one]))
+    sweep.collect(spec, tmp_path, runs)
+    with (tmp_path / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["environment"] for r in rows} == {"torch=2.14.1 device=cpu cpu=AVX512 threads=1"}
+    report, paired = tool_module("report"), tool_module("paired_seeds")
+    assert len(report.spec_rows({"csv": str(tmp_path / "results.csv")})) == 4
+    rows[-1]["environment"] = "torch=2.14.1 device=cuda name=NVIDIA H100"
+    with (tmp_path / "mixed.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with pytest.raises(SystemExit, match=r"^error: .*mixed\.csv hold rows from 2 machines \(column environment: "):
+        report.spec_rows({"csv": str(tmp_path / "mixed.csv")})
+    with pytest.raises(SystemExit, match="hold rows from 2 machines"):
+        paired.accuracies(tmp_path / "mixed.csv")
 
 
 @pytest.mark.distributed  # the sweep tool as a user runs it: its run is a fresh process
@@ -246,6 +299,8 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path, sweep_main):
     for column in ["test/acc", "test/ece", "test/mp/acc", "comm/kb_per_client", "val/theta_dist", "generator/erm_nll"]:
         assert all(r[column] for r in rows), column
     assert rows[0]["test/acc"] != rows[1]["test/acc"]  # the data seed reached the run
+    (machine,) = {r["environment"] for r in rows}  # lightning.Trainer's run folders record it too
+    assert machine.startswith("torch=") and "device=cpu" in machine
     # fit_from: the skewed runs tested digits' fits (same seed) on their own target tasks, and fitted nothing
     assert not (tmp_path / "sweep" / "skewed__seed0" / "version_0").exists()
     assert rows[2]["val/theta_dist"] == rows[0]["val/theta_dist"] and rows[2]["test/acc"] != rows[0]["test/acc"]

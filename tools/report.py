@@ -35,7 +35,8 @@ figures:
   - {name: per_round, kind: rounds, labels: [fedavg, fedadam], metric: val/acc}      # metric per round
 ```
 
-``csv`` may be a list of files (read one after the other, e.g. the same study on two data sets).
+``csv`` may be a list of files (read one after the other, e.g. the same study on two data sets). Rows that record
+different machines (the ``environment`` column of tools/sweep.py) are refused: their bases differ.
 
     python tools/report.py REPORT.yaml              # prints the tables, writes the figures
     python tools/report.py REPORT.yaml --markdown FILE   # also writes the tables to FILE
@@ -357,7 +358,19 @@ def spec_rows(spec: dict) -> list[dict]:
     rows = [r for f in files for r in read(Path(f))]
     if not rows:
         raise SystemExit(f"error: {spec['csv']} has no rows; run tools/sweep.py first")
+    one_machine(rows, ", ".join(map(str, files)))
     return rows
+
+
+def one_machine(rows: list[dict], where: str) -> None:
+    """Refuse rows made on different machines (their ``environment`` column, tools/sweep.py): another machine
+    pretrains another base from the same recipe, so their runs are neither paired nor set side by side."""
+    machines = list(dict.fromkeys(str(r["environment"]) for r in rows if r.get("environment") not in ("", None)))
+    if len(machines) > 1:
+        raise SystemExit(
+            f"error: {where} hold rows from {len(machines)} machines (column environment: {'; '.join(machines)}); "
+            "a report pairs and compares its rows, so make them on one machine or report each machine's on its own"
+        )
 
 
 def markdown(spec: dict, rows: list[dict]) -> str:

@@ -50,6 +50,12 @@ repeated; the label must name a run listed before it that fits itself.
 For federated runs the CSV (``<out>/results.csv``) has one row per run and round, with the
 run's label, seed and tags, ``final`` (1 on the last round), and the logged metrics: ``val/acc``,
 ``val/ece``, ``comm/cum_client_bytes``, ``comm/client_up_bytes``, ``fed/identity_error``, ``time/elapsed_s``...
+
+Every row also has ``environment``: the machine its run ran on, as the run folder's ``environment.json`` records it
+(``torch=... device=cpu cpu=AVX512 threads=1``; `` + `` between two when a run resumed on another machine; empty
+for a folder from before it was recorded). A base pretrained on another machine is another base (its cache key
+holds the environment too), and a sweep's rows are compared seed by seed, so collecting refuses a sweep whose
+finished runs ran on different machines: give those runs a sweep of their own.
 """
 
 from __future__ import annotations
@@ -67,7 +73,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from lightning_fl.checkpoint import atomic_write_text
+from lightning_fl.checkpoint import atomic_write_text, environment_label
+from lightning_fl.trainer_api import read_environments
 
 METRIC_COLUMNS = [
     "val/acc",
@@ -248,11 +255,12 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         fit = {k: v for k, v in scalars(fit_dir(out, run)).items() if k.startswith(("val/", "generator/"))}
         rows.append((run, {**fit, **test}))
     columns = sorted({k for _, metrics in rows for k in metrics})
+    machines = one_machine(spec, [(run, [fit_dir(out, run), out / run["id"] / "test"]) for run, _ in rows])
     path = write_csv(
         out / "results.csv",
-        ["sweep", "label", "seed", *tag_names, "round", "final", *columns],
-        [[spec["name"], run["label"], run["seed"], *[run["tags"].get(t, "") for t in tag_names], 0, 1,
-          *[metrics.get(c, "") for c in columns]] for run, metrics in rows],
+        ["sweep", "label", "seed", "environment", *tag_names, "round", "final", *columns],
+        [[spec["name"], run["label"], run["seed"], machines[run["id"]], *[run["tags"].get(t, "") for t in tag_names],
+          0, 1, *[metrics.get(c, "") for c in columns]] for run, metrics in rows],
     )  # fmt: skip
     print(f"wrote {len(rows)} rows to {path}")
     return path
@@ -289,23 +297,47 @@ def status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     return ("done" if ckpt["round"] >= target_rounds(spec, out, run) else "partial"), ckpt
 
 
+def machine(folders: list[Path]) -> str:
+    """The environments the run folders record (``environment.json``), one label each, `` + ``-joined."""
+    found = []
+    for folder in folders:
+        found += [e for e in read_environments(folder) if e not in found]
+    return " + ".join(environment_label(e) for e in found)
+
+
+def one_machine(spec: dict, runs: list[tuple[dict, list[Path]]]) -> dict[str, str]:
+    """Each finished run's machine (:func:`machine` of its folders), by run id; a sweep whose runs ran on different
+    machines is refused in one line (their bases differ, and its rows are paired seed by seed)."""
+    machines = {run["id"]: machine(folders) for run, folders in runs}
+    by_machine: dict[str, list[str]] = {}
+    for run_id, where in machines.items():
+        if where:
+            by_machine.setdefault(where, []).append(run_id)
+    if len(by_machine) > 1:
+        listed = "; ".join(f"{len(ids)} on {where} (e.g. {ids[0]})" for where, ids in by_machine.items())
+        raise SystemExit(
+            f"error: sweep {spec['name']}'s runs ran on different machines, whose bases and rows must not be paired "
+            f"or mixed in one CSV: {listed}; rerun them on one machine, or give the others a sweep of their own"
+        )
+    return machines
+
+
 def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     if spec.get("kind") == "oneshot":
         return oneshot_collect(spec, out, runs)
     tag_names = sorted({k for r in runs for k in r["tags"]})
     columns = metric_columns(spec)
+    done = [(run, ckpt) for run in runs for state, ckpt in [status(spec, out, run)] if state == "done"]
+    machines = one_machine(spec, [(run, [run_dir(out, run)]) for run, _ in done])
     rows = []
-    for run in runs:
-        state, ckpt = status(spec, out, run)
-        if state != "done":
-            continue
+    for run, ckpt in done:
         history = ckpt["history"]
         last = max(h["round"] for h in history)
         tags = [run["tags"].get(t, "") for t in tag_names]
         for h in history:
-            rows.append([spec["name"], run["label"], run["seed"], *tags, int(h["round"]), int(h["round"] == last),
-                         *[h.get(m, "") for m in columns]])  # fmt: skip
-    header = ["sweep", "label", "seed", *tag_names, "round", "final", *columns]
+            first = [spec["name"], run["label"], run["seed"], machines[run["id"]], *tags]
+            rows.append([*first, int(h["round"]), int(h["round"] == last), *[h.get(m, "") for m in columns]])
+    header = ["sweep", "label", "seed", "environment", *tag_names, "round", "final", *columns]
     path = write_csv(out / "results.csv", header, rows)
     print(f"wrote {len(rows)} rows to {path}")
     return path
