@@ -380,6 +380,14 @@ def markdown(spec: dict, rows: list[dict]) -> str:
     return "\n\n".join(f(rows, t) for f, t in zip(render, spec.get("tables", []), strict=True))
 
 
+def save_figure(rows: list[dict], fig_spec: dict, out: Path):
+    """Draw one figure of a report spec and write it as ``<out>/<name>.png``: the figure and its path."""
+    fig = figure(rows, fig_spec)
+    path = out / f"{fig_spec['name']}.png"
+    fig.savefig(path, dpi=120)
+    return fig, path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path)
@@ -402,9 +410,7 @@ def main(argv: list[str] | None = None) -> None:
 
         writer = SummaryWriter(spec["tensorboard"])
     for fig_spec in spec.get("figures", []):
-        fig = figure(rows, fig_spec)
-        path = out / f"{fig_spec['name']}.png"
-        fig.savefig(path, dpi=120)
+        fig, path = save_figure(rows, fig_spec, out)
         if writer is not None:
             writer.add_figure(f"report/{fig_spec['name']}", fig)
         print(f"wrote {path}")
