@@ -33,9 +33,9 @@ def cache_file(kind: str, key: dict[str, Any], filename: str, cache_dir: str | P
 
     ``digest`` is the first 16 hex digits of the SHA-256 of :func:`cache_key_text`; ``cache_dir`` defaults to
     :func:`default_cache_dir`. Everything that determines the file's contents belongs in ``key``, so a changed
-    setting is a new folder, never a stale hit; the features' and generators' keys also hold what the machine adds
-    (:func:`compute_environment`; the bases' keys do not yet). The package's three caches use it: pretrained bases
-    (``bases/``), extracted features (``features/``) and FMP's predictive generators (``generators/``).
+    setting is a new folder, never a stale hit; every key also holds what the machine adds
+    (:func:`compute_environment`). The package's three caches use it: pretrained bases (``bases/``), extracted
+    features (``features/``) and FMP's predictive generators (``generators/``).
     """
     digest = hashlib.sha256(cache_key_text(key).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -57,6 +57,11 @@ def compute_environment(device: torch.device | str = "cpu") -> dict[str, Any]:
         env["cpu"] = torch.backends.cpu.get_cpu_capability()
         env["threads"] = torch.get_num_threads()
     return env
+
+
+def environment_label(environment: dict[str, Any]) -> str:
+    """One line for a :func:`compute_environment`: ``torch=2.14.1 device=cpu cpu=AVX512 threads=1``."""
+    return " ".join(f"{k}={v}" for k, v in environment.items())
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:

@@ -1,4 +1,5 @@
-"""What the CLI asks of a trainer, how a run folder records the config that made it, and cheap lazy defaults.
+"""What the CLI asks of a trainer, how a run folder records the config and the machine that made it, and cheap lazy
+defaults.
 
 Kept apart from the CLI so trainers (``FederatedTrainer``, a user's own) never import the CLI.
 """
@@ -14,6 +15,8 @@ T = TypeVar("T")
 
 #: The resolved config is written under this name in every run folder.
 CONFIG_FILENAME = "config.yaml"
+#: The compute environments a run folder's run ran under (a JSON list; one, unless it resumed on another machine).
+ENVIRONMENT_FILENAME = "environment.json"
 
 
 @runtime_checkable
@@ -41,6 +44,33 @@ def write_config(folder: str | Path, config_yaml: str, experiments: Iterable[Any
         if hasattr(experiment, "add_text"):
             experiment.add_text("config", text)
     return path
+
+
+def record_environment(folder: str | Path, device: Any = "cpu") -> Path:
+    """Add the compute environment of ``device`` (:func:`~lightning_fl.checkpoint.compute_environment`) to
+    ``<folder>/environment.json`` unless it is there: the machines a run ran on, which decide its bits beside its
+    inputs (``tools/sweep.py`` records them in every row, and refuses to mix machines in one CSV)."""
+    import json
+
+    from lightning_fl.checkpoint import atomic_write_text, compute_environment
+
+    path = Path(folder) / ENVIRONMENT_FILENAME
+    seen = read_environments(folder)
+    here = compute_environment(device)
+    if here not in seen:
+        atomic_write_text(path, json.dumps([*seen, here], indent=1) + "\n")
+    return path
+
+
+def read_environments(folder: str | Path) -> list[dict[str, Any]]:
+    """The environments ``<folder>/environment.json`` lists (none for a folder without it, or an unreadable one)."""
+    import json
+
+    try:
+        found = json.loads((Path(folder) / ENVIRONMENT_FILENAME).read_text())
+    except (OSError, ValueError):
+        return []
+    return [e for e in found if isinstance(e, dict)] if isinstance(found, list) else []
 
 
 def lazy_instance(class_type: type[T], **kwargs: Any) -> T:

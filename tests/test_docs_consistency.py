@@ -1,9 +1,11 @@
 """The numbers in the docs come from the CSVs in docs/results/: every table file regenerates byte for byte from
-its CSV, and every averaging-identity bound quoted in the prose is what tools/identity_bounds.py prints."""
+its CSV, every committed figure redraws pixel for pixel from its CSV and spec (or the command its page gives), and
+every averaging-identity bound quoted in the prose is what tools/identity_bounds.py prints."""
 
 import csv
 import re
 import shlex
+import sys
 
 import pytest
 import yaml
@@ -65,6 +67,116 @@ def test_report_without_figures_writes_none(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert "| a | 1 | 0.5000 +/- 0.0000 |" in (tmp_path / "t.md").read_text()
     assert not (tmp_path / "figs").exists() and not (tmp_path / "tb").exists()
+
+
+FIGURES = DOCS / "figures"
+#: The tools besides report.py whose figures and tables are committed; their pages give the commands that made them.
+FIGURE_TOOLS = ("llm_frontier", "time_to_accuracy")
+
+
+def figure_specs() -> dict[str, list[dict]]:
+    """Each report spec whose CSVs are committed, by name, with its figures (a spec whose sweep has not run, such as
+    CIFAR's, has neither its CSV nor its figures here)."""
+    found = {}
+    for path in REPORT_SPECS:
+        spec = yaml.safe_load(path.read_text())
+        files = spec["csv"] if isinstance(spec["csv"], list) else [spec["csv"]]
+        if spec.get("figures") and all((REPO / f).is_file() for f in files):
+            found[path.name] = spec["figures"]
+    return found
+
+
+def tool_commands() -> list[list[str]]:
+    """The commands of :data:`FIGURE_TOOLS` that write a figure or a table, as the results pages give them (in a code
+    block or a backquoted span, over several lines): ``["tools/<tool>.py", args...]``."""
+    found = []
+    for page in sorted(DOCS.glob("results*.md")):
+        text = page.read_text()
+        spans = re.findall(r"`(python tools/[a-z_]+\.py[^`]*)`", text)
+        blocks = []
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+            blocks += block.replace("\\\n", " ").splitlines()
+        tools = [f"tools/{t}.py" for t in FIGURE_TOOLS]
+        for command in (" ".join(c.split()) for c in [*spans, *blocks]):
+            if not command.startswith(tuple(f"python {t} " for t in tools)):
+                continue
+            args = shlex.split(command)
+            if "--figure" in args or "--markdown" in args:
+                found.append(args[1:])
+    return found
+
+
+def redirected(args: list[str], folder) -> tuple[list[str], dict]:
+    """``args`` with each ``--markdown`` and ``--figure`` file moved into ``folder``: the new args, and
+    ``{new path: committed path}``."""
+    out, moved = list(args), {}
+    for flag in ("--markdown", "--figure"):
+        if flag in out:
+            i = out.index(flag) + 1
+            moved[folder / f"{flag[2:]}_{(REPO / out[i]).name}"] = REPO / out[i]
+            out[i] = str(folder / f"{flag[2:]}_{(REPO / out[i]).name}")
+    return out, moved
+
+
+def same_figure(made, committed) -> None:
+    """``made`` draws ``committed``: the same size always, and the same pixels when this matplotlib is the version
+    that drew ``committed`` (its PNG says which; another version moves anti-aliased pixels, so it is skipped)."""
+    import matplotlib
+    from PIL import Image
+
+    with Image.open(made) as a, Image.open(committed) as b:
+        assert a.size == b.size, f"{committed.name}: {a.size} drawn, {b.size} committed"
+        drawn_by = b.info.get("Software", "")
+        if f"version{matplotlib.__version__}," not in drawn_by:
+            pytest.skip(f"{committed.name} was drawn by {drawn_by!r}, not matplotlib {matplotlib.__version__}")
+        same = a.convert("RGBA").tobytes() == b.convert("RGBA").tobytes()
+    assert same, f"{committed.name} differs from what its CSV and spec draw now"
+
+
+def test_every_committed_figure_has_one_maker():
+    """Each PNG in docs/figures is drawn by one report spec (its CSVs committed) or one tool command on a results
+    page, and every figure those make is committed."""
+    made = [f"{f['name']}.png" for figures in figure_specs().values() for f in figures]
+    made += [(REPO / args[args.index("--figure") + 1]).name for args in tool_commands() if "--figure" in args]
+    assert sorted(made) == sorted(p.name for p in FIGURES.glob("*.png"))
+
+
+@pytest.mark.parametrize("name", sorted(figure_specs()))
+def test_report_figures_redraw_from_their_csvs(name, tmp_path, monkeypatch):
+    """``python tools/report.py SPEC`` draws each committed figure of the spec again, pixel for pixel."""
+    import matplotlib.pyplot as plt
+
+    report = tool_module("report")
+    monkeypatch.chdir(REPO)  # the specs name their CSVs from the repository root
+    spec = yaml.safe_load((REPO / "tools" / "sweeps" / name).read_text())
+    rows = report.spec_rows(spec)
+    for fig_spec in spec["figures"]:
+        fig, path = report.save_figure(rows, fig_spec, tmp_path)
+        plt.close(fig)
+        same_figure(path, REPO / spec.get("figures_dir", "docs/figures") / path.name)
+
+
+@pytest.mark.parametrize("args", tool_commands(), ids=lambda a: f"{a[0]}:{a[1]}")
+def test_tool_figures_and_tables_redraw_from_the_commands_on_their_pages(args, tmp_path, monkeypatch, capsys):
+    """The llm_frontier and time_to_accuracy commands a results page gives write its committed table byte for byte
+    and draw its committed figure pixel for pixel (a figure's title is part of the command)."""
+    import matplotlib.pyplot as plt
+
+    assert len(tool_commands()) >= 3
+    monkeypatch.chdir(REPO)
+    tool = tool_module(args[0].removeprefix("tools/").removesuffix(".py"))
+    new, moved = redirected(args, tmp_path)
+    monkeypatch.setattr(sys, "argv", new)
+    tool.main()
+    plt.close("all")
+    capsys.readouterr()
+    for made, committed in moved.items():
+        if committed.suffix == ".png":
+            same_figure(made, committed)
+        else:
+            assert made.read_bytes() == committed.read_bytes(), (
+                f"{committed.name} differs from `python {' '.join(args)}`"
+            )
 
 
 # A bound, then (without another number in scientific notation between them) the command that prints it.

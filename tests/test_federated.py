@@ -215,6 +215,38 @@ def test_base_is_pretrained_once_and_cached(tmp_path, monkeypatch):
     assert other.base_cache_path(dm) != again.base_cache_path(dm)
 
 
+def test_a_base_cache_copied_to_another_machine_misses_there(tmp_path, monkeypatch):
+    """The bases' cache key holds the machine (compute_environment of the pretraining device: torch, the CPU's kernel
+    level and threads, or the GPU), since the same recipe and seed pretrain other bases on another machine: a cache
+    made on one machine and copied to another kind (faked here) is not read there, and the base is made again. Back
+    on the first machine it is a hit. The run folder records the machine too (environment.json)."""
+    import json
+
+    from lightning_fl.checkpoint import compute_environment
+    from lightning_fl.methods import bases
+
+    monkeypatch.setenv("LIGHTNING_FL_CACHE", str(tmp_path / "cache"))
+    dm = make_dm(public_fraction=0.25, train_split="public")
+    model = make_model(base="pretrained", pretraining=Pretraining(epochs=1))
+    trainer = make_trainer(tmp_path, rounds=1)
+    trainer.fit(model, datamodule=dm)
+    here = model.base_cache_path(dm)
+    key = json.loads((here.parent / "meta.json").read_text())["key"]
+    assert here.is_file() and key["environment"] == compute_environment("cpu")
+    assert json.loads((trainer.log_dir / "environment.json").read_text()) == [compute_environment("cpu")]
+    real = bases.compute_environment
+    monkeypatch.setattr(bases, "compute_environment", lambda device: {**real(device), "cpu": "AVX2", "threads": 7})
+    elsewhere = make_model(base="pretrained", pretraining=Pretraining(epochs=1))
+    there = elsewhere.base_cache_path(dm)
+    assert there != here and not there.exists()  # the copied cache folder is not this machine's
+    with pytest.raises(CheckpointError, match="is missing; it should have been prepared first"):
+        elsewhere.prepare_base(dm, allow_training=False)
+    monkeypatch.setattr(bases, "compute_environment", real)
+    again = make_model(base="pretrained", pretraining=Pretraining(epochs=1))
+    again.prepare_base(dm, allow_training=False)  # the first machine reads its own cache
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items() if k.startswith("backbone"))
+
+
 QUICK = [
     "--config",
     str(CONFIGS / "quickstart.yaml"),

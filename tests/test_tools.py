@@ -112,6 +112,8 @@ def test_sweep_runs_skips_resumes_and_reports(tmp_path, sweep_main):
     assert finals["latent_d4"]["d"] == "4" and finals["latent_d8"]["method"] == "latent"
     assert float(finals["latent_d8"]["comm/client_up_bytes"]) == 4 * 8 * 3
     assert float(finals["latent_d4"]["fed/identity_error"]) <= 1e-6
+    (machine,) = {r["environment"] for r in rows}  # every row records the machine its run ran on
+    assert machine.startswith("torch=") and "device=cpu" in machine and "threads=" in machine
 
     report = {
         "csv": str(tmp_path / "sweep" / "results.csv"),
@@ -183,7 +185,7 @@ def test_collect_replaces_the_csv_whole_or_not_at_all(tmp_path, monkeypatch):
     through a temp file and a rename, so an error midway (or a reader at that moment) finds the previous CSV intact."""
     sweep = sweep_tool()
     spec = {"name": "s"}
-    runs = [{"label": "a", "seed": 0, "tags": {}}, {"label": "b", "seed": 0, "tags": {}}]
+    runs = [{"label": x, "seed": 0, "tags": {}, "id": f"{x}__seed0"} for x in ("a", "b")]
     history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.75}]
 
     def status(spec, out, run):
@@ -219,7 +221,9 @@ def test_collect_leaves_a_private_runs_unprotected_statistics_out_of_the_csv(tmp
     monkeypatch.setattr(sweep, "status", lambda spec, out, run: ("done", {"history": histories[run["label"]]}))
 
     def collected(labels):
-        sweep.collect({"name": "s"}, tmp_path, [{"label": label, "seed": 0, "tags": {}} for label in labels])
+        sweep.collect(
+            {"name": "s"}, tmp_path, [{"label": label, "seed": 0, "tags": {}, "id": label} for label in labels]
+        )
         with (tmp_path / "results.csv").open() as f:
             return list(csv.DictReader(f))
 
@@ -228,6 +232,57 @@ def test_collect_leaves_a_private_runs_unprotected_statistics_out_of_the_csv(tmp
     mixed = collected(["dp", "plain"])
     assert [r["train/loss"] for r in mixed] == ["", "", "", "2.0"]  # the private run's rows blank
     assert collected(["plain"])[-1]["fed/update_norm_median"] == "0.4"
+
+
+def test_collect_report_and_pairing_refuse_rows_from_two_machines(tmp_path, monkeypatch):
+    """A run folder lists the machines its run ran on (environment.json; a second one when it resumed elsewhere);
+    collecting puts that in an ``environment`` column and refuses, in one line, a sweep whose runs ran on different
+    machines (their bases differ); tools/report.py and tools/paired_seeds.py refuse a CSV that mixes them."""
+    import json
+
+    import lightning_fl.checkpoint
+    from lightning_fl.trainer_api import record_environment
+
+    sweep = sweep_tool()
+    spec = {"name": "s"}
+    runs = [{"label": label, "seed": 0, "tags": {}, "id": f"{label}__seed0"} for label in ("a", "b")]
+    history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.75}]
+    monkeypatch.setattr(sweep, "status", lambda spec, out, run: ("done", {"history": history}))
+    one = {"torch": "2.14.1", "device": "cpu", "cpu": "AVX512", "threads": 1}
+    other = {**one, "cpu": "AVX2"}
+    for run, env in zip(runs, (one, other), strict=True):
+        sweep.run_dir(tmp_path, run).mkdir(parents=True)
+        monkeypatch.setattr(lightning_fl.checkpoint, "compute_environment", lambda device, env=env: env)
+        record_environment(sweep.run_dir(tmp_path, run))
+        record_environment(sweep.run_dir(tmp_path, run))  # the same machine again: listed once
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: sweep s's runs ran on different machines, .*: 1 on torch=2\.14\.1 "
+        r"device=cpu cpu=AVX512 threads=1 \(e\.g\. a__seed0\); 1 on .*cpu=AVX2 .*b__seed0",
+    ):
+        sweep.collect(spec, tmp_path, runs)
+    assert not (tmp_path / "results.csv").exists()
+    record_environment(sweep.run_dir(tmp_path, runs[0]))  # a resumes on b's machine: it ran on both
+    assert sweep.machine([sweep.run_dir(tmp_path, runs[0])]).count(" + ") == 1
+    with pytest.raises(SystemExit, match="ran on different machines"):
+        sweep.collect(spec, tmp_path, runs)
+    (sweep.run_dir(tmp_path, runs[0]) / "environment.json").write_text(json.dumps([one]))
+    (sweep.run_dir(tmp_path, runs[1]) / "environment.json").write_text(json.dumps([one]))
+    sweep.collect(spec, tmp_path, runs)
+    with (tmp_path / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["environment"] for r in rows} == {"torch=2.14.1 device=cpu cpu=AVX512 threads=1"}
+    report, paired = tool_module("report"), tool_module("paired_seeds")
+    assert len(report.spec_rows({"csv": str(tmp_path / "results.csv")})) == 4
+    rows[-1]["environment"] = "torch=2.14.1 device=cuda name=NVIDIA H100"
+    with (tmp_path / "mixed.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with pytest.raises(SystemExit, match=r"^error: .*mixed\.csv hold rows from 2 machines \(column environment: "):
+        report.spec_rows({"csv": str(tmp_path / "mixed.csv")})
+    with pytest.raises(SystemExit, match="hold rows from 2 machines"):
+        paired.accuracies(tmp_path / "mixed.csv")
 
 
 @pytest.mark.distributed  # the sweep tool as a user runs it: its run is a fresh process
@@ -272,6 +327,8 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path, sweep_main):
     for column in ["test/acc", "test/ece", "test/mp/acc", "comm/kb_per_client", "val/theta_dist", "generator/erm_nll"]:
         assert all(r[column] for r in rows), column
     assert rows[0]["test/acc"] != rows[1]["test/acc"]  # the data seed reached the run
+    (machine,) = {r["environment"] for r in rows}  # lightning.Trainer's run folders record it too
+    assert machine.startswith("torch=") and "device=cpu" in machine
     # fit_from: the skewed runs tested digits' fits (same seed) on their own target tasks, and fitted nothing
     assert not (tmp_path / "sweep" / "skewed__seed0" / "version_0").exists()
     assert rows[2]["val/theta_dist"] == rows[0]["val/theta_dist"] and rows[2]["test/acc"] != rows[0]["test/acc"]
@@ -586,7 +643,8 @@ def test_report_label_tables_take_a_where_filter():
 
 
 def test_fmp_claims_checks_each_claim_in_its_own_column():
-    """tools/fmp_claims.py: Table I's claims on the iid run alone, Fig. 2's at each alpha, ties by standard errors."""
+    """tools/fmp_claims.py: Table I's claims on the iid run alone, Fig. 2's at each alpha, ties by standard errors of
+    the per-seed differences (every method of a seed is tested on that seed's target tasks)."""
     claims = tool_module("fmp_claims")
 
     def run(label, seed, **values):
@@ -596,7 +654,9 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
 
     rows = []
     for seed, wiggle in enumerate((-0.001, 0.0, 0.001)):
-        # iid: FMP lowest ECE, but CFMP 0.1 pp ahead in accuracy (tied: 0.001 / sqrt(2 * (0.001/sqrt(3))^2) < 2 SE)
+        # FMP moves against the others from seed to seed: its per-seed differences spread by 2 x 0.001
+        side = {"fmp": -wiggle}
+        # iid: FMP lowest ECE, but CFMP 0.1 pp ahead in accuracy (a tie, below)
         base = dict.fromkeys(("cann", "cbnn", "fedlpa", "bpc"), (0.9, 0.05))
         base.update(
             cfmp=(0.911, 0.04), fmp=(0.910, 0.02), mp=(0.92, 0.01), fmp_random=(0.9, 0.03), fmp_mean=(0.9, 0.01)
@@ -605,7 +665,11 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
             run(
                 "iid",
                 seed,
-                **{f"{m}__{k}": v + wiggle for m, (a, e) in base.items() for k, v in (("acc", a), ("ece", e))},
+                **{
+                    f"{m}__{k}": v + side.get(m, wiggle)
+                    for m, (a, e) in base.items()
+                    for k, v in (("acc", a), ("ece", e))
+                },
             )
         )
         # alpha 1: FMP ahead by 1 pp; alpha 0.1: ahead by 5 pp; ECE: FMP behind CANN at alpha 1
@@ -613,29 +677,32 @@ def test_fmp_claims_checks_each_claim_in_its_own_column():
             vals = {f"{m}__acc": 0.85 - (0.1 if label == "dir0.1" else 0) + wiggle for m in claims.ONE_SHOT}
             vals.update(
                 {f"{m}__ece": 0.1 for m in claims.ONE_SHOT},
-                fmp__acc=fmp_acc + wiggle,
+                fmp__acc=fmp_acc - wiggle,
                 fmp__ece=0.05,
                 cann__ece=cann_ece,
             )
             rows.append(run(label, seed, **vals))
     text = "\n".join(claims.claims(rows))
-    # accuracy: CFMP 0.1 pp ahead, 0.001 / sqrt(2 * (0.001 / sqrt(3))^2) = 1.2 SE: a tie (the claim allows one)
+    # accuracy, FMP less CFMP per seed: -0.003, -0.001, +0.001: mean -0.001, SE 0.002 / sqrt(3) = 0.00115, -0.9 SE: a
+    # tie (the claim allows one). Unpaired it would be 0.001 / sqrt(2 (0.001 / sqrt(3))^2) = 1.2 SE.
     assert (
-        "tied-highest) mean accuracy among the one-shot federated methods: **tie** (-1.2 SE, CFMP): FMP 0.9100" in text
+        "tied-highest) mean accuracy among the one-shot federated methods: **tie** (-0.9 SE, CFMP): FMP 0.9100" in text
     )
+    # ECE, CFMP less FMP per seed: 0.018, 0.020, 0.022: 0.02 / 0.00115 = 17.3 SE
     assert (
-        "lowest mean ECE among the one-shot federated methods: **holds** (+24.5 SE, CFMP): FMP 0.0200 +/- 0.0006"
+        "lowest mean ECE among the one-shot federated methods: **holds** (+17.3 SE, CFMP): FMP 0.0200 +/- 0.0006"
         in text
     )
-    # close: 1.66 pp less the 1.00 pp gap, over its SE 0.0816 pp
-    assert 'close to the centralized MP benchmark": **holds** (+8.1 SE)' in text and "-1.00 +/- 0.08 pp" in text
-    assert "mean pooling at the same s: **fails** (-12.2 SE, ECE vs mean pooling)" in text  # mean pooling's ECE
-    assert "highest mean accuracy across all alpha: **holds** (+12.2 SE, alpha 1 vs CANN)" in text
+    # close: 1.66 pp less the 1.00 pp gap (per seed 0.8, 1.0, 1.2 pp), over its SE 0.115 pp
+    assert 'close to the centralized MP benchmark": **holds** (+5.7 SE)' in text and "-1.00 +/- 0.12 pp" in text
+    assert "mean pooling at the same s: **fails** (-8.7 SE, ECE vs mean pooling)" in text  # mean pooling's ECE
+    assert "highest mean accuracy across all alpha: **holds** (+8.7 SE, alpha 1 vs CANN)" in text
     assert "lowest mean ECE across all alpha: **fails** (exact, alpha 1 vs CANN)" in text  # no spread: exact
-    assert "at alpha 1: +1.00 +/- 0.08 pp, 0.1: +5.00 +/- 0.08 pp" in text
-    assert '"with the largest advantage ... at alpha = 0.1": accuracy: **holds** (+34.6 SE, against alpha 1)' in text
+    assert "at alpha 1: +1.00 +/- 0.12 pp, 0.1: +5.00 +/- 0.12 pp" in text
+    # the lead at 0.1 less the lead at 1, per seed: 0.04 each (both leads move with the seed alike): exact
+    assert '"with the largest advantage ... at alpha = 0.1": accuracy: **holds** (exact, against alpha 1)' in text
     strict = claims.claims(rows, tie=0.5)[0]
-    assert "tied-highest) mean accuracy among the one-shot federated methods: **fails** (-1.2 SE, CFMP)" in strict
+    assert "tied-highest) mean accuracy among the one-shot federated methods: **fails** (-0.9 SE, CFMP)" in strict
 
 
 def _events(folder, steps, name=None):

@@ -1,4 +1,5 @@
-"""The FLITE and FMP papers' claims against the committed CSVs: one table per paper, every verdict by one rule.
+"""The FLITE and FMP papers' claims against the committed CSVs: one table per paper (and one of our own questions),
+every verdict by one rule.
 
 Each row is one claim in the paper's words (short), the paper's number, ours as mean +/- standard error over seeds
 with the number of seeds and the setting that stands in for the paper's, and a verdict. Every number of ours is
@@ -11,7 +12,8 @@ of its condition, positive when they favour the claim, with the standard error (
 
 - **holds** when the margin is at least +2 SE (it favours the claim by 2 SE or more);
 - **fails** when the margin is at most -2 SE (it goes against the claim by 2 SE or more);
-- **tie** otherwise: the seeds cannot tell the claim from its opposite.
+- **tie** otherwise: the seeds cannot tell the claim from its opposite;
+- **not enough seeds** when an arm has one seed: its SE is unknown, so there is no verdict.
 
 A quantity that is exact (bytes, counted from the encoded payloads) has SE 0: it holds when it meets the claim's
 condition (margin >= 0) and fails when it does not. The margins, by the kind of claim:
@@ -36,18 +38,23 @@ condition (margin >= 0) and fails when it does not. The margins, by the kind of 
   the bound at the largest.
 - Claims of several parts ("at every alpha", "than random selection and mean pooling", "across d, r and warm
   starts", "tolerates int8 but collapses at int4"): every part must hold; the verdict is the worst part's (fails
-  before tie before holds; among equals the one fewest SE on the claim's side), and the cell names that part.
+  before not enough seeds before tie before holds; among equals the one fewest SE on the claim's side), and the
+  cell names that part.
 
-Standard errors: a mean over n seeds has SE = std / sqrt(n) (sample std); the SE of a difference of two means is
-sqrt(SE_a^2 + SE_b^2), as ``tools/fmp_claims.py`` computes it, except where a run is compared with its own round
-0 (the same model at the start of the same seed): there the difference is taken per seed. A run with one seed is
-treated as exact (SE 0) and its row says so. FLITE's accuracies are each run's best test accuracy over rounds 1 to R
-(the paper's metric, its Tables 1-5; for the fixed budget, over the rounds within it), perplexities the final
-round's (appendix B's "best" the lowest over rounds 1 to R); FMP's are each seed's final test.
+Standard errors: a mean over n seeds has SE = std / sqrt(n) (sample std). A margin between two arms is paired
+where the arms ran the same seeds of one sweep (same sweep, machine and seed: each seed's arms start from the same
+pretrained base and clients, and FMP's methods are tested on the same seed's target tasks): the difference is taken
+seed by seed and its SE is the std of the per-seed differences / sqrt(n), the rule the privacy and LoRA pages apply
+with ``tools/paired_seeds.py``; a run against its own round 0 is paired the same way. Arms whose seeds do not pair
+fall back to sqrt(SE_a^2 + SE_b^2), and the tables' notes name such rows. A mean over one seed has no SE (NaN): a
+row with an arm of one seed gets "not enough seeds", not a verdict. FLITE's accuracies are each run's best test
+accuracy over rounds 1 to R (the paper's metric, its Tables 1-5; for the fixed budget, over the rounds within it),
+perplexities the final round's (appendix B's "best" the lowest over rounds 1 to R); FMP's are each seed's final test.
 
 Rows the data here cannot test (the FLITE paper's TinyImageNet) say "not run here" and carry the paper's number
 alone. FMP's MNIST, CIFAR-10 and CIFAR-100 are not available offline either; its rows test the claims on digits
-and Fashion-MNIST features, the analogues on docs/results-fmp.md.
+and Fashion-MNIST features, the analogues on docs/results-fmp.md. Questions of ours that neither paper asks
+(FLITE's latent on a pretrained LLM) are a third table, "our own questions", by the same rule.
 """
 
 import argparse
@@ -56,7 +63,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TIE = 2.0  # standard errors: a margin inside +/- TIE SE is a tie
@@ -65,7 +72,8 @@ PARITY_PPL = 0.01  # "matches" for perplexity: 1% of the reference (our choice; 
 COLLAPSE = 2.5  # "collapses to chance": at most 2.5x chance (FLITE: 2.5% with 100 classes)
 CLASSES = 10  # Fashion-MNIST's classes: chance 0.1
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-WORDS = ("fails", "tie", "holds")  # worst first
+UNDECIDED = "not enough seeds"  # the verdict of a margin with an arm of one seed
+WORDS = ("fails", UNDECIDED, "tie", "holds")  # worst first: a part that fails decides, then one without seeds
 
 
 def sibling(name: str):
@@ -81,29 +89,56 @@ def sibling(name: str):
 
 @dataclass(frozen=True)
 class Mean:
-    """A mean over ``n`` seeds and its standard error (0 for an exact quantity or a single seed)."""
+    """A mean over ``n`` seeds and its standard error (0 for an exact quantity; NaN for a single seed, which has no
+    spread to measure). ``values`` holds each seed's value, keyed by (sweep, environment, seed), where a mean is over
+    runs of a sweep: two means over the same runs' seeds subtract seed by seed (:meth:`__sub__`)."""
 
     mean: float
     se: float
     n: int
+    values: tuple = field(default=(), compare=False)  # ((key, value), ...), per seed
+    unpaired: bool = field(default=False, compare=False)  # a difference of two means whose seeds do not pair
 
     def __sub__(self, other: "Mean") -> "Mean":
-        return Mean(self.mean - other.mean, math.hypot(self.se, other.se), min(self.n, other.n))
+        """The difference of two means. Where both hold the same seeds (the same sweep, machine and seed: each seed's
+        arms start from the same base and data), it is the mean of the per-seed differences with their own SE
+        (paired); against an exact quantity (SE 0, no seeds) it is each seed's value less it; otherwise the
+        difference of the means with SE sqrt(SE_a^2 + SE_b^2) (unpaired)."""
+        mine, theirs = dict(self.values), dict(other.values)
+        if mine and mine.keys() == theirs.keys():
+            keys = sorted(mine)
+            return mean_se([mine[k] - theirs[k] for k in keys], keys)
+        if mine and other.n == 0 and other.se == 0:
+            return mean_se([v - other.mean for v in mine.values()], list(mine))
+        if theirs and self.n == 0 and self.se == 0:
+            return mean_se([self.mean - v for v in theirs.values()], list(theirs))
+        return Mean(self.mean - other.mean, math.hypot(self.se, other.se), min(self.n, other.n), unpaired=True)
 
 
-def mean_se(values: list[float]) -> Mean:
-    """Mean and standard error over seeds (std / sqrt(n), sample std); one value: SE 0 (treated as exact)."""
+def mean_se(values: list[float], keys: list | None = None) -> Mean:
+    """Mean and standard error over seeds (std / sqrt(n), sample std); one value: SE NaN (one seed has no spread, so
+    no verdict rests on it). ``keys`` name the seeds (``run_key``), for paired differences."""
     values = [float(v) for v in values]
+    keyed = tuple(zip(keys, values, strict=True)) if keys is not None else ()
     if not values:
         return Mean(math.nan, math.nan, 0)
     if len(values) < 2:
-        return Mean(values[0], 0.0, 1)
-    return Mean(statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values)), len(values))
+        return Mean(values[0], math.nan, 1, keyed)
+    return Mean(statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values)), len(values), keyed)
+
+
+def run_key(r: dict) -> tuple[str, str, str]:
+    """What names one seed's run across the labels of a sweep CSV: its sweep, the machine it ran on (the
+    ``environment`` column, where the CSV has one) and its seed. Runs with equal keys share the seed's base."""
+    return str(r.get("sweep", "")), str(r.get("environment", "")), str(r["seed"])
 
 
 def verdict(margin: float, se: float, tie: float = TIE) -> str:
     """holds / tie / fails: the margin (positive favours the claim) against ``tie`` standard errors of it; an exact
-    margin (``se`` 0) holds when it is at least 0 and fails below."""
+    margin (``se`` 0) holds when it is at least 0 and fails below; a margin whose SE is NaN (an arm with one seed)
+    has no verdict: "not enough seeds"."""
+    if math.isnan(se):
+        return UNDECIDED
     if se == 0:
         return "holds" if margin >= 0 else "fails"
     if margin >= tie * se:
@@ -115,15 +150,19 @@ def verdict(margin: float, se: float, tie: float = TIE) -> str:
 
 @dataclass(frozen=True)
 class Test:
-    """One condition of a claim: its margin (positive favours the claim), the margin's SE, and where it applies."""
+    """One condition of a claim: its margin (positive favours the claim), the margin's SE, and where it applies;
+    ``unpaired`` when the SE is that of a difference of two means whose seeds do not pair."""
 
     margin: float
     se: float
     where: str = ""
+    unpaired: bool = field(default=False, compare=False)
 
     @property
     def k(self) -> float:
-        """The margin in standard errors (+/- inf when exact)."""
+        """The margin in standard errors (+/- inf when exact, NaN without an SE)."""
+        if math.isnan(self.se):
+            return math.nan
         if self.se > 0:
             return self.margin / self.se
         return math.inf if self.margin >= 0 else -math.inf
@@ -134,26 +173,26 @@ class Test:
 
 def every(tests: list[Test], tie: float = TIE) -> Test:
     """A claim made of several conditions holds only if each does: the worst condition decides."""
-    return min(tests, key=lambda t: (WORDS.index(t.verdict(tie)), t.k))
+    return min(tests, key=lambda t: (WORDS.index(t.verdict(tie)), 0.0 if math.isnan(t.k) else t.k))
 
 
 def beats(a: Mean, b: Mean, where: str = "", lower: bool = False) -> Test:
     """ "A beats B": A - B (B - A where lower is better)."""
     d = b - a if lower else a - b
-    return Test(d.mean, d.se, where)
+    return Test(d.mean, d.se, where, d.unpaired)
 
 
 def within(a: Mean, b: Mean, tolerance: float, where: str = "") -> Test:
     """ "A matches B": ``tolerance`` less |A - B|."""
     d = a - b
-    return Test(tolerance - abs(d.mean), d.se, where)
+    return Test(tolerance - abs(d.mean), d.se, where, d.unpaired)
 
 
 def flat(means: dict[str, Mean], tolerance: float) -> Test:
     """ "flat over settings": ``tolerance`` less the largest minus the smallest mean."""
     hi, lo = max(means, key=lambda k: means[k].mean), min(means, key=lambda k: means[k].mean)
     d = means[hi] - means[lo]
-    return Test(tolerance - d.mean, d.se, f"{hi} against {lo}")
+    return Test(tolerance - d.mean, d.se, f"{hi} against {lo}", d.unpaired)
 
 
 # --- reading the CSVs --------------------------------------------------------------------------------------------
@@ -164,12 +203,12 @@ def read(name: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def per_seed(rows: list[dict], label: str) -> dict[str, list[dict]]:
-    """A label's rows per seed, in round order."""
-    runs: dict[str, list[dict]] = defaultdict(list)
+def per_seed(rows: list[dict], label: str) -> dict[tuple, list[dict]]:
+    """A label's rows per seed (keyed by :func:`run_key`), in round order."""
+    runs: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r["label"] == label:
-            runs[r["seed"]].append(r)
+            runs[run_key(r)].append(r)
     if not runs:
         raise SystemExit(f"no rows labelled {label!r}")
     for rs in runs.values():
@@ -185,29 +224,28 @@ def value(r: dict, column: str) -> float | None:
 def best(rows: list[dict], label: str, column: str = "val/acc", lower: bool = False) -> Mean:
     """Each seed's best ``column`` over rounds 1 to R, as mean +/- SE over seeds."""
     pick = min if lower else max
+    runs = per_seed(rows, label)
     return mean_se(
-        [
-            pick(v for r in rs if int(r["round"]) >= 1 and (v := value(r, column)) is not None)
-            for rs in per_seed(rows, label).values()
-        ]
+        [pick(v for r in rs if int(r["round"]) >= 1 and (v := value(r, column)) is not None) for rs in runs.values()],
+        list(runs),
     )
 
 
 def final(rows: list[dict], label: str, column: str) -> Mean:
     """Each seed's last logged ``column``, as mean +/- SE over seeds."""
-    return mean_se(
-        [[v for r in rs if (v := value(r, column)) is not None][-1] for rs in per_seed(rows, label).values()]
-    )
+    runs = per_seed(rows, label)
+    return mean_se([[v for r in rs if (v := value(r, column)) is not None][-1] for rs in runs.values()], list(runs))
 
 
 def change(rows: list[dict], label: str, column: str, at=None) -> Mean:
     """Each seed's ``column`` at the final round (or ``at(values)`` over rounds 1 to R) less its round 0."""
     out = []
-    for rs in per_seed(rows, label).values():
+    runs = per_seed(rows, label)
+    for rs in runs.values():
         start = value(rs[0], column)
         later = [v for r in rs if int(r["round"]) >= 1 and (v := value(r, column)) is not None]
         out.append((at(later) if at else later[-1]) - start)
-    return mean_se(out)
+    return mean_se(out, list(runs))
 
 
 def upload(rows: list[dict], label: str) -> float:
@@ -234,8 +272,10 @@ def seeds(*means: Mean) -> str:
 def verdict_cell(test: Test | None, tie: float = TIE) -> str:
     if test is None:
         return "not run here (TinyImageNet not available offline)"
-    k = "exact" if math.isinf(test.k) else f"{test.k:+.1f} SE"
     where = f", {test.where}" if test.where else ""
+    if math.isnan(test.k):
+        return f"**{UNDECIDED}** (an arm has one seed{where})"
+    k = "exact" if math.isinf(test.k) else f"{test.k:+.1f} SE"
     return f"**{test.verdict(tie)}** ({k}{where})"
 
 
@@ -248,6 +288,7 @@ class Row:
     test: Test | None
     short: str  # a few words for the one-line summary
     tag: str = ""  # the data set, where a claim has a row per data set
+    missing: str = "not run here (TinyImageNet not available offline)"  # the verdict cell of a row without data
 
 
 # --- FLITE -------------------------------------------------------------------------------------------------------
@@ -368,7 +409,7 @@ def flite_rows() -> list[Row]:
             "parity with FedAvg at alpha 0.5",
         )
     )
-    rows.append(budget_row(rerun))
+    rows += [budget_row(rerun), paper_budget_row()]
     means = {
         f"K = {k}": best(rerun, label)
         for label, k in (
@@ -525,22 +566,69 @@ def pareto_row(f: list[dict]) -> Row:
     )
 
 
+def within_budget(rows: list[dict], label: str, budget: float) -> list[dict]:
+    """``label``'s rows whose cumulative bytes per client stay within ``budget``."""
+    out = []
+    for r in rows:
+        spent = value(r, "comm/cum_client_bytes")
+        if r["label"] == label and spent is not None and spent <= budget:
+            out.append(r)
+    return out
+
+
 def budget_row(rerun: list[dict]) -> Row:
     """Claim 9: within one full-weight round's bytes, the latent's rounds against that one round."""
     fed = best(rerun, "fedavg_dir0.5_R1_E1")
     budget = max(v for r in rerun if r["label"] == "fedavg_dir0.5_R1_E1" and (v := value(r, "comm/cum_client_bytes")))
-    within_budget = [r for r in rerun if r["label"] == "latent_dir0.5_R16" and value(r, "comm/cum_client_bytes") is
-                     not None and value(r, "comm/cum_client_bytes") <= budget]  # fmt: skip
-    lat = best(within_budget, "latent_dir0.5_R16")
-    rounds = max(int(r["round"]) for r in within_budget)
+    spent = within_budget(rerun, "latent_dir0.5_R16", budget)
+    lat = best(spent, "latent_dir0.5_R16")
+    rounds = max(int(r["round"]) for r in spent)
+    used = max(value(r, "comm/cum_client_bytes") for r in spent)
     return Row(
         "§5.5, App. A.1",
         "at a fixed per-client budget the latent's many rounds beat full-weight FedAvg's one",
         "200 MB, CIFAR-10, alpha = 0.5: 94.21% vs 93.48% (+0.73 pp)",
         f"budget = one full-weight round ({budget:,.0f} B): latent {rounds} rounds {acc(lat)}, FedAvg 1 round of 1 "
-        f"epoch {acc(fed)}: {pp(lat - fed)} ({seeds(lat, fed)}; {FASHION}, Dirichlet 0.5, rerun set)",
+        f"epoch {acc(fed)}: {pp(lat - fed)} ({seeds(lat, fed)}; {FASHION}, Dirichlet 0.5, rerun set; the latent "
+        f"spends {used:,.0f} B, {100 * used / budget:.1f}% of the budget, the paper's latent all of it: next row)",
         beats(lat, fed),
-        "ahead of one FedAvg round at a fixed budget",
+        "ahead of one FedAvg round at a fixed budget (16 rounds)",
+    )
+
+
+BUDGET_CSV = "flite_budget_fashion_mnist.csv"  # tools/sweeps/flite_budget_fashion_mnist.yaml
+PAPER_ROUNDS = 150  # the paper's latent rounds within its budget ("~150 latent rounds")
+
+
+def paper_budget_row() -> Row:
+    """Claim 9 at the paper's budget: the latent spends all of one full-weight round's bytes, against that round (the
+    arms of each seed in one sweep). Not run yet while its CSV is missing."""
+    claim = (
+        "the same at the paper's budget: the latent spends the budget (its best within the budget; within the "
+        f"paper's ~{PAPER_ROUNDS} rounds beside it)"
+    )
+    paper, short = "as above", "ahead of one FedAvg round, the budget spent"
+    if not (RESULTS / BUDGET_CSV).is_file():
+        command = "python tools/sweep.py tools/sweeps/flite_budget_fashion_mnist.yaml"
+        missing = f"not run yet (`{command}`, about 18 CPU hours)"
+        return Row("§5.5, App. A.1", claim, paper, "-", None, short, missing=missing)
+    rows = read(BUDGET_CSV)
+    fed = best(rows, "fedavg_dir0.5_R1_E1")
+    budget = max(v for r in rows if r["label"] == "fedavg_dir0.5_R1_E1" and (v := value(r, "comm/cum_client_bytes")))
+    spent = within_budget(rows, "latent_dir0.5_budget", budget)
+    lat = best(spent, "latent_dir0.5_budget")
+    early = best([r for r in spent if int(r["round"]) <= PAPER_ROUNDS], "latent_dir0.5_budget")
+    rounds = max(int(r["round"]) for r in spent)
+    used = max(value(r, "comm/cum_client_bytes") for r in spent)
+    return Row(
+        "§5.5, App. A.1",
+        claim,
+        paper,
+        f"budget = one full-weight round ({budget:,.0f} B): latent {rounds} rounds ({used:,.0f} B) {acc(lat)}, "
+        f"within {PAPER_ROUNDS} rounds {acc(early)}; FedAvg 1 round of 1 epoch {acc(fed)}: {pp(lat - fed)} "
+        f"({seeds(lat, fed)}; {FASHION}, Dirichlet 0.5, budget sweep)",
+        beats(lat, fed),
+        short,
     )
 
 
@@ -577,7 +665,7 @@ def appendix_b_rows() -> list[Row]:
     ratio = upload(s, "fedavg") / upload(s, "latent")
     setting = (f"Shakespeare by role, TinyGPT 4 x 128, 8 of 316 clients a round, R = 20; {upload(s, 'latent'):,.0f} "
                f"vs {upload(s, 'fedavg'):,.0f} B per upload ({ratio:.0f}x)")  # fmt: skip
-    rows = [
+    return [
         Row(
             "App. B",
             'the latent holds validation perplexity "essentially at the shared pretrained base"',
@@ -597,35 +685,41 @@ def appendix_b_rows() -> list[Row]:
             "LM: full-weight FedAvg improves, then diverges",
         ),
     ]
-    frontier = sibling("llm_frontier")
-    runs = frontier.runs_of([RESULTS / "smollm2_frontier.csv"])
-    finals = defaultdict(list)
-    for (label, _seed), rs in runs.items():
-        finals[label].append(frontier.summary(rs)["final_ppl"])
-    flite, fed = mean_se(finals["flite_d1444"]), mean_se(finals["fedavg"])
-    up = {label: frontier.summary(rs)["bytes"] for (label, _seed), rs in runs.items()}
-    note = "SE over FLITE's seeds; FedAvg one seed, treated as exact" if fed.n == 1 else seeds(flite, fed)
-    rows.append(
-        Row(
-            "abstract, §5.1 (SmolLM2)",
-            "the pretrained-LLM analogue: the latent matches full fine-tuning (full-weight "
-            "FedAvg) at a fraction of the bytes",
-            "no pretrained LLM in the paper; on CIFAR-100 within ~0.5 pp of FedAvg at 8,718x fewer parameters",
-            f"test perplexity after 8 rounds: FLITE d = r = 1,444 {flite.mean:.2f} +/- {flite.se:.2f} "
-            f"({flite.n} seeds), "
-            f"full-weight FedAvg {fed.mean:.2f} ({fed.n} seed{'s' * (fed.n > 1)}): "
-            f"{100 * (flite.mean / fed.mean - 1):+.1f}%; {up['flite_d1444']:,.0f} vs {up['fedavg']:,.0f} B per upload "
-            f"({up['fedavg'] / up['flite_d1444']:.0f}x) ({note}; SmolLM2-135M, 64 Shakespeare roles)",
-            within(flite, fed, PARITY_PPL * fed.mean),  # FedAvg with one seed: SE 0, exact
-            "SmolLM2: the latent matches full weights",
-        )
-    )
-    return rows
 
 
 def final_base(rows: list[dict], label: str) -> Mean:
     """Round 0 (the pretrained base) of ``column`` val/ppl, mean over seeds."""
     return mean_se([value(rs[0], "val/ppl") for rs in per_seed(rows, label).values()])
+
+
+# --- our own questions -------------------------------------------------------------------------------------------
+
+
+def own_rows() -> list[Row]:
+    """Questions of ours that neither paper asks, by the same rule: FLITE's latent on a pretrained LLM (the FLITE
+    paper has no LLM)."""
+    frontier = sibling("llm_frontier")
+    runs = frontier.runs_of([RESULTS / "smollm2_frontier.csv"])
+    finals: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for (label, seed), rs in runs.items():
+        finals[label][0].append(frontier.summary(rs)["final_ppl"])
+        finals[label][1].append(("smollm2_frontier", "", str(seed)))
+    flite, fed = mean_se(*finals["flite_d1444"]), mean_se(*finals["fedavg"])
+    up = {label: frontier.summary(rs)["bytes"] for (label, _seed), rs in runs.items()}
+    return [
+        Row(
+            "SmolLM2-135M (not in the paper, which has no LLM)",
+            "FLITE's latent matches full fine-tuning (full-weight FedAvg) at a fraction of the bytes, as the paper "
+            "finds on CIFAR-100 (within ~0.5 pp of FedAvg at 8,718x fewer parameters)",
+            "none (no LLM in the paper)",
+            f"test perplexity after 8 rounds: FLITE d = r = 1,444 {flite.mean:.2f} +/- {flite.se:.2f} "
+            f"({flite.n} seeds), full-weight FedAvg {fed.mean:.2f} ({fed.n} seed{'s' * (fed.n > 1)}): "
+            f"{100 * (flite.mean / fed.mean - 1):+.1f}%; {up['flite_d1444']:,.0f} vs {up['fedavg']:,.0f} B per upload "
+            f"({up['fedavg'] / up['flite_d1444']:.0f}x) ({seeds(flite, fed)}; SmolLM2-135M, 64 Shakespeare roles)",
+            within(flite, fed, PARITY_PPL * fed.mean, "full-weight FedAvg" if fed.n < 2 else ""),
+            "SmolLM2: the latent matches full weights",
+        )
+    ]
 
 
 # --- FMP ---------------------------------------------------------------------------------------------------------
@@ -651,19 +745,20 @@ def table(rows: list[Row], tie: float = TIE) -> str:
     lines = ["| # | claim (the paper's words, short) | the paper | ours: mean +/- SE (seeds; setting) | verdict |",
              "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {r.source}: {r.claim} | {r.paper} | {r.ours} | {verdict_cell(r.test, tie)} |")
+        cell = verdict_cell(r.test, tie) if r.test is not None else r.missing
+        lines.append(f"| {i} | {r.source}: {r.claim} | {r.paper} | {r.ours} | {cell} |")
     return "\n".join(lines)
 
 
 def counts(rows: list[Row], tie: float = TIE) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {w: [] for w in ("holds", "tie", "fails", "not run here")}
+    out: dict[str, list[int]] = {w: [] for w in ("holds", "tie", "fails", UNDECIDED, "not run here", "not run yet")}
     for i, r in enumerate(rows, 1):
-        out[r.test.verdict(tie) if r.test else "not run here"].append(i)
+        out[r.test.verdict(tie) if r.test else r.missing.split(" (")[0]].append(i)
     return out
 
 
 def summary(name: str, rows: list[Row], tie: float = TIE) -> str:
-    """One line per paper: how many rows hold, tie, fail or were not run, and which."""
+    """One line per table: how many rows hold, tie, fail, lack seeds or were not run, and which."""
     parts = []
     for word, idx in counts(rows, tie).items():
         if idx:
@@ -671,13 +766,35 @@ def summary(name: str, rows: list[Row], tie: float = TIE) -> str:
             for i in idx:
                 tags.setdefault(rows[i - 1].short, []).extend([rows[i - 1].tag] if rows[i - 1].tag else [])
             shown = [f"{short} ({', '.join(t)})" if t else short for short, t in tags.items()]
-            plural = {"holds": "hold", "fails": "fail"}.get(word, word)
+            plural = {"holds": "hold", "fails": "fail", UNDECIDED: f"with {UNDECIDED}"}.get(word, word)
             parts.append(f"{len(idx)} {plural}: {'; '.join(shown)}")
-    return f"- **{name}**, {len(rows)} rows. " + ". ".join(parts) + "."
+    row_word = "row" if len(rows) == 1 else "rows"
+    return f"- **{name}**, {len(rows)} {row_word}. " + ". ".join(parts) + "."
+
+
+def unpaired(rows: list[Row]) -> list[int]:
+    """The rows whose verdict rests on a difference with an unpaired SE (its arms do not share their seeds)."""
+    return [i for i, r in enumerate(rows, 1) if r.test is not None and r.test.se > 0 and r.test.unpaired]
+
+
+def notes(tables: dict[str, list[Row]]) -> str:
+    """What the standard errors are, and which rows' are not paired."""
+    loose = []
+    for name, rows in tables.items():
+        if idx := unpaired(rows):
+            loose.append(f"{name}'s row{'s' * (len(idx) > 1)} {', '.join(map(str, idx))}")
+    return (
+        "Standard errors are paired: where the two sides of a comparison ran the same seeds of one sweep (each seed's "
+        "arms start from the same pretrained base and the same clients), the margin is taken seed by seed and its "
+        "SE is that of the per-seed differences, as on the privacy and LoRA pages (`tools/paired_seeds.py`); a run "
+        "against its own round 0 is paired the same way. "
+        + (f"Unpaired (sqrt(SE_a^2 + SE_b^2)): {'; '.join(loose)}. " if loose else "Every SE here is paired. ")
+        + f'A row with an arm of one seed has no SE and gets no verdict ("{UNDECIDED}").'
+    )
 
 
 def markdown(tie: float = TIE) -> str:
-    flite, fmp = flite_rows(), fmp_rows()
+    flite, fmp, own = flite_rows(), fmp_rows(), own_rows()
     return "\n".join([
         "Made by `python tools/claims.py --markdown docs/results/claims.md` from the CSVs in docs/results/; the rule "
         "is in the tool's docstring.",
@@ -686,6 +803,9 @@ def markdown(tie: float = TIE) -> str:
         "",
         summary("FLITE", flite, tie),
         summary("FMP", fmp, tie),
+        summary("Our own questions", own, tie),
+        "",
+        notes({"FLITE": flite, "FMP": fmp, "our own questions": own}),
         "",
         "**FLITE** (arXiv 2607.18343; abstract, sections 5.1-5.9, appendix B):",
         "",
@@ -694,6 +814,10 @@ def markdown(tie: float = TIE) -> str:
         "**FMP** (Table I, Figs. 2-3, Proposition 1):",
         "",
         table(fmp, tie),
+        "",
+        "**Our own questions** (neither paper makes these claims; the same rule):",
+        "",
+        table(own, tie),
         "",
     ])  # fmt: skip
 

@@ -17,12 +17,14 @@ beside it:
 - Proposition 1 (summary-size sweep): the bound (``test/prop1_bound``) is above the measured distance
   (``test/theta_dist``) at every s, and it falls from the smallest s to the largest.
 
-A mean is over seeds and its standard error is the std over seeds / sqrt(seeds); the SE of a difference is
-sqrt(se_a^2 + se_b^2). Each claim is a margin (positive favours it) that holds at >= ``--tie`` (default 2) SE,
-fails at <= -2 SE and is a tie between (``tools/claims.py``). A claim against every other one-shot method, or at
-every alpha, holds only if each comparison does: the worst decides. "Close to MP" means an accuracy gap no larger
-than the largest the paper itself calls close (1.66 pp, its CIFAR-10 column). "Advantage" at an alpha is FMP's
-mean minus the best other one-shot method's (accuracy), or the best other's minus FMP's (ECE).
+A mean is over seeds and its standard error is the std over seeds / sqrt(seeds). A difference is paired, as in
+``tools/claims.py``: every method of a seed is tested on that seed's target tasks, so the difference is taken seed
+by seed and its SE is that of the per-seed differences. Each claim is a margin (positive favours it) that holds at
+>= ``--tie`` (default 2) SE, fails at <= -2 SE and is a tie between (``tools/claims.py``). A claim against every
+other one-shot method, or at every alpha, holds only if each comparison does: the worst decides. "Close to MP"
+means an accuracy gap no larger than the largest the paper itself calls close (1.66 pp, its CIFAR-10 column).
+"Advantage" at an alpha is FMP's mean minus the best other one-shot method's (accuracy), or the best other's minus
+FMP's (ECE).
 
     python tools/fmp_claims.py docs/results/fmp_baselines_digits_paper.csv
 """
@@ -36,7 +38,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tools
-from claims import TIE, Mean, Row, Test, acc, beats, every, mean_se, pp, seeds, verdict_cell
+from claims import TIE, Mean, Row, Test, acc, beats, every, mean_se, pp, run_key, seeds, verdict_cell
 
 ONE_SHOT = ["cann", "cbnn", "fedlpa", "bpc", "cfmp", "fmp"]
 CLOSE_TO_MP_PP = 1.66  # the largest FMP-to-MP accuracy gap the paper calls close (CIFAR-10, 80.57 vs 78.91)
@@ -52,9 +54,16 @@ def finals(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("final", "1") in ("1", "1.0")]
 
 
+def column_mean(rows: list[dict], label: str, name: str) -> Mean:
+    """Column ``name`` over the seeds of the runs labelled ``label``, each seed's value kept (``run_key``): two
+    methods tested on the same seed's target tasks, or two labels of one sweep's seed, pair seed by seed."""
+    chosen = [r for r in rows if r["label"] == label and r.get(name)]
+    return mean_se([float(r[name]) for r in chosen], [run_key(r) for r in chosen])
+
+
 def column(rows: list[dict], label: str, name: str) -> tuple[float, float, int]:
     """Mean, standard error and count over the seeds of column ``name`` in the runs labelled ``label``."""
-    m = mean_se([float(r[name]) for r in rows if r["label"] == label and r.get(name)])
+    m = column_mean(rows, label, name)
     return m.mean, m.se, m.n
 
 
@@ -85,7 +94,7 @@ def ranking(rows: list[dict], label: str, metric: str) -> str:
 
 
 def _m(rows, label, method, metric) -> Mean:
-    return Mean(*stats(rows, label, method, metric))
+    return column_mean(rows, label, f"test/{method}/{metric}")
 
 
 def table_rows(rows: list[dict], name: str, setting: str) -> list[Row]:
@@ -122,7 +131,7 @@ def table_rows(rows: list[dict], name: str, setting: str) -> list[Row]:
             f"CIFAR-10: 78.91% vs 80.57% (closest called close: {CLOSE_TO_MP_PP} pp)",
             f"FMP {acc(fmp['acc'])}, MP {acc(mp['acc'])}: {pp(Mean(-gap.mean, gap.se, gap.n))} ({seeds(gap)}; "
             f"{_with(setting)}IID)",
-            Test(CLOSE_TO_MP_PP / 100 - gap.mean, gap.se),
+            Test(CLOSE_TO_MP_PP / 100 - gap.mean, gap.se, unpaired=gap.unpaired),
             "close to MP",
             name,
         )
@@ -156,7 +165,7 @@ def table_rows(rows: list[dict], name: str, setting: str) -> list[Row]:
         out.append(Row(
             "Fig. 2", f"\"with the largest advantage ... at alpha = 0.1\": {'ECE' if lower else 'accuracy'}{_of(name)}",
             "CIFAR-10 (figure only)", f"the leads above ({seeds(*adv.values())}; {_with(setting)}as above)",
-            every([Test((adv[smallest] - adv[a]).mean, (adv[smallest] - adv[a]).se, f"against alpha {a:g}")
+            every([Test((d := adv[smallest] - adv[a]).mean, d.se, f"against alpha {a:g}", d.unpaired)
                    for a in adv if a != smallest]),
             f"largest {'ECE' if lower else 'accuracy'} lead at alpha 0.1", name))  # fmt: skip
     parts, tests = [], []
@@ -185,8 +194,7 @@ def size_rows(rows: list[dict], name: str) -> list[Row]:
     """Fig. 3b and Proposition 1 from the summary-size sweep (the PMA's data read-out)."""
     sizes = sorted({int(float(r["s"])): r["label"] for r in rows}.items())
     acc_at = {s: _m(rows, label, "fmp", "acc") for s, label in sizes}
-    col = {s: {c: mean_se([float(r[c]) for r in rows if r["label"] == label]) for c in ("test/prop1_bound",
-           "test/theta_dist")} for s, label in sizes}  # fmt: skip
+    col = {s: {c: column_mean(rows, label, c) for c in ("test/prop1_bound", "test/theta_dist")} for s, label in sizes}
     early, late = acc_at[30] - acc_at[10], acc_at[50] - acc_at[30]
     d = early - late
     setting = (
@@ -202,7 +210,7 @@ def size_rows(rows: list[dict], name: str) -> list[Row]:
             "CIFAR-10 (figure only)",
             f"FMP accuracy gain from s = 10 to 30 {pp(early)}, from 30 to 50 {pp(late)} ({seeds(*acc_at.values())}; "
             f"{setting})",
-            Test(d.mean, d.se, "gain 10 -> 30 over gain 30 -> 50"),
+            Test(d.mean, d.se, "gain 10 -> 30 over gain 30 -> 50", d.unpaired),
             "gains marginal beyond s = 30",
             name,
         ),
@@ -224,7 +232,7 @@ def size_rows(rows: list[dict], name: str) -> list[Row]:
             f"bound at s = {lo} {col[lo]['test/prop1_bound'].mean:.0f} +/- {col[lo]['test/prop1_bound'].se:.0f}, at "
             f"s = {hi} {col[hi]['test/prop1_bound'].mean:.0f} +/- {col[hi]['test/prop1_bound'].se:.0f} "
             f"({seeds(col[lo]['test/prop1_bound'])}; {setting})",
-            Test(drop.mean, drop.se, f"s = {lo} against {hi}"),
+            Test(drop.mean, drop.se, f"s = {lo} against {hi}", drop.unpaired),
             "Prop. 1's bound falls with s",
             name,
         ),

@@ -15,7 +15,8 @@ that CSV: the same run in two sweeps (e.g. a study rerun with another clip bound
         --against docs/results/dp_fashion_mnist.csv
 
 ``--each`` (with ``--against``) pairs every label with itself in the other CSV, one line per label, then the
-largest difference over all of them: how much a rerun moved a whole study.
+largest difference over all of them: how much a rerun moved a whole study. Rows that record different machines (the
+``environment`` column of tools/sweep.py), in one CSV or across the two, are refused: their bases differ.
 """
 
 from __future__ import annotations
@@ -29,17 +30,25 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling tools
-from report import lower_is_better  # the report tool's rule: loss, ppl, ECE, bytes, time are lower-is-better
+from report import lower_is_better, one_machine  # lower-is-better: loss, ppl, ECE, bytes, time
 
 
 def accuracies(path: Path, metric: str = "val/acc") -> dict[tuple[str, int], dict[int, float]]:
     """``{(label, seed): {round: metric}}`` for every evaluated row."""
     out: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     with path.open() as f:
-        for row in csv.DictReader(f):
-            if row.get(metric):
-                out[(row["label"], int(row["seed"]))][int(row["round"])] = float(row[metric])
+        rows = list(csv.DictReader(f))
+    one_machine(rows, str(path))
+    for row in rows:
+        if row.get(metric):
+            out[(row["label"], int(row["seed"]))][int(row["round"])] = float(row[metric])
     return out
+
+
+def machines(path: Path) -> set[str]:
+    """The machines a sweep CSV's rows were made on (its ``environment`` column; none recorded: empty)."""
+    with path.open() as f:
+        return {r["environment"] for r in csv.DictReader(f) if r.get("environment")}
 
 
 def paired(acc: dict, a: str, b: str, other: dict | None = None, metric: str = "val/acc") -> dict[str, dict]:
@@ -77,6 +86,12 @@ def main() -> None:
         parser.error("give two labels A B, or --each with --against OTHER.csv")
     acc = accuracies(args.csv, args.metric)
     other = accuracies(args.against, args.metric) if args.against is not None else None
+    if other is not None and len(mixed := machines(args.csv) | machines(args.against)) > 1:
+        parser.exit(
+            2,
+            f"error: {args.csv} and {args.against} were made on different machines ({'; '.join(mixed)}): "
+            "their bases differ, so their seeds do not pair\n",
+        )
     unit, digits = (" points", 2) if args.metric.endswith("acc") else ("", 4)
     if args.each:
         rows = each(acc, other, args.metric)

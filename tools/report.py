@@ -35,7 +35,8 @@ figures:
   - {name: per_round, kind: rounds, labels: [fedavg, fedadam], metric: val/acc}      # metric per round
 ```
 
-``csv`` may be a list of files (read one after the other, e.g. the same study on two data sets).
+``csv`` may be a list of files (read one after the other, e.g. the same study on two data sets). Rows that record
+different machines (the ``environment`` column of tools/sweep.py) are refused: their bases differ.
 
     python tools/report.py REPORT.yaml              # prints the tables, writes the figures
     python tools/report.py REPORT.yaml --markdown FILE   # also writes the tables to FILE
@@ -357,7 +358,19 @@ def spec_rows(spec: dict) -> list[dict]:
     rows = [r for f in files for r in read(Path(f))]
     if not rows:
         raise SystemExit(f"error: {spec['csv']} has no rows; run tools/sweep.py first")
+    one_machine(rows, ", ".join(map(str, files)))
     return rows
+
+
+def one_machine(rows: list[dict], where: str) -> None:
+    """Refuse rows made on different machines (their ``environment`` column, tools/sweep.py): another machine
+    pretrains another base from the same recipe, so their runs are neither paired nor set side by side."""
+    machines = list(dict.fromkeys(str(r["environment"]) for r in rows if r.get("environment") not in ("", None)))
+    if len(machines) > 1:
+        raise SystemExit(
+            f"error: {where} hold rows from {len(machines)} machines (column environment: {'; '.join(machines)}); "
+            "a report pairs and compares its rows, so make them on one machine or report each machine's on its own"
+        )
 
 
 def markdown(spec: dict, rows: list[dict]) -> str:
@@ -365,6 +378,14 @@ def markdown(spec: dict, rows: list[dict]) -> str:
     kinds = {"methods": method_table, "pivot": pivot_table}
     render = [next((f for key, f in kinds.items() if key in t), table) for t in spec.get("tables", [])]
     return "\n\n".join(f(rows, t) for f, t in zip(render, spec.get("tables", []), strict=True))
+
+
+def save_figure(rows: list[dict], fig_spec: dict, out: Path):
+    """Draw one figure of a report spec and write it as ``<out>/<name>.png``: the figure and its path."""
+    fig = figure(rows, fig_spec)
+    path = out / f"{fig_spec['name']}.png"
+    fig.savefig(path, dpi=120)
+    return fig, path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -389,9 +410,7 @@ def main(argv: list[str] | None = None) -> None:
 
         writer = SummaryWriter(spec["tensorboard"])
     for fig_spec in spec.get("figures", []):
-        fig = figure(rows, fig_spec)
-        path = out / f"{fig_spec['name']}.png"
-        fig.savefig(path, dpi=120)
+        fig, path = save_figure(rows, fig_spec, out)
         if writer is not None:
             writer.add_figure(f"report/{fig_spec['name']}", fig)
         print(f"wrote {path}")

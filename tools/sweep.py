@@ -54,6 +54,12 @@ A private run (its history logs ``privacy/epsilon`` or ``privacy/record_epsilon_
 :data:`UNPROTECTED_COLUMNS` blank, statistics of the clients' updates outside the mechanism (a run now keeps them out
 of its history, unless ``trainer.unprotected_statistics`` renames them ``unprotected/*``; checkpoints of older runs
 hold them), and a sweep with private runs leaves out those of them no row has.
+
+Every row also has ``environment``: the machine its run ran on, as the run folder's ``environment.json`` records it
+(``torch=... device=cpu cpu=AVX512 threads=1``; `` + `` between two when a run resumed on another machine; empty
+for a folder from before it was recorded). A base pretrained on another machine is another base (its cache key
+holds the environment too), and a sweep's rows are compared seed by seed, so collecting refuses a sweep whose
+finished runs ran on different machines: give those runs a sweep of their own.
 """
 
 from __future__ import annotations
@@ -71,7 +77,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from lightning_fl.checkpoint import atomic_write_text
+from lightning_fl.checkpoint import atomic_write_text, environment_label
+from lightning_fl.trainer_api import read_environments
 
 METRIC_COLUMNS = [
     "val/acc",
@@ -269,11 +276,12 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
         fit = {k: v for k, v in scalars(fit_dir(out, run)).items() if k.startswith(("val/", "generator/"))}
         rows.append((run, {**fit, **test}))
     columns = sorted({k for _, metrics in rows for k in metrics})
+    machines = one_machine(spec, [(run, [fit_dir(out, run), out / run["id"] / "test"]) for run, _ in rows])
     path = write_csv(
         out / "results.csv",
-        ["sweep", "label", "seed", *tag_names, "round", "final", *columns],
-        [[spec["name"], run["label"], run["seed"], *[run["tags"].get(t, "") for t in tag_names], 0, 1,
-          *[metrics.get(c, "") for c in columns]] for run, metrics in rows],
+        ["sweep", "label", "seed", "environment", *tag_names, "round", "final", *columns],
+        [[spec["name"], run["label"], run["seed"], machines[run["id"]], *[run["tags"].get(t, "") for t in tag_names],
+          0, 1, *[metrics.get(c, "") for c in columns]] for run, metrics in rows],
     )  # fmt: skip
     print(f"wrote {len(rows)} rows to {path}")
     return path
@@ -310,25 +318,52 @@ def status(spec: dict, out: Path, run: dict) -> tuple[str, dict | None]:
     return ("done" if ckpt["round"] >= target_rounds(spec, out, run) else "partial"), ckpt
 
 
+def machine(folders: list[Path]) -> str:
+    """The environments the run folders record (``environment.json``), one label each, `` + ``-joined."""
+    found = []
+    for folder in folders:
+        found += [e for e in read_environments(folder) if e not in found]
+    return " + ".join(environment_label(e) for e in found)
+
+
+def one_machine(spec: dict, runs: list[tuple[dict, list[Path]]]) -> dict[str, str]:
+    """Each finished run's machine (:func:`machine` of its folders), by run id; a sweep whose runs ran on different
+    machines is refused in one line (their bases differ, and its rows are paired seed by seed)."""
+    machines = {run["id"]: machine(folders) for run, folders in runs}
+    by_machine: dict[str, list[str]] = {}
+    for run_id, where in machines.items():
+        if where:
+            by_machine.setdefault(where, []).append(run_id)
+    if len(by_machine) > 1:
+        listed = "; ".join(f"{len(ids)} on {where} (e.g. {ids[0]})" for where, ids in by_machine.items())
+        raise SystemExit(
+            f"error: sweep {spec['name']}'s runs ran on different machines, whose bases and rows must not be paired "
+            f"or mixed in one CSV: {listed}; rerun them on one machine, or give the others a sweep of their own"
+        )
+    return machines
+
+
 def collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     if spec.get("kind") == "oneshot":
         return oneshot_collect(spec, out, runs)
     tag_names = sorted({k for r in runs for k in r["tags"]})
     columns = metric_columns(spec)
+    done = [(run, ckpt) for run in runs for state, ckpt in [status(spec, out, run)] if state == "done"]
+    machines = one_machine(spec, [(run, [run_dir(out, run)]) for run, _ in done])
     rows, any_private = [], False
-    for run in runs:
-        state, ckpt = status(spec, out, run)
-        if state != "done":
-            continue
+    for run, ckpt in done:
         history = ckpt["history"]
         last = max(h["round"] for h in history)
         tags = [run["tags"].get(t, "") for t in tag_names]
         withheld = UNPROTECTED_COLUMNS if private(history) else ()
         any_private = any_private or bool(withheld)
         for h in history:
-            head = [spec["name"], run["label"], run["seed"], *tags, int(h["round"]), int(h["round"] == last)]
-            rows.append(head + ["" if m in withheld else h.get(m, "") for m in columns])
-    header = ["sweep", "label", "seed", *tag_names, "round", "final", *columns]
+            first = [spec["name"], run["label"], run["seed"], machines[run["id"]], *tags]
+            rows.append(
+                [*first, int(h["round"]), int(h["round"] == last)]
+                + ["" if m in withheld else h.get(m, "") for m in columns]
+            )
+    header = ["sweep", "label", "seed", "environment", *tag_names, "round", "final", *columns]
     if any_private:  # (a column no row has stays out, as the committed CSVs of the DP studies have it)
         empty = {i for i, c in enumerate(header) if c in UNPROTECTED_COLUMNS and all(r[i] == "" for r in rows)}
         header = [c for i, c in enumerate(header) if i not in empty]

@@ -34,11 +34,12 @@ from lightning_fl.cli.precheck import SUBCOMMANDS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
 from lightning_fl.threads import set_threads
-from lightning_fl.trainer_api import write_config
+from lightning_fl.trainer_api import record_environment, write_config
 
 
 class SaveConfigCallback(Callback):
-    """Writes the resolved config to ``<log_dir>/config.yaml`` and logs it to TensorBoard as text."""
+    """Writes the resolved config to ``<log_dir>/config.yaml`` and logs it to TensorBoard as text, and records the
+    machine in ``<log_dir>/environment.json``."""
 
     def __init__(self, config_yaml: str) -> None:
         self.config_yaml = config_yaml
@@ -52,6 +53,7 @@ class SaveConfigCallback(Callback):
             return
         experiments = [getattr(logger, "experiment", None) for logger in trainer.loggers]
         self.saved_to = write_config(log_dir, self.config_yaml, experiments)
+        record_environment(log_dir, trainer.strategy.root_device)
 
 
 class RunSummaryCallback(Callback):

@@ -53,7 +53,7 @@ from lightning_fl.federated.summary import evaluation_lines, trainer_summary, wr
 from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.base import Plan
 from lightning_fl.runs import RunLock
-from lightning_fl.trainer_api import TrainerLike, write_config
+from lightning_fl.trainer_api import TrainerLike, record_environment, write_config
 
 
 class FederatedTrainer(TrainerArguments, TrainerLike):
@@ -244,6 +244,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         if not self.fabric.is_global_zero:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        record_environment(self.log_dir, self.fabric.device)
         experiments = [self.fabric.logger.experiment] if self.fabric.loggers else []
         if self.config_yaml is not None:
             write_config(self.log_dir, self.config_yaml, experiments)
