@@ -37,7 +37,7 @@ from _harness import Sample, add_arguments, cpu_seconds, line, machine, measure,
 from lightning_fl.data import FashionMNIST, FederatedDataModule, Synthetic
 from lightning_fl.errors import DatasetNotFoundError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.federated import buffered_run as federated_loop
+from lightning_fl.federated import loop as federated_loop
 from lightning_fl.methods import LatentClassifier
 from lightning_fl.models import SmallCNN
 
@@ -86,7 +86,7 @@ def main() -> None:
     dm = FederatedDataModule(source, num_clients=args.clients, batch_size=args.batch, max_train_samples=args.samples)
     dm.prepare_data()
     dm.setup("fit")
-    federated_loop.RoundRunner = TimedRunner  # FederatedTrainer builds its runner through runner_of, from this name
+    federated_loop.RoundRunner = TimedRunner  # FederatedTrainer builds its runner by this name
 
     samples: dict[str, list[Sample]] = {"round": [], "epoch": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,7 +13,7 @@ from lightning_fl.federated import ByteLedger, FedAvg, LocalTraining
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.collect import Uploads
 from lightning_fl.federated.round import RoundRunner, RoundSettings
-from lightning_fl.federated.stages import round_stages
+from lightning_fl.federated.stages import round_arrivals, round_stages
 from lightning_fl.federated.state import flatten, unflatten
 from lightning_fl.federated.transport import Reply, Transport
 from lightning_fl.privacy import Plan
@@ -80,7 +80,8 @@ def round_runner(fabric, transport, codec=None, *, strategy=None, local=None, nu
     strategy = strategy if strategy is not None else FedAvg()
     settings.setdefault("max_update_norm_ratio", None)
     args = TrainerArguments(strategy=strategy, sampling=sampling, **settings)
-    collection = Uploads(transport, codec if codec is not None else FP32(), local, fold_groups)
+    arrivals = round_arrivals(args, local, target=None)
+    collection = Uploads(transport, codec if codec is not None else FP32(), local, fold_groups, arrivals=arrivals)
     return RoundRunner(fabric, strategy, collection, round_stages(args, fabric, local), ByteLedger(num_clients),
                        RoundSettings(sampling, dropout, upload_policy))  # fmt: skip
 

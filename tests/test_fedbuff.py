@@ -14,8 +14,9 @@ from helpers import CraftedClients, Population
 from lightning_fl.compress import FP32, Quantize, TopK
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import ByteLedger, Clock, FedAvg, FedAvgM, FedBuff, LocalTraining, Median, SignFlip
-from lightning_fl.federated.buffered_run import BufferedRunner
+from lightning_fl.federated.arrivals import Buffered
 from lightning_fl.federated.collect import Uploads
+from lightning_fl.federated.round import RoundRunner
 from lightning_fl.federated.stages import NormGate
 from lightning_fl.federated.state import flatten
 from lightning_fl.methods import Classifier, LoRAClassifier, Recipe
@@ -57,9 +58,10 @@ def u(c: int, r: int) -> torch.Tensor:
 def crafted(buffered, steps, strategy=None, num_samples=None, clock=None):
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
     strategy = strategy or FedAvg()
-    collection = Uploads(CraftedClients(lambda c, r: u(c, r), num_samples), FP32(), LocalTraining(epochs=1))
-    runner = BufferedRunner(fabric, buffered, clock or Clock(**EXACT), strategy, collection, ByteLedger(len(steps)),
-                            "drop", [NormGate(strategy)])  # fmt: skip
+    local = LocalTraining(epochs=1)
+    arrivals = Buffered(buffered, clock or Clock(**EXACT), local)
+    collection = Uploads(CraftedClients(lambda c, r: u(c, r), num_samples), FP32(), local, arrivals=arrivals)
+    runner = RoundRunner(fabric, strategy, collection, [NormGate(strategy)], ByteLedger(len(steps)))
     return runner, Durations(steps)
 
 

@@ -13,9 +13,10 @@ from helpers import CraftedClients, Population, round_runner
 from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FedAvg, LocalTraining, Median
-from lightning_fl.federated.collect import SecureUploads, Uploads
+from lightning_fl.federated.collect import Uploads
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.round import RoundRunner
+from lightning_fl.federated.secure_uploads import SecureUploads
 from lightning_fl.federated.stages import IdentityCheck, NormGate, Stage
 from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.secure import SecureAggregation

@@ -12,8 +12,9 @@ are in it, it steps with
 the version it downloaded), ``s`` the staleness discount and ``w_i`` 1 (or the client's sample count under a weighted
 strategy): with ``w_i = 1`` the paper's ``(1/K) sum_i s(tau_i) Delta_i``. The strategy steps from ``current + Delta``
 as a round's mean upload, so FedAvg moves to ``x + Delta`` and FedAvgM or FedAdam use ``Delta`` as their
-pseudo-gradient. The simulation itself (the event loop over the clock's time) is
-:class:`~lightning_fl.federated.buffered_run.BufferedRunner`.
+pseudo-gradient. The simulation itself (the event loop over the clock's time) is the collection's arrival policy
+:class:`~lightning_fl.federated.arrivals.Buffered`: its rounds run through the one
+:class:`~lightning_fl.federated.round.RoundRunner` and every stage.
 """
 
 from __future__ import annotations

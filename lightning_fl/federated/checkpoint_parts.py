@@ -17,7 +17,7 @@ def saved(trainer: Any) -> dict[str, Any]:
     if trainer.downlink is not None:  # its memory and which state each client holds
         out["downlink"] = trainer.downlink.state_dict()
     if trainer.buffered is not None:  # the clients in flight with their updates, the clock, the server version
-        out["buffered"] = trainer.round_runner.state_dict()
+        out["buffered"] = trainer.round_runner.collection.arrivals.state_dict()
     return out
 
 
@@ -31,7 +31,7 @@ def restore(trainer: Any, path: Path, ckpt: dict[str, Any]) -> None:
         raise CheckpointError(f"cannot resume from {path}: it was written with synchronous rounds (no FedBuff clients "
                               "in flight); remove trainer.buffered, or start afresh")  # fmt: skip
     if trainer.buffered is not None:
-        trainer.round_runner.load_state_dict(ckpt["buffered"], str(path))
+        trainer.round_runner.collection.arrivals.load_state_dict(ckpt["buffered"], str(path))
 
 
 def _restore_downlink(downlink: Any, path: Path, ckpt: dict[str, Any]) -> None:

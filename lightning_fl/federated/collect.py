@@ -1,5 +1,5 @@
-"""How a round's uploads reach the server: each on its own (:class:`Uploads`) or only as their sum
-(:class:`SecureUploads`, secure aggregation).
+"""How a round's uploads reach the server: each on its own (:class:`Uploads`), or only as their sum
+(:class:`~lightning_fl.federated.secure_uploads.SecureUploads`, secure aggregation).
 
 :class:`Uploads` has the round's share of clients trained by the transport and takes each reply through its way in:
 an :class:`~lightning_fl.federated.uploads.Entry`, the stages' ``on_reply``, the upload gate (decode, layout, finite
@@ -20,11 +20,9 @@ is that of one process with the same G, bit for bit.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,14 +31,13 @@ import torch
 from tqdm.auto import tqdm
 
 from lightning_fl.compress.base import Codec
-from lightning_fl.errors import ConfigError
+from lightning_fl.federated.arrivals.base import Arrivals, WaitForAll
 from lightning_fl.federated.gate import screen_upload, upload_nbytes
 from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.stages.base import Stage
 from lightning_fl.federated.state import State, flatten
 from lightning_fl.federated.strategies import Strategy
 from lightning_fl.federated.strategies.base import GroupedSums
-from lightning_fl.federated.suspects import Suspects
 from lightning_fl.federated.transport import Reply, Transport
 from lightning_fl.federated.uploads import (
     ACCEPTED,
@@ -86,16 +83,25 @@ class Uploads:
         local: How they train.
         fold_groups: Running sums a linear strategy folds into (client ``c`` into sum ``c % fold_groups``).
         progress: A bar over the round's clients on a terminal.
+        arrivals: Whose replies a round takes, and when (:mod:`lightning_fl.federated.arrivals`); default: every
+            available client's.
     """
 
     #: The server sees single uploads (stages may read them).
     sum_only = False
 
     def __init__(
-        self, transport: Transport, codec: Codec, local: LocalTraining, fold_groups: int = 1, progress: bool = False
+        self,
+        transport: Transport,
+        codec: Codec,
+        local: LocalTraining,
+        fold_groups: int = 1,
+        progress: bool = False,
+        arrivals: Arrivals | None = None,
     ) -> None:
         self.transport, self.codec, self.local = transport, codec, local
         self.fold_groups, self.progress = fold_groups, progress
+        self.arrivals = arrivals if arrivals is not None else WaitForAll()
         self._buffer: torch.Tensor | None = None  # the rows a linear strategy reuses round after round
 
     def process_of(self, client: int, world: int) -> int:
@@ -116,6 +122,7 @@ class Uploads:
         """Have this process's share of ``rnd.available`` trained and bring every reply in: the round's entries,
         the folded clients and its :class:`~lightning_fl.federated.uploads.Total` (or, for a robust strategy, rows)."""
         fabric = rnd.fabric
+        self.arrivals.admit(rnd)
         spread = self.transport.spreads_over_processes
         # Each client trains on one process, always the same: a codec's memory of a client (error-feedback
         # residuals) stays where the client trains.
@@ -127,9 +134,7 @@ class Uploads:
             rnd.rows = Rows(self._row_buffer(strategy, slots, len(rnd.current)), held=slots)
         else:
             rnd.running = GroupedSums(len(rnd.current), self.fold_groups)
-        replies = self.transport.replies(
-            model, datamodule, rnd.state, share, rnd.index, rnd.seed, codec=self.codec, local=self.local, fabric=fabric
-        )
+        replies = self.arrivals.replies(rnd, self, model, share)
         if spread or fabric.is_global_zero:  # a network transport talks to clients from rank 0 only
             show = self.progress and fabric.is_global_zero and sys.stderr.isatty()  # no bars in logs
             bar = tqdm(replies, total=len(share), desc=f"clients r{rnd.index + 1}", leave=False, disable=not show)
@@ -223,64 +228,6 @@ class Uploads:
         if kept is None or len(kept) < slots or kept.shape[1] != size:
             kept = self._buffer = torch.empty(slots, size, dtype=torch.float32)
         return kept[:slots]
-
-
-class SecureUploads(Uploads):
-    """The sum of the round's uploads only (``trainer.secure_aggregation``): the transport runs the secure round
-    (Flower's SecAgg+, or its arithmetic in process) and gives back each client's reply without its upload and the
-    modular sum of those it included, from which the exact sum of their dequantised updates is recovered. The server
-    reads no upload (a deployment never shows it one; in process only their structure is checked), so stages that
-    read single uploads cannot run in such a round. One process (checked when the fit starts)."""
-
-    sum_only = True
-
-    @functools.cached_property
-    def suspects(self) -> Suspects:
-        """The record of valid and invalid sums, and the clients left out (:mod:`lightning_fl.federated.suspects`)."""
-        return Suspects()
-
-    def keeps_rows(self, strategy: Strategy, stages: list[Stage], fabric: L.Fabric) -> bool:
-        return False
-
-    def check(self, fabric: L.Fabric, stages: list[Stage]) -> None:
-        """One process, a transport that sums securely, and no stage that reads single uploads."""
-        if not self.transport.sums_securely or fabric.world_size > 1:
-            raise ConfigError(
-                "trainer.secure_aggregation runs in one process or on Flower (SecAgg+), not over several "
-                "processes: set trainer.devices 1 and trainer.num_nodes 1, or remove the key"
-            )
-        if reading := [repr(s) for s in stages if s.needs_rows]:
-            raise ConfigError(f"trainer.secure_aggregation shows the server no single upload, but {', '.join(reading)} "
-                              "reads every upload of a round: remove its setting")  # fmt: skip
-
-    def collect(self, rnd: Round, strategy: Strategy, stages: list[Stage], model: Any, datamodule: Any) -> None:
-        secure, suspects = self.local.secure, self.suspects
-        asked = [c for c in rnd.available if c not in suspects.left_out]
-        result = self.transport.secure_round(
-            model, datamodule, rnd.state, asked, rnd.index, rnd.seed, codec=self.codec, local=self.local,
-            fabric=rnd.fabric,
-        )  # fmt: skip
-        if result.problem is None and result.included:  # (Flower's path checked it already)
-            result.problem = secure.range_problem(result.total, len(result.included))
-            result.invalid = result.problem is not None
-        note = suspects.record(result.included, not result.invalid) if result.included else None
-        for reply in result.replies:
-            entry = entry_of(reply, rnd, stages)
-            if reply.lost:
-                continue
-            entry.up = reply.upload_bytes if reply.upload_bytes is not None else upload_nbytes(reply.payload)
-            if reply.failure:
-                rnd.reject(entry, [reply.failure])
-            elif result.problem is None and entry.client in result.included:
-                entry.status = ACCEPTED
-        if result.problem is not None:
-            warnings.warn(f"round {rnd.index + 1}: secure aggregation failed: {result.problem}; the round has no "
-                          f"aggregate{f'; {note}' if note else ''}", stacklevel=3)  # fmt: skip
-        else:
-            rnd.folded = list(result.included)
-        n = len(rnd.folded)
-        total = secure.recover(result.total, n) if n else torch.zeros(len(rnd.current), dtype=torch.float64)
-        rnd.total = Total(total, float(n), n, updates=True)
 
 
 #: Seconds between two lines saying how far a long round is (no bar: a log, a CI run, or the bars off).

@@ -40,15 +40,15 @@ from lightning_fl.errors import ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import setup
 from lightning_fl.federated.arguments import TrainerArguments
-from lightning_fl.federated.buffered_run import runner_of
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
-from lightning_fl.federated.collect import SecureUploads, Uploads
+from lightning_fl.federated.collect import Uploads
 from lightning_fl.federated.evaluate import evaluate
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
-from lightning_fl.federated.round import RoundSettings
-from lightning_fl.federated.stages import round_stages
+from lightning_fl.federated.round import RoundRunner, RoundSettings
+from lightning_fl.federated.secure_uploads import SecureUploads
+from lightning_fl.federated.stages import round_arrivals, round_stages
 from lightning_fl.federated.summary import evaluation_lines, trainer_summary, write_audit, write_client_epsilons
 from lightning_fl.federated.transport import InProcess
 from lightning_fl.privacy.base import Plan
@@ -129,7 +129,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         for callback in callbacks:
             callback.on_rounds_start(self, start)
         started, count = time.perf_counter(), self._clients_per_round(num_clients)
-        count = count if self.clock is None else self.clock.sampled_count(count, num_clients)  # over-selection
+        count = self.round_runner.collection.arrivals.sampled_count(count, num_clients)  # (over-selection)
         for r in range(start, self.rounds):
             if self.privacy is not None and (reason := self.privacy.stop_reason()) is not None:
                 self.stopped = f"stopped before round {r + 1}: {reason}"
@@ -170,8 +170,9 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self.stopped = self.alarm = None
         fingerprint = setup.agree_on_fingerprint(fabric, hooks)
         in_process = isinstance(self.transport, InProcess)
+        arrivals = round_arrivals(self, self.local, self._clients_per_round(num_clients))
         collection = (SecureUploads if self.local.secure is not None else Uploads)(
-            self.transport, self.codec, self.local, self.fold_groups, progress=self.enable_progress_bar
+            self.transport, self.codec, self.local, self.fold_groups, self.enable_progress_bar, arrivals
         )
         # a secure round never shows the server an upload: there is none to check the identity on
         check = self.check_identity and self.strategy.linear and not collection.sum_only
@@ -183,14 +184,14 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                     "state every round and keeps none between rounds to apply a broadcast to; remove the key"
                 )
             self.downlink.start(num_clients)
-        stages = round_stages(self, fabric, self.local, self.downlink, identity, self._clients_per_round(num_clients))
+        stages = round_stages(self, fabric, self.local, self.downlink, identity)
         secret = self.privacy is not None and self.privacy.amplified and self.privacy.noise_seed is None
         private = self.privacy is not None or self.dp_sgd is not None  # (statistics outside it: withheld or labelled)
         unprotected = ("label" if self.unprotected_statistics else "withhold") if private else "keep"
         settings = RoundSettings(
             self.sampling, self.dropout, self.upload_policy, secret_cohorts=secret, unprotected=unprotected
         )
-        self.round_runner = runner_of(self, collection, stages, settings)  # a round's, or FedBuff's steps
+        self.round_runner = RoundRunner(fabric, self.strategy, collection, stages, self.ledger, settings)
         if self.strategy.weighted and self.strategy.linear and self.max_client_weight is None and not in_process:
             warnings.warn("trainer.strategy.weighted takes each node's declared sample count as given (a node can "
                           "claim any number); set trainer.max_client_weight to bound it", stacklevel=3)  # fmt: skip

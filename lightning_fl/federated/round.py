@@ -70,7 +70,8 @@ class RoundRunner:
     Args:
         fabric: The run's processes.
         strategy: The server algorithm (samples the clients; steps from the round's mean, or aggregates its rows).
-        collection: How the uploads arrive (:class:`~lightning_fl.federated.collect.Uploads` or ``SecureUploads``).
+        collection: How the uploads arrive, and when (:class:`~lightning_fl.federated.collect.Uploads`, or
+            :class:`~lightning_fl.federated.secure_uploads.SecureUploads`; its arrival policy).
         stages: The run's mechanisms, in the order each hook runs them
             (:func:`~lightning_fl.federated.stages.round_stages`).
         ledger: Counts every client's bytes.
@@ -122,6 +123,12 @@ class RoundRunner:
             cohort = self.strategy.sample(r, num_clients, count, drawn)
         return cohort if drawn is not None else rank_zeros(self.fabric, cohort)  # the same cohort on every process
 
+    def draw(self, rnd: Round, count: int) -> None:
+        """Round ``rnd``'s ``count`` sampled clients, and which of them are unavailable (the default arrivals)."""
+        rnd.sampled = self.sample(rnd.index, rnd.datamodule.num_clients, count, rnd.seed)
+        rnd.away = [c for c in rnd.sampled if self.unavailable(rnd.seed, rnd.index, c)]
+        rnd.available = [c for c in rnd.sampled if c not in rnd.away]
+
     def process_of(self, client: int, world: int) -> int:
         """The process that trains ``client`` among ``world`` (the collection's placement)."""
         return self.collection.process_of(client, world)
@@ -144,12 +151,11 @@ class RoundRunner:
         self, model: L.LightningModule, datamodule: Any, state: State, r: int, seed: int, count: int
     ) -> tuple[State, dict[str, float]] | None:
         names = sorted(state)
-        sampled = self.sample(r, datamodule.num_clients, count, seed)
-        away = [c for c in sampled if self.unavailable(seed, r, c)]
-        available = [c for c in sampled if c not in away]
         full = FP32().encode(state, state, -1).nbytes  # a download of the global state in float32
         rnd = Round(r, seed, state, names, flatten(state, names), self.fabric, datamodule, self.settings.upload_policy,
-                    full, sampled, away, available)  # fmt: skip
+                    full)  # fmt: skip
+        self.collection.arrivals.begin(rnd, lambda rnd: self.draw(rnd, count), self.collection, model)
+        sampled, away, available = rnd.sampled, rnd.away, list(rnd.available)
         for stage in self.stages:
             stage.start(rnd)
         self.collection.collect(rnd, self.strategy, self.stages, model, datamodule)
@@ -187,6 +193,7 @@ class RoundRunner:
         rnd.metrics["fed/round_skipped"] = float(not step.accepted)
         for stage in self.stages:
             stage.end_round(rnd)
+        self.collection.arrivals.end_round(rnd)
         rnd.metrics.update(self.ledger.metrics())
         return state, exported(rnd.metrics, rnd.unprotected, self.settings.unprotected)
 

@@ -112,6 +112,7 @@ class Round:
     away: list[int] = field(default_factory=list)  # sampled but unavailable (dropout)
     available: list[int] = field(default_factory=list)
     late: list[int] = field(default_factory=list)  # sampled, downloaded, but left out by the clock's rule
+    pending: list[int] = field(default_factory=list)  # downloaded this round, replying in a later one (FedBuff)
     entries: dict[int, Entry] = field(default_factory=dict)
     rows: Rows | None = None  # ``None``: the round streams its uploads into ``running``
     running: GroupedSums | None = None
@@ -205,8 +206,9 @@ def mean_over_clients(logged: list[dict[str, tuple[float, float]]]) -> dict[str,
 
 def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Callable[[int], int]) -> None:
     """Count a round's traffic: ``down(client)`` bytes to every sampled client (``rnd.away``: those unavailable;
-    ``rnd.late``: those the clock left out) this round sent the global state, each reply's upload as aggregated or
-    rejected (a late reply's in the round it arrives), and the transport's message bytes where it measured them."""
+    ``rnd.late``: those the clock left out; ``rnd.pending``: those whose reply comes in a later round) this round sent
+    the global state, each reply's upload as aggregated or rejected (a late reply's in the round it arrives), and the
+    transport's message bytes where it measured them."""
     ledger.start_round()
     for e in rnd.in_order:
         if e.downloaded:
@@ -216,7 +218,7 @@ def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Cal
         for direction, size in (("up", e.msg_up), ("down", e.msg_down)):
             if size >= 0:
                 ledger.record_message(e.client, direction, size)
-    for c in rnd.away + rnd.late:
+    for c in rnd.away + rnd.late + rnd.pending:
         ledger.record(c, "down", down(c))
 
 

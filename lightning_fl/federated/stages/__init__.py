@@ -9,10 +9,10 @@ import lightning as L
 
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.federated.arguments import TrainerArguments
+from lightning_fl.federated.arrivals import Arrivals, Buffered, Timed, WaitForAll, layout_bytes
 from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.stages.audit import CanaryStage
 from lightning_fl.federated.stages.base import Stage, Step
-from lightning_fl.federated.stages.clock import RoundClock
 from lightning_fl.federated.stages.privacy import CentralPrivacy, ClientPrivacy, RecordPrivacy
 from lightning_fl.federated.stages.screening import NormGate, SimulatedAttack, WeightCap
 from lightning_fl.federated.stages.server import CompressedBroadcast, IdentityCheck
@@ -27,11 +27,11 @@ __all__ = [
     "IdentityCheck",
     "NormGate",
     "RecordPrivacy",
-    "RoundClock",
     "SimulatedAttack",
     "Stage",
     "Step",
     "WeightCap",
+    "round_arrivals",
     "round_stages",
 ]
 
@@ -42,14 +42,12 @@ def round_stages(
     local: LocalTraining | None = None,
     downlink: Downlink | None = None,
     identity: Callable[[list[State]], float] | None = None,
-    target: int | None = None,
 ) -> list[Stage]:
     """The stages of a run with ``settings`` (a trainer's arguments), in the order each hook runs them.
 
     Uploads are screened (weight cap, attack, norm gate) before central DP clips what they add to the sum, so a
     refused upload spends nothing; the norm gate checks the aggregate before the compressed broadcast sends it, and
-    the identity check measures only an accepted aggregate. The clock comes last: its ``start`` times the clients
-    once the compressed broadcast has said what each downloads, and leaves out the late ones before any trains.
+    the identity check measures only an accepted aggregate. (The clock is the collection's: :func:`round_arrivals`.)
 
     Args:
         settings: The trainer's arguments (``strategy``, ``max_client_weight``, ``attack``, ``max_update_norm``,
@@ -58,7 +56,6 @@ def round_stages(
         local: How clients train (DP-SGD's accounting reads its data plan).
         downlink: The server's compressed broadcast (``trainer.compressed_downloads``); ``None``: full states.
         identity: The module's averaging identity error, to be logged; ``None``: not checked.
-        target: The clients per round, whose reports close a round under the clock's over-selection.
     """
     strategy, privacy = settings.strategy, settings.privacy
     stages: list[Stage] = []
@@ -79,7 +76,16 @@ def round_stages(
         stages.append(CompressedBroadcast(downlink))
     if identity is not None:
         stages.append(IdentityCheck(identity, fabric))
-    if settings.clock is not None:
-        over = settings.clock.over_selection > 0
-        stages.append(RoundClock(settings.clock, settings.codec, local, target if over else None))
     return stages
+
+
+def round_arrivals(settings: TrainerArguments, local: LocalTraining, target: int | None) -> Arrivals:
+    """How the uploads of a run with ``settings`` arrive (:mod:`lightning_fl.federated.arrivals`): FedBuff's buffer
+    (``buffered``), rounds timed by the clock (``clock``: ``target`` reports close a round under over-selection), or
+    every reply."""
+    clock = settings.clock
+    if settings.buffered is not None and clock is not None:
+        return Buffered(settings.buffered, clock, local)
+    if clock is not None:
+        return Timed(clock, local, layout_bytes(settings.codec), None if clock.over_selection == 0 else target)
+    return WaitForAll()
