@@ -84,8 +84,9 @@ class LateOnFlower(CraftedClients):
             now = [c for c in now if c != reply.client]
             yield replace(reply, staleness=1, reference=then, discount=discount("sqrt", 0.5, 1), downloaded=False)
         yield from super().replies(model, datamodule, state, now, round, seed, codec=codec, local=local, fabric=fabric)
-        trained = next(super().replies(model, datamodule, state, [last], round, seed, codec=codec, local=local,
-                                       fabric=fabric))  # fmt: skip
+        trained = next(
+            super().replies(model, datamodule, state, [last], round, seed, codec=codec, local=local, fabric=fabric)
+        )
         self.left = (trained, {n: t.clone() for n, t in state.items()})
 
 

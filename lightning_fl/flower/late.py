@@ -76,10 +76,6 @@ class LateReplies:
         """The ids of the messages out, to pull with the round's own."""
         return sorted(self.out)
 
-    def need(self, sent: int) -> int:
-        """Replies a round that sent ``sent`` messages waits for."""
-        return min(self.quorum, sent)
-
     def match(self, message_id: str | None, client: int | None) -> Out | None:
         """The message out that a reply answers (by the id it replies to; without one, an error the SuperLink sent
         for ``client``'s vanished node), taken off the list; ``None`` if it answers none."""

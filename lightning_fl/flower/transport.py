@@ -185,7 +185,7 @@ class FlowerTransport(Transport):
         answers: dict[int, Any] = {}
         stale: dict[int, tuple[Any, Any]] = {}  # client -> (its message out, the late reply)
         started = time.monotonic()
-        pending, need = (late.waiting(), late.need(len(out))) if late is not None else ((), None)
+        pending, need = (late.waiting(), late.quorum) if late is not None else ((), None)
         replies = exchange(self.grid, out, self.round_timeout, pending=pending, need=need)
         # match replies to what was sent; a reply to another round's message is never this round's (the
         # SuperLink answers for a vanished node under its own id, with no message to reply to)
