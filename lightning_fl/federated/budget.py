@@ -27,12 +27,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from lightning_fl.privacy.base import Privacy
+from lightning_fl.privacy.dpsgd import DPSGD
+
 RELEASES = "releases.csv"
 HEADER = "round,epsilon,delta,record_epsilon_max,unix_time\n"
-
-
-def private(trainer: Any) -> bool:
-    return trainer.privacy is not None or trainer.dp_sgd is not None
 
 
 def last_release(folder: Path) -> int:
@@ -77,11 +76,11 @@ def _round_of(path: Path) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
-def budget_problem(trainer: Any, ckpt: dict[str, Any]) -> str | None:
-    """Why the budget just restored from ``ckpt`` is not the one the run logged (``None``: it is)."""
+def budget_problem(privacy: Privacy | None, dp_sgd: DPSGD | None, ckpt: dict[str, Any]) -> str | None:
+    """Why the budgets just restored from ``ckpt`` (user-level ``privacy``, DP-SGD's ``dp_sgd``) are not the ones the
+    run logged (``None``: they are)."""
     completed = int(ckpt["round"])
     logged = next((h for h in reversed(ckpt["history"]) if int(h.get("round", -1)) == completed), {})
-    privacy, dp_sgd = trainer.privacy, trainer.dp_sgd
     if privacy is not None and completed > 0:
         if (counted := privacy.rounds_accounted()) is not None and counted != completed:
             return f"its privacy accountant holds {counted} rounds, the checkpoint {completed}"

@@ -48,9 +48,10 @@ from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner, RoundSettings
 from lightning_fl.federated.secure_uploads import SecureUploads
-from lightning_fl.federated.stages import round_arrivals, round_stages
-from lightning_fl.federated.summary import evaluation_lines, trainer_summary, write_audit, write_client_epsilons
+from lightning_fl.federated.stages import WRITTEN_WITH, round_arrivals, round_stages
+from lightning_fl.federated.summary import evaluation_lines, run_summary
 from lightning_fl.federated.transport import InProcess
+from lightning_fl.privacy.audit import RecordCanaries
 from lightning_fl.privacy.base import Plan
 from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, record_environment, write_config
@@ -68,8 +69,9 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         upload_stage = privacy if privacy is not None and privacy.client_stage else None  # local or distributed noise
         self.local = LocalTraining(self.local_epochs, self.local_steps, self.gradient_clip_val, upload_stage, dp_sgd,
                                    self.secure_aggregation)  # fmt: skip
-        if dp_sgd is not None:
-            dp_sgd.setup(self.rounds)
+        if dp_sgd is not None:  # (with the privacy audit and no user-level DP: canaries among one client's records)
+            audit = self.privacy_audit if privacy is None else None
+            dp_sgd.setup(self.rounds, RecordCanaries(audit) if audit is not None else None)
         #: The server's compressed broadcast (``compressed_downloads``); ``None``: clients download full states.
         self.downlink = Downlink(self.codec) if self.compressed_downloads else None
         self.fabric_args = {"accelerator": self.accelerator, "devices": self.devices, "strategy": self.fabric_strategy,
@@ -114,9 +116,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self._check_plan(datamodule.num_clients)
         seed, num_clients = self._run_seed(), datamodule.num_clients
         fingerprint = self._set_up_rounds(model, hooks, num_clients, seed)
-        if ckpt is not None and self.privacy_audit is not None:  # (its canaries' scores live in memory only)
-            raise ConfigError("trainer.privacy_audit covers one uninterrupted run: resume without it, or start afresh")
-        start = 0 if ckpt is None else round_ckpt.restore_trainer(self, ckpt, model, seed, fingerprint, num_clients)
+        start = 0 if ckpt is None else self._restore(ckpt, model, seed, fingerprint, num_clients)
         self._write_config()
         if start == 0:  # round 0: the starting model (for FLITE, exactly the pretrained base)
             base = self._evaluate(model, datamodule, "val")
@@ -147,7 +147,9 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self._log(metrics, step=r + 1)
             self.history.append({"round": r + 1, **metrics})
             self.callback_metrics = metrics
-            round_ckpt.save_trainer(self, r + 1, seed, fingerprint, num_clients)
+            record = self._record(seed, fingerprint, num_clients)
+            every = self.save_every_n_rounds
+            round_ckpt.save_trainer(self.fabric, record, self._parts(), self.log_dir, r + 1, every, self._private)
             for callback in callbacks:
                 callback.on_round_end(self, r + 1, metrics)  # (1-based, as logged)
         for callback in callbacks:
@@ -158,10 +160,63 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.history[-1].update(final)
             self.callback_metrics = {**self.callback_metrics, **final}
         self._finish()
-        if self.dp_sgd is not None and self.fabric.is_global_zero:
-            write_client_epsilons(self.dp_sgd, self.log_dir / "dp_sgd_clients.csv")
-        audit = write_audit(self) if self.privacy_audit is not None else None
-        self.fabric.print(trainer_summary(self, datamodule, audit))
+        for stage in self.round_runner.stages:
+            stage.finish(self.log_dir, self.fabric.is_global_zero)
+        self.fabric.print(self._summary(datamodule))
+
+    # ============================================================================ what the rounds keep and report
+    @property
+    def _private(self) -> bool:
+        """Whether the run releases under a privacy mechanism (its releases are recorded)."""
+        return self.privacy is not None or self.dp_sgd is not None
+
+    def _parts(self) -> list:
+        """What keeps state in the round checkpoint beside the global state: the stages, the arrival policy."""
+        return [*self.round_runner.stages, self.round_runner.collection.arrivals]
+
+    def _record(self, seed: int, fingerprint: str | None, num_clients: int) -> round_ckpt.RunRecord:
+        return round_ckpt.RunRecord(
+            seed, num_clients, fingerprint, self.global_state, self.strategy, self.codec, self.ledger, self.history
+        )
+
+    def _restore(self, ckpt: Path, model: L.LightningModule, seed: int, fingerprint: str | None, n: int) -> int:
+        """Resume from the round checkpoint ``ckpt``: the rounds it has done."""
+        if refusal := next((s.not_resumable for s in self.round_runner.stages if s.not_resumable), None):
+            raise ConfigError(refusal)
+        rank, world = self.fabric.global_rank, self.fabric.world_size
+        keep = (lambda c: self.round_runner.process_of(c, world) == rank) if world > 1 else None
+        self.global_state = dict(self.global_state)  # (loaded in place)
+        done = round_ckpt.restore_trainer(
+            self.fabric,
+            self._record(seed, fingerprint, n),
+            self._parts(),
+            ckpt,
+            rounds=self.rounds,
+            folder=self.log_dir,
+            keep=keep,
+            written_with=WRITTEN_WITH,
+            privacy=self.privacy,
+            dp_sgd=self.dp_sgd,
+        )
+        model.load_federated_state(self.global_state)
+        return done
+
+    def _summary(self, datamodule: Any) -> str:
+        ledger, history = self.ledger, self.history
+        data = datamodule.summary_lines() if callable(getattr(datamodule, "summary_lines", None)) else []
+        runner = self.round_runner
+        return run_summary(
+            history,
+            self.log_dir,
+            self.logger,
+            self.stopped,
+            self.alarm,
+            val_is_test=getattr(datamodule, "val_is_test", False) is True,  # (a data module may not say)
+            took_part=(*ledger.took_part(), ledger.num_clients) if ledger is not None else None,
+            timing=runner.collection.arrivals.summary(history) if history else [],
+            stages=[line for stage in runner.stages for line in stage.summary(history)] if history else [],
+            data=data,
+        )
 
     def _set_up_rounds(self, model: L.LightningModule, hooks: ModuleHooks, num_clients: int, seed: int) -> str | None:
         """The global state, ledger, round runner and transport of a fresh fit; the model's fingerprint."""

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
-
-from lightning_fl.privacy.audit import audit_lines, write_report
 
 #: Evaluation metrics where lower is better (every other ``val/*`` metric: higher is better).
 LOWER_IS_BETTER = ("loss", "ppl", "ece")
@@ -39,40 +36,11 @@ def collapse(start: dict[str, float], now: dict[str, float], num_classes: int | 
     return None
 
 
-def write_audit(trainer: Any) -> dict[str, Any]:
-    """The privacy audit's report (``trainer.privacy_audit``), written to ``privacy_audit.json`` by rank 0."""
-    if trainer.privacy is not None:
-        report = trainer.privacy_audit.report(trainer.privacy.epsilon(), trainer.privacy.delta)
-    else:  # DP-SGD's: the audited client's record-level epsilon
-        dp, client = trainer.dp_sgd, trainer.dp_sgd.canaries.client
-        report = trainer.privacy_audit.report(dp.client_epsilon(client) if client is not None else math.nan, dp.delta)
-        report["level"], report["unit"] = f"canary records of client {client}", "step"
-    if trainer.fabric.is_global_zero:
-        write_report(report, trainer.log_dir / "privacy_audit.json")
-    return report
-
-
 #: The summary's line for a private run that logs its unprotected statistics (``trainer.unprotected_statistics``).
 UNPROTECTED = (
     "  unprotected/* holds statistics of the clients' updates outside the privacy guarantee "
     "(trainer.unprotected_statistics): keep them with the server"
 )
-
-
-def trainer_summary(trainer: Any, datamodule: Any, audit: dict[str, Any] | None = None) -> str:
-    """:func:`run_summary` of ``trainer`` (a :class:`~lightning_fl.federated.FederatedTrainer`) after its fit on
-    ``datamodule`` (``audit``: the privacy audit's report)."""
-    ledger, privacy, dp_sgd = trainer.ledger, trainer.privacy, trainer.dp_sgd
-    return run_summary(
-        trainer.history, trainer.log_dir, trainer.logger, trainer.stopped, trainer.alarm,
-        val_is_test=getattr(datamodule, "val_is_test", False) is True,  # (a data module may not say)
-        took_part=(*ledger.took_part(), ledger.num_clients) if ledger is not None else None,
-        privacy=privacy.guarantee(trainer.secure_aggregation is not None) if privacy is not None else "",
-        record_privacy=dp_sgd.guarantee() if dp_sgd is not None else "",
-        audit=audit_lines(audit) if audit is not None else [],
-        data=datamodule.summary_lines() if callable(getattr(datamodule, "summary_lines", None)) else [],
-        gate=trainer.norm_gate_note,
-    )  # fmt: skip
 
 
 def run_summary(
@@ -84,37 +52,28 @@ def run_summary(
     *,
     val_is_test: bool = False,
     took_part: tuple[int, float, int] | None = None,
-    privacy: str = "",
-    record_privacy: str = "",
-    audit: list[str] | None = None,
+    timing: list[str] | None = None,
+    stages: list[str] | None = None,
     data: list[str] | None = None,
-    gate: str | None = None,
 ) -> str:
-    """One line per evaluation metric (start, final, best round), the bytes, the privacy spent, why the run stopped
-    early (``stopped``), and where the run's files are.
+    """One line per evaluation metric (start, final, best round), the bytes, what each stage reports (the privacy
+    spent, the audit, the norm gate), why the run stopped early (``stopped``), and where the run's files are.
 
     Args:
         val_is_test: The data module's ``val/*`` is its test split (said first: each best round is then chosen on
             test data).
         took_part: The clients that took part, their mean bytes and the number of clients (the ledger's): said when
             not every client took part.
-        privacy, record_privacy: What user-level DP's and DP-SGD's epsilons protect (the mechanisms' ``guarantee``),
-            each on a line under its epsilon.
-        audit: The privacy audit's lines (:func:`~lightning_fl.privacy.audit.audit_lines`), under the epsilon.
+        timing: The arrival policy's lines (the simulated time), under the first.
+        stages: The stages' lines (each stage's :meth:`~lightning_fl.federated.stages.Stage.summary`, in order).
         data: What the data module says of its data (its ``summary_lines()``: e.g. records cut at the context).
-        gate: Why the relative norm gate is off by default (the trainer's ``norm_gate_note``).
     """
     if not history:
         return f"No round ran. Run folder: {log_dir}"
     last = history[-1]
     start = next((h for h in history if h.get("round") == 0), None)
     lines = [f"Finished round {int(last['round'])} in {last.get('time/elapsed_s', 0.0):.1f} s of rounds."]
-    if "time/simulated_elapsed_s" in last:  # trainer.clock
-        late = sum(h.get("fed/late_clients", 0.0) for h in history)
-        stale = max((h["fed/staleness_max"] for h in history if "fed/staleness_max" in h), default=None)
-        tail = f"{late:,.0f} late client(s) left out" if stale is None else f"FedBuff, staleness up to {stale:.0f}"
-        lines.append(f"  simulated time (trainer.clock): {last['time/simulated_elapsed_s']:,.1f} s over the rounds; "
-                     f"{tail}")  # fmt: skip
+    lines += [f"  {line}" for line in timing or []]
     if val_is_test and any(k.startswith("val/") for k in last):
         lines.append(f"  {TEST_AS_VAL}: each best round below is chosen on test data")
     for key in sorted(k for k in last if k.startswith("val/")):
@@ -137,23 +96,9 @@ def run_summary(
             count, mean, clients = took_part
             lines.append(f"  bytes per client that took part ({count:,} of {clients:,} clients): {mean:,.0f} "
                          f"({mean / 2**20:.3f} MiB)")  # fmt: skip
-    if "privacy/epsilon" in last:
-        eps, delta = last["privacy/epsilon"], last.get("privacy/delta")
-        at = f" at delta {delta:.3g}" if delta is not None else ""
-        lines.append(f"  privacy: user-level epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
-                     f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
-        lines += [f"    {line}" for line in privacy.splitlines()]
-    if "privacy/record_epsilon_max" in last:
-        worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
-        lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
-                     f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
-                     "dp_sgd_clients.csv)")  # fmt: skip
-        lines += [f"    {line}" for line in record_privacy.splitlines()]
     if any(k.startswith("unprotected/") for k in last):  # trainer.unprotected_statistics
         lines.append(UNPROTECTED)
-    lines += [f"  {line}" for line in audit or []]
-    if gate is not None:
-        lines.append(f"  {gate}")
+    lines += [f"  {line}" for line in stages or []]
     if alarm is not None:
         lines.append(f"  warning: {alarm}")
     if stopped is not None:
@@ -162,19 +107,6 @@ def run_summary(
     if logger:
         lines.append(f"  TensorBoard: tensorboard --logdir {log_dir.parent}")
     return "\n".join(lines)
-
-
-def write_client_epsilons(dp_sgd: Any, path: Path) -> None:
-    """Every client's record-level DP-SGD spend (``trainer.dp_sgd``) as a CSV row, written atomically."""
-    rows = dp_sgd.report()
-    if not rows:
-        return
-    header = list(rows[0])
-    text = ",".join(header) + "\n" + "".join(",".join(f"{r[k]:.6g}" if isinstance(r[k], float) else str(r[k])
-                                                      for k in header) + "\n" for r in rows)  # fmt: skip
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | None, val_is_test: bool = False) -> str:

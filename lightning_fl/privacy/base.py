@@ -99,6 +99,11 @@ class Privacy:
         """Account for round ``round`` (0-based), whose uploads came from ``participants``; metrics to log."""
         return {}
 
+    @property
+    def clip_bound(self) -> float:
+        """The L2 bound each update is clipped to this round (a canary at the bound is as large as any update)."""
+        raise NotImplementedError(f"{type(self).__name__} states no clip bound")
+
     def guarantee(self, secure_sum: bool = False) -> str:
         """What the logged epsilon protects, for the run's summary: whom the mechanism trusts and the neighbouring
         relation its accountant uses (``secure_sum``: the server sees only each round's sum). ``""``: not said."""

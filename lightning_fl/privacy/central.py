@@ -201,6 +201,11 @@ class CentralDP(Privacy):
         return RoundEvent(self.update_multiplier, self.count_std() if self.z > 0 else 0.0)
 
     # ------------------------------------------------------------------------------------------ a round
+    @property
+    def clip_bound(self) -> float:
+        """The current clip bound ``S`` (it moves under adaptive clipping)."""
+        return float(self.bound)
+
     def clip(self, delta: torch.Tensor, layers: list[slice] | None) -> tuple[torch.Tensor, float, bool]:
         """One client's update clipped to the current bound (see :func:`~lightning_fl.privacy.base.clip`)."""
         return clip(delta, self.bound, layers if self.per_layer else None)

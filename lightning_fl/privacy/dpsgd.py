@@ -179,8 +179,9 @@ class DPSGD:
         self.reported: dict[int, tuple[int, int]] = {}  # client -> (records, batch size) its node reported
 
     # ------------------------------------------------------------------------------------------ planning
-    def setup(self, rounds: int) -> None:
-        self.rounds = rounds
+    def setup(self, rounds: int, canaries: Any = None) -> None:
+        """The run's ``rounds``, and the privacy audit's record ``canaries`` (``None``: none)."""
+        self.rounds, self.canaries = rounds, canaries
 
     def plan(self, records: int, batch_size: int, local: Any) -> ClientPlan:
         """A client's DP-SGD plan: its Poisson rate, steps per round (``local.steps``, else ``local.epochs`` times

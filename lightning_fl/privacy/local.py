@@ -79,6 +79,10 @@ class LocalDP(Privacy):
         self.uploads: dict[int, int] = {}  # client -> uploads so far (the worst client's total is reported)
 
     # ------------------------------------------------------------------------------------------ the client
+    @property
+    def clip_bound(self) -> float:
+        return float(self.clip_norm)
+
     def privatize(self, state, global_state, client, round, seed) -> dict[str, torch.Tensor]:
         delta = flat_update(state, global_state)
         clipped, _, _ = clip(delta, self.clip_norm)

@@ -50,6 +50,8 @@ class Arrivals:
 
     #: What a checkpoint calls this policy's state (``None``: it has none).
     state_key: str | None = None
+    #: Why a checkpoint without this policy's state cannot resume its run (``None``: it may).
+    without: str | None = None
 
     def sampled_count(self, target: int, num_clients: int) -> int:
         """Clients to sample for ``target`` reports."""
@@ -82,8 +84,12 @@ class Arrivals:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any], where: str) -> None:
-        """Continue from ``state`` (a checkpoint at ``where``)."""
+    def load_state_dict(self, state: dict[str, Any], completed: int) -> None:
+        """Continue from ``state``, saved after round ``completed``; a ``ValueError`` says why it cannot."""
+
+    def summary(self, history: list[dict[str, float]]) -> list[str]:
+        """The run summary's lines of this policy, from every round's metrics."""
+        return []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -12,7 +12,7 @@ import torch
 
 from lightning_fl.compress import wire
 from lightning_fl.compress.base import Encoded, Payload
-from lightning_fl.errors import CheckpointError, ConfigError
+from lightning_fl.errors import ConfigError
 from lightning_fl.federated.arrivals.base import Arrivals, Delivery, local_steps
 from lightning_fl.federated.buffered import FedBuff
 from lightning_fl.federated.clock import Clock
@@ -93,6 +93,10 @@ class Buffered(Arrivals):
     """
 
     state_key = "buffered"
+    without = (
+        "it was written with synchronous rounds (no FedBuff clients in flight); remove trainer.buffered, or start "
+        "afresh"
+    )
 
     def __init__(self, buffered: FedBuff, clock: Clock, local: LocalTraining) -> None:
         self.buffered, self.clock, self.local = buffered, clock, local
@@ -187,16 +191,25 @@ class Buffered(Arrivals):
             "states": {str(v): {n: t.detach().cpu() for n, t in s.items()} for v, s in self.states.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any], where: str) -> None:
+    def load_state_dict(self, state: dict[str, Any], completed: int) -> None:
         if state.get("settings") != repr(self.buffered):
-            raise CheckpointError(
-                f"cannot resume from {where}: it was written with trainer.buffered {state.get('settings')}, not "
-                f"{self.buffered!r}; set the same, or start afresh"
+            raise ValueError(
+                f"it was written with trainer.buffered {state.get('settings')}, not {self.buffered!r}; set the same, "
+                "or start afresh"
             )
         self.now_s, self.last_step_s = float(state["now_s"]), float(state["last_step_s"])
         self.starts = int(state["starts"])
         self.in_flight = [Flight.loaded(f) for f in state["in_flight"]]
         self.states = {int(v): dict(s) for v, s in state["states"].items()}
+
+    def summary(self, history: list[dict[str, float]]) -> list[str]:
+        if "time/simulated_elapsed_s" not in history[-1]:
+            return []
+        stale = max((h["fed/staleness_max"] for h in history if "fed/staleness_max" in h), default=0.0)
+        elapsed = history[-1]["time/simulated_elapsed_s"]
+        return [
+            f"simulated time (trainer.clock): {elapsed:,.1f} s over the rounds; FedBuff, staleness up to {stale:.0f}"
+        ]
 
     def __repr__(self) -> str:
         return f"Buffered({self.buffered!r})"

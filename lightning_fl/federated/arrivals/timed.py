@@ -84,6 +84,14 @@ class Timed(Arrivals):
                 )
                 return
 
+    def summary(self, history: list[dict[str, float]]) -> list[str]:
+        if "time/simulated_elapsed_s" not in history[-1]:
+            return []
+        late, elapsed = sum(h.get("fed/late_clients", 0.0) for h in history), history[-1]["time/simulated_elapsed_s"]
+        return [
+            f"simulated time (trainer.clock): {elapsed:,.1f} s over the rounds; {late:,.0f} late client(s) left out"
+        ]
+
     def __repr__(self) -> str:
         return f"Timed({self.clock!r}, target={self.target})"
 

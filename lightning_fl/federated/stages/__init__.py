@@ -11,21 +11,23 @@ from lightning_fl.compress.downlink import Downlink
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.arrivals import Arrivals, Buffered, Timed, WaitForAll, layout_bytes
 from lightning_fl.federated.local import LocalTraining
-from lightning_fl.federated.stages.audit import CanaryStage
+from lightning_fl.federated.stages.audit import CentralCanaries, LocalCanaries, RecordCanaryReport
 from lightning_fl.federated.stages.base import Stage, Step
 from lightning_fl.federated.stages.privacy import CentralPrivacy, ClientPrivacy, RecordPrivacy
 from lightning_fl.federated.stages.screening import NormGate, SimulatedAttack, WeightCap
 from lightning_fl.federated.stages.server import CompressedBroadcast, IdentityCheck
 from lightning_fl.federated.state import State
-from lightning_fl.privacy.audit import RecordCanaries
 
 __all__ = [
-    "CanaryStage",
+    "WRITTEN_WITH",
+    "CentralCanaries",
     "CentralPrivacy",
     "ClientPrivacy",
     "CompressedBroadcast",
     "IdentityCheck",
+    "LocalCanaries",
     "NormGate",
+    "RecordCanaryReport",
     "RecordPrivacy",
     "SimulatedAttack",
     "Stage",
@@ -57,26 +59,39 @@ def round_stages(
         downlink: The server's compressed broadcast (``trainer.compressed_downloads``); ``None``: full states.
         identity: The module's averaging identity error, to be logged; ``None``: not checked.
     """
-    strategy, privacy = settings.strategy, settings.privacy
+    strategy, privacy, dp_sgd, audit = settings.strategy, settings.privacy, settings.dp_sgd, settings.privacy_audit
+    secure = settings.secure_aggregation is not None
     stages: list[Stage] = []
     if settings.max_client_weight is not None and strategy.weighted:
         stages.append(WeightCap(settings.max_client_weight))
     if settings.attack is not None:
         stages.append(SimulatedAttack(settings.attack))
-    stages.append(NormGate(strategy, settings.max_update_norm, settings.norm_gate_ratio))
+    gate = NormGate(strategy, settings.max_update_norm, settings.norm_gate_ratio, note=settings.norm_gate_note)
+    stages.append(gate)
     if privacy is not None:  # on the server's sum, or (local DP) accounted only: each client noised its own upload
-        stages.append(CentralPrivacy(privacy, fabric) if privacy.central else ClientPrivacy(privacy))
-    if settings.privacy_audit is not None and privacy is not None:  # (after the privacy stage: it scores its release)
-        stages.append(CanaryStage(settings.privacy_audit, privacy, fabric))
-    elif settings.privacy_audit is not None:  # DP-SGD alone: canaries as one client's records, inside its steps
-        settings.dp_sgd.canaries = RecordCanaries(settings.privacy_audit)
-    if settings.dp_sgd is not None:
-        stages.append(RecordPrivacy(settings.dp_sgd, local))
+        stages.append(CentralPrivacy(privacy, fabric, secure) if privacy.central else ClientPrivacy(privacy, secure))
+    if audit is not None and privacy is not None:  # (after the privacy stage: it scores its release)
+        stages.append((CentralCanaries if privacy.central else LocalCanaries)(audit, privacy, fabric))
+    if dp_sgd is not None:
+        stages.append(RecordPrivacy(dp_sgd, local))
+    if audit is not None and privacy is None and dp_sgd is not None:  # DP-SGD alone: canaries inside its steps
+        stages.append(RecordCanaryReport(audit, dp_sgd, dp_sgd.canaries))
     if downlink is not None:
         stages.append(CompressedBroadcast(downlink))
     if identity is not None:
         stages.append(IdentityCheck(identity, fabric))
     return stages
+
+
+#: What to set to continue a checkpoint that holds a part's state under each key, when this run lacks the part.
+WRITTEN_WITH = {
+    "privacy": "it was written by a private run (trainer.privacy); set the same trainer.privacy to continue its budget",
+    "dp_sgd": "it was written by a run with trainer.dp_sgd (trainer.dp_sgd); set the same trainer.dp_sgd to continue "
+    "its clients' budgets",
+    "downlink": "it was written with trainer.compressed_downloads (its clients hold the broadcasts' state, the server "
+    "a downlink memory); set trainer.compressed_downloads true",
+    "buffered": "it was written with trainer.buffered (FedBuff's clients in flight); set the same trainer.buffered",
+}
 
 
 def round_arrivals(settings: TrainerArguments, local: LocalTraining, target: int | None) -> Arrivals:

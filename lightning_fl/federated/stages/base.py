@@ -27,12 +27,18 @@ hook            when                                                            
 A stage writes what it measures into ``rnd.metrics`` and counts into ``rnd.counts`` (summed over processes); it
 leaves an upload out with ``rnd.reject(entry, problems)`` (the run's upload policy). Several processes run
 ``on_reply``, ``on_upload`` and ``on_fold`` for their own clients and every other hook alike on every process.
+
+Around the rounds a stage owns its state and its report, as torchmetrics' metrics and pfl's postprocessors do: what
+it keeps from round to round goes into the round checkpoint under its ``state_key`` (:meth:`Stage.state_dict`,
+:meth:`Stage.load_state_dict`), and the run's summary prints its :meth:`Stage.summary` lines; :meth:`Stage.finish`
+writes its files when the rounds end. The checkpoint and the summary iterate the stages; neither names one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -100,6 +106,28 @@ class Stage:
 
     def end_round(self, rnd: Round) -> None:
         """The round is aggregated (or kept its state); account for it."""
+
+    # ============================================================================ around the rounds
+    #: The round checkpoint's key for this stage's state (``None``: it keeps nothing from round to round).
+    state_key: ClassVar[str | None] = None
+    #: Why a checkpoint without this stage's state cannot resume its run (``None``: the stage then starts afresh).
+    without: ClassVar[str | None] = None
+    #: Why a run with this stage cannot resume from any checkpoint (``None``: it can).
+    not_resumable: ClassVar[str | None] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the next round depends on (saved under :attr:`state_key` with every round checkpoint)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], completed: int) -> None:
+        """Continue from ``state``, saved after round ``completed``; a ``ValueError`` says why it cannot."""
+
+    def summary(self, history: list[dict[str, float]]) -> list[str]:
+        """The run summary's lines of this stage, from every round's metrics (``history[-1]``: the last round's)."""
+        return []
+
+    def finish(self, log_dir: Path, rank_zero: bool) -> None:
+        """The rounds are over: write the stage's files into the run folder ``log_dir`` (from ``rank_zero``)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -9,6 +9,8 @@ DP's clipping and noise share, DP-SGD's steps) runs where the client trains, bef
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,7 +23,49 @@ from lightning_fl.privacy.base import Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
 
 
-class CentralPrivacy(Stage):
+def write_client_epsilons(dp_sgd: DPSGD, path: Path) -> None:
+    """Every client's record-level DP-SGD spend (``trainer.dp_sgd``) as a CSV row, written atomically."""
+    rows = dp_sgd.report()
+    if not rows:
+        return
+    header = list(rows[0])
+    body = "".join(",".join(_cell(r[k]) for k in header) + "\n" for r in rows)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(",".join(header) + "\n" + body)
+    tmp.replace(path)
+
+
+def _cell(value: object) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+class UserLevelBudget(Stage):
+    """What the user-level mechanisms' stages share: the plug-in's budget in the checkpoint, its epsilon in the
+    summary."""
+
+    state_key = "privacy"
+
+    def __init__(self, privacy: Privacy, secure: bool = False) -> None:
+        self.privacy, self.secure = privacy, secure
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.privacy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], completed: int) -> None:
+        self.privacy.load_state_dict(state)
+
+    def summary(self, history: list[dict[str, float]]) -> list[str]:
+        last = history[-1]
+        if "privacy/epsilon" not in last:
+            return []
+        eps, delta = last["privacy/epsilon"], last.get("privacy/delta")
+        at = f" at delta {delta:.3g}" if delta is not None else ""
+        z, rounds = last.get("privacy/noise_multiplier", float("nan")), int(last["round"])
+        lines = [f"privacy: user-level epsilon {eps:.4g}{at} after {rounds} rounds (noise multiplier {z:.4g})"]
+        return lines + [f"  {line}" for line in self.privacy.guarantee(self.secure).splitlines()]
+
+
+class CentralPrivacy(UserLevelBudget):
     """User-level DP on the server's sum (:class:`~lightning_fl.privacy.CentralDP`, and
     :class:`~lightning_fl.privacy.DistributedDP`, whose clients clipped and noised already): each accepted update is
     clipped as it is folded, the sum is released with noise over the fixed denominator ``m``, and every round is
@@ -29,8 +73,9 @@ class CentralPrivacy(Stage):
     refuses (:meth:`~lightning_fl.privacy.Privacy.refusal`: distributed DP with fewer shares than its
     ``min_shares``), which releases nothing and charges nobody."""
 
-    def __init__(self, privacy: Privacy, fabric: L.Fabric) -> None:
-        self.privacy, self.fabric = privacy, fabric
+    def __init__(self, privacy: Privacy, fabric: L.Fabric, secure: bool = False) -> None:
+        super().__init__(privacy, secure)
+        self.fabric = fabric
         self.refused = False
 
     def on_fold(self, rnd: Round, entry: Entry, row: torch.Tensor) -> torch.Tensor:
@@ -59,12 +104,9 @@ class CentralPrivacy(Stage):
         return f"CentralPrivacy({self.privacy!r})"
 
 
-class ClientPrivacy(Stage):
+class ClientPrivacy(UserLevelBudget):
     """User-level DP applied by each client to its own upload (:class:`~lightning_fl.privacy.LocalDP`): the server
     only accounts, for every client whose upload left it this round (rejected or not: it was released)."""
-
-    def __init__(self, privacy: Privacy) -> None:
-        self.privacy = privacy
 
     def end_round(self, rnd: Round) -> None:
         released = [e.client for e in rnd.answered if e.up]
@@ -76,10 +118,35 @@ class ClientPrivacy(Stage):
 
 class RecordPrivacy(Stage):
     """Record-level DP-SGD inside the clients (``trainer.dp_sgd``): a node's own record count and batch size, when it
-    reports them, go to its client's accountant; every client asked to train has spent its round."""
+    reports them, go to its client's accountant; every client asked to train has spent its round. Its clients'
+    budgets go into the checkpoint, their epsilons into ``dp_sgd_clients.csv`` when the rounds end."""
+
+    state_key = "dp_sgd"
 
     def __init__(self, dp_sgd: DPSGD, local: LocalTraining) -> None:
         self.dp_sgd, self.local = dp_sgd, local
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dp_sgd.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], completed: int) -> None:
+        self.dp_sgd.load_state_dict(state)
+
+    def summary(self, history: list[dict[str, float]]) -> list[str]:
+        last = history[-1]
+        if "privacy/record_epsilon_max" not in last:
+            return []
+        worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
+        delta = last.get("privacy/record_delta", float("nan"))
+        lines = [
+            f"record-level DP-SGD: worst client's epsilon {worst:.4g} at delta {delta:.3g}, median {median:.4g} "
+            "(every client: dp_sgd_clients.csv)"
+        ]
+        return lines + [f"  {line}" for line in self.dp_sgd.guarantee().splitlines()]
+
+    def finish(self, log_dir: Path, rank_zero: bool) -> None:
+        if rank_zero:
+            write_client_epsilons(self.dp_sgd, log_dir / "dp_sgd_clients.csv")
 
     def on_reply(self, rnd: Round, reply: Reply, entry: Entry) -> None:
         """A node's reported plan (warned about if unusable: the client's epsilon then comes from the server's data)."""

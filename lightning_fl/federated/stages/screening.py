@@ -83,12 +83,17 @@ class NormGate(Stage):
             absolute bound applies to it).
         max_update_norm: The absolute bound on an update's L2 norm (``None``: none).
         max_update_norm_ratio: The bound relative to the round's median norm (``None``: none).
+        note: The summary's line on the gate (why the relative bound is off by default), if any.
     """
 
     def __init__(
-        self, strategy: Strategy, max_update_norm: float | None = None, max_update_norm_ratio: float | None = None
+        self,
+        strategy: Strategy,
+        max_update_norm: float | None = None,
+        max_update_norm_ratio: float | None = None,
+        note: str | None = None,
     ) -> None:
-        self.strategy = strategy
+        self.strategy, self.note = strategy, note
         self.max_update_norm, self.max_update_norm_ratio = max_update_norm, max_update_norm_ratio
         self.needs_rows = max_update_norm_ratio is not None
 
@@ -161,6 +166,9 @@ class NormGate(Stage):
             if median > 0:  # the largest over the median: the gate ratio under which this round refuses nothing
                 rnd.metrics["fed/update_norm_max_ratio"] = float(norms.max()) / median
             rnd.unprotected.update({"fed/update_norm_median", "fed/update_norm_max_ratio"})
+
+    def summary(self, history: list[dict[str, float]]) -> list[str]:
+        return [self.note] if self.note is not None else []
 
     def __repr__(self) -> str:
         return f"NormGate(max_update_norm={self.max_update_norm}, max_update_norm_ratio={self.max_update_norm_ratio})"

@@ -4,6 +4,7 @@ check of a method whose aggregate lives in another space than its weights (FLITE
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -19,8 +20,21 @@ class CompressedBroadcast(Stage):
     if fewer bytes), and the server's step goes out compressed with the server's error feedback: the next global
     state is what every client computes from the broadcast (:mod:`lightning_fl.compress.downlink`)."""
 
+    state_key = "downlink"
+    without = (
+        "it was written without trainer.compressed_downloads (no downlink memory to continue); remove the key, or "
+        "start afresh"
+    )
+
     def __init__(self, downlink: Downlink) -> None:
         self.downlink = downlink
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server's downlink memory and which state each client holds."""
+        return self.downlink.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], completed: int) -> None:
+        self.downlink.load_state_dict(state, completed)
 
     def start(self, rnd: Round) -> None:
         rnd.downloads = {c: self.downlink.download(c, rnd.index, rnd.full_bytes) for c in rnd.sampled}
