@@ -6,6 +6,7 @@ count, and the gathers that put every process's uploads on every process.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import warnings
@@ -23,7 +24,15 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.state import State
 from lightning_fl.federated.strategies.base import GroupedSums, RunningSum
 
-REJECTED, ACCEPTED, LOST = 0, 1, 2  # what became of a client's reply
+class Status(enum.IntEnum):
+    """What became of a client's reply in a round."""
+
+    REJECTED = 0  # it came, and the gate or a stage left its upload out (or it held none)
+    ACCEPTED = 1  # its upload goes on to the aggregate
+    LOST = 2  # nothing came back (the node left, or the round's timeout passed)
+
+
+REJECTED, ACCEPTED, LOST = Status.REJECTED, Status.ACCEPTED, Status.LOST
 
 
 @dataclass
@@ -32,7 +41,7 @@ class Entry:
 
     client: int
     weight: float = 0.0  # its sample count (the aggregation weight of a weighted strategy)
-    status: int = REJECTED
+    status: Status = REJECTED
     up: int = 0  # upload bytes (the codec's payload)
     msg_up: int = -1  # the transport's message bytes (-1: not measured)
     msg_down: int = -1

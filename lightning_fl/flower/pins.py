@@ -29,8 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_fl.privacy import DistributedDP, LocalDP
+
 KEYS = ("require-secure-aggregation", "require-privacy", "min-noise-multiplier", "max-cohort")
 PRIVACY = ("LocalDP", "DistributedDP", "DPSGD")
+#: The client-side mechanism each ``require-privacy`` value pins (DP-SGD's is ``trainer.dp_sgd``, checked apart).
+PINNED = {"LocalDP": LocalDP, "DistributedDP": DistributedDP}
 
 
 def pins(node_config: dict[str, Any]) -> tuple[bool, str | None, float | None, int | None]:
@@ -68,7 +72,7 @@ def pin_problem(local: Any, node_config: dict[str, Any], planned_z: float | None
     stage, dp_sgd = local.upload_stage, local.dp_sgd
     if privacy == "DPSGD" and dp_sgd is None:
         return "this node pins require-privacy DPSGD, and the run does not set trainer.dp_sgd"
-    if privacy not in (None, "DPSGD") and type(stage).__name__ != privacy:
+    if privacy not in (None, "DPSGD") and not isinstance(stage, PINNED[privacy]):  # (a subclass keeps its pin)
         mine = type(stage).__name__ if stage is not None else "none"
         return f"this node pins require-privacy {privacy}, and the run's client-side trainer.privacy is {mine}"
     shared = stage is not None and getattr(stage, "central", False)  # a share of a noise the cohort adds up
