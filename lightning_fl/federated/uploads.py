@@ -24,6 +24,7 @@ from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.state import State
 from lightning_fl.federated.strategies.base import GroupedSums, RunningSum
 
+
 class Status(enum.IntEnum):
     """What became of a client's reply in a round."""
 
