@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
 
+import lightning as L
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_fl.errors import UserError
@@ -177,7 +177,7 @@ def claim(
     return lock
 
 
-def claim_for_lightning(trainer: Any, prefix: str = "version") -> RunLock | None:
+def claim_for_lightning(trainer: L.Trainer, prefix: str = "version") -> RunLock | None:
     """Claim a new run folder (``<prefix>_N``) for a ``lightning.Trainer``'s loggers before it creates one itself.
 
     Lightning picks ``version_N`` by listing the folder, so two runs started together would share one. On the

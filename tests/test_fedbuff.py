@@ -216,7 +216,7 @@ def test_resuming_across_kinds_of_run_is_one_line(tmp_path):
         ({"dp_sgd": DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)}, "trainer.dp_sgd's per-client accounting"),
         ({"attack": SignFlip(clients=[0])}, "trainer.attack forges uploads"),
         ({"strategy": Median()}, "trainer.strategy Median aggregates one cohort's uploads"),
-        ({"compressed_downloads": True, "codec": TopK()}, "trainer.compressed_downloads broadcasts"),
+        ({"compressed_downloads": True, "codec": TopK()}, "trainer.compressed_downloads counts each client's catch-up"),
         ({"client_batching": "vmap"}, "trainer.client_batching vmap trains a cohort at once"),
         ({"sampling": "poisson"}, "trainer.sampling and trainer.dropout pick"),
         ({"clock": Clock(deadline_s=3.0)}, "trainer.clock.deadline_s and over_selection close synchronous rounds"),

@@ -34,7 +34,7 @@ from lightning_fl.cli.precheck import SUBCOMMANDS, fail, precheck
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.quiet import quiet_lightning, show_progress
 from lightning_fl.threads import set_threads
-from lightning_fl.trainer_api import record_environment, write_config
+from lightning_fl.trainer_api import TrainerLike, record_environment, write_config
 
 
 class SaveConfigCallback(Callback):
@@ -95,7 +95,7 @@ def _resolve_seed(value: bool | int) -> int | None:
     return L.seed_everything(None if value is True else int(value), workers=True, verbose=False)
 
 
-def _attach_config(trainer: Any, config_yaml: str) -> None:
+def _attach_config(trainer: L.Trainer | TrainerLike, config_yaml: str) -> None:
     if isinstance(trainer, L.Trainer):
         trainer.callbacks.extend([SaveConfigCallback(config_yaml), RunSummaryCallback()])
     elif callable(getattr(trainer, "log_config", None)):
@@ -107,7 +107,9 @@ def _attach_config(trainer: Any, config_yaml: str) -> None:
         )
 
 
-def _check_ckpt_path(path: str | None, trainer: Any = None, model: Any = None) -> None:
+def _check_ckpt_path(
+    path: str | None, trainer: L.Trainer | TrainerLike | None = None, model: L.LightningModule | None = None
+) -> None:
     """Refuse a ``ckpt_path`` that is missing, or, for ``lightning.Trainer``, one our safe reader refuses.
 
     Left to itself, Lightning loads ``ckpt_path`` with ``torch.load`` without passing ``weights_only``, so with
@@ -155,7 +157,7 @@ class Run:
     """A parsed and built config: the subcommand, the four plug-ins and the resolved YAML that made them."""
 
     subcommand: str
-    trainer: Any
+    trainer: L.Trainer | TrainerLike
     model: Any
     data: Any
     ckpt_path: str | None

@@ -67,9 +67,11 @@ class FedBuff:
 
     def problems(self) -> list[str]:
         """One line per impossible setting."""
-        out = [f"trainer.buffered.{key} must be a whole number >= 1, got {value!r}"
-               for key, value in (("concurrency", self.concurrency), ("buffer_size", self.buffer_size))
-               if not isinstance(value, int) or isinstance(value, bool) or value < 1]  # fmt: skip
+        out = [
+            f"trainer.buffered.{key} must be a whole number >= 1, got {value!r}"
+            for key, value in (("concurrency", self.concurrency), ("buffer_size", self.buffer_size))
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ]
         if self.staleness not in STALENESS:
             out.append(f"trainer.buffered.staleness must be one of {', '.join(STALENESS)}, got {self.staleness!r}")
         finite = isinstance(self.exponent, int | float) and not isinstance(self.exponent, bool)
@@ -85,8 +87,10 @@ class FedBuff:
         """Refuse a concurrency or buffer larger than the population (neither could ever fill)."""
         for key, value in (("concurrency", self.concurrency), ("buffer_size", self.buffer_size)):
             if value > num_clients:
-                raise ConfigError(f"trainer.buffered.{key} is {value} but the data has {num_clients} clients: set it "
-                                  f"to at most {num_clients}")  # fmt: skip
+                raise ConfigError(
+                    f"trainer.buffered.{key} is {value} but the data has {num_clients} clients: set it "
+                    f"to at most {num_clients}"
+                )
 
     def __repr__(self) -> str:
         extra = f", exponent={self.exponent}" if self.staleness == "polynomial" else ""
@@ -94,37 +98,78 @@ class FedBuff:
         return f"FedBuff({sizes}, staleness={self.staleness!r}{extra})"
 
 
+def stale_problems(a: dict[str, Any]) -> list[tuple[str, str]]:
+    """What stale updates void among the trainer's arguments ``a``, whichever policy brings them (FedBuff's buffer,
+    Flower's late replies at k of n): ``(key, why)`` for each argument set that assumes a synchronous cohort."""
+    strategy = a["strategy"]
+    rows = [
+        (
+            "secure_aggregation",
+            a["secure_aggregation"] is not None,
+            "trainer.secure_aggregation sums one cohort's uploads, and a stale update belongs to no cohort (it has its "
+            "own base state and staleness)",
+        ),
+        (
+            "privacy",
+            a["privacy"] is not None,
+            "trainer.privacy's accountant and fixed denominator assume sampled synchronous rounds, whose replies are "
+            "the round's own sample",
+        ),
+        (
+            "dp_sgd",
+            a["dp_sgd"] is not None,
+            "trainer.dp_sgd's per-client accounting counts each client in the round it is sampled, not in the round "
+            "its stale update arrives",
+        ),
+        ("attack", a["attack"] is not None, "trainer.attack forges uploads from a synchronous round's cohort"),
+        (
+            "strategy",
+            not strategy.streams,
+            f"trainer.strategy {type(strategy).__name__} aggregates one cohort's uploads, and a stale update is a "
+            "discounted step from another state: use FedAvg, FedAvgM, FedAdagrad, FedAdam or FedYogi",
+        ),
+        (
+            "compressed_downloads",
+            a["compressed_downloads"] is True,
+            "trainer.compressed_downloads counts each client's catch-up from the rounds it downloaded, and a stale "
+            "update's client downloaded another version than the round's",
+        ),
+    ]
+    return [(key, why) for key, bad, why in rows if bad]
+
+
 def buffered_problems(a: dict[str, Any]) -> list[str]:
     """What makes ``trainer.buffered`` impossible with the other trainer arguments ``a``: the first problem, in one
     line naming the key and the fix (docs/explanations/time.md says why each is refused)."""
     if a.get("buffered") is None:
         return []
-    strategy, clock = a["strategy"], a["clock"]
+    clock = a["clock"]
     refused = [
-        (clock is None, "trainer.buffered needs trainer.clock: a client's time to finish (download, local steps, "
-                        "upload) decides when its update arrives; set trainer.clock lightning_fl.federated.Clock"),
-        (a["transport"] is not None, "trainer.buffered is simulated in process; a Flower run's clients report in "
-                                     "synchronous rounds: remove trainer.buffered"),
-        (a["secure_aggregation"] is not None, "trainer.secure_aggregation sums one cohort's uploads, and a FedBuff "
-                                              "buffer is no cohort (each update has its own base state and "
-                                              "staleness): remove one of the two keys"),
-        (a["privacy"] is not None, "trainer.privacy's accountant and fixed denominator assume sampled synchronous "
-                                   "rounds, which FedBuff's buffer is not: remove one of the two keys"),
-        (a["dp_sgd"] is not None, "trainer.dp_sgd's per-client accounting counts synchronous rounds, not FedBuff's "
-                                  "asynchronous starts: remove one of the two keys"),
-        (a["attack"] is not None, "trainer.attack forges uploads from a synchronous round's cohort: remove it or "
-                                  "trainer.buffered"),
-        (not getattr(strategy, "streams", True), f"trainer.strategy {type(strategy).__name__} aggregates one cohort's "
-                                                 "uploads, and a FedBuff buffer mixes updates from different states: "
-                                                 "use FedAvg, FedAvgM, FedAdagrad, FedAdam or FedYogi"),
-        (a["compressed_downloads"] is True, "trainer.compressed_downloads broadcasts each round's step to the next "
-                                            "cohort; FedBuff's clients start at any version: remove the key"),
-        (a["client_batching"] != "sequential", f"trainer.client_batching {a['client_batching']} trains a cohort at "
-                                              "once; FedBuff starts one client at a time: set it to sequential"),
-        (a["sampling"] != "fixed" or a["dropout"] > 0, "trainer.sampling and trainer.dropout pick a synchronous "
-                                                       "round's cohort; FedBuff samples a client whenever a slot "
-                                                       "frees: set sampling fixed and dropout 0"),
-        (clock is not None and (clock.deadline_s is not None or clock.over_selection > 0),
-         "trainer.clock.deadline_s and over_selection close synchronous rounds; FedBuff has none: remove them"),
-    ]  # fmt: skip
+        (
+            clock is None,
+            "trainer.buffered needs trainer.clock: a client's time to finish (download, local steps, "
+            "upload) decides when its update arrives; set trainer.clock lightning_fl.federated.Clock",
+        ),
+        (
+            a["transport"] is not None,
+            "trainer.buffered is simulated in process; a Flower run's clients report in "
+            "synchronous rounds: remove trainer.buffered",
+        ),
+        *((True, f"{why}: remove trainer.{key} or trainer.buffered") for key, why in stale_problems(a)),
+        (
+            a["client_batching"] != "sequential",
+            f"trainer.client_batching {a['client_batching']} trains a cohort at "
+            "once; FedBuff starts one client at a time: set it to sequential",
+        ),
+        (
+            a["sampling"] != "fixed" or a["dropout"] > 0,
+            "trainer.sampling and trainer.dropout pick a synchronous "
+            "round's cohort; FedBuff samples a client whenever a slot "
+            "frees: set sampling fixed and dropout 0",
+        ),
+        (
+            clock is not None and (clock.deadline_s is not None or clock.over_selection > 0),
+            "trainer.clock.deadline_s and over_selection close synchronous rounds; FedBuff has none: remove them",
+        ),
+    ]
     return next(([line] for bad, line in refused if bad), [])

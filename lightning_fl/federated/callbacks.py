@@ -11,11 +11,44 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
+import lightning as L
 from tqdm.auto import tqdm
 
 from lightning_fl.federated.summary import collapse
+from lightning_fl.privacy.base import Privacy
+from lightning_fl.privacy.dpsgd import DPSGD
+from lightning_fl.privacy.secure import SecureAggregation
+
+
+class RoundResults(Protocol):
+    """What the callbacks read of the last round (the trainer's :class:`~lightning_fl.federated.round.RoundRunner`)."""
+
+    #: Clients that answered the last round but were left out of its aggregate.
+    dropped: list[int]
+    #: The last round's aggregated update norms, largest first, with their clients.
+    update_norms: list[tuple[float, int]]
+
+    @property
+    def unprotected(self) -> str:
+        """What the rounds do with statistics from the clients' updates: ``keep``, ``withhold`` or ``label``."""
+        ...
+
+
+class Rounds(Protocol):
+    """What a callback reads of the trainer that runs its rounds (:class:`~lightning_fl.federated.FederatedTrainer`)."""
+
+    fabric: L.Fabric
+    rounds: int
+    enable_progress_bar: bool
+    history: list[dict[str, float]]
+    model: L.LightningModule
+    alarm: str | None
+    round_runner: RoundResults
+    privacy: Privacy | None
+    dp_sgd: DPSGD | None
+    secure_aggregation: SecureAggregation | None
 
 
 class Callback:
@@ -25,15 +58,15 @@ class Callback:
     the summary); round 0 is the starting model, evaluated before the first round.
     """
 
-    def on_rounds_start(self, trainer: Any, start: int) -> None:
+    def on_rounds_start(self, trainer: Rounds, start: int) -> None:
         """Before the first round this fit runs: ``start`` rounds are done already (0, or a resumed run's), so the
         next round is ``start + 1``."""
 
-    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+    def on_round_end(self, trainer: Rounds, round: int, metrics: dict[str, float]) -> None:
         """After round ``round`` (1-based: the number of rounds done, ``metrics["fed/round"]``) is evaluated, logged
         and checkpointed."""
 
-    def on_rounds_end(self, trainer: Any) -> None:
+    def on_rounds_end(self, trainer: Rounds) -> None:
         """After the last round (or the round the privacy budget stopped at)."""
 
 
@@ -47,14 +80,14 @@ class ProgressReport(Callback):
     last line. Shows the metric and the cumulative bytes per client (both directions)
     in MiB. From rank 0 only."""
 
-    def on_rounds_start(self, trainer: Any, start: int) -> None:
+    def on_rounds_start(self, trainer: Rounds, start: int) -> None:
         rank_zero, terminal = trainer.fabric.is_global_zero, sys.stderr.isatty()
         self.lines = rank_zero and not (terminal and trainer.enable_progress_bar)
         self.printed = time.perf_counter()
         self.bar = tqdm(total=trainer.rounds, initial=start, desc="round", dynamic_ncols=True,
                         disable=not (rank_zero and terminal and trainer.enable_progress_bar))  # fmt: skip
 
-    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+    def on_round_end(self, trainer: Rounds, round: int, metrics: dict[str, float]) -> None:
         shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl", "val/exact_match") if k in metrics}
         shown["MiB/client"] = f"{metrics['comm/cum_client_bytes'] / 2**20:.3f}"
         self.bar.update(1)
@@ -65,7 +98,7 @@ class ProgressReport(Callback):
             self.printed = now
             print(f"round {round}/{total}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
 
-    def on_rounds_end(self, trainer: Any) -> None:
+    def on_rounds_end(self, trainer: Rounds) -> None:
         self.bar.close()
 
 
@@ -76,22 +109,22 @@ class TensorBoardText(Callback):
     def __init__(self, text_samples: Any = None) -> None:
         self.text_samples = text_samples
 
-    def on_rounds_start(self, trainer: Any, start: int) -> None:
+    def on_rounds_start(self, trainer: Rounds, start: int) -> None:
         self.ran = start < trainer.rounds
         if start == 0:
             self._samples(trainer, 0)
 
-    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+    def on_round_end(self, trainer: Rounds, round: int, metrics: dict[str, float]) -> None:
         dropped, mode = trainer.round_runner.dropped, unprotected(trainer)
         if dropped and mode != "withhold" and (experiment := _experiment(trainer)) is not None:
             tag = "fed/dropped_clients" if mode == "keep" else "unprotected/fed/dropped_clients"
             experiment.add_text(tag, ", ".join(map(str, dropped)), round)
 
-    def on_rounds_end(self, trainer: Any) -> None:
+    def on_rounds_end(self, trainer: Rounds) -> None:
         if self.ran:
             self._samples(trainer, trainer.rounds)
 
-    def _samples(self, trainer: Any, step: int) -> None:
+    def _samples(self, trainer: Rounds, step: int) -> None:
         if self.text_samples is not None and (experiment := _experiment(trainer)) is not None:
             for tag, text in self.text_samples().items():
                 experiment.add_text(tag, text, step)
@@ -101,7 +134,7 @@ class CollapseAlarm(Callback):
     """Warn once per run when the global model collapses against round 0 (chance accuracy, a loss blown up),
     naming the largest updates aggregated; the warning is kept as ``trainer.alarm`` for the run's summary."""
 
-    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+    def on_round_end(self, trainer: Rounds, round: int, metrics: dict[str, float]) -> None:
         first = next((h for h in trainer.history if h.get("round") == 0), None)
         if trainer.alarm is not None or first is None:
             return
@@ -119,7 +152,7 @@ class CollapseAlarm(Callback):
         warnings.warn(trainer.alarm, stacklevel=2)
 
 
-def collapse_advice(trainer: Any) -> str:
+def collapse_advice(trainer: Rounds) -> str:
     """What may hold a collapsed model in this run: the noise first where there is noise, a robust strategy only
     where one may run (not under user-level DP or secure aggregation, which refuse them)."""
     privacy, dp_sgd = trainer.privacy, trainer.dp_sgd
@@ -139,11 +172,11 @@ def collapse_advice(trainer: Any) -> str:
     return robust
 
 
-def unprotected(trainer: Any) -> str:
+def unprotected(trainer: Rounds) -> str:
     """What the trainer's rounds do with statistics from the clients' updates (``RoundSettings.unprotected``)."""
-    return getattr(getattr(trainer.round_runner, "settings", None), "unprotected", "keep")
+    return trainer.round_runner.unprotected
 
 
-def _experiment(trainer: Any) -> Any:
+def _experiment(trainer: Rounds) -> Any:
     fabric = trainer.fabric
     return fabric.logger.experiment if fabric.loggers and fabric.is_global_zero else None

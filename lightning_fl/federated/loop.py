@@ -38,7 +38,7 @@ from lightning_fl import runs, threads
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
-from lightning_fl.federated import setup
+from lightning_fl.federated import round_checkpoint, setup
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
 from lightning_fl.federated.collect import Uploads
@@ -149,7 +149,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self.callback_metrics = metrics
             record = self._record(seed, fingerprint, num_clients)
             every = self.save_every_n_rounds
-            round_ckpt.save_trainer(self.fabric, record, self._parts(), self.log_dir, r + 1, every, self._private)
+            round_checkpoint.save_trainer(self.fabric, record, self._parts(), self.log_dir, r + 1, every, self._private)
             for callback in callbacks:
                 callback.on_round_end(self, r + 1, metrics)  # (1-based, as logged)
         for callback in callbacks:
@@ -174,8 +174,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         """What keeps state in the round checkpoint beside the global state: the stages, the arrival policy."""
         return [*self.round_runner.stages, self.round_runner.collection.arrivals]
 
-    def _record(self, seed: int, fingerprint: str | None, num_clients: int) -> round_ckpt.RunRecord:
-        return round_ckpt.RunRecord(
+    def _record(self, seed: int, fingerprint: str | None, num_clients: int) -> round_checkpoint.RunRecord:
+        return round_checkpoint.RunRecord(
             seed, num_clients, fingerprint, self.global_state, self.strategy, self.codec, self.ledger, self.history
         )
 
@@ -186,7 +186,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         rank, world = self.fabric.global_rank, self.fabric.world_size
         keep = (lambda c: self.round_runner.process_of(c, world) == rank) if world > 1 else None
         self.global_state = dict(self.global_state)  # (loaded in place)
-        done = round_ckpt.restore_trainer(
+        done = round_checkpoint.restore_trainer(
             self.fabric,
             self._record(seed, fingerprint, n),
             self._parts(),

@@ -104,6 +104,11 @@ class RoundRunner:
         #: The last round's aggregated update norms (for the collapse alarm), largest first, with their clients.
         self.update_norms: list[tuple[float, int]] = []
 
+    @property
+    def unprotected(self) -> str:
+        """What the rounds do with statistics from the clients' updates (``RoundSettings.unprotected``)."""
+        return self.settings.unprotected
+
     # ============================================================================ who takes part
     def unavailable(self, seed: int, r: int, client: int) -> bool:
         """Whether ``client`` drops out of round ``r`` (seeded per client and round)."""

@@ -20,7 +20,7 @@ import torch
 
 from lightning_fl.compress.base import Codec, Payload
 from lightning_fl.errors import UserError
-from lightning_fl.federated.callbacks import Callback
+from lightning_fl.federated.callbacks import Callback, Rounds
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
 from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
@@ -117,7 +117,7 @@ class Transport(Callback):
         """Called after round ``round`` (1-based, as logged) is logged and checkpointed (a network transport reports
         progress here)."""
 
-    def on_round_end(self, trainer: Any, round: int, metrics: dict[str, float]) -> None:
+    def on_round_end(self, trainer: Rounds, round: int, metrics: dict[str, float]) -> None:
         self.finished_round(round, metrics)
 
     def silent_round(self, round: int, asked: list[int]) -> None:

@@ -23,7 +23,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.buffered import STALENESS, discount
+from lightning_fl.federated import FederatedTrainer
+from lightning_fl.federated.arguments import TrainerArguments
+from lightning_fl.federated.buffered import STALENESS, discount, stale_problems
 from lightning_fl.federated.state import State
 from lightning_fl.federated.transport import Reply
 
@@ -126,38 +128,20 @@ def late_replies(quorum: int, max_staleness: int, staleness: str, exponent: floa
     return LateReplies(quorum, max_staleness, staleness, exponent) if quorum else None
 
 
-def quorum_problem(trainer: Any) -> str | None:
+def quorum_problem(trainer: TrainerArguments) -> str | None:
     """What a round that proceeds at k of n and folds late replies voids in ``trainer``'s settings: the first, in one
-    line naming the key and the fix."""
-    strategy = trainer.strategy
-    refused = [
-        (trainer.secure_aggregation is not None, "trainer.secure_aggregation sums one cohort's uploads, and a late "
-                                                 "reply belongs to another round's: set run config quorum 0 or remove "
-                                                 "trainer.secure_aggregation"),
-        (trainer.privacy is not None, "trainer.privacy's accountant and fixed denominator assume replies of the "
-                                      "round's own sample: set run config quorum 0 or remove trainer.privacy"),
-        (trainer.dp_sgd is not None, "trainer.dp_sgd's per-client accounting counts each client in the round it is "
-                                     "sampled, not in the round its late reply arrives: set run config quorum 0 or "
-                                     "remove trainer.dp_sgd"),
-        (not getattr(strategy, "streams", True), f"trainer.strategy {type(strategy).__name__} aggregates one cohort's "
-                                                 "uploads, and a late reply is a discounted step from another state: "
-                                                 "use FedAvg, FedAvgM, FedAdagrad, FedAdam or FedYogi, or set run "
-                                                 "config quorum 0"),
-        (trainer.attack is not None, "trainer.attack forges uploads from a synchronous round's cohort: set run "
-                                     "config quorum 0 or remove trainer.attack"),
-        (trainer.compressed_downloads is True, "trainer.compressed_downloads counts each client's catch-up from the "
-                                               "rounds it downloaded, and a busy client skips a round's download: set "
-                                               "run config quorum 0 or remove trainer.compressed_downloads"),
-    ]  # fmt: skip
-    return next((line.replace("run config quorum", "run config 'quorum'") for bad, line in refused if bad), None)
+    line naming the key and the fix (FedBuff refuses the same: :func:`~lightning_fl.federated.buffered.stale_problems`).
+    """
+    problems = stale_problems(vars(trainer))
+    return next((f"{why}: set run config 'quorum' 0 or remove trainer.{key}" for key, why in problems), None)
 
 
-def quorum_unmet(trainer: Any, quorum: int, num_clients: int) -> str | None:
+def quorum_unmet(trainer: FederatedTrainer, quorum: int, num_clients: int) -> str | None:
     """Why no round could meet ``quorum`` (``None``: one can): it asks for more replies than a round sends messages,
     the round's sample (``fixed`` sampling) or the whole federation (Poisson sampling or over-selection, whose
     rounds may send more than they expect)."""
     most, why = num_clients, f"data.num_clients={num_clients}"
-    if trainer.sampling == "fixed" and getattr(trainer, "clock", None) is None:
+    if trainer.sampling == "fixed" and trainer.clock is None:
         count = min(trainer._clients_per_round(num_clients), num_clients)
         if count < num_clients and trainer.clients_per_round:
             most, why = count, f"trainer.clients_per_round={trainer.clients_per_round}"

@@ -39,6 +39,7 @@ from flwr.clientapp import ClientApp
 
 from lightning_fl.checkpoint import read_checkpoint
 from lightning_fl.errors import UserError
+from lightning_fl.federated import FederatedTrainer
 from lightning_fl.federated.client import run_client, warn_withheld
 from lightning_fl.federated.setup import prepare
 from lightning_fl.flower import messages as wire_msg
@@ -91,7 +92,7 @@ class NodeRun:
     fabric: L.Fabric
     fingerprint: str | None
     data_partition: int | None
-    trainer: Any = None  # the run's trainer as configured (its plan for a client stage's noise share)
+    trainer: FederatedTrainer | None = None  # the run's trainer as configured (its plan for a noise share)
 
 
 _built: dict[str, NodeRun] = {}  # the runs this process built, least recently used first

@@ -41,6 +41,10 @@ its batch statistics mix records (and its running statistics are unprotected); u
 With ``target_epsilon`` every client gets the noise multiplier that makes its own ``T`` steps over ``rounds``
 participations (``trainer.rounds``: a client that takes part in every round, the cross-silo case) spend exactly
 ``target_epsilon``; a client sampled in fewer rounds spends less, and the run logs what each one has spent.
+
+Kept as one file: the plug-in's settings, its replace-one accounting and the noise calibrated from that accounting
+are one guarantee and are checked together; the per-record steps live where clients train
+(:mod:`lightning_fl.federated.dp_client`).
 """
 
 from __future__ import annotations
