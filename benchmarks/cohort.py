@@ -38,7 +38,7 @@ from _harness import add_arguments, alternate, fmt, machine, ratios, report, sum
 
 from lightning_fl.compress import FP32
 from lightning_fl.data import FederatedDataModule, Synthetic
-from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
+from lightning_fl.federated.client import ClientJob, LocalTraining, _cpu_fabric, run_client
 from lightning_fl.federated.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION, largest_activation, run_cohort
 from lightning_fl.methods import Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
@@ -70,13 +70,12 @@ def sides(module, dm, clients: int, cohorts: list[int]) -> dict:
 
     def sequential() -> None:
         for c in ids:
-            run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local, fabric=fabric)
+            run_client(ClientJob(module, dm, state, 0, 0, FP32(), local, fabric), c)
 
     def cohort(size: int):
         def run() -> None:
             for start in range(0, clients, size):
-                run_cohort(module, dm, state, ids[start : start + size], 0, 0, codec=FP32(), local=local,
-                           fabric=fabric)  # fmt: skip
+                run_cohort(ClientJob(module, dm, state, 0, 0, FP32(), local, fabric), ids[start : start + size])
 
         return run
 

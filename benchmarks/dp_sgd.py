@@ -30,7 +30,7 @@ from _harness import add_arguments, alternate, fmt, machine, ratios, report, sum
 
 from lightning_fl.compress import FP32
 from lightning_fl.data import FederatedDataModule, Synthetic
-from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
+from lightning_fl.federated.client import ClientJob, LocalTraining, _cpu_fabric, run_client
 from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
 from lightning_fl.methods import LATENT_RECIPE, Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
@@ -57,13 +57,13 @@ def sides(clients: int, steps: int, batch: int) -> dict:
 
         def run() -> None:
             for c in ids:
-                run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local, fabric=fabric)
+                run_client(ClientJob(module, dm, state, 0, 0, FP32(), local, fabric), c)
 
         return run
 
     def cohort(module, dp):
         state, local = module.federated_state(), LocalTraining(steps=steps, dp_sgd=dp)
-        return lambda: run_cohort_dp_sgd(module, dm, state, ids, 0, 0, codec=FP32(), local=local, fabric=fabric)
+        return lambda: run_cohort_dp_sgd(ClientJob(module, dm, state, 0, 0, FP32(), local, fabric), ids)
 
     def dp(engine: str) -> DPSGD:
         return DPSGD(max_grad_norm=1.0, noise_multiplier=1.0, engine=engine)

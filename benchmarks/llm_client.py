@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from lightning_fl.compress import FP32
 from lightning_fl.data import IID, FederatedInstructionDataModule, InstructionTasks
-from lightning_fl.federated.client import run_client
+from lightning_fl.federated.client import ClientJob, run_client
 from lightning_fl.federated.local import LocalTraining
 from lightning_fl.methods import LanguageModel, LoRALanguageModel, Recipe
 from lightning_fl.metrics import IGNORE_INDEX
@@ -92,7 +92,7 @@ def ours(method: str, args: argparse.Namespace, client: FixedBatches):
     local = LocalTraining(steps=args.steps)
 
     def round_() -> Any:
-        return run_client(module, client, start, client=0, round=0, seed=0, codec=FP32(), local=local)
+        return run_client(ClientJob(module, client, start, 0, 0, FP32(), local), 0)
 
     return round_, module
 

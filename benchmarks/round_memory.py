@@ -57,7 +57,8 @@ def worker(clients: int, weights: int, mode: str, groups: int = 1) -> dict:
     class Clients(Transport):
         """Clients that upload the global state plus a small seeded perturbation (no training)."""
 
-        def replies(self, model, datamodule, state, ids, round, seed, *, codec, local, fabric):
+        def replies(self, job, ids):
+            state = job.state
             for c in ids:
                 g = torch.Generator().manual_seed(c)
                 upload = {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in state.items()}

@@ -55,7 +55,8 @@ class CraftedClients(Transport):
         self.update, self.failing = update, set(failing)
         self.num_samples = num_samples or (lambda client: 10)
 
-    def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric):
+    def replies(self, job, clients):
+        state, round = job.state, job.round
         names = sorted(state)
         for c in clients:
             if c in self.failing:

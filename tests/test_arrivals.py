@@ -77,16 +77,15 @@ class LateOnFlower(CraftedClients):
         super().__init__(update)
         self.left: tuple | None = None  # (reply, the state it was trained from) a round proceeded without
 
-    def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric):
+    def replies(self, job, clients):
+        state = job.state
         *now, last = clients
         if self.left is not None:  # a busy client is sent nothing new: its late reply is its entry
             reply, then = self.left
             now = [c for c in now if c != reply.client]
             yield replace(reply, staleness=1, reference=then, discount=discount("sqrt", 0.5, 1), downloaded=False)
-        yield from super().replies(model, datamodule, state, now, round, seed, codec=codec, local=local, fabric=fabric)
-        trained = next(
-            super().replies(model, datamodule, state, [last], round, seed, codec=codec, local=local, fabric=fabric)
-        )
+        yield from super().replies(job, now)
+        trained = next(super().replies(job, [last]))
         self.left = (trained, {n: t.clone() for n, t in state.items()})
 
 

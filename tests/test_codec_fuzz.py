@@ -397,7 +397,8 @@ class Scripted(Transport):
     def __init__(self, payloads: dict[int, object]) -> None:
         self.payloads = payloads
 
-    def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric):
+    def replies(self, job, clients):
+        state, codec = job.state, job.codec
         for cid in clients:
             trained = {n: t + cid + 1 for n, t in state.items()}
             payload = self.payloads.get(cid, codec.encode(trained, state, cid))

@@ -12,7 +12,7 @@ import torch
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.compress import TopK
 from lightning_fl.data import Dirichlet
-from lightning_fl.federated.client import LocalTraining, _cpu_fabric, run_client
+from lightning_fl.federated.client import ClientJob, LocalTraining, _cpu_fabric, run_client
 from lightning_fl.federated.cohort import cohort_problem, run_cohort
 from lightning_fl.methods import LATENT_RECIPE
 
@@ -189,10 +189,9 @@ def test_a_diverging_client_fails_alone_with_the_sequential_message(tmp_path):
         LocalTraining(epochs=3),
     )
     state = model.federated_state()
-    sequential = [run_client(model, dm, state, c, 0, 0, codec=TopK(density=1.0, error_feedback=False), local=local,
-                             fabric=fabric) for c in range(4)]  # fmt: skip
-    cohort = run_cohort(model, dm, state, list(range(4)), 0, 0, codec=TopK(density=1.0, error_feedback=False),
-                        local=local, fabric=fabric)  # fmt: skip
+    job = ClientJob(model, dm, state, 0, 0, TopK(density=1.0, error_feedback=False), local, fabric)
+    sequential = [run_client(job, c) for c in range(4)]
+    cohort = run_cohort(job, list(range(4)))
     failures = [r.failure for r in sequential]
     assert any(f is not None and "train/loss became" in f for f in failures), failures
     assert [r.failure for r in cohort] == failures

@@ -68,7 +68,8 @@ class Clients(InProcess):
             state = apply_broadcast(self.codec, state, wire.loads(data))
         return state
 
-    def replies(self, model, datamodule, state, clients, round, seed, **kwargs):
+    def replies(self, job, clients):
+        state, round = job.state, job.round
         full = 4 * sum(t.numel() for t in state.values())
         for c in clients:
             if c in self.held:
@@ -80,7 +81,7 @@ class Clients(InProcess):
                 assert torch.equal(mine[n], t.cpu()), f"client {c}, round {round + 1}: {n} differs from the server's"
             self.held[c] = (round, mine)
             self.expected_down[c] = self.expected_down.get(c, 0) + need
-        yield from super().replies(model, datamodule, state, clients, round, seed, **kwargs)
+        yield from super().replies(job, clients)
 
     def finished_round(self, round, metrics) -> None:
         last = self.trainer.downlink.last

@@ -15,7 +15,7 @@ import torch
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.client import LocalTraining, client_loader, configure_optimizer, run_client
+from lightning_fl.federated.client import ClientJob, LocalTraining, client_loader, configure_optimizer, run_client
 from lightning_fl.privacy import DPSGD
 from lightning_fl.privacy.dpsgd import epsilon, noise_multiplier
 
@@ -49,7 +49,7 @@ def trained(module, dm, dp, local=None):
     local = local or LocalTraining(epochs=1)
     local = LocalTraining(local.epochs, local.steps, local.gradient_clip_val, local.upload_stage, dp)
     state = module.federated_state()
-    result = run_client(module, dm, state, CLIENT, ROUND, SEED, codec=FP32(), local=local)
+    result = run_client(ClientJob(module, dm, state, ROUND, SEED, FP32(), local), CLIENT)
     assert result.failure is None
     return FP32().decode(result.payload, state, CLIENT), result
 
@@ -340,8 +340,8 @@ def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_al
     first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0].generator) < plan.q).sum())
              for c in (0, 3)]  # fmt: skip
     assert first == [0, 0] and plan.records == dm.client_num_samples(3)
-    alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in (0, 3)]
-    together = run_cohort_dp_sgd(module, dm, state, [0, 3], 0, 0, codec=FP32(), local=local, fabric=_cpu_fabric())
+    alone = [run_client(ClientJob(module, dm, state, 0, 0, FP32(), local), c) for c in (0, 3)]
+    together = run_cohort_dp_sgd(ClientJob(module, dm, state, 0, 0, FP32(), local, _cpu_fabric()), [0, 3])
     for a, b in zip(alone, together, strict=True):
         assert a.failure is None and b.failure is None
         for name, value in FP32().decode(a.payload, state, a.client).items():
@@ -366,13 +366,13 @@ def test_a_client_whose_noised_steps_diverge_fails_alike_alone_and_in_a_dp_sgd_c
     module = make_model(recipe=dataclasses.replace(LATENT_RECIPE, lr=1e30, grad_clip=None))
     dp = DPSGD(max_grad_norm=1e30, noise_multiplier=0.5, engine="functorch")
     state, local, fabric = module.federated_state(), LocalTraining(epochs=3, dp_sgd=dp), _cpu_fabric()
-    alone = [run_client(module, dm, state, c, 0, 0, codec=FP32(), local=local) for c in range(4)]
-    together = run_cohort_dp_sgd(module, dm, state, list(range(4)), 0, 0, codec=FP32(), local=local, fabric=fabric)
+    alone = [run_client(ClientJob(module, dm, state, 0, 0, FP32(), local), c) for c in range(4)]
+    together = run_cohort_dp_sgd(ClientJob(module, dm, state, 0, 0, FP32(), local, fabric), list(range(4)))
     failures = [r.failure for r in alone]
     assert all(f == "mapping.latent: non-finite values" for f in failures), failures
     assert [r.failure for r in together] == failures and all(r.payload is None for r in together)
     with pytest.raises(ValueError, match="run_cohort_dp_sgd"):
-        run_cohort(module, dm, state, [0], 0, 0, codec=FP32(), local=local, fabric=fabric)
+        run_cohort(ClientJob(module, dm, state, 0, 0, FP32(), local, fabric), [0])
 
 
 def test_record_level_and_user_level_dp_run_together(tmp_path, capsys):

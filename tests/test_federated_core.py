@@ -12,6 +12,7 @@ from lightning_fl.compress import FP32, Quantize
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import (
     ALIE,
+    ClientJob,
     FedAdagrad,
     FedAdam,
     FedAvg,
@@ -256,9 +257,9 @@ def test_run_client_runs_without_the_loop():
     dm.prepare_data()
     dm.setup("fit")
     state = model.federated_state()
-    first = run_client(model, dm, state, client=2, round=1, seed=0, codec=Quantize(8), local=LocalTraining(steps=3))
-    again = run_client(model, dm, state, client=2, round=1, seed=0, codec=Quantize(8), local=LocalTraining(steps=3))
-    other = run_client(model, dm, state, client=2, round=2, seed=0, codec=Quantize(8), local=LocalTraining(steps=3))
+    first = run_client(ClientJob(model, dm, state, 1, 0, Quantize(8), LocalTraining(steps=3)), 2)
+    again = run_client(ClientJob(model, dm, state, 1, 0, Quantize(8), LocalTraining(steps=3)), 2)
+    other = run_client(ClientJob(model, dm, state, 2, 0, Quantize(8), LocalTraining(steps=3)), 2)
     assert first.failure is None and first.up_bytes == 24 + 8
     assert first.num_samples == dm.client_num_samples(2) and first.logged["train/loss"][1] == 3 * 16
     packed = [r.payload.tensors["mapping.latent"].parts["packed"] for r in (first, again, other)]
@@ -542,9 +543,9 @@ def test_the_transport_is_a_constructor_argument_and_sees_every_round(tmp_path):
             super().__init__()
             self.delivered, self.finished = [], []
 
-        def replies(self, model, datamodule, state, clients, round, seed, **kwargs):
-            self.delivered.append((round, list(clients)))
-            yield from super().replies(model, datamodule, state, clients, round, seed, **kwargs)
+        def replies(self, job, clients):
+            self.delivered.append((job.round, list(clients)))
+            yield from super().replies(job, clients)
 
         def finished_round(self, round, metrics):
             self.finished.append(round)

@@ -20,7 +20,7 @@ from conftest import CONFIGS, PLAYS, play_text, tiny_llama_args, tool_module, wr
 from lightning_fl.cli import build
 from lightning_fl.data import ByRole, FederatedDataModule, FederatedTextDataModule, Shakespeare
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.client import run_client
+from lightning_fl.federated.client import ClientJob, run_client
 
 clip = tool_module("public_clip")
 SMALL = ["--clients", "3", "--windows", "5", "--seed", "1"]
@@ -70,7 +70,7 @@ def direct_norm(args: list[str]) -> float:
             return DataLoader(windows, data.batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
 
     start = model.federated_state()
-    run_client(model, One(), start, 0, 0, 1, codec=run.trainer.codec, local=run.trainer.local)
+    run_client(ClientJob(model, One(), start, 0, 1, run.trainer.codec, run.trainer.local), 0)
     trained = model.federated_state()
     assert trained.keys() == start.keys()
     return float(sum(((trained[k].double() - start[k].double()) ** 2).sum() for k in start).sqrt())

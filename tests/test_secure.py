@@ -105,7 +105,7 @@ def secure_fit(tmp_path, name, secure=None, rounds=2, **kwargs):
 def test_a_secure_round_steps_by_the_exact_mean_of_the_clients_quantised_updates(tmp_path):
     from conftest import make_dm, make_model
     from lightning_fl.compress import FP32
-    from lightning_fl.federated.client import LocalTraining, run_client
+    from lightning_fl.federated.client import ClientJob, LocalTraining, run_client
     from lightning_fl.privacy.secure import SecureAggregation
 
     secure = SecureAggregation(clipping_range=1.0, quantization_range=2**12, rounding_seed=0)  # a coarse step
@@ -116,7 +116,7 @@ def test_a_secure_round_steps_by_the_exact_mean_of_the_clients_quantised_updates
     start = model.federated_state()
     vectors = []
     for c in range(4):  # each client alone, then its secure upload as the server reads it
-        result = run_client(model, dm, start, c, 0, 0, codec=FP32(), local=LocalTraining(secure=secure))
+        result = run_client(ClientJob(model, dm, start, 0, 0, FP32(), LocalTraining(secure=secure)), c)
         vector, problem = secure.read(result.payload, start["mapping.latent"].numel())
         assert problem is None and result.payload.nbytes == 8 * start["mapping.latent"].numel()
         vectors.append(vector)

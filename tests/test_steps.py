@@ -12,7 +12,7 @@ from lightning_fl.compress import FP32
 from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import LocalTraining, run_client
-from lightning_fl.federated.client import _cpu_fabric
+from lightning_fl.federated.client import ClientJob, _cpu_fabric
 from lightning_fl.methods import Classifier, Recipe
 from lightning_fl.methods.centralised import train_classifier
 from lightning_fl.models import SmallCNN
@@ -40,7 +40,7 @@ def test_a_client_round_equals_an_epoch_of_pretraining_bit_for_bit(recipe):
                          train_dataloader=lambda: loader, val_dataloader=lambda: loader)  # fmt: skip
     client, central = classifier(**recipe), classifier(**recipe)
     start = client.federated_state()
-    result = run_client(client, dm, start, client=0, round=0, seed=0, codec=FP32(), local=LocalTraining(epochs=2))
+    result = run_client(ClientJob(client, dm, start, 0, 0, FP32(), LocalTraining(epochs=2)), 0)
     uploaded = FP32().decode(result.payload, start, 0)
     train_classifier(central, dm, epochs=2, accelerator="cpu")
     trained = central.federated_state()

@@ -39,7 +39,7 @@ from lightning_fl import threads
 from lightning_fl.cli import build
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated import setup
-from lightning_fl.federated.client import run_client
+from lightning_fl.federated.client import ClientJob, run_client
 from lightning_fl.federated.gate import screen_upload
 from lightning_fl.privacy.base import flat_update
 
@@ -121,7 +121,7 @@ def update_norms(
     local = dataclasses.replace(trainer.local, upload_stage=None, secure=None)
     norms = []
     for k in range(pseudo.num_clients):
-        result = run_client(model, pseudo, start, k, 0, seed, codec=trainer.codec, local=local, fabric=fabric)
+        result = run_client(ClientJob(model, pseudo, start, 0, seed, trainer.codec, local, fabric), k)
         decoded, problems = screen_upload(result.payload, trainer.codec, start, k)
         if decoded is None:
             raise UserError(f"public pseudo-client {k}: {result.failure or '; '.join(problems)}")

@@ -11,7 +11,7 @@ from lightning_fl.federated.client import run_client
 from lightning_fl.federated.clock import Clock
 from lightning_fl.federated.gate import UploadRejectedError, check_upload
 from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.local import ClientResult, LocalTraining
+from lightning_fl.federated.local import ClientJob, ClientResult, LocalTraining
 from lightning_fl.federated.loop import FederatedTrainer
 from lightning_fl.federated.module import FederatedModule, ModuleHooks
 from lightning_fl.federated.setup import FactorMismatchError
@@ -31,6 +31,7 @@ __all__ = [
     "ALIE",
     "Attack",
     "ByteLedger",
+    "ClientJob",
     "ClientResult",
     "Clock",
     "FactorMismatchError",

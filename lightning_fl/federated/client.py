@@ -14,15 +14,11 @@ It trains plainly (:func:`~lightning_fl.steps.train_steps`) or under record-leve
 
 from __future__ import annotations
 
-from typing import Any
-
-import lightning as L
-
-from lightning_fl.compress.base import Codec
 from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.dp_client import choose_engine, train_dp_sgd
 from lightning_fl.federated.local import (
+    ClientJob,
     ClientResult,
     LocalTraining,
     _cpu_fabric,
@@ -32,11 +28,11 @@ from lightning_fl.federated.local import (
     gradient_clip,
     warn_withheld,
 )
-from lightning_fl.federated.state import State
 from lightning_fl.steps import train_steps
 
 # The shared pieces live in lightning_fl.federated.local; importing them from here keeps working.
 __all__ = [
+    "ClientJob",
     "ClientResult",
     "LocalTraining",
     "client_loader",
@@ -48,36 +44,17 @@ __all__ = [
 ]
 
 
-def run_client(
-    module: L.LightningModule,
-    datamodule: Any,
-    global_state: State,
-    client: int,
-    round: int,
-    seed: int,
-    *,
-    codec: Codec,
-    local: LocalTraining = LocalTraining(),
-    fabric: L.Fabric | None = None,
-) -> ClientResult:
-    """Train ``client`` for one round from ``global_state`` and encode what it uploads.
-
-    Args:
-        module: A :class:`~lightning_fl.federated.FederatedModule` LightningModule, on ``fabric``'s device.
-        datamodule: Offers ``client_dataloader(client, seed=...)`` and ``client_num_samples(client)``.
-        global_state: The state the server broadcast (also the codec's reference).
-        client: The client id.
-        round: The round (0-based).
-        seed: The run's seed; every random stream derives from ``(seed, round, client)``.
-        codec: Encodes the trained federated state into the payload (stateful codecs keep per-client memory).
-        local: Local epochs or steps and gradient clipping.
-        fabric: Device placement, precision and backward; ``None``: one CPU process.
+def run_client(job: ClientJob, client: int) -> ClientResult:
+    """Train ``client`` for one round of ``job`` from its global state and encode what it uploads (``job.fabric``
+    ``None``: one CPU process).
 
     Local training that diverges (``FloatingPointError`` or a non-finite state) is reported in ``failure``
     and uploads nothing, except under an upload stage (local DP, distributed DP), where the client uploads a noised
     zero update instead (:func:`~lightning_fl.federated.local.encode_upload`); under DP-SGD a record's non-finite
     gradient is zeroed and training goes on. A configuration problem (e.g. a client without batches) raises.
     """
+    module, datamodule, global_state, round, seed = job.module, job.datamodule, job.state, job.round, job.seed
+    codec, local, fabric = job.codec, job.local, job.fabric
     fabric = fabric if fabric is not None else _cpu_fabric()
     loader = client_loader(datamodule, client, round, seed)
     module.load_federated_state(global_state)

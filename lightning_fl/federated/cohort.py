@@ -34,11 +34,16 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
-from lightning_fl.compress.base import Codec
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.cohort_steps import clip_each, finish_cohort, start_cohort, train_cohort
-from lightning_fl.federated.local import ClientResult, LocalTraining, client_loader, configure_optimizer, gradient_clip
-from lightning_fl.federated.state import State
+from lightning_fl.federated.local import (
+    ClientJob,
+    ClientResult,
+    LocalTraining,
+    client_loader,
+    configure_optimizer,
+    gradient_clip,
+)
 from lightning_fl.steps import batch_size
 
 
@@ -145,21 +150,12 @@ def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: 
     return batches, epochs
 
 
-def run_cohort(
-    module: L.LightningModule,
-    datamodule: Any,
-    global_state: State,
-    clients: list[int],
-    round: int,
-    seed: int,
-    *,
-    codec: Codec,
-    local: LocalTraining,
-    fabric: L.Fabric,
-) -> list[ClientResult]:
+def run_cohort(job: ClientJob, clients: list[int]) -> list[ClientResult]:
     """Train ``clients`` together for one round from ``global_state``; one result per client, in order. Each step
     vectorises the clients whose batches have the same shapes: per-client gradients by ``vmap`` of ``grad``, each
     client's gradient clipped as ``torch.nn.utils.clip_grad_norm_`` clips it alone."""
+    module, datamodule, global_state, round, seed = job.module, job.datamodule, job.state, job.round, job.seed
+    codec, local, fabric = job.codec, job.local, job.fabric
     if local.dp_sgd is not None:
         raise ValueError("run_cohort trains without DP-SGD; a cohort under trainer.dp_sgd is "
                          "lightning_fl.federated.dp_cohort.run_cohort_dp_sgd")  # fmt: skip

@@ -13,13 +13,9 @@ float32 rounding (``tests/test_dpsgd.py``). The step loop is the plain cohort's
 
 from __future__ import annotations
 
-from typing import Any
-
-import lightning as L
 import torch
 from torch.func import functional_call, grad, vmap
 
-from lightning_fl.compress.base import Codec
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.cohort_steps import finish_cohort, start_cohort, train_cohort
 from lightning_fl.federated.dp_client import (
@@ -29,23 +25,13 @@ from lightning_fl.federated.dp_client import (
     functorch_problem,
     keep_rows,
 )
-from lightning_fl.federated.local import ClientResult, LocalTraining, client_loader, configure_optimizer
-from lightning_fl.federated.state import State
+from lightning_fl.federated.local import ClientJob, ClientResult, client_loader, configure_optimizer
 
 
-def run_cohort_dp_sgd(
-    module: L.LightningModule,
-    datamodule: Any,
-    global_state: State,
-    clients: list[int],
-    round: int,
-    seed: int,
-    *,
-    codec: Codec,
-    local: LocalTraining,
-    fabric: L.Fabric,
-) -> list[ClientResult]:
+def run_cohort_dp_sgd(job: ClientJob, clients: list[int]) -> list[ClientResult]:
     """Train ``clients`` together for one round under ``local.dp_sgd``; one result per client, in order."""
+    module, datamodule, global_state, round, seed = job.module, job.datamodule, job.state, job.round, job.seed
+    codec, local, fabric = job.codec, job.local, job.fabric
     dp = local.dp_sgd
     for problem in (batchnorm_problem(module), functorch_problem(module)):
         if problem is not None:

@@ -53,6 +53,32 @@ class LocalTraining:
         return self.upload_stage is not None or self.dp_sgd is not None
 
 
+@dataclass(frozen=True)
+class ClientJob:
+    """A round's work as its clients receive it, one value: what each trains from and with. The same job runs a client
+    alone (:func:`~lightning_fl.federated.client.run_client`), a cohort at once, or on another machine.
+
+    Args:
+        module: A :class:`~lightning_fl.federated.FederatedModule` LightningModule, on ``fabric``'s device.
+        datamodule: Offers ``client_dataloader(client, seed=...)`` and ``client_num_samples(client)``.
+        state: The global state the server broadcast (also the codec's reference).
+        round: The round (0-based).
+        seed: The run's seed; every random stream derives from ``(seed, round, client)``.
+        codec: Encodes the trained federated state into the payload (stateful codecs keep per-client memory).
+        local: Local epochs or steps, gradient clipping and the client-side mechanisms.
+        fabric: Device placement, precision and backward; ``None``: one CPU process.
+    """
+
+    module: L.LightningModule
+    datamodule: Any
+    state: State
+    round: int
+    seed: int
+    codec: Codec
+    local: LocalTraining = field(default_factory=LocalTraining)
+    fabric: L.Fabric | None = None
+
+
 @dataclass
 class ClientResult:
     """What one client produced in one round.

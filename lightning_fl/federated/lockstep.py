@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import lightning as L
 import torch
 from torch.func import functional_call
 
-from lightning_fl.compress.base import Codec
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.cohort import _client_batches, cohort_problem
 from lightning_fl.federated.cohort_steps import clip_each, finish_cohort, start_cohort, train_cohort
-from lightning_fl.federated.local import ClientResult, LocalTraining, configure_optimizer, gradient_clip
-from lightning_fl.federated.state import State
+from lightning_fl.federated.local import ClientJob, ClientResult, configure_optimizer, gradient_clip
 from lightning_fl.steps import batch_size
 
 Tensors = dict[str, torch.Tensor]
@@ -94,19 +91,10 @@ def latent_rows(mapping: torch.nn.Module, grads: Tensors, dtype: torch.dtype) ->
     return torch.cat(parts, 1)
 
 
-def run_lockstep(
-    module: L.LightningModule,
-    datamodule: Any,
-    global_state: State,
-    clients: list[int],
-    round: int,
-    seed: int,
-    *,
-    codec: Codec,
-    local: LocalTraining,
-    fabric: L.Fabric,
-) -> list[ClientResult]:
+def run_lockstep(job: ClientJob, clients: list[int]) -> list[ClientResult]:
     """Train ``clients`` in lockstep for one round from ``global_state``; one result per client, in order."""
+    module, datamodule, global_state, round, seed = job.module, job.datamodule, job.state, job.round, job.seed
+    codec, local, fabric = job.codec, job.local, job.fabric
     if local.dp_sgd is not None:
         raise ValueError("run_lockstep trains without DP-SGD; train DP-SGD clients one at a time or as a vmap cohort")
     trainable = module.trainable_parameters()

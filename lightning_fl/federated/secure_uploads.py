@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from lightning_fl.errors import ConfigError
+from lightning_fl.federated.arrivals.base import job_of
 from lightning_fl.federated.collect import Uploads, entry_of
 from lightning_fl.federated.gate import upload_nbytes
 from lightning_fl.federated.stages.base import Stage
@@ -51,10 +52,7 @@ class SecureUploads(Uploads):
         self.arrivals.admit(rnd)
         secure, suspects = self.local.secure, self.suspects
         asked = [c for c in rnd.available if c not in suspects.left_out]
-        result = self.transport.secure_round(
-            model, datamodule, rnd.state, asked, rnd.index, rnd.seed, codec=self.codec, local=self.local,
-            fabric=rnd.fabric,
-        )  # fmt: skip
+        result = self.transport.secure_round(job_of(rnd, self, model), asked)
         if result.problem is None and result.included:  # (Flower's path checked it already)
             result.problem = secure.range_problem(result.total, len(result.included))
             result.invalid = result.problem is not None

@@ -15,16 +15,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning as L
 import torch
 
-from lightning_fl.compress.base import Codec, Payload
+from lightning_fl.compress.base import Payload
 from lightning_fl.errors import UserError
 from lightning_fl.federated.callbacks import Callback, Rounds
 from lightning_fl.federated.client import run_client
 from lightning_fl.federated.cohort import cohort_problem, cohort_too_large, run_cohort
 from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
-from lightning_fl.federated.local import ClientResult, LocalTraining
+from lightning_fl.federated.local import ClientJob, ClientResult, LocalTraining
 from lightning_fl.federated.lockstep import lockstep_problem, run_lockstep
 from lightning_fl.federated.state import State
 
@@ -130,35 +129,13 @@ class Transport(Callback):
         """What the transport adds to the round's metrics once its replies are in (Flower's late replies)."""
         return {}
 
-    def replies(
-        self,
-        model: L.LightningModule,
-        datamodule: Any,
-        state: State,
-        clients: Sequence[int],
-        round: int,
-        seed: int,
-        *,
-        codec: Codec,
-        local: LocalTraining,
-        fabric: L.Fabric,
-    ) -> Iterator[Reply]:
+    def replies(self, job: ClientJob, clients: Sequence[int]) -> Iterator[Reply]:
+        """Deliver ``job`` (the round's global state, and how its clients train and encode) to ``clients`` and yield
+        their replies as they come."""
         raise NotImplementedError
 
-    def secure_round(
-        self,
-        model: L.LightningModule,
-        datamodule: Any,
-        state: State,
-        clients: Sequence[int],
-        round: int,
-        seed: int,
-        *,
-        codec: Codec,
-        local: LocalTraining,
-        fabric: L.Fabric,
-    ) -> SecureRound:
-        """Deliver a secure round (``local.secure``): the replies and the modular sum of the uploads only."""
+    def secure_round(self, job: ClientJob, clients: Sequence[int]) -> SecureRound:
+        """Deliver a secure round (``job.local.secure``): the replies and the modular sum of the uploads only."""
         raise NotImplementedError(f"{type(self).__name__} cannot run secure rounds")
 
 
@@ -176,30 +153,25 @@ class InProcess(Transport):
         self.lockstep = batching == "lockstep"
         self._checked: dict[int, str | None] = {}  # id(module) -> why it cannot train as a cohort
 
-    def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
-        if self.cohort_size > 0 and self._cohorts_possible(
-            model, datamodule, clients[0], round, seed, fabric, local.dp_sgd is not None
-        ):
+    def replies(self, job: ClientJob, clients: Sequence[int]) -> Iterator[Reply]:
+        local = job.local
+        if self.cohort_size > 0 and self._cohorts_possible(job, clients[0], local.dp_sgd is not None):
             train = run_lockstep if self.lockstep else run_cohort if local.dp_sgd is None else run_cohort_dp_sgd
             for start in range(0, len(clients), self.cohort_size):
-                cohort = list(clients[start : start + self.cohort_size])
-                results = train(model, datamodule, state, cohort, round, seed, codec=codec, local=local, fabric=fabric)
-                for result in results:
+                for result in train(job, list(clients[start : start + self.cohort_size])):
                     yield reply_of(result, local)
             return
         for cid in clients:
-            result = run_client(model, datamodule, state, cid, round, seed, codec=codec, local=local, fabric=fabric)
-            yield reply_of(result, local)
+            yield reply_of(run_client(job, cid), local)
 
     sums_securely = True
 
-    def secure_round(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> SecureRound:
+    def secure_round(self, job: ClientJob, clients: Sequence[int]) -> SecureRound:
         """The clients train here; their quantised uploads are added modulo ``M`` (the masks of a deployment
         would cancel in this sum) and only their structure is read."""
-        secure, size = local.secure, sum(t.numel() for t in state.values())
+        secure, size = job.local.secure, sum(t.numel() for t in job.state.values())
         out = SecureRound()
-        for reply in self.replies(model, datamodule, state, clients, round, seed, codec=codec, local=local,
-                                  fabric=fabric):  # fmt: skip
+        for reply in self.replies(job, clients):
             if not reply.lost and not reply.failure:
                 vector, reply.failure = secure.read(reply.payload, size)
                 if vector is not None:
@@ -208,17 +180,17 @@ class InProcess(Transport):
             out.replies.append(reply)
         return out
 
-    def _cohorts_possible(
-        self, model, datamodule, client: int, round: int, seed: int, fabric, local_dp: bool = False
-    ) -> bool:
-        """Whether ``model``'s clients train as cohorts: decided once per model, from what it is
+    def _cohorts_possible(self, job: ClientJob, client: int, local_dp: bool = False) -> bool:
+        """Whether the job's module's clients train as cohorts: decided once per module, from what it is
         (:func:`cohort_problem`) and from its activations on ``client``'s first batch (:func:`cohort_too_large`)."""
+        model, fabric = job.module, job.fabric
         if id(model) not in self._checked:
             if self.lockstep:  # each client's network runs alone: no activation limit
                 problem = lockstep_problem(model, fabric) or ("it trains with DP-SGD" if local_dp else None)
             else:
                 problem = cohort_problem(model, fabric) or cohort_too_large(
-                    model, datamodule, client, round, seed, self.cohort_size, fabric)  # fmt: skip
+                    model, job.datamodule, client, job.round, job.seed, self.cohort_size, fabric
+                )
             self._checked[id(model)] = problem
             if problem is not None:
                 warnings.warn(

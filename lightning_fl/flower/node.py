@@ -40,7 +40,7 @@ from flwr.clientapp import ClientApp
 from lightning_fl.checkpoint import read_checkpoint
 from lightning_fl.errors import UserError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.federated.client import run_client, warn_withheld
+from lightning_fl.federated.client import ClientJob, run_client, warn_withheld
 from lightning_fl.federated.setup import prepare
 from lightning_fl.flower import messages as wire_msg
 from lightning_fl.flower.pins import noise_cohort, pin_problem
@@ -216,10 +216,8 @@ def train(message: Message, context: Context) -> Message:
             state = {n: t.to(node.fabric.device) for n, t in received.items()}
             codec = copy.deepcopy(node.codec)  # this node's own codec memory only, even if nodes share a process
             _load_codec_state(codec, context)
-            result = run_client(
-                node.model, data, state, client, int(instructions["round"]), int(instructions["seed"]),
-                codec=codec, local=local, fabric=node.fabric,
-            )  # fmt: skip
+            round_, seed = int(instructions["round"]), int(instructions["seed"])
+            result = run_client(ClientJob(node.model, data, state, round_, seed, codec, local, node.fabric), client)
             _save_codec_state(codec, context)
             warn_withheld(result, int(instructions["round"]))  # (this node's own log: its reply shows nothing)
             payload = result.payload

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from lightning_fl.errors import ConfigError, UserError
+from lightning_fl.federated.local import ClientJob
 from lightning_fl.federated.transport import Reply, SecureRound, Transport
 from lightning_fl.flower import messages as wire_msg
 from lightning_fl.flower import secure as secagg
@@ -164,7 +165,8 @@ class FlowerTransport(Transport):
                 "(0: never stop)"
             )
 
-    def replies(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> Iterator[Reply]:
+    def replies(self, job: ClientJob, clients: Sequence[int]) -> Iterator[Reply]:
+        state, round, seed = job.state, job.round, job.seed
         self.introduce()
         late = self.late
         busy = late.start(round) if late is not None else set()  # (their messages are still out: sent nothing)
@@ -239,11 +241,11 @@ class FlowerTransport(Transport):
         """With run config ``quorum``: the round's late replies (:meth:`LateReplies.metrics`)."""
         return self.late.metrics() if self.late is not None else {}
 
-    def secure_round(self, model, datamodule, state, clients, round, seed, *, codec, local, fabric) -> SecureRound:
+    def secure_round(self, job: ClientJob, clients: Sequence[int]) -> SecureRound:
         """A round through Flower's SecAgg+ (:mod:`lightning_fl.flower.secure`): the sampled clients' nodes train
         in its masked-upload stage; the server gets the sum of their quantised updates and their reply metadata.
         Every message of the four stages is counted in the clients' message bytes."""
-        secure = local.secure
+        state, round, seed, secure = job.state, job.round, job.seed, job.local.secure
         if secure.M > secagg.MAX_MODULUS:
             raise ConfigError(
                 f"trainer.secure_aggregation.modulus_range {secure.M} is above 2^48: Flower's server dequantises the "

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from lightning_fl.compress.base import Codec
-from lightning_fl.federated.local import LocalTraining
+from lightning_fl.federated.local import ClientJob, LocalTraining
 from lightning_fl.federated.transport import Reply, Transport
 from lightning_fl.federated.uploads import Round
 
@@ -43,6 +43,13 @@ class Delivery(Protocol):
     transport: Transport
     codec: Codec
     local: LocalTraining
+
+
+def job_of(rnd: Round, collection: Delivery, model: Any) -> ClientJob:
+    """Round ``rnd``'s work for its clients, as the collection delivers it."""
+    return ClientJob(
+        model, rnd.datamodule, rnd.state, rnd.index, rnd.seed, collection.codec, collection.local, rnd.fabric
+    )
 
 
 class Arrivals:
@@ -66,17 +73,7 @@ class Arrivals:
 
     def replies(self, rnd: Round, collection: Delivery, model: Any, share: list[int]) -> Iterator[Reply]:
         """The replies of ``share`` (this process's clients of ``rnd.available``), as they come."""
-        return collection.transport.replies(
-            model,
-            rnd.datamodule,
-            rnd.state,
-            share,
-            rnd.index,
-            rnd.seed,
-            codec=collection.codec,
-            local=collection.local,
-            fabric=rnd.fabric,
-        )
+        return collection.transport.replies(job_of(rnd, collection, model), share)
 
     def end_round(self, rnd: Round) -> None:
         """The round is aggregated; add what the policy measured to ``rnd.metrics``."""
