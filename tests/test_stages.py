@@ -124,6 +124,44 @@ def test_a_secure_round_refuses_several_processes_and_stages_that_read_single_up
     RoundRunner(SimpleNamespace(world_size=2), FedAvg(), Uploads(InProcess(), FP32(), local), [gate], ByteLedger(4))
 
 
+#: The mechanisms' classes: only the builder (stages/__init__.py) and the modules that define them name them.
+MECHANISMS = {
+    "WeightCap",
+    "SimulatedAttack",
+    "NormGate",
+    "CentralPrivacy",
+    "ClientPrivacy",
+    "RecordPrivacy",
+    "CentralCanaries",
+    "LocalCanaries",
+    "RecordCanaryReport",
+    "CompressedBroadcast",
+    "IdentityCheck",
+    "Timed",
+    "Buffered",
+    "SecureUploads",
+    "Downlink",
+    "RecordCanaries",
+}
+
+
+def test_no_module_outside_the_stage_builder_names_a_mechanisms_class():
+    """The trainer, the checkpoint, the callbacks and the summary iterate the stages: the builder makes them (the
+    stages and arrival policies themselves hold the plug-ins they run)."""
+    package = REPO / "lightning_fl"
+    mechanisms = (package / "federated" / "stages", package / "federated" / "arrivals")
+    naming = {}
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        used |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        if path.parent not in mechanisms and path.name != "__init__.py" and (named := (used & MECHANISMS) - defined):
+            naming[path.relative_to(REPO).as_posix()] = sorted(named)
+    assert naming == {}
+
+
 def test_the_round_knows_no_mechanism_by_name():
     """round.py and collect.py run the stages they are given: they import no mechanism and name none."""
     mechanisms = ("privacy", "downlink", "attack", "identity", "dp_sgd", "NormGate", "broadcast")

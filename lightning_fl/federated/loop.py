@@ -35,23 +35,26 @@ import lightning as L
 import torch
 
 from lightning_fl import runs, threads
-from lightning_fl.compress.downlink import Downlink
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import checkpoint as round_ckpt
 from lightning_fl.federated import round_checkpoint, setup
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
-from lightning_fl.federated.collect import Uploads
 from lightning_fl.federated.evaluate import evaluate
 from lightning_fl.federated.ledger import ByteLedger
 from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.module import ModuleHooks
 from lightning_fl.federated.round import RoundRunner, RoundSettings
-from lightning_fl.federated.secure_uploads import SecureUploads
-from lightning_fl.federated.stages import WRITTEN_WITH, round_arrivals, round_stages
+from lightning_fl.federated.stages import (
+    WRITTEN_WITH,
+    record_canaries,
+    round_arrivals,
+    round_collection,
+    round_downlink,
+    round_stages,
+)
 from lightning_fl.federated.summary import evaluation_lines, run_summary
 from lightning_fl.federated.transport import InProcess
-from lightning_fl.privacy.audit import RecordCanaries
 from lightning_fl.privacy.base import Plan
 from lightning_fl.runs import RunLock
 from lightning_fl.trainer_api import TrainerLike, record_environment, write_config
@@ -69,11 +72,10 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         upload_stage = privacy if privacy is not None and privacy.client_stage else None  # local or distributed noise
         self.local = LocalTraining(self.local_epochs, self.local_steps, self.gradient_clip_val, upload_stage, dp_sgd,
                                    self.secure_aggregation)  # fmt: skip
-        if dp_sgd is not None:  # (with the privacy audit and no user-level DP: canaries among one client's records)
-            audit = self.privacy_audit if privacy is None else None
-            dp_sgd.setup(self.rounds, RecordCanaries(audit) if audit is not None else None)
+        if dp_sgd is not None:
+            dp_sgd.setup(self.rounds, record_canaries(self))
         #: The server's compressed broadcast (``compressed_downloads``); ``None``: clients download full states.
-        self.downlink = Downlink(self.codec) if self.compressed_downloads else None
+        self.downlink = round_downlink(self)
         self.fabric_args = {"accelerator": self.accelerator, "devices": self.devices, "strategy": self.fabric_strategy,
                             "num_nodes": self.num_nodes, "precision": self.precision}  # fmt: skip
         self.config_yaml: str | None = None
@@ -226,9 +228,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         fingerprint = setup.agree_on_fingerprint(fabric, hooks)
         in_process = isinstance(self.transport, InProcess)
         arrivals = round_arrivals(self, self.local, self._clients_per_round(num_clients))
-        collection = (SecureUploads if self.local.secure is not None else Uploads)(
-            self.transport, self.codec, self.local, self.fold_groups, self.enable_progress_bar, arrivals
-        )
+        collection = round_collection(self, self.local, arrivals)
         # a secure round never shows the server an upload: there is none to check the identity on
         check = self.check_identity and self.strategy.linear and not collection.sum_only
         identity = hooks.averaging_identity_error if check else None

@@ -4,6 +4,9 @@ Client ids are the data module's (0..K-1), as in the simulation. Each SuperNode 
 (its node config's ``partition-id``) when the server first sees it; nodes that join later are introduced at
 the start of the next round, and a node that left is forgotten. A sampled client with no node, or whose
 node does not answer within ``round_timeout``, is *lost* for that round (counted, logged, never fatal).
+
+Kept as one file: :class:`FlowerTransport` is one class, whose plain and secure rounds share its map of nodes, its
+late replies and its count of message bytes.
 """
 
 from __future__ import annotations

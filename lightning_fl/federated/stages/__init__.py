@@ -1,9 +1,13 @@
-"""A round's mechanisms as stages (:class:`Stage`; the hooks and when they run: :mod:`.base`), and
-:func:`round_stages`, the one place that turns a run's settings into the stages its rounds run, in order."""
+"""A round's mechanisms as stages (:class:`Stage`; the hooks and when they run: :mod:`.base`), and the one place
+that turns a run's settings into the mechanisms its rounds run: :func:`round_stages` (the stages, in order),
+:func:`round_arrivals` (how the uploads arrive), :func:`round_collection` (one by one, or as a secure sum),
+:func:`round_downlink` (the compressed broadcast) and :func:`record_canaries` (the audit inside DP-SGD's steps).
+Nothing else in the package names a mechanism's class."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import lightning as L
 
@@ -17,6 +21,10 @@ from lightning_fl.federated.stages.privacy import CentralPrivacy, ClientPrivacy,
 from lightning_fl.federated.stages.screening import NormGate, SimulatedAttack, WeightCap
 from lightning_fl.federated.stages.server import CompressedBroadcast, IdentityCheck
 from lightning_fl.federated.state import State
+from lightning_fl.privacy.audit import RecordCanaries
+
+if TYPE_CHECKING:
+    from lightning_fl.federated.collect import Uploads
 
 __all__ = [
     "WRITTEN_WITH",
@@ -33,7 +41,10 @@ __all__ = [
     "Stage",
     "Step",
     "WeightCap",
+    "record_canaries",
     "round_arrivals",
+    "round_collection",
+    "round_downlink",
     "round_stages",
 ]
 
@@ -104,3 +115,24 @@ def round_arrivals(settings: TrainerArguments, local: LocalTraining, target: int
     if clock is not None:
         return Timed(clock, local, layout_bytes(settings.codec), None if clock.over_selection == 0 else target)
     return WaitForAll()
+
+
+def round_collection(settings: TrainerArguments, local: LocalTraining, arrivals: Arrivals) -> Uploads:
+    """How a run's uploads reach the server: only as their sum under ``secure_aggregation``, else each on its own."""
+    from lightning_fl.federated.collect import Uploads  # (the collections run the stages: imported when built)
+    from lightning_fl.federated.secure_uploads import SecureUploads
+
+    kind = SecureUploads if local.secure is not None else Uploads
+    return kind(settings.transport, settings.codec, local, settings.fold_groups, settings.enable_progress_bar, arrivals)
+
+
+def round_downlink(settings: TrainerArguments) -> Downlink | None:
+    """The server's compressed broadcast (``compressed_downloads``); ``None``: clients download full states."""
+    return Downlink(settings.codec) if settings.compressed_downloads else None
+
+
+def record_canaries(settings: TrainerArguments) -> RecordCanaries | None:
+    """The privacy audit's canaries among one client's records, under DP-SGD without user-level DP (``None``:
+    none)."""
+    audit = settings.privacy_audit
+    return RecordCanaries(audit) if audit is not None and settings.privacy is None else None
