@@ -1,5 +1,7 @@
-"""A budget that cannot be un-spent: the release record, the checks a resume passes, the keyed digest."""
+"""A budget that cannot be un-spent: the release record, the checks a resume passes, the keyed digest. (The release
+checks as units, without training: test_release_checks.py.)"""
 
+import shutil
 import warnings
 
 import pytest
@@ -26,6 +28,20 @@ def private_run(tmp_path, rounds, privacy=None, **kwargs):
     return make_trainer(tmp_path, rounds=rounds, name="dp", logger=False, privacy=privacy, **DP_ARGS, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def four_rounds(tmp_path_factory):
+    """One private run of 4 rounds, trained once for the tests that resume or edit it: each works on a copy."""
+    root = tmp_path_factory.mktemp("four_rounds")
+    fit(private_run(root, 4))
+    return root
+
+
+def copied(root, tmp_path):
+    """A copy of the run under ``root`` in ``tmp_path`` (its folder: ``tmp_path/runs/dp/version_0``)."""
+    shutil.copytree(root, tmp_path, dirs_exist_ok=True)
+    return tmp_path / "runs" / "dp" / "version_0"
+
+
 def edited(path, edit):
     """The checkpoint at ``path`` edited by ``edit`` and its plain digest recomputed, as an editor would."""
     ckpt = torch.load(path, weights_only=True)
@@ -34,21 +50,22 @@ def edited(path, edit):
     torch.save(ckpt, path)
 
 
-def test_every_released_round_is_recorded_and_a_resume_behind_the_last_release_is_refused(tmp_path):
+def test_every_released_round_is_recorded_and_a_resume_behind_the_last_release_is_refused(four_rounds, tmp_path):
     """Under OS noise, resuming round_0002.ckpt of a run that reached round 4 would release rounds 3-4 again with
     fresh noise while the budget restarts from round 2: refused, naming the record; last.ckpt resumes and the record
     goes on."""
-    run = fit(private_run(tmp_path, 4))
-    record = (run.log_dir / "releases.csv").read_text().splitlines()
+    folder = copied(four_rounds, tmp_path)
+    record = (folder / "releases.csv").read_text().splitlines()
     assert record[0].startswith("round,epsilon,delta") and [line.split(",")[0] for line in record[1:]] == list("1234")
-    assert float(record[-1].split(",")[1]) == pytest.approx(run.history[-1]["privacy/epsilon"], rel=1e-15)
-    behind = run.log_dir / "checkpoints" / "round_0002.ckpt"
+    last = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    assert float(record[-1].split(",")[1]) == pytest.approx(last["history"][-1]["privacy/epsilon"], rel=1e-15)
+    behind = folder / "checkpoints" / "round_0002.ckpt"
     with pytest.raises(CheckpointError, match=r"holds round 2 but this run released rounds up to 4 \(releases.csv"):
         fit(private_run(tmp_path, 4), ckpt_path=str(behind))
-    assert len((run.log_dir / "releases.csv").read_text().splitlines()) == 5  # nothing rewound, nothing appended
-    longer = fit(private_run(tmp_path, 6), ckpt_path=str(run.log_dir / "checkpoints" / "last.ckpt"))
+    assert len((folder / "releases.csv").read_text().splitlines()) == 5  # nothing rewound, nothing appended
+    longer = fit(private_run(tmp_path, 6), ckpt_path=str(folder / "checkpoints" / "last.ckpt"))
     rounds = [line.split(",")[0] for line in (longer.log_dir / "releases.csv").read_text().splitlines()[1:]]
-    assert longer.log_dir == run.log_dir and rounds == list("123456")
+    assert longer.log_dir == folder and rounds == list("123456")
 
 
 def test_a_run_without_privacy_may_resume_an_earlier_checkpoint_and_is_told_what_it_replaces(tmp_path):
@@ -73,11 +90,10 @@ def test_a_run_without_privacy_may_resume_an_earlier_checkpoint_and_is_told_what
          r"its budget gives epsilon [\d.]+ after round 4, the run logged [\d.]+"),
     ],
 )  # fmt: skip
-def test_an_accountant_edited_with_its_digest_recomputed_is_refused(tmp_path, what, edit, message):
+def test_an_accountant_edited_with_its_digest_recomputed_is_refused(four_rounds, tmp_path, what, edit, message):
     """The red team's edit: fewer rounds in the accountant (epsilon 41.6 -> 25.9 in their run), the plain digest
     recomputed; the resume compares the budget with the round count and with what the run logged."""
-    run = fit(private_run(tmp_path, 4))
-    last = run.log_dir / "checkpoints" / "last.ckpt"
+    last = copied(four_rounds, tmp_path) / "checkpoints" / "last.ckpt"
     edited(last, edit)
     with pytest.raises(CheckpointError, match=message + r".*the checkpoint was edited after it was written"):
         fit(private_run(tmp_path, 6), ckpt_path=str(last))
