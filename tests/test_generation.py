@@ -181,6 +181,8 @@ def test_a_run_scores_answers_on_val_each_evaluation_and_on_test_before_and_afte
     ):
         assert key in first and key in last, key
     assert "test/exact_match" not in trainer.history[1]  # read twice: the starting model and the final one
+    saved = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", weights_only=True)["history"][-1]
+    assert saved["test/exact_match"] == pytest.approx(last["test/exact_match"])  # what a sweep collects
     out = capsys.readouterr().out
     assert "test/exact_match: " in out and "before the first round" in out and "after the last" in out
     assert "instruction data: train: 48 records" in out
