@@ -187,6 +187,15 @@ def test_readme_and_the_install_page_list_every_extra():
     assert set(re.findall(r"^\| `([\w-]+)` \|", install, re.M)) == extras
 
 
+def test_the_docs_extra_brings_what_the_reference_pages_need():
+    """The signature formatter (without ruff or Black mkdocstrings prints each signature on one line) and griffe,
+    which tools/sphinx_roles.py imports."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    docs = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]
+    names = {re.match(r"[\w-]+", requirement)[0] for requirement in docs}
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings-python", "griffelib", "ruff"} <= names, names
+
+
 #: An absolute path of the machine a file was written on: a temporary folder, a home or a workspace.
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp|home|root|work|Users|mnt|scratch|var/folders|private/var)/[^\s`'\")]*")
 
