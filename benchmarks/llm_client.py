@@ -12,9 +12,10 @@ SmolLM2's chat template, the loss on the responses), and produce the upload (a c
 
 The four take turns ``--repeats`` times (after one warm-up round each); per side the wall and CPU time of a round
 (min and median), per repeat the ratio ours / plain (target: at most 1.10 at the median). ``--only lora`` or
-``--only full`` times one pair.
+``--only full`` times one pair. ``--copies`` then counts, with PyTorch's profiler, the elements one round of each
+side copies, in multiples of the parameters it trains (an extra copy of a 538 MB state shows as 1 more).
 
-    python benchmarks/llm_client.py --repeats 10 --json docs/results/llm_client.json
+    python benchmarks/llm_client.py --repeats 10 --copies --json docs/results/llm_client.json
     python benchmarks/llm_client.py --tiny --repeats 2            # a random 2-layer Llama: checks the script
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -139,6 +141,23 @@ def plain(method: str, mine: Any, args: argparse.Namespace, client: FixedBatches
     return round_
 
 
+COPIES = ("aten::copy_", "aten::clone", "aten::_to_copy")
+
+
+def copies(round_: Any, trained: int) -> dict[str, float]:
+    """Elements one round copies (``copy_``, ``clone``, ``_to_copy``; from the profiler's input shapes), in multiples
+    of the ``trained`` parameters: how many times a round copies the state it trains."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        round_()
+    copied = dict.fromkeys(COPIES, 0)
+    for event in prof.events():
+        if event.name in copied and event.input_shapes and event.input_shapes[0]:
+            copied[event.name] += math.prod(event.input_shapes[0])
+    return {name.removeprefix("aten::"): round(n / trained, 2) for name, n in copied.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a random tiny chat Llama instead of SmolLM2")
@@ -148,6 +167,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=1, help="LoRA's rank")
     parser.add_argument("--only", choices=["lora", "full"], default=None)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--copies", action="store_true", help="also count what one round of each side copies")
     add_arguments(parser, repeats=10)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -158,8 +178,10 @@ def main() -> None:
         args.tiny = str(save_tiny_chat_model(Path(tempfile.mkdtemp(prefix="tiny-chat-")), task_text()))
     client = FixedBatches(batches(args, args.tiny or "SmolLM2"))
     sides: dict[str, Any] = {}
+    module_sizes: dict[str, int] = {}
     for method in [args.only] if args.only else ["lora", "full"]:
         sides[f"ours_{method}"], module = ours(method, args, client)
+        module_sizes[method] = sum(p.numel() for p in module.trainable_parameters().values())
         sides[f"plain_{method}"] = plain(method, module, args, client)
     for side in sides.values():
         side()  # warm-up
@@ -183,6 +205,13 @@ def main() -> None:
         "rounds": summary,
         "raw": samples,
     }
+    if args.copies:  # after the timing: the profiler's overhead is not in it
+        trained = {"lora": module_sizes.get("lora", 0), "full": module_sizes.get("full", 0)}
+        results["copies"] = {name: copies(side, trained[name.split("_")[1]]) for name, side in sides.items()}
+        for name, counted in results["copies"].items():
+            print(
+                f"  {name} copies per round, in trained states: " + ", ".join(f"{k} {v:g}x" for k, v in counted.items())
+            )
     for method in [args.only] if args.only else ["lora", "full"]:
         ratio = ratios(samples, f"ours_{method}", f"plain_{method}")
         results[f"{method}_ours_over_plain"] = ratio

@@ -1,4 +1,4 @@
-"""``python -m lightning_fl fit|validate|test|export ...``: :func:`lightning_fl.cli.main`, after the pre-check.
+"""``python -m lightning_fl fit|validate|test|export ...``: :func:`lightning_fl.cli.command.main`, after the pre-check.
 
 The pre-check (:mod:`lightning_fl.cli.precheck`) answers ``--help`` (``-h``, no arguments), a mistyped subcommand
 and a ``--config`` file that does not exist, breaks YAML's syntax or has an unknown top-level key before torch and

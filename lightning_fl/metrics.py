@@ -14,6 +14,7 @@ equal to the reference once both are normalised (:func:`normalize_answer`).
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
 
 import torch
@@ -92,10 +93,24 @@ def normalize_answer(text: str) -> str:
     return text
 
 
+def contains_answer(prediction: str, reference: str) -> bool:
+    """Whether the normalised ``reference`` stands in the normalised ``prediction`` as a whole (not inside a longer
+    word or number): ``"4 x 72 = 288"`` contains ``288``, ``"2880"`` does not.
+
+    >>> contains_answer("4 x 72 = 288.", "288"), contains_answer("2880", "288")
+    (True, False)
+    """
+    wanted = normalize_answer(reference)
+    bounded = rf"(?<![0-9a-z]){re.escape(wanted)}(?![0-9a-z])"
+    return bool(wanted) and re.search(bounded, normalize_answer(prediction)) is not None
+
+
 class ExactMatch(Metric):
     """``{prefix}exact_match``: the share of generated answers equal to their reference after
     :func:`normalize_answer` (SQuAD's exact match without its article removal, which would merge "The Tempest" and
     "Tempest"), and ``{prefix}exact_match/{label}`` for each of ``labels`` (the records of that label alone).
+    ``{prefix}contains_answer`` is the share whose answer holds the reference anywhere (:func:`contains_answer`): a
+    model that knows the answer but not the format (``"4 x 72 = 288"`` for ``288``) scores there, not in exact match.
 
     Update with lists of strings: predictions, references and (with ``labels``) each record's label. Counts are
     summed over processes.
@@ -109,6 +124,7 @@ class ExactMatch(Metric):
         size = len(self.labels) + 1  # per label, then all records
         self.add_state("matches", default=torch.zeros(size, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("total", default=torch.zeros(size, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("contains", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, predictions: list[str], references: list[str], labels: list[str] | None = None) -> None:
         if len(predictions) != len(references) or (labels is not None and len(labels) != len(references)):
@@ -119,6 +135,7 @@ class ExactMatch(Metric):
         where = {label: i for i, label in enumerate(self.labels)}
         for i, (p, r) in enumerate(zip(predictions, references, strict=True)):
             hit = int(normalize_answer(p) == normalize_answer(r))
+            self.contains += int(contains_answer(p, r))
             slots = [-1] + ([where[labels[i]]] if labels is not None and labels[i] in where else [])
             for slot in slots:
                 self.matches[slot] += hit
@@ -129,6 +146,7 @@ class ExactMatch(Metric):
             raise ValueError("ExactMatch.compute() called before any update")
         share = self.matches.double() / self.total.clamp(min=1)
         out = {f"{self.prefix}exact_match": share[-1].float()}
+        out[f"{self.prefix}contains_answer"] = (self.contains.double() / self.total[-1]).float()
         for i, label in enumerate(self.labels):
             if self.total[i] > 0:
                 out[f"{self.prefix}exact_match/{label}"] = share[i].float()

@@ -147,8 +147,8 @@ CASES = {
         needs="peft",
     ),
     "llm_client.py": Case(
-        ["--tiny", "--steps", "2", "--repeats", "1", "--threads", "1", "--json", "client.json"],
-        "[llm_client] wrote client.json",
+        ["--tiny", "--steps", "2", "--repeats", "1", "--threads", "1", "--copies", "--json", "client.json"],
+        "ours_full copies per round, in trained states: copy_",
         outputs=["client.json"],
         needs="peft",
     ),

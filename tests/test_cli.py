@@ -609,14 +609,17 @@ def test_the_trainer_help_shows_the_doc_under_each_field(capsys):
     mkdocstrings read it); ``--trainer.help FederatedTrainer`` prints every one beside its key."""
     from docstring_parser import parse_from_object
 
-    from lightning_fl.cli.parser import asks_for_help
+    from lightning_fl.cli.parser import asks_for_help, plain_roles
     from lightning_fl.federated.arguments import TrainerArguments
 
     docs = {p.arg_name: p.description for p in parse_from_object(TrainerArguments).params}
     assert docs.keys() == {f.name for f in dataclasses.fields(TrainerArguments)}, "a field without its doc"
     assert docs["rounds"] == "Communication rounds R." and docs["transport"].startswith("How rounds reach clients:")
     assert run_cli("fit", "--trainer.help", "FederatedTrainer") == 0
-    out = re.sub(r"\s", "", capsys.readouterr().out)  # (the help wraps lines, long words too)
+    printed = capsys.readouterr().out
+    assert not re.search(r":(class|meth|func|attr|data|mod):`", printed)  # roles print as plain names
+    out = re.sub(r"\s", "", printed)  # (the help wraps lines, long words too)
+    docs = {name: plain_roles(doc) for name, doc in docs.items()}
     for name, doc in docs.items():  # "--trainer.rounds ROUNDS Communication rounds R. (type: int, default: 10)"
         value = r"(?:[A-Z_]+|\{[a-z,]+\})"  # ROUNDS, {true,false}
         option = rf"--trainer\.{name}{value}(?:,--trainer\.{name}\+{value})?"  # (a list also takes --KEY+ VALUE)
@@ -624,6 +627,13 @@ def test_the_trainer_help_shows_the_doc_under_each_field(capsys):
     # Only help reads attribute docstrings (a run parses without them: they cost 0.8 s on quickstart.yaml).
     assert asks_for_help(["fit", "--trainer.help", "FederatedTrainer"]) and asks_for_help(["fit", "-h"])
     assert not asks_for_help(["fit", "--config", "quickstart.yaml", "--trainer.rounds", "2"])
+
+
+def test_sphinx_roles_print_as_plain_names():
+    from lightning_fl.cli.parser import plain_roles
+
+    text = "see :class:`~lightning_fl.federated.FedAvg`, :meth:`~a.B.run`, :func:`a.b.f` and :data:`X`; `code` stays"
+    assert plain_roles(text) == "see FedAvg, run(), a.b.f() and X; `code` stays"
 
 
 def test_readme_python_example_runs(in_tmp, monkeypatch):

@@ -4,6 +4,7 @@ commands the pages give agree with what the package defines and prints."""
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import itertools
 import os
@@ -31,6 +32,10 @@ def mkdocs_build(config, site, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+#: A Sphinx role as the built HTML shows one that was not rewritten: ``:class:<code>~a.b.C</code>``.
+RAW_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|data|mod|attr|obj|exc|const|type):(?:<code>|`)")
+
+
 @needs_mkdocs
 def test_the_site_builds_strict(tmp_path):
     """Every page, link, anchor and generated reference page: a warning fails the build (``--strict``)."""
@@ -42,6 +47,16 @@ def test_the_site_builds_strict(tmp_path):
     assert "Communication rounds R." in reference  # the field's docstring
     fetched = re.compile(r"<(?:link|script)[^>]+(?:href|src)=\"https?://", re.I)
     assert not [p for p in built.rglob("*.html") if fetched.search(p.read_text())], "a page loads a remote resource"
+    # the docstrings' Sphinx roles are links (tools/sphinx_roles.py), none is shown as written
+    raw = {str(p.relative_to(built)): RAW_ROLE.findall(p.read_text()) for p in built.rglob("*.html")}
+    assert not {page: roles for page, roles in raw.items() if roles}, "raw Sphinx roles in the built site"
+    link = r'<a class="autorefs autorefs-internal"[^>]*href="[^"]*#lightning_fl\.federated\.loop\.FederatedTrainer"'
+    assert re.search(rf"configured by \({link}[^>]*><code>FederatedTrainer</code></a>", reference)
+    # signatures are formatted (by ruff, in the docs extra): one parameter a line, not all of them on one
+    assert "Formatting signatures requires" not in proc.stderr
+    signature = reference.split('<div class="doc-signature highlight"><pre>', 1)[1].split("</pre>", 1)[0]
+    signature = html.unescape(re.sub(r"<[^>]+>", "", signature))
+    assert signature.startswith("TrainerArguments(\n    rounds: int = 10,\n    client_fraction: "), signature[:300]
 
 
 @needs_mkdocs
@@ -172,6 +187,15 @@ def test_readme_and_the_install_page_list_every_extra():
     assert set(re.findall(r"^\| `([\w-]+)` \|", install, re.M)) == extras
 
 
+def test_the_docs_extra_brings_what_the_reference_pages_need():
+    """The signature formatter (without ruff or Black mkdocstrings prints each signature on one line) and griffe,
+    which tools/sphinx_roles.py imports."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    docs = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]
+    names = {re.match(r"[\w-]+", requirement)[0] for requirement in docs}
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings-python", "griffelib", "ruff"} <= names, names
+
+
 #: An absolute path of the machine a file was written on: a temporary folder, a home or a workspace.
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:tmp|home|root|work|Users|mnt|scratch|var/folders|private/var)/[^\s`'\")]*")
 
@@ -200,3 +224,138 @@ def test_every_table_has_a_header():
             if re.fullmatch(r"\|( *\|)+ *", line.strip()) and re.fullmatch(r"\|( *:?-+:? *\|)+", rule.strip()):
                 empty.append(f"{page.relative_to(REPO)}:{number}")
     assert not empty, "\n".join(empty)
+
+
+# ------------------------------------------------------------------------------- cross-references in docstrings
+def sphinx_roles():
+    """``tools/sphinx_roles.py``, the griffe extension mkdocs.yml gives mkdocstrings (griffe: the docs extra)."""
+    pytest.importorskip("griffe")
+    from conftest import tool_module
+
+    return tool_module("sphinx_roles")
+
+
+def test_a_role_becomes_a_reference_with_the_text_sphinx_shows():
+    roles = sphinx_roles()
+    names = {
+        "a.b.C": ("internal", "a.b.C"),
+        "a.b.C.fit": ("internal", "a.b.C.fit"),
+        "C": ("internal", "a.b.C"),
+        "torch.nn.Module": ("external", "torch.nn.Module"),
+    }
+    missing = []
+    text = (
+        "(:class:`~a.b.C`'s arguments) :class:`a.b.C`, :meth:`~a.b.C.fit`, :py:func:`C`, :class:`the class <a.b.C>`,"
+        " :class:`~torch.nn.Module`, :attr:`~a.b.\n C.fit` and :data:`Typo`"
+    )
+    out = roles.rewrite(text, names.get, missing.append)
+    ref = '<autoref identifier="{}" optional>{}</autoref>'
+    assert out == (
+        f"({ref.format('a.b.C', '<code>C</code>')}'s arguments) {ref.format('a.b.C', '<code>a.b.C</code>')}, "
+        f"{ref.format('a.b.C.fit', '<code>fit()</code>')}, {ref.format('a.b.C', '<code>C()</code>')}, "
+        f"{ref.format('a.b.C', 'the class')}, "
+        '<span title="torch.nn.Module"><code>Module</code></span>, '
+        f"{ref.format('a.b.C.fit', '<code>fit</code>')} and <code>Typo</code>"
+    )
+    assert len(missing) == 1 and "Typo" in missing[0]
+    assert roles.rewrite("pip install --no-binary :all: x; ``:class:`` by itself", names.get) == (
+        "pip install --no-binary :all: x; ``:class:`` by itself"
+    )
+
+
+SOURCE = {
+    "pkg/__init__.py": '"""The package: :class:`~pkg.codecs.Codec`, :mod:`pkg.codecs`."""\n'
+    "from pkg.codecs import Codec\n",
+    "pkg/codecs.py": '''"""Codecs: :class:`Codec` and :class:`Int8`, :meth:`Codec.encode`, :func:`~torch.zeros`."""
+import torch
+
+
+class Codec:
+    """Encodes: :meth:`encode`, then :meth:`.decode`; raises :class:`ValueError`."""
+
+    def encode(self, x):
+        """The payload :meth:`decode` reads."""
+
+    def decode(self, payload):
+        """The inverse of :meth:`encode`."""
+
+
+class Int8(Codec):
+    """Eight bits: the inherited :meth:`encode`, and the package's own :class:`pkg.Codec`."""
+''',
+    "pkg/other.py": '"""Uses :class:`~pkg.codecs.Codec` (:meth:`.decode`), not :class:`~pkg.codecs.Codek`."""\n',
+}
+
+
+def write_package(root):
+    for name, text in SOURCE.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_roles_resolve_in_the_docstrings_scope_and_a_name_found_nowhere_is_a_warning(tmp_path, caplog):
+    """Sphinx's lookup: the object, its class (inherited members too), its module and the module's imports; a
+    leading ``.`` also matches by suffix; an imported module outside the package is external."""
+    import griffe
+
+    roles = sphinx_roles()
+    write_package(tmp_path)
+    with caplog.at_level("WARNING"):
+        pkg = griffe.load("pkg", search_paths=[tmp_path], extensions=griffe.load_extensions(roles.SphinxRoles))
+
+    def refs(obj):
+        return re.findall(r'identifier="([^"]+)" optional><code>([^<]+)</code>|title="([^"]+)"', obj.docstring.value)
+
+    assert refs(pkg) == [("pkg.codecs.Codec", "Codec", ""), ("pkg.codecs", "pkg.codecs", "")]
+    codecs = pkg["codecs"]
+    assert refs(codecs) == [
+        ("pkg.codecs.Codec", "Codec", ""),
+        ("pkg.codecs.Int8", "Int8", ""),
+        ("pkg.codecs.Codec.encode", "Codec.encode()", ""),
+        ("", "", "torch.zeros"),
+    ]
+    assert refs(codecs["Codec"]) == [
+        ("pkg.codecs.Codec.encode", "encode()", ""),
+        ("pkg.codecs.Codec.decode", "decode()", ""),
+        ("", "", "ValueError"),
+    ]
+    assert refs(codecs["Codec.encode"]) == [("pkg.codecs.Codec.decode", "decode()", "")]
+    assert refs(codecs["Int8"]) == [("pkg.codecs.Codec.encode", "encode()", ""), ("pkg.codecs.Codec", "pkg.Codec", "")]
+    assert refs(pkg["other"]) == [("pkg.codecs.Codec", "Codec", ""), ("pkg.codecs.Codec.decode", "decode()", "")]
+    assert "<code>Codek</code>" in pkg["other"].docstring.value
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "pkg/other.py:1:" in warnings[0] and "pkg.codecs.Codek" in warnings[0], warnings
+
+
+@needs_mkdocs
+def test_a_role_that_resolves_nowhere_fails_the_strict_build(tmp_path):
+    """mkdocs.yml's mkdocstrings settings on a small package: a role naming no object fails ``--strict``, naming it
+    and its file; the others are links (where a page shows the object) or code."""
+    write_package(tmp_path / "src")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# API\n\n::: pkg.codecs\n\n::: pkg.other\n")
+    repo = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    (mkdocstrings,) = [p["mkdocstrings"] for p in repo["plugins"] if isinstance(p, dict) and "mkdocstrings" in p]
+    python = mkdocstrings["handlers"]["python"]
+    assert python["options"]["extensions"] == ["tools/sphinx_roles.py:SphinxRoles"]
+    python["options"]["extensions"] = [f"{REPO / 'tools' / 'sphinx_roles.py'}:SphinxRoles"]
+    python["paths"] = [str(tmp_path / "src")]
+    config = {
+        "site_name": "t",
+        "docs_dir": "docs",
+        "strict": True,
+        "theme": {"name": "mkdocs"},
+        "nav": [{"API": "index.md"}],
+        "plugins": [{"mkdocstrings": mkdocstrings}],
+    }
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
+    proc = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "pkg/other.py:1:" in proc.stderr and "pkg.codecs.Codek resolves to no object" in proc.stderr, proc.stderr
+    # the same without the typo: it builds, and the roles are links to the objects on the page
+    (tmp_path / "src" / "pkg" / "other.py").write_text('"""Uses :class:`~pkg.codecs.Codec` (:meth:`.decode`)."""\n')
+    proc = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = (tmp_path / "site" / "index.html").read_text()
+    assert not RAW_ROLE.search(page)
+    assert re.search(r'<a class="autorefs autorefs-internal"[^>]*href="#pkg\.codecs\.Codec\.decode"', page)

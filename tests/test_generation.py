@@ -81,7 +81,15 @@ def test_exact_match_normalises_and_breaks_down_by_label():
         "val/exact_match": pytest.approx(0.5),
         "val/exact_match/a": pytest.approx(0.5),
         "val/exact_match/b": pytest.approx(0.5),
+        "val/contains_answer": pytest.approx(0.5),
     }
+    # an answer that holds the reference as a whole counts in contains_answer only; part of a number does not
+    metric = ExactMatch("test/")
+    metric.update(
+        ["4 x 72 = 288.", "2880", "It is -11", "The Tempest, by Shakespeare"], ["288", "288", "-11", "tempest"]
+    )
+    out = metric.compute()
+    assert out["test/exact_match"] == 0.0 and out["test/contains_answer"] == pytest.approx(0.75)
     with pytest.raises(ValueError, match="Expected as many predictions"):
         metric.update(["x"], ["x", "y"])
 
@@ -181,6 +189,8 @@ def test_a_run_scores_answers_on_val_each_evaluation_and_on_test_before_and_afte
     ):
         assert key in first and key in last, key
     assert "test/exact_match" not in trainer.history[1]  # read twice: the starting model and the final one
+    saved = torch.load(trainer.log_dir / "checkpoints" / "last.ckpt", weights_only=True)["history"][-1]
+    assert saved["test/exact_match"] == pytest.approx(last["test/exact_match"])  # what a sweep collects
     out = capsys.readouterr().out
     assert "test/exact_match: " in out and "before the first round" in out and "after the last" in out
     assert "instruction data: train: 48 records" in out

@@ -391,6 +391,17 @@ def test_method_table_can_show_the_standard_error_over_seeds():
         report.method_table(rows, {"methods": ["m"], "labels": ["a"], "spread": "var"})
 
 
+def test_a_table_of_columns_can_show_the_standard_error_over_seeds():
+    report = tool_module("report")
+    rows = [{"label": "a", "seed": str(s), "round": 1, "final": 1, "test/em": v} for s, v in enumerate((0.5, 0.7, 0.9))]
+    sem = report.table(rows, {"columns": ["test/em"], "spread": "sem"})
+    std = report.table(rows, {"columns": ["test/em"]})
+    assert "mean +/- standard error over seeds)" in sem and "| a | 3 | 0.7000 +/- 0.1155 |" in sem
+    assert "mean +/- std over seeds)" in std and "| a | 3 | 0.7000 +/- 0.2000 |" in std
+    with pytest.raises(SystemExit, match="spread must be std or sem"):
+        report.table(rows, {"columns": ["test/em"], "spread": "var"})
+
+
 def test_best_table_takes_each_runs_best_round_in_the_metrics_direction():
     sys.path.insert(0, str(REPO / "tools"))
     try:

@@ -26,7 +26,8 @@ tables:
     comm: "comm/{method}/kb_per_client"  # optional last column (mean over the labels that have it)
     mean: true                          # optional: a "mean <metric>" column, the mean over labels of the
                                         # per-label means
-    spread: sem                         # optional: cells are mean +/- standard error over seeds (default: std)
+    spread: sem                         # optional (any table of columns or methods): cells are mean +/- standard
+                                        # error over seeds (default: std)
 figures:
   - {name: pareto, kind: pareto, labels: [latent_d64, fedavg, powersgd_r2]}   # acc vs cumulative MB (log x)
   - {name: latent_dim, kind: sweep, x: d, where: {method: latent}, metric: val/acc}  # final metric vs a tag
@@ -113,6 +114,21 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
 
 
+def spread_of(spec: dict) -> bool:
+    """Whether a table's cells show the standard error of the mean over seeds (``spread: sem``) or the std."""
+    if spec.get("spread", "std") not in ("std", "sem"):
+        raise SystemExit(f"error: table {spec.get('title')!r}: spread must be std or sem, not {spec['spread']!r}")
+    return spec.get("spread", "std") == "sem"
+
+
+def mean_spread(values: list[float], sem: bool) -> tuple[float, float]:
+    """:func:`mean_std`, the std divided by the square root of the number of values when ``sem``."""
+    mean, std = mean_std(values)
+    if sem and not math.isnan(std):
+        std /= math.sqrt(sum(v != "" and not (isinstance(v, float) and math.isnan(v)) for v in values))
+    return mean, std
+
+
 def fmt(column: str, mean: float, std: float) -> str:
     if math.isnan(mean):
         return "-"
@@ -164,12 +180,14 @@ def table(rows: list[dict], spec: dict) -> str:
     else:
         groups = finals(chosen, spec.get("round"))
         which = "final round" if spec.get("round") is None else f"round {spec['round']}"
-    lines = [f"**{spec.get('title', 'Results')}** ({which}, mean +/- std over seeds)", ""]
+    sem = spread_of(spec)
+    spread = "standard error" if sem else "std"
+    lines = [f"**{spec.get('title', 'Results')}** ({which}, mean +/- {spread} over seeds)", ""]
     lines.append("| run | seeds | " + " | ".join(columns) + " |")
     lines.append("| --- | --- | " + " | ".join("---" for _ in columns) + " |")
     for label in labels:
         group = groups.get(label, [])
-        cells = [fmt(c, *mean_std([r.get(c, "") for r in group])) for c in columns]
+        cells = [fmt(c, *mean_spread([r.get(c, "") for r in group], sem)) for c in columns]
         lines.append(f"| {label} | {len(group)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -231,9 +249,7 @@ def method_table(rows: list[dict], spec: dict) -> str:
     header = [f"{label} {metric}" for label in labels for metric in metrics]
     header += [f"mean {metric}" for metric in metrics] if spec.get("mean") else []
     header += ["KB per client"] if spec.get("comm") else []
-    sem = spec.get("spread", "std") == "sem"  # the standard error of the mean over seeds instead of the std
-    if spec.get("spread", "std") not in ("std", "sem"):
-        raise SystemExit(f"error: table {spec.get('title')!r}: spread must be std or sem, not {spec['spread']!r}")
+    sem = spread_of(spec)
     spread = "standard error" if sem else "std"
     lines = [f"**{spec.get('title', 'Methods')}** (mean +/- {spread} over seeds)", ""]
     lines.append("| method | " + " | ".join(header) + " |")
@@ -244,9 +260,7 @@ def method_table(rows: list[dict], spec: dict) -> str:
             for metric in metrics:
                 column = template.format(method=method, metric=metric)
                 values = [r.get(column, "") for r in groups.get(label, [])]
-                mean, std = mean_std(values)
-                if sem and not math.isnan(std):
-                    std /= math.sqrt(sum(v != "" and not (isinstance(v, float) and math.isnan(v)) for v in values))
+                mean, std = mean_spread(values, sem)
                 cells.append(fmt(column, mean, std))
                 per_label[metric].append(mean)
         if spec.get("mean"):  # a mean over every label, or "-" when one is missing

@@ -1,7 +1,8 @@
 """The command line, ``python -m lightning_fl fit|validate|test|export --config FILE [--key.sub value ...]``.
 
-- :mod:`~lightning_fl.cli.command`: parse, seed, build the plug-ins and run the subcommand (:func:`main`,
-  :func:`build`); :mod:`~lightning_fl.cli.parser`: the parsers (:func:`build_parser`) and the YAML of a config.
+- :mod:`~lightning_fl.cli.command`: parse, seed, build the plug-ins and run the subcommand
+  (:func:`~lightning_fl.cli.command.main`, :func:`~lightning_fl.cli.command.build`); :mod:`~lightning_fl.cli.parser`:
+  the parsers (:func:`~lightning_fl.cli.parser.build_parser`) and the YAML of a config.
 - :mod:`~lightning_fl.cli.precheck`: the subcommands and top-level keys, and the mistakes answered before torch is
   imported (``python -m lightning_fl`` runs it first).
 - :mod:`~lightning_fl.cli.parse_errors`, :mod:`~lightning_fl.cli.build_errors`: jsonargparse's errors (parsing, then
@@ -10,8 +11,8 @@
 - :mod:`~lightning_fl.cli.corrections`: where the parsers correct jsonargparse (``null`` given to a class inside a
   class, the headings of a class's help).
 
-Importing this package imports no torch (the pre-check must not pay for it): :func:`main`, :func:`build` and the
-other names below are imported from their modules when first used.
+Importing this package imports no torch (the pre-check must not pay for it): :func:`~lightning_fl.cli.command.main`,
+:func:`~lightning_fl.cli.command.build` and the other names below are imported from their modules when first used.
 """
 
 from __future__ import annotations

@@ -24,12 +24,27 @@ from lightning_fl.trainer_api import TrainerLike, lazy_instance
 TrainerType = L.Trainer | TrainerLike
 
 
+_ROLE = re.compile(r":(?:class|meth|func|attr|data|mod|obj|exc):`(~?)([^`]+)`")
+
+
+def plain_roles(text: str) -> str:
+    """``text`` with the docstrings' Sphinx roles as a terminal shows them: ``:class:`~a.b.C``` as ``C``, without the
+    ``~`` the whole path (``a.b.C``); a function's or method's name gets ``()``, as Sphinx writes it."""
+
+    def plain(match: re.Match) -> str:
+        role, short, target = match.group(0)[1:5], match.group(1), match.group(2)
+        name = target.rsplit(".", 1)[-1] if short else target
+        return name + ("()" if role in ("meth", "func") else "")
+
+    return _ROLE.sub(plain, text)
+
+
 class _SubcommandParser(ArgumentParser):
     """A subcommand's parser, named ``python -m lightning_fl SUBCOMMAND`` (:attr:`name`) unless told otherwise.
 
     jsonargparse prints one class's help (``--KEY.help CLASS``) with a parser it makes as ``type(parser)(...)``
     without a ``prog``, which argparse then names after ``sys.argv[0]`` (``__main__.py``): made from this class,
-    it is named after the subcommand too.
+    it is named after the subcommand too, and prints the docstrings' roles as plain names (:func:`plain_roles`).
     """
 
     name = PROG
@@ -38,6 +53,9 @@ class _SubcommandParser(ArgumentParser):
         if not args:  # (argparse's first positional argument is prog)
             kwargs.setdefault("prog", self.name)
         super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        return plain_roles(super().format_help())
 
 
 # One parser class per subcommand, each naming its own (module attributes, so that they pickle like any class).

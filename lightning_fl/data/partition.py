@@ -65,7 +65,7 @@ class ClientPartition(Sequence):
         return np.diff(self.offsets)
 
     def owners(self) -> np.ndarray:
-        """The client of each entry of :attr:`indices` (``int64``, aligned with it)."""
+        """The client of each entry of ``indices`` (``int64``, aligned with it)."""
         return np.repeat(np.arange(len(self), dtype=np.int64), self.sizes())
 
     def take(self, pool: np.ndarray) -> ClientPartition:

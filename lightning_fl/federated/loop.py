@@ -145,6 +145,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                 metrics["time/simulated_elapsed_s"] = self.history[-1].get("time/simulated_elapsed_s", 0.0) + clocked
             if (r + 1) % self.val_every_n_rounds == 0 or r + 1 == self.rounds:
                 metrics.update(self._evaluate(model, datamodule, "val"))
+            if self.test_after_fit and r + 1 == self.rounds:  # the final model, read once, saved with its round
+                metrics.update(self._evaluate(model, datamodule, "test"))
             metrics["time/round_s"], metrics["time/elapsed_s"] = time.perf_counter() - t0, time.perf_counter() - started
             self._log(metrics, step=r + 1)
             self.history.append({"round": r + 1, **metrics})
@@ -156,7 +158,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                 callback.on_round_end(self, r + 1, metrics)  # (1-based, as logged)
         for callback in callbacks:
             callback.on_rounds_end(self)
-        if self.test_after_fit and self.history and self.history[-1]["round"] >= 1:  # the final model, read once
+        last = self.history[-1] if self.history else {"round": 0}
+        if self.test_after_fit and last["round"] >= 1 and not any(k.startswith("test/") for k in last):  # stopped early
             final = self._evaluate(model, datamodule, "test")
             self._log(final, step=int(self.history[-1]["round"]))
             self.history[-1].update(final)

@@ -2,7 +2,7 @@
 
 Each client minimises its loss plus ``mu / 2 * ||w - w_global||^2`` over its trainable (federated)
 parameters, which limits client drift under heterogeneous data. The anchor ``w_global`` is the state
-the client received: this module records it in :meth:`load_federated_state`, which the federated
+the client received: this module records it in :meth:`FedProx.load_federated_state`, which the federated
 trainer calls at the start of every client's local training. Under ``lightning.Trainer`` (no
 federation) there is no anchor and the module trains like :class:`Classifier`.
 """

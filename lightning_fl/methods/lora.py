@@ -12,9 +12,9 @@ LoRA in Privacy-preserving Federated Learning", ICLR) freezes a random ``A`` sha
 The adapters are PEFT's own (``peft.inject_adapter_in_model`` with a ``LoraConfig`` over this method's target
 modules); PEFT is an optional dependency (``pip install -e ".[lora]"``). PEFT wraps each target module, so its
 weights move to ``<module>.base_layer.*`` in the state dict; the base's weights keep their plain names everywhere
-a base is made, cached or loaded (:meth:`own_weights`), so a LoRA run shares the pretrained base of FLITE and
-FedAvg on the same architecture, data and recipe. The adapters' initial values come from ``adapter_seed`` alone
-(not the run's random state), so every process builds the same ``A``; the frozen tensors' digest is the
+a base is made, cached or loaded (:meth:`LoRAAdapters.own_weights`), so a LoRA run shares the pretrained base of
+FLITE and FedAvg on the same architecture, data and recipe. The adapters' initial values come from ``adapter_seed``
+alone (not the run's random state), so every process builds the same ``A``; the frozen tensors' digest is the
 fingerprint every client must agree on.
 
 Kept as one file: :class:`LoRAAdapters` is what both LoRA classes are (injection, base weights, the fingerprint, the
