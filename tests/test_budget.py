@@ -2,6 +2,7 @@
 
 import shutil
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -134,6 +135,45 @@ def test_a_kill_between_the_release_and_the_checkpoint_resumes_with_the_lost_rou
     assert resumed.history[-1]["privacy/population_epsilon"] == pytest.approx(central_epsilon(5), rel=1e-12)
 
 
+@pytest.mark.parametrize("mechanism", ["LocalDP", "DistributedDP", "DPSGD"])
+def test_two_runs_on_one_population_are_charged_together(tmp_path, mechanism):
+    """Every run that draws on a population is charged, fresh or resumed: after two 2-round runs the population's
+    epsilon is the worst client's over both runs' releases, by the mechanism's own accounting."""
+    from lightning_fl.privacy.accountant import gaussian_epsilon_closed_form
+    from lightning_fl.privacy.dpsgd import DPSGD, epsilon
+
+    def run(name):
+        kinds = {
+            "LocalDP": {"privacy": LocalDP(clip_norm=0.5, noise_multiplier=2.0)},
+            "DistributedDP": {"privacy": DistributedDP(clip_norm=0.5, noise_multiplier=2.0)},
+            "DPSGD": {"dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=1.0), "local_steps": 2},
+        }
+        return fit(make_trainer(tmp_path, rounds=2, name=name, logger=False, **DP_ARGS, **kinds[mechanism]))
+
+    first, second = run("first"), run("second")
+    if mechanism == "DPSGD":
+        plans, taken = second.dp_sgd.plans, Counter(first.dp_sgd.participations) + Counter(second.dp_sgd.participations)
+        want = max(epsilon(plans[c].q, plans[c].steps * k, plans[c].z, 1e-5) for c, k in taken.items())
+        assert second.history[-1]["privacy/record_population_epsilon_max"] == pytest.approx(want, rel=1e-12)
+        assert want > second.history[-1]["privacy/record_epsilon_max"]
+        return
+    if mechanism == "LocalDP":
+        uploads = Counter(first.privacy.uploads) + Counter(second.privacy.uploads)
+        want = gaussian_epsilon_closed_form(2.0 / 2 / max(uploads.values()) ** 0.5, 1e-5)
+    else:
+        precision = Counter(first.privacy.precision) + Counter(second.privacy.precision)
+        want = second.privacy.client_epsilon(max(precision.values()))
+    assert second.history[-1]["privacy/population_epsilon"] == pytest.approx(want, rel=1e-9)
+    assert want > second.history[-1]["privacy/epsilon"]
+
+
+def test_a_population_charged_by_another_mechanism_is_refused_in_one_line(tmp_path):
+    fit(private_run(tmp_path, 1))
+    said = r"under trainer.privacy CentralDP, this run uses LocalDP: their budgets do not add up to one epsilon here"
+    with pytest.raises(ConfigError, match=said + r"; use the same mechanism, or set trainer.population"):
+        fit(private_run(tmp_path, 1, LocalDP(clip_norm=0.5, noise_multiplier=2.0)))
+
+
 def test_a_new_population_is_started_deliberately_and_bad_ledger_keys_are_one_line(tmp_path):
     """trainer.population starts an empty ledger (a claim the data is new); trainer.privacy_ledger moves the
     ledgers; a label that is not one line, a ledger without a private run, an unwritable folder: one line each."""
@@ -149,7 +189,7 @@ def test_a_new_population_is_started_deliberately_and_bad_ledger_keys_are_one_li
     with pytest.raises(ConfigError, match="trainer.privacy_ledger names the ledger of a private run.*remove the key"):
         make_trainer(tmp_path, privacy_ledger=str(tmp_path))
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="trainer.privacy_ledger: the privacy ledger cannot be written in"):
+    with pytest.raises(ConfigError, match="trainer.privacy_ledger: cannot write the population's privacy ledger in"):
         fit(private_run(tmp_path, 2, privacy_ledger=str(tmp_path / "file" / "ledgers")))
 
 

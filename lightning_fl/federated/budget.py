@@ -145,8 +145,10 @@ def open_ledger(trainer: Any, datamodule: Any) -> None:
         return
     named = trainer.privacy_ledger is not None
     folder = Path(trainer.privacy_ledger).expanduser() if named else population.default_folder()
-    key = "trainer.privacy_ledger" if named else f"the privacy ledger ({population.ENV} or the user cache)"
-    trainer.population_ledger = population.Ledger(folder, identity(datamodule), trainer.population, key)
+    key = "trainer.privacy_ledger" if named else (population.ENV if population.ENV in os.environ else "user cache")
+    ledger = trainer.population_ledger = population.Ledger(folder, identity(datamodule), trainer.population, key)
+    if trainer.privacy is not None:  # refuses a ledger whose releases this mechanism cannot add to, before round 1
+        population.user_view(trainer.privacy, ledger.releases(), ledger.path)
 
 
 def charge(trainer: Any, completed: int, metrics: dict[str, float]) -> dict[str, float]:

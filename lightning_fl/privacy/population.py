@@ -20,9 +20,9 @@ accounted, never refused and never forgotten.
 - **How it adds up.** The mechanisms' own accounting, fed every line: central DP composes every line's
   dp-accounting event (:class:`~lightning_fl.privacy.accountant.Accountant`); distributed and local DP add each
   client's precisions (exact for Gaussians) and report the worst client's epsilon by Balle and Wang's curve; DP-SGD
-  composes each client's subsampled Gaussians in dp-accounting's PLD accountant. Lines of another user-level
-  mechanism, or central DP's under another neighbouring relation, do not add up to one figure here: such a run is
-  refused in one line.
+  composes each client's subsampled Gaussians in dp-accounting's PLD accountant (distributed and local DP lines
+  add up together). Central DP's lines and the per-client ones, or central DP's under another neighbouring
+  relation, do not add up to one figure here: such a run is refused in one line.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Ledger:
             self.path.touch()
         except OSError as err:
             raise ConfigError(
-                f"{key_name}: the privacy ledger cannot be written in {folder} ({err.strerror}); set "
+                f"{key_name}: cannot write the population's privacy ledger in {folder} ({err.strerror}); set "
                 f"trainer.privacy_ledger (or {ENV}) to a folder this process can write"
             ) from None
 
@@ -147,14 +147,14 @@ def user_view(privacy: Privacy, releases: list[dict[str, Any]], ledger: Path) ->
     """A copy of ``privacy`` whose accounting holds every user-level release of ``releases``: its ``epsilon()`` is
     the population's, its ``stop_reason()`` the population's next round."""
     lines = [r["user"] for r in releases if r.get("user")]
-    name = type(privacy).__name__
-    if others := sorted({u["mechanism"] for u in lines} - {name}):
+    name, per_client = type(privacy).__name__, isinstance(privacy, (DistributedDP, LocalDP))
+    if others := sorted({u["mechanism"] for u in lines if ("precision" in u) != per_client}):
         raise ConfigError(
             f"the privacy ledger {ledger} holds rounds released under trainer.privacy {', '.join(others)}, this run "
             f"uses {name}: their budgets do not add up to one epsilon here; use the same mechanism, or {NEW_POPULATION}"
         )
     view = copy.copy(privacy)
-    if isinstance(privacy, (DistributedDP, LocalDP)):
+    if per_client:  # each line a Gaussian on every client it names (replace-one): distributed and local DP add up
         precision: dict[int, float] = {}
         for u in lines:
             for c in u["clients"]:
