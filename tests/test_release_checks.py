@@ -1,5 +1,6 @@
-"""The release record's checks as units (no training): a private run may resume only from a checkpoint at or past
-its last recorded release; a run without privacy may resume earlier, told what it replaces."""
+"""The release record and the rewind warning as units (no training): a private run resumed behind its last recorded
+release, even one round behind, is told that those rounds are drawn again and charged again; a run without privacy
+is told which later checkpoints it replaces."""
 
 import warnings
 
@@ -23,21 +24,23 @@ def test_the_record_holds_every_release_in_order(tmp_path):
 
 
 @pytest.mark.parametrize("behind", [1, 2])
-def test_a_private_resume_behind_the_last_release_is_refused_even_one_round_behind(tmp_path, behind):
+def test_a_private_resume_behind_the_last_release_is_told_even_one_round_behind(tmp_path, behind):
     recorded(tmp_path, 3)
     checkpoint = tmp_path / "checkpoints" / f"round_{3 - behind:04d}.ckpt"
-    problem = budget.check_release(tmp_path, 3 - behind, checkpoint, is_private=True)
-    assert problem is not None and problem.startswith(
-        f"round_{3 - behind:04d}.ckpt holds round {3 - behind} but this run released rounds up to 3"
-    )
-    assert f"would draw rounds {4 - behind}-3 again with fresh noise" in problem
+    with pytest.warns(
+        UserWarning,
+        match=rf"resuming round {4 - behind} from round_{3 - behind:04d}.ckpt: this run "
+        r"released rounds up to 3 already \(releases.csv\); they are drawn again with fresh noise and "
+        "charged to the population's privacy ledger again",
+    ):
+        budget.warn_rewind(tmp_path, 3 - behind, checkpoint, is_private=True)
 
 
-def test_a_private_resume_at_the_last_release_goes_on(tmp_path):
+def test_a_private_resume_at_the_last_release_goes_on_in_silence(tmp_path):
     recorded(tmp_path, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert budget.check_release(tmp_path, 3, tmp_path / "checkpoints" / "last.ckpt", is_private=True) is None
+        budget.warn_rewind(tmp_path, 3, tmp_path / "checkpoints" / "last.ckpt", is_private=True)
 
 
 def test_a_resume_without_privacy_behind_its_checkpoints_is_warned_of_what_it_replaces(tmp_path):
@@ -49,4 +52,4 @@ def test_a_resume_without_privacy_behind_its_checkpoints_is_warned_of_what_it_re
         match=r"resuming round 2 from round_0001.ckpt: the run's later checkpoints "
         r"\(round_0002.ckpt, round_0003.ckpt\) and its last.ckpt will be replaced",
     ):
-        assert budget.check_release(tmp_path, 1, tmp_path / "checkpoints" / "round_0001.ckpt", False) is None
+        budget.warn_rewind(tmp_path, 1, tmp_path / "checkpoints" / "round_0001.ckpt", False)

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from lightning_fl.compress.error_feedback import UpdateCompressor
+from lightning_fl.federated.budget import ledger_problems
 from lightning_fl.federated.buffered import FedBuff, buffered_problems
 from lightning_fl.federated.clock import Clock
 from lightning_fl.federated.strategies import Strategy
@@ -121,6 +122,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
             "trainer.unprotected_statistics labels the statistics a private run keeps out of its logs, and this run "
             "has no trainer.privacy or trainer.dp_sgd (it logs them as they are): remove the key"
         )
+    problems += ledger_problems(a)
     if a["unprotected_statistics"] not in (True, False):
         problems.append(f"trainer.unprotected_statistics must be true or false, got {a['unprotected_statistics']!r}")
     if a["privacy_audit"] is not None and a["privacy"] is None and a["dp_sgd"] is None:

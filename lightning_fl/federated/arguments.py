@@ -81,6 +81,13 @@ class TrainerArguments:
     """Canary clients that measure what the released states leak (``PrivacyAudit``: Andrew et al.'s one-shot
     epsilon-hat and Steinke et al.'s one-run lower bound), printed beside the accountant's epsilon and written to
     ``privacy_audit.json``; needs ``privacy`` or ``dp_sgd``. ``null``: no audit. See docs/privacy.md."""
+    privacy_ledger: str | None = None
+    """Folder of the population privacy ledgers a private run charges (every released round of every run drawing on
+    the same data set and partition, docs/privacy.md, "The population's ledger"); ``null``: the environment variable
+    ``LIGHTNING_FL_PRIVACY_LEDGER``, else ``<user cache>/lightning_fl/privacy_ledger``."""
+    population: str | None = None
+    """A label that starts a new private population deliberately (e.g. data collected anew under the same settings):
+    its ledger starts empty. ``null``: the data module's identity alone names the population."""
     secure_aggregation: SecureAggregation | None = None
     """The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s clipping, quantisation
     and modular sum); linear, unweighted strategies only. ``null``: off."""

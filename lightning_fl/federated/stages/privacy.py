@@ -19,6 +19,7 @@ from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.stages.base import Stage
 from lightning_fl.federated.transport import Reply
 from lightning_fl.federated.uploads import Entry, Round, Total
+from lightning_fl.privacy import population
 from lightning_fl.privacy.base import Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
 
@@ -62,7 +63,14 @@ class UserLevelBudget(Stage):
         at = f" at delta {delta:.3g}" if delta is not None else ""
         z, rounds = last.get("privacy/noise_multiplier", float("nan")), int(last["round"])
         lines = [f"privacy: user-level epsilon {eps:.4g}{at} after {rounds} rounds (noise multiplier {z:.4g})"]
-        return lines + [f"  {line}" for line in self.privacy.guarantee(self.secure).splitlines()]
+        lines += [f"  {line}" for line in self.privacy.guarantee(self.secure).splitlines()]
+        if "privacy/population_epsilon" in last:  # every run that drew on the population (its ledger)
+            spent, released = last["privacy/population_epsilon"], last.get("privacy/population_rounds")
+            over = f" over {int(released)} released rounds" if released is not None else ""
+            lines.append(
+                f"  the population (data set and partition), every run that drew on it: epsilon {spent:.4g}{over}"
+            )
+        return lines
 
 
 class CentralPrivacy(UserLevelBudget):
@@ -98,7 +106,9 @@ class CentralPrivacy(UserLevelBudget):
         return Total(mean, 1.0, total.count, updates=True, released=True)  # (dividing by 1.0 changes no bit)
 
     def end_round(self, rnd: Round) -> None:
-        rnd.metrics.update(self.privacy.end_round(rnd.index, [] if self.refused else rnd.folded))
+        released = [] if self.refused else rnd.folded
+        rnd.metrics.update(self.privacy.end_round(rnd.index, released))
+        self.privacy.released = None if self.refused else population.user_release(self.privacy, released)
 
     def __repr__(self) -> str:
         return f"CentralPrivacy({self.privacy!r})"
@@ -111,6 +121,7 @@ class ClientPrivacy(UserLevelBudget):
     def end_round(self, rnd: Round) -> None:
         released = [e.client for e in rnd.answered if e.up]
         rnd.metrics.update(self.privacy.end_round(rnd.index, released))
+        self.privacy.released = population.user_release(self.privacy, released)
 
     def __repr__(self) -> str:
         return f"ClientPrivacy({self.privacy!r})"
@@ -142,7 +153,11 @@ class RecordPrivacy(Stage):
             f"record-level DP-SGD: worst client's epsilon {worst:.4g} at delta {delta:.3g}, median {median:.4g} "
             "(every client: dp_sgd_clients.csv)"
         ]
-        return lines + [f"  {line}" for line in self.dp_sgd.guarantee().splitlines()]
+        lines += [f"  {line}" for line in self.dp_sgd.guarantee().splitlines()]
+        if "privacy/record_population_epsilon_max" in last:
+            worst = last["privacy/record_population_epsilon_max"]
+            lines.append(f"  the population, every run that drew on it: worst client's epsilon {worst:.4g}")
+        return lines
 
     def finish(self, log_dir: Path, rank_zero: bool) -> None:
         if rank_zero:
@@ -159,6 +174,7 @@ class RecordPrivacy(Stage):
 
     def end_round(self, rnd: Round) -> None:
         rnd.metrics.update(self.dp_sgd.end_round(rnd.available, rnd.datamodule, self.local))
+        self.dp_sgd.released = population.record_release(self.dp_sgd, rnd.available)
 
     def __repr__(self) -> str:
         return f"RecordPrivacy({self.dp_sgd!r})"
