@@ -67,8 +67,27 @@ def unavailable() -> str | None:
         made = _run(["ip", "netns", "add", name])
         if made.returncode != 0:
             return f"ip netns add refused: {made.stderr.strip()}"
-        shaped = _run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-                       "8mbit", "burst", "32k", "limit", "64k"])  # fmt: skip
+        shaped = _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "8mbit",
+                "burst",
+                "32k",
+                "limit",
+                "64k",
+            ]
+        )
         if shaped.returncode != 0:
             return f"tc tbf refused: {shaped.stderr.strip()}"
         return None
@@ -148,8 +167,11 @@ class Namespace:
             _run(self.inside(["tc", "qdisc", "del", "dev", "lo", "root"]))  # fails harmlessly when there is none
         else:
             settings = tbf_settings(rate_mbit)
-            self._check(self.inside(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
-                                     *(x for kv in settings.items() for x in kv)]))  # fmt: skip
+            self._check(
+                self.inside(
+                    ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", *(x for kv in settings.items() for x in kv)]
+                )
+            )
         self.rate_mbit = rate_mbit
 
     # ------------------------------------------------------------------ processes
@@ -255,5 +277,7 @@ if __name__ == "__main__":  # python benchmarks/_netns.py: each rate's transfer 
         with Namespace(rate) as ns:
             took = transfer_seconds(ns, size)
             ideal = 8 * size / (rate * 1e6)
-            print(f"{rate:>5} Mbit/s: {size:,} bytes in {took:.2f} s (bytes / rate {ideal:.2f} s: "
-                  f"{8 * size / took / 1e6:.2f} Mbit/s achieved)")  # fmt: skip
+            print(
+                f"{rate:>5} Mbit/s: {size:,} bytes in {took:.2f} s (bytes / rate {ideal:.2f} s: "
+                f"{8 * size / took / 1e6:.2f} Mbit/s achieved)"
+            )

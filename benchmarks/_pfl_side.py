@@ -36,9 +36,13 @@ class PlainCNN(nn.Module):
         super().__init__()
         self.backbone = nn.Module()
         self.backbone.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        )  # fmt: skip
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
         self.backbone.fc = nn.Linear(64 * (image_size // 4) ** 2, 128)
         self.head = nn.Linear(128, classes)
 
@@ -88,8 +92,9 @@ def main() -> None:
     validation = FederatedDataset.from_slices(users, get_user_sampler("minimize_reuse", list(users)))
     net = PlainCNN(settings["image_size"])
     net.load_state_dict(torch.load(f"{folder}/init.pt"))
-    model = PyTorchModel(model=net, local_optimizer_create=torch.optim.Adam,
-                         central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))  # fmt: skip
+    model = PyTorchModel(
+        model=net, local_optimizer_create=torch.optim.Adam, central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0)
+    )
     FederatedAveraging().run(
         algorithm_params=NNAlgorithmParams(
             central_num_iterations=rounds + 1,

@@ -64,11 +64,25 @@ from lightning_fl.models import SmallCNN
 from lightning_fl.models.backbone import Backbone
 
 WORKLOADS = {
-    "quickstart": {"backbone": "smallcnn", "kinds": ["latent", "full"], "image_size": 8, "population": 200,
-                   "per_client": 64, "clients": 100, "batch": 32},
-    "cross-device": {"backbone": "plain", "kinds": ["full"], "image_size": 28, "population": 1000, "per_client": 60,
-                     "clients": 50, "batch": 20},
-}  # fmt: skip
+    "quickstart": {
+        "backbone": "smallcnn",
+        "kinds": ["latent", "full"],
+        "image_size": 8,
+        "population": 200,
+        "per_client": 64,
+        "clients": 100,
+        "batch": 32,
+    },
+    "cross-device": {
+        "backbone": "plain",
+        "kinds": ["full"],
+        "image_size": 28,
+        "population": 1000,
+        "per_client": 60,
+        "clients": 50,
+        "batch": 20,
+    },
+}
 
 
 class PlainCNN(Backbone):
@@ -78,9 +92,13 @@ class PlainCNN(Backbone):
         super().__init__()
         self.in_channels, self.out_features = 1, 128
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        )  # fmt: skip
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
         self.fc = nn.Linear(64 * (image_size // 4) ** 2, 128)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,11 +112,13 @@ def make_module(kind: str, args: argparse.Namespace, factors: str = "stored") ->
     if args.backbone == "plain":
         backbone = PlainCNN(args.image_size)
     else:
-        backbone = SmallCNN(in_channels=1, image_size=args.image_size, channels=[32, 64], feature_dim=128,
-                            norm_groups=8)  # fmt: skip
+        backbone = SmallCNN(
+            in_channels=1, image_size=args.image_size, channels=[32, 64], feature_dim=128, norm_groups=8
+        )
     if kind == "latent":
-        return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear",
-                                factors=factors)  # fmt: skip
+        return LatentClassifier(
+            backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear", factors=factors
+        )
     return Classifier(
         backbone, 10, head="trainable", recipe=Recipe(optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant")
     )
@@ -133,13 +153,27 @@ class FloorBetweenRounds(InProcess):
             self.mark = time.perf_counter(), cpu_seconds()
 
 
-def trainer_run(module: Classifier, dm: FederatedDataModule, rounds: int, clients: int, root: str,
-                floor: Callable[[], None] = lambda: None) -> FloorBetweenRounds:  # fmt: skip
+def trainer_run(
+    module: Classifier,
+    dm: FederatedDataModule,
+    rounds: int,
+    clients: int,
+    root: str,
+    floor: Callable[[], None] = lambda: None,
+) -> FloorBetweenRounds:
     """One fit; its transport holds the round and floor timings."""
     trainer = FederatedTrainer(
-        rounds=rounds, clients_per_round=clients, accelerator="cpu", logger=False, enable_progress_bar=False,
-        limit_val_batches=0, check_identity=False, default_root_dir=root, name="bench", seed=0,
-    )  # fmt: skip
+        rounds=rounds,
+        clients_per_round=clients,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        check_identity=False,
+        default_root_dir=root,
+        name="bench",
+        seed=0,
+    )
     trainer.transport = timed = FloorBetweenRounds(floor, rounds)
     with contextlib.redirect_stdout(io.StringIO()):  # the run's end-of-run summary
         trainer.fit(module, datamodule=dm)

@@ -53,8 +53,12 @@ def make(model: str | int, clients: int, per_client: int, batch: int, kind: str 
     size = IMAGE_SIZE[model] if isinstance(model, str) else model
     backbone = SmallCNN(in_channels=1, image_size=size, channels=[32, 64], feature_dim=128, norm_groups=8)
     if kind == "full":
-        module = Classifier(backbone, 10, head="trainable", recipe=Recipe(optimizer="adam", lr=0.01, warmup_epochs=0,
-                                                                          schedule="constant"))  # fmt: skip
+        module = Classifier(
+            backbone,
+            10,
+            head="trainable",
+            recipe=Recipe(optimizer="adam", lr=0.01, warmup_epochs=0, schedule="constant"),
+        )
     else:
         module = LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
     source = Synthetic(image_size=size, channels=1, train_size=clients * per_client, test_size=16)
@@ -95,8 +99,11 @@ def conv_sides(clients: int) -> dict:
     return {"conv_loop": loop, "conv_grouped": grouped}
 
 
-GRID = [(kind, size, batch) for kind in ("latent", "full") for size, batch in
-        ((8, 16), (12, 16), (16, 16), (20, 16), (28, 16), (8, 32), (10, 32))]  # fmt: skip
+GRID = [
+    (kind, size, batch)
+    for kind in ("latent", "full")
+    for size, batch in ((8, 16), (12, 16), (16, 16), (20, 16), (28, 16), (8, 32), (10, 32))
+]
 
 
 def grid(args: argparse.Namespace) -> dict:
@@ -115,12 +122,24 @@ def grid(args: argparse.Namespace) -> dict:
         for k in args.cohorts:
             speedup = ratios(samples, "sequential", f"cohort{k}")["cpu"]
             runs_as_cohort = per_client <= MAX_CLIENT_ACTIVATION and per_client * k <= MAX_COHORT_ACTIVATION
-            rows.append({"kind": kind, "image": size, "batch": batch, "cohort": k, "client_activation": per_client,
-                         "cohort_activation": per_client * k, "rule_runs_cohort": runs_as_cohort,
-                         "speedup_cpu": speedup})  # fmt: skip
-            print(f"[grid] {kind} {size}x{size} batch {batch} cohort {k}: activation {per_client:,} per client, "
-                  f"{per_client * k:,} per cohort, rule: {'cohort' if runs_as_cohort else 'one at a time'}; "
-                  f"speed-up {fmt(speedup, 'x', 1, 2)}", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "kind": kind,
+                    "image": size,
+                    "batch": batch,
+                    "cohort": k,
+                    "client_activation": per_client,
+                    "cohort_activation": per_client * k,
+                    "rule_runs_cohort": runs_as_cohort,
+                    "speedup_cpu": speedup,
+                }
+            )
+            print(
+                f"[grid] {kind} {size}x{size} batch {batch} cohort {k}: activation {per_client:,} per client, "
+                f"{per_client * k:,} per cohort, rule: {'cohort' if runs_as_cohort else 'one at a time'}; "
+                f"speed-up {fmt(speedup, 'x', 1, 2)}",
+                flush=True,
+            )
     return {"limits": {"client": MAX_CLIENT_ACTIVATION, "cohort": MAX_COHORT_ACTIVATION}, "rows": rows}
 
 

@@ -47,8 +47,16 @@ def sides(clients: int, steps: int, batch: int) -> dict:
     dm = FederatedDataModule(source, num_clients=clients, batch_size=batch, augment=False, seed=0)
     dm.prepare_data()
     dm.setup("fit")
-    latent = LatentClassifier(backbone(), 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear",
-                              head="orthogonal", recipe=dataclasses.replace(LATENT_RECIPE, grad_clip=None))  # fmt: skip
+    latent = LatentClassifier(
+        backbone(),
+        10,
+        base="scratch",
+        latent_dim=64,
+        rank=32,
+        layers="conv+linear",
+        head="orthogonal",
+        recipe=dataclasses.replace(LATENT_RECIPE, grad_clip=None),
+    )
     full = Classifier(backbone(), 10, head="orthogonal", recipe=Recipe(warmup_epochs=0, schedule="constant"))
     fabric, ids = _cpu_fabric(), list(range(clients))
 
@@ -95,8 +103,9 @@ def main() -> None:
         run()
     samples = alternate(runs, args.repeats)
     per_step = summarise(samples, per=args.clients * args.steps)
-    over_plain = {name: ratios(samples, name, f"{name.split('_')[0]}_plain") for name in runs
-                  if not name.endswith("_plain")}  # fmt: skip
+    over_plain = {
+        name: ratios(samples, name, f"{name.split('_')[0]}_plain") for name in runs if not name.endswith("_plain")
+    }
     for name, summary in per_step.items():
         wall, cpu = fmt(summary["wall"], " s", 1, 4), fmt(summary["cpu"], " s", 1, 4)
         line = f"[dp_sgd] {name}: per step wall {wall}; CPU {cpu}"

@@ -109,9 +109,13 @@ BYTES = ("comm/client_up_bytes", "comm/client_down_bytes", "comm/msg_client_up_b
 
 # secure aggregation (trainer.secure_aggregation): each coordinate clipped to [-1, 1], 2^22 levels, sum mod 2^32
 SECAGG = [
-    "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
-    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.max_update_norm_ratio", "null",
-]  # fmt: skip
+    "--trainer.secure_aggregation",
+    "lightning_fl.privacy.secure.SecureAggregation",
+    "--trainer.secure_aggregation.clipping_range",
+    "1.0",
+    "--trainer.max_update_norm_ratio",
+    "null",
+]
 
 
 @dataclass
@@ -248,10 +252,19 @@ def wait_rounds(root: Path, name: str, rounds: int, timeout: float) -> None:
 def common(w: Workload, args: argparse.Namespace, root: Path, name: str) -> list[str]:
     return [
         *w.overrides,
-        "--data.num_clients", str(args.clients), "--trainer.rounds", str(args.rounds),
-        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-        "--trainer.default_root_dir", str(root), "--trainer.name", name,
-    ]  # fmt: skip
+        "--data.num_clients",
+        str(args.clients),
+        "--trainer.rounds",
+        str(args.rounds),
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.name",
+        name,
+    ]
 
 
 def run_in_process(w: Workload, args, work: Path, root: Path, name: str) -> Sample:
@@ -325,8 +338,15 @@ def proxy_times(work: Path, times: int = 3) -> dict[str, float]:
     rows = []
     for _ in range(times):
         cpu = children_cpu_seconds()
-        out = subprocess.run([sys.executable, "-c", PROXY_IMPORT], cwd=work, env=environment(work),
-                             capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", PROXY_IMPORT],
+            cwd=work,
+            env=environment(work),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["proxy_process_cpu_s"] = children_cpu_seconds() - cpu
         rows.append(row)
@@ -336,15 +356,24 @@ def proxy_times(work: Path, times: int = 3) -> dict[str, float]:
 def rebuild_times(w: Workload, args, work: Path, root: Path, times: int = 3) -> dict[str, float]:
     """A cold ClientApp's start: a fresh interpreter imports the ClientApp module and builds the run (median of 3)."""
     yaml = work / f"{w.name}-resolved.yaml"
-    run_python(["-c", RESOLVE, str(yaml), str(REPO / w.config), *common(w, args, root, f"{w.name}-rebuild")],
-               work, work / f"{w.name}-rebuild.log", timeout=300)  # fmt: skip
+    run_python(
+        ["-c", RESOLVE, str(yaml), str(REPO / w.config), *common(w, args, root, f"{w.name}-rebuild")],
+        work,
+        work / f"{w.name}-rebuild.log",
+        timeout=300,
+    )
     rows = []
     for _ in range(times):
         t0 = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, "-c", REBUILD, str(yaml)], cwd=work, env=environment(work),
-            capture_output=True, text=True, timeout=300, check=True,
-        )  # fmt: skip
+            [sys.executable, "-c", REBUILD, str(yaml)],
+            cwd=work,
+            env=environment(work),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
         wall = time.perf_counter() - t0
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["cold_interpreter_s"] = wall - row["cold_imports_s"] - row["cold_build_s"]  # start-up and exit
@@ -415,17 +444,26 @@ def summarise(results: dict[str, dict[str, Result]], extra: dict[str, dict[str, 
             wall, cpu = spread(s.wall for s in r.runs), spread(s.cpu for s in r.runs)
             per_repeat = ratios(runs, side, "in-process")  # flower / in-process, repeat by repeat
             row: dict[str, object] = {
-                "workload": wname, "side": side, "clients": args.clients, "rounds": args.rounds,
-                "repeats": args.repeats, "rounds_timed": len(r.rounds),
+                "workload": wname,
+                "side": side,
+                "clients": args.clients,
+                "rounds": args.rounds,
+                "repeats": args.repeats,
+                "rounds_timed": len(r.rounds),
                 "round1_median_s": statistics.median(r.warmup),
-                "round_min_s": min(r.rounds), "round_median_s": statistics.median(r.rounds),
+                "round_min_s": min(r.rounds),
+                "round_median_s": statistics.median(r.rounds),
                 "ratio_min": min(r.rounds) / min(base.rounds),
                 "ratio_median": statistics.median(r.rounds) / statistics.median(base.rounds),
                 "run_wall_median_s": statistics.median(r.walls),
-                "run_wall_min_s": wall["min"], "run_cpu_min_s": cpu["min"], "run_cpu_median_s": cpu["median"],
-                "run_ratio_wall_min": per_repeat["wall"]["min"], "run_ratio_wall_median": per_repeat["wall"]["median"],
-                "run_ratio_cpu_min": per_repeat["cpu"]["min"], "run_ratio_cpu_median": per_repeat["cpu"]["median"],
-            }  # fmt: skip
+                "run_wall_min_s": wall["min"],
+                "run_cpu_min_s": cpu["min"],
+                "run_cpu_median_s": cpu["median"],
+                "run_ratio_wall_min": per_repeat["wall"]["min"],
+                "run_ratio_wall_median": per_repeat["wall"]["median"],
+                "run_ratio_cpu_min": per_repeat["cpu"]["min"],
+                "run_ratio_cpu_median": per_repeat["cpu"]["median"],
+            }
             for key, col in (
                 ("comm/client_up_bytes", "payload_up_bytes"),
                 ("comm/client_down_bytes", "payload_down_bytes"),
@@ -524,15 +562,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["quickstart", "fedavg_fmnist"])
     parser.add_argument("--clients", type=int, default=2, help="clients = SuperNodes (default 2)")
-    parser.add_argument("--sides", nargs="+", choices=SIDES[1:], default=list(SIDES[1:]),
-                        help="Flower sides to time against in-process: flower (a fresh ClientApp process per message) "
-                        "and flower-warm (a warm worker beside each SuperNode); default both")  # fmt: skip
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=SIDES[1:],
+        default=list(SIDES[1:]),
+        help="Flower sides to time against in-process: flower (a fresh ClientApp process per message) "
+        "and flower-warm (a warm worker beside each SuperNode); default both",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (default 5; round 1 is warm-up)")
     add_arguments(parser, repeats=3)  # --repeats: runs per side and workload, alternated; --json
     parser.add_argument("--round-timeout", type=float, default=300.0, help="Flower run config round-timeout (s)")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="longest wait for one run (s)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "flower_overhead",
-                        help="writes OUT.csv and OUT.md (default docs/results/flower_overhead)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "docs" / "results" / "flower_overhead",
+        help="writes OUT.csv and OUT.md (default docs/results/flower_overhead)",
+    )
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores, shared")
     parser.add_argument("--workdir", type=Path, default=None, help="keep runs and logs here (default: a temp folder)")
     args = parser.parse_args()
@@ -558,10 +605,16 @@ def main() -> None:
             keep = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE", "PYTHONPATH", "TQDM_DISABLE")}
             with contextlib.ExitStack() as stack:  # one deployment per Flower side, up for the whole workload
                 deployments = {
-                    side: stack.enter_context(TimedDeployment(work / f"{side}-{wname}", num_supernodes=args.clients,
-                                                              extra_env=keep, workers=side == "flower-warm"))
+                    side: stack.enter_context(
+                        TimedDeployment(
+                            work / f"{side}-{wname}",
+                            num_supernodes=args.clients,
+                            extra_env=keep,
+                            workers=side == "flower-warm",
+                        )
+                    )
                     for side in args.sides
-                }  # fmt: skip
+                }
                 for i in range(args.repeats):
                     for side in sides if i % 2 == 0 else sides[::-1]:
                         name = f"{wname}-{side}-{i}"
@@ -573,8 +626,11 @@ def main() -> None:
                         hist = history(root, name)
                         record(results[wname][side], hist, run)
                         times = ", ".join(f"{h['time/clients_and_server_s']:.2f}" for h in hist)
-                        print(f"[{time.perf_counter() - started:6.0f} s] {name}: rounds {times} s "
-                              f"(run {time.perf_counter() - t:.1f} s, CPU {run.cpu:.1f} s)", flush=True)  # fmt: skip
+                        print(
+                            f"[{time.perf_counter() - started:6.0f} s] {name}: rounds {times} s "
+                            f"(run {time.perf_counter() - t:.1f} s, CPU {run.cpu:.1f} s)",
+                            flush=True,
+                        )
                 logs = {
                     side: [d.logs[n] for n in d.logs if n.startswith("supernode")] for side, d in deployments.items()
                 }
@@ -588,8 +644,11 @@ def main() -> None:
                 extra[(wname, "flower")].update(rebuild_times(w, args, work, root))
             if "flower-warm" in args.sides:
                 extra[(wname, "flower-warm")].update(proxy_times(work))
-            print(f"[{time.perf_counter() - started:6.0f} s] {wname}: starts "
-                  f"{ {side: extra[(wname, side)] for side in args.sides} }", flush=True)  # fmt: skip
+            print(
+                f"[{time.perf_counter() - started:6.0f} s] {wname}: starts "
+                f"{ {side: extra[(wname, side)] for side in args.sides} }",
+                flush=True,
+            )
     finally:
         deployment.reap_orphans()
         left = [p for p in deployment.descendants(os.getpid()) if deployment._alive(p)]
@@ -625,8 +684,10 @@ def main() -> None:
         "",
     ]
     args.out.with_suffix(".md").write_text("\n".join(header) + text + "\n", encoding="utf-8")
-    raw = {w: {side: {"runs": r.runs, "rounds": r.rounds, "round1": r.warmup} for side, r in sides.items()}
-           for w, sides in results.items()}  # fmt: skip
+    raw = {
+        w: {side: {"runs": r.runs, "rounds": r.rounds, "round1": r.warmup} for side, r in sides.items()}
+        for w, sides in results.items()
+    }
     report("flower_overhead", before, {"command": command, "rows": rows, "raw": raw}, args.json)
     print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.md')}")
 

@@ -41,8 +41,15 @@ from lightning_fl.oneshot.generator_training import evaluate_generator, train_ge
 
 def tasks(name: str, seed: int) -> FederatedTasks:
     if name == "digits":
-        return FederatedTasks(PixelFeatures(Digits()), num_clients=4, points_per_client=50, target_fraction=0.4,
-                              heldout_points=100, min_classes=5, seed=seed)  # fmt: skip
+        return FederatedTasks(
+            PixelFeatures(Digits()),
+            num_clients=4,
+            points_per_client=50,
+            target_fraction=0.4,
+            heldout_points=100,
+            min_classes=5,
+            seed=seed,
+        )
     torch.manual_seed(seed)  # the extractor's initial weights are part of its cache key
     backbone = SmallCNN(in_channels=1, image_size=28, channels=[32, 64], feature_dim=128, norm_groups=8)
     features = ExtractedFeatures(FashionMNIST(), backbone, feature_dim=128, epochs=4, lr=0.05)

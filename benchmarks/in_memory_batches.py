@@ -58,13 +58,34 @@ from lightning_fl.methods import Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 
 WORKLOADS = {
-    "fashion_mnist": {"data": "fashion_mnist", "image_size": 28, "population": 8, "per_client": 6750, "batch": 64,
-                      "clients": 1, "kinds": ["latent", "full"]},
-    "quickstart": {"data": "synthetic", "image_size": 8, "population": 200, "per_client": 64, "batch": 32,
-                   "clients": 100, "kinds": ["latent", "full"]},
-    "cross_device": {"data": "synthetic", "image_size": 28, "population": 1000, "per_client": 60, "batch": 20,
-                     "clients": 50, "kinds": ["full"]},
-}  # fmt: skip
+    "fashion_mnist": {
+        "data": "fashion_mnist",
+        "image_size": 28,
+        "population": 8,
+        "per_client": 6750,
+        "batch": 64,
+        "clients": 1,
+        "kinds": ["latent", "full"],
+    },
+    "quickstart": {
+        "data": "synthetic",
+        "image_size": 8,
+        "population": 200,
+        "per_client": 64,
+        "batch": 32,
+        "clients": 100,
+        "kinds": ["latent", "full"],
+    },
+    "cross_device": {
+        "data": "synthetic",
+        "image_size": 28,
+        "population": 1000,
+        "per_client": 60,
+        "batch": 20,
+        "clients": 50,
+        "kinds": ["full"],
+    },
+}
 SEED = 7  # the clients' shuffling seed in the batches and client-epoch comparisons
 
 
@@ -176,10 +197,18 @@ def federated_round(module: Classifier, dm: FederatedDataModule, args: argparse.
     """A 2-round fit of ``module`` (left as it was) on ``dm``; its second round's time."""
     start = module.federated_state()
     trainer = FederatedTrainer(
-        rounds=2, clients_per_round=args.clients, local_epochs=args.epochs, accelerator="cpu", logger=False,
-        enable_progress_bar=False, limit_val_batches=0, check_identity=False, default_root_dir=root, name="bench",
+        rounds=2,
+        clients_per_round=args.clients,
+        local_epochs=args.epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        check_identity=False,
+        default_root_dir=root,
+        name="bench",
         seed=0,
-    )  # fmt: skip
+    )
     trainer.transport = timed = TimeRoundTwo()
     with contextlib.redirect_stdout(io.StringIO()):  # the run's end-of-run summary
         trainer.fit(module, datamodule=dm)
@@ -254,8 +283,9 @@ def main() -> None:
             name: (lambda make=make, module=module: client_epochs(module, make, args.clients, args.epochs))
             for name, make in build.items()
         }
-        line, results[f"client_epoch_{kind}"] = row(f"client epoch, {kind}", alternate(sides, args.repeats),
-                                                    args.clients)  # fmt: skip
+        line, results[f"client_epoch_{kind}"] = row(
+            f"client epoch, {kind}", alternate(sides, args.repeats), args.clients
+        )
         print(line)
         if loader_dm is None:
             continue

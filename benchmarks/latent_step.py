@@ -93,8 +93,12 @@ def parts(model: str, mode: str, x: torch.Tensor, y: torch.Tensor, steps: int) -
     zp = torch.nn.Parameter(torch.zeros(mapping.latent_size))
     zp.grad = torch.randn(mapping.latent_size)
     adam = torch.optim.Adam([zp], lr=0.01)
-    out = {f"mapping-{mode}": map_once, "network": network_once, "adam-z": adam.step,
-           "clip-z": lambda: torch.nn.utils.clip_grad_norm_([zp], 1.0)}  # fmt: skip
+    out = {
+        f"mapping-{mode}": map_once,
+        "network": network_once,
+        "adam-z": adam.step,
+        "clip-z": lambda: torch.nn.utils.clip_grad_norm_([zp], 1.0),
+    }
     if mode == "stored":  # the same factors, row-major
         rows = module(model, "latent-stored").mapping
         rows.materialise()
@@ -121,8 +125,10 @@ def main() -> None:
         size, batch = MODELS[model]
         torch.manual_seed(1)
         x, y = torch.randn(batch, 1, size, size), torch.randint(0, 10, (batch,))
-        sides = {kind: client_step(module(model, kind), x, y, args.steps)
-                 for kind in ("full", "latent-stored", "latent-kronecker")}  # fmt: skip
+        sides = {
+            kind: client_step(module(model, kind), x, y, args.steps)
+            for kind in ("full", "latent-stored", "latent-kronecker")
+        }
         for mode in ("stored", "kronecker"):
             sides.update(parts(model, mode, x, y, args.steps))
         samples = alternate(sides, args.repeats)

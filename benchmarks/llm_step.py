@@ -42,8 +42,15 @@ from lightning_fl.methods.lora import inject
 
 MIB = 2**20
 #: The projections every method adapts: attention's four and the MLP's three, in every layer.
-PROJECTIONS = ["*.q_proj.weight", "*.k_proj.weight", "*.v_proj.weight", "*.o_proj.weight",
-               "*.gate_proj.weight", "*.up_proj.weight", "*.down_proj.weight"]  # fmt: skip
+PROJECTIONS = [
+    "*.q_proj.weight",
+    "*.k_proj.weight",
+    "*.v_proj.weight",
+    "*.o_proj.weight",
+    "*.gate_proj.weight",
+    "*.up_proj.weight",
+    "*.down_proj.weight",
+]
 
 
 def load(args: argparse.Namespace) -> torch.nn.Module:
@@ -177,11 +184,22 @@ def main() -> None:
     print(f"FLITE two_sided factor memory: {kept:,} bytes kept ({kept / MIB:.1f} MiB); analytic per family:")
     print(analytic.as_table())
     results = {
-        "model": name, "weights": weights, "projections": len(targets), "batch": args.batch, "context": args.context,
-        "lora_rank": args.lora_rank, "latent_dim": d, "rank": args.rank, "repeats": args.repeats,
-        "uploads": {k: s.upload for k, s in sides.items()}, "steps": summary, "flite_over_lora": flite_vs_lora,
-        "two_sided_bytes_kept": kept, "memory_report": analytic.__dict__, "raw": samples,
-    }  # fmt: skip
+        "model": name,
+        "weights": weights,
+        "projections": len(targets),
+        "batch": args.batch,
+        "context": args.context,
+        "lora_rank": args.lora_rank,
+        "latent_dim": d,
+        "rank": args.rank,
+        "repeats": args.repeats,
+        "uploads": {k: s.upload for k, s in sides.items()},
+        "steps": summary,
+        "flite_over_lora": flite_vs_lora,
+        "two_sided_bytes_kept": kept,
+        "memory_report": analytic.__dict__,
+        "raw": samples,
+    }
     print(f"flite/lora step ratio, CPU: {fmt(flite_vs_lora['cpu'], '', 1, 3)}")
     report("llm_step", before, results, args.json)
 

@@ -61,8 +61,12 @@ def pfl_python(venv: Path) -> Path | None:
     if python.exists() and subprocess.run([python, "-c", check], capture_output=True).returncode == 0:
         return python
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     # our torch (and what it needs) without a second copy: appended to the new environment's path, after its own
     (Path(purelib) / "_lightning_fl_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
     install = subprocess.run([python, "-m", "pip", "install", "--quiet", PFL], capture_output=True, text=True)
@@ -115,8 +119,7 @@ def write_inputs(folder: Path, settings: dict) -> None:
     y = torch.as_tensor(train.targets)[used]
     position = torch.full((int(used.max()) + 1,), -1, dtype=torch.long)
     position[used] = torch.arange(len(used))
-    torch.save({"x": x, "y": y, "clients": [position[c] for c in clients], "settings": settings},
-               folder / "clients.pt")  # fmt: skip
+    torch.save({"x": x, "y": y, "clients": [position[c] for c in clients], "settings": settings}, folder / "clients.pt")
     torch.save(make_module("ours", settings).state_dict(), folder / "init.pt")
 
 
@@ -144,11 +147,19 @@ def our_side(kind: str, rounds: int, settings: dict) -> None:
     transport = Alternate(settings["clients"], "lockstep" if kind == "lockstep" else "sequential")
     with tempfile.TemporaryDirectory() as root:
         trainer = FederatedTrainer(
-            rounds=rounds + 1, clients_per_round=settings["clients"], accelerator="cpu", logger=False,
-            enable_progress_bar=False, limit_val_batches=0, check_identity=False, default_root_dir=root, name="pfl",
-            seed=0, client_batching="lockstep" if kind == "lockstep" else "sequential",
+            rounds=rounds + 1,
+            clients_per_round=settings["clients"],
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+            check_identity=False,
+            default_root_dir=root,
+            name="pfl",
+            seed=0,
+            client_batching="lockstep" if kind == "lockstep" else "sequential",
             cohort_size=settings["clients"],
-        )  # fmt: skip
+        )
         trainer.transport = transport
         trainer.fit(module, datamodule=dm)
 
@@ -227,9 +238,17 @@ def main() -> None:
             for side in sides
         }
         logs = {side: open(Path(folder) / f"{side}.log", "w+") for side in commands}  # noqa: SIM115
-        processes = {side: subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[side],
-                                            text=True, env={**os.environ, **env})
-                     for side, command in commands.items()}  # fmt: skip
+        processes = {
+            side: subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logs[side],
+                text=True,
+                env={**os.environ, **env},
+            )
+            for side, command in commands.items()
+        }
         try:
             seconds = alternate(processes, args.rounds, logs)
         finally:
@@ -240,8 +259,11 @@ def main() -> None:
     results = {"settings": settings, "sides": sides, "rounds": args.rounds, "cpu_seconds_per_round": seconds}
     results["summary"] = {side: spread(values) for side, values in seconds.items()}
     pairs = [("ours", "pfl"), ("latent", "ours"), ("lockstep", "ours"), ("latent", "pfl"), ("lockstep", "pfl")]
-    results["ratios"] = {f"{a}/{b}": spread([x / y for x, y in zip(seconds[a], seconds[b], strict=True)])
-                         for a, b in pairs if a in seconds and b in seconds}  # fmt: skip
+    results["ratios"] = {
+        f"{a}/{b}": spread([x / y for x, y in zip(seconds[a], seconds[b], strict=True)])
+        for a, b in pairs
+        if a in seconds and b in seconds
+    }
     results["torch"] = torch.__version__
     results["commit"] = commit()
     results["pfl"] = "0.6.0" if python is not None else None
@@ -263,9 +285,12 @@ def commit() -> str | None:
 
 
 def table(results: dict) -> list[str]:
-    names = {"ours": "ours, full weights", "pfl": "pfl-research 0.6.0, full weights",
-             "latent": "ours, FLITE latent (stored), one client at a time",
-             "lockstep": "ours, FLITE latent (stored), client_batching lockstep"}  # fmt: skip
+    names = {
+        "ours": "ours, full weights",
+        "pfl": "pfl-research 0.6.0, full weights",
+        "latent": "ours, FLITE latent (stored), one client at a time",
+        "lockstep": "ours, FLITE latent (stored), client_batching lockstep",
+    }
     lines = ["| side | CPU s per round, min / median |", "| --- | --: |"]
     for side, s in results["summary"].items():
         lines.append(f"| {names[side]} | {s['min']:.3f} / {s['median']:.3f} |")

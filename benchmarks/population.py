@@ -77,10 +77,19 @@ def one(population: int, per_client: int, clients: int, rounds: int, codec: str,
     module = LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers="conv+linear")
     with tempfile.TemporaryDirectory() as root:
         trainer = FederatedTrainer(
-            rounds=rounds, clients_per_round=clients, accelerator="cpu", logger=False, enable_progress_bar=False,
-            limit_val_batches=0, check_identity=False, default_root_dir=root, name="population", seed=0,
-            codec=TopK(density=0.1) if codec == "topk" else FP32(), client_state_memory_mb=client_state_mb,
-        )  # fmt: skip
+            rounds=rounds,
+            clients_per_round=clients,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+            check_identity=False,
+            default_root_dir=root,
+            name="population",
+            seed=0,
+            codec=TopK(density=0.1) if codec == "topk" else FP32(),
+            client_state_memory_mb=client_state_mb,
+        )
         fit_start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):
             trainer.fit(module, datamodule=dm)
@@ -88,24 +97,26 @@ def one(population: int, per_client: int, clients: int, rounds: int, codec: str,
         round_s = [h["time/clients_and_server_s"] for h in trainer.history if h["round"] > 0]
         stores = {name: len(store) for name, store in trainer.codec.client_stores().items()}
     print(
-        json.dumps({
-            "population": population,
-            "per_client": per_client,
-            "clients_per_round": clients,
-            "codec": codec,
-            "client_state_memory_mb": client_state_mb,
-            "clients_with_state": stores,
-            "import_s": imported - START,
-            "data_s": data_done - imported,
-            "partition_s": split_done - data_done,
-            "startup_s": (fit_start - START) + (fit_s - sum(round_s)),
-            "round_s": round_s,
-            "round_ms_per_client": [1e3 * s / clients for s in round_s],
-            "rss_after_import_mib": rss_after_import,
-            "rss_after_split_mib": rss_after_split,
-            "peak_rss_mib": peak_rss_mib(),
-        })
-    )  # fmt: skip
+        json.dumps(
+            {
+                "population": population,
+                "per_client": per_client,
+                "clients_per_round": clients,
+                "codec": codec,
+                "client_state_memory_mb": client_state_mb,
+                "clients_with_state": stores,
+                "import_s": imported - START,
+                "data_s": data_done - imported,
+                "partition_s": split_done - data_done,
+                "startup_s": (fit_start - START) + (fit_s - sum(round_s)),
+                "round_s": round_s,
+                "round_ms_per_client": [1e3 * s / clients for s in round_s],
+                "rss_after_import_mib": rss_after_import,
+                "rss_after_split_mib": rss_after_split,
+                "peak_rss_mib": peak_rss_mib(),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -114,8 +125,12 @@ def main() -> None:
     parser.add_argument("--per-client", type=int, default=8, help="samples per client (default 8)")
     parser.add_argument("--clients", type=int, default=1000, help="clients per round (default 1,000)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--codec", choices=["fp32", "topk"], default="fp32",
-                        help="topk: top-k with error feedback, whose residuals are per-client state")  # fmt: skip
+    parser.add_argument(
+        "--codec",
+        choices=["fp32", "topk"],
+        default="fp32",
+        help="topk: top-k with error feedback, whose residuals are per-client state",
+    )
     parser.add_argument("--client-state-mb", type=float, default=None, help="trainer.client_state_memory_mb")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: one population
@@ -128,8 +143,20 @@ def main() -> None:
     before = machine()
     results = []
     for population in args.populations:
-        cmd = [sys.executable, __file__, "--one", str(population), "--per-client", str(args.per_client),
-               "--clients", str(args.clients), "--rounds", str(args.rounds), "--codec", args.codec]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            str(population),
+            "--per-client",
+            str(args.per_client),
+            "--clients",
+            str(args.clients),
+            "--rounds",
+            str(args.rounds),
+            "--codec",
+            args.codec,
+        ]
         if args.client_state_mb is not None:
             cmd += ["--client-state-mb", str(args.client_state_mb)]
         proc = subprocess.run(cmd, capture_output=True, text=True)

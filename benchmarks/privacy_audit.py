@@ -30,13 +30,42 @@ SIDES = {"latent": "configs/quickstart.yaml", "full": "configs/fedavg_digits.yam
 
 def run(side: str, z: float, args: argparse.Namespace, root: Path) -> dict:
     name = f"{side}_z{z:g}"
-    command = [sys.executable, "-m", "lightning_fl", "fit", "--config", SIDES[side], "--trainer.client_fraction", "0.5",
-               "--trainer.max_update_norm_ratio", "null", "--trainer.privacy", "CentralDP",
-               "--trainer.privacy.clip_norm", str(args.clip), "--trainer.privacy.noise_multiplier", str(z),
-               "--trainer.privacy.noise_seed", "0", "--trainer.privacy_audit", "PrivacyAudit",
-               "--trainer.privacy_audit.canaries", str(args.canaries), "--trainer.privacy_audit.seed", "1",
-               "--trainer.default_root_dir", str(root), "--trainer.name", name, "--trainer.logger", "false",
-               "--trainer.enable_progress_bar", "false", "--trainer.rounds", str(args.rounds)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_fl",
+        "fit",
+        "--config",
+        SIDES[side],
+        "--trainer.client_fraction",
+        "0.5",
+        "--trainer.max_update_norm_ratio",
+        "null",
+        "--trainer.privacy",
+        "CentralDP",
+        "--trainer.privacy.clip_norm",
+        str(args.clip),
+        "--trainer.privacy.noise_multiplier",
+        str(z),
+        "--trainer.privacy.noise_seed",
+        "0",
+        "--trainer.privacy_audit",
+        "PrivacyAudit",
+        "--trainer.privacy_audit.canaries",
+        str(args.canaries),
+        "--trainer.privacy_audit.seed",
+        "1",
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.name",
+        name,
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.rounds",
+        str(args.rounds),
+    ]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True).stdout
     (folder,) = (root / name).glob("version_*")
     report = json.loads((folder / "privacy_audit.json").read_text())

@@ -155,8 +155,9 @@ def inside(args: argparse.Namespace) -> None:
         "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(args.superexec_poll),
     }
     out: dict[str, list[dict]] = {}
-    with deployment.FlowerDeployment(work / "flower", num_supernodes=args.clients, extra_env=env,
-                                     workers=args.workers) as d:  # fmt: skip
+    with deployment.FlowerDeployment(
+        work / "flower", num_supernodes=args.clients, extra_env=env, workers=args.workers
+    ) as d:
         before, t0 = lo_bytes(), time.perf_counter()  # the deployment's idle traffic: its polls
         time.sleep(args.idle)
         idle_bps = 8 * (lo_bytes() - before) / (time.perf_counter() - t0)
@@ -165,13 +166,23 @@ def inside(args: argparse.Namespace) -> None:
             config, _ = METHODS[method]
             name = f"{method}-{args.label}"
             overrides = [
-                "--data.num_clients", str(args.clients), "--trainer.rounds", str(args.rounds),
-                "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-                "--trainer.default_root_dir", str(work / "runs"), "--trainer.name", name,
+                "--data.num_clients",
+                str(args.clients),
+                "--trainer.rounds",
+                str(args.rounds),
+                "--trainer.logger",
+                "false",
+                "--trainer.enable_progress_bar",
+                "false",
+                "--trainer.default_root_dir",
+                str(work / "runs"),
+                "--trainer.name",
+                name,
                 "--trainer.callbacks+=rate_limited_rounds.RoundStamps",
-            ]  # fmt: skip
-            run_config = (f"config='{REPO / config}' overrides='{shlex.join(overrides)}' "
-                          f"round-timeout={args.round_timeout}")  # fmt: skip
+            ]
+            run_config = (
+                f"config='{REPO / config}' overrides='{shlex.join(overrides)}' round-timeout={args.round_timeout}"
+            )
             t0 = time.perf_counter()
             run_id = d.run_app(app, run_config)
             status = d.wait_run(run_id, timeout=args.run_timeout, poll=2.0)
@@ -183,13 +194,24 @@ def inside(args: argparse.Namespace) -> None:
             rows = []
             for before, after in itertools.pairwise(marks):
                 h = history[after["round"]]
-                rows.append({
-                    "round": after["round"], "round_s": h["time/clients_and_server_s"],
-                    "lo_bytes": after["lo_bytes"] - before["lo_bytes"],
-                    **{k: h.get(f"comm/{k}") for k in ("round_up_bytes", "round_down_bytes", "msg_round_up_bytes",
-                                                       "msg_round_down_bytes", "msg_client_up_bytes",
-                                                       "msg_client_down_bytes")},
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "round": after["round"],
+                        "round_s": h["time/clients_and_server_s"],
+                        "lo_bytes": after["lo_bytes"] - before["lo_bytes"],
+                        **{
+                            k: h.get(f"comm/{k}")
+                            for k in (
+                                "round_up_bytes",
+                                "round_down_bytes",
+                                "msg_round_up_bytes",
+                                "msg_round_down_bytes",
+                                "msg_client_up_bytes",
+                                "msg_client_down_bytes",
+                            )
+                        },
+                    }
+                )
             out[method] = rows
             times = ", ".join(f"{r['round_s']:.2f}" for r in rows)
             print(f"[{args.label}] {method}: rounds {times} s (run {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -202,9 +224,24 @@ def prepare_base(cache: Path, work: Path, timeout: float) -> None:
     else the ServerApp and every ClientApp would each build it at once."""
     env = dict(os.environ, OMP_NUM_THREADS="1", LIGHTNING_FL_CACHE=str(cache), TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "lightning_fl", "fit", "--config", str(REPO / METHODS["flite"][0]),
-           "--trainer.rounds", "1", "--data.num_clients", "2", "--trainer.logger", "false",
-           "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(work / "prepare")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_fl",
+        "fit",
+        "--config",
+        str(REPO / METHODS["flite"][0]),
+        "--trainer.rounds",
+        "1",
+        "--data.num_clients",
+        "2",
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(work / "prepare"),
+    ]
     with open(work / "prepare.log", "wb") as log:
         subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=True)
 
@@ -219,12 +256,34 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, dict[str, Any]]:
         folder = work / f"rate-{label}"
         folder.mkdir(parents=True, exist_ok=True)
         result = folder / "rounds.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--inside", "--label", label, "--workdir", str(folder),
-               "--result", str(result), "--cache", str(args.cache), "--methods", *args.methods,
-               "--clients", str(args.clients), "--rounds", str(args.rounds), "--round-timeout", str(args.round_timeout),
-               "--run-timeout", str(args.run_timeout), "--idle", str(args.idle),
-               "--superexec-poll", str(args.superexec_poll),
-               "--workers" if args.workers else "--no-workers"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--inside",
+            "--label",
+            label,
+            "--workdir",
+            str(folder),
+            "--result",
+            str(result),
+            "--cache",
+            str(args.cache),
+            "--methods",
+            *args.methods,
+            "--clients",
+            str(args.clients),
+            "--rounds",
+            str(args.rounds),
+            "--round-timeout",
+            str(args.round_timeout),
+            "--run-timeout",
+            str(args.run_timeout),
+            "--idle",
+            str(args.idle),
+            "--superexec-poll",
+            str(args.superexec_poll),
+            "--workers" if args.workers else "--no-workers",
+        ]
         t0 = time.perf_counter()
         with _netns.Namespace(rate) as ns, open(folder / "inside.log", "wb") as log:
             limit = args.run_timeout * len(args.methods) + 180
@@ -234,8 +293,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, dict[str, Any]]:
             tail = (folder / "inside.log").read_text(errors="replace")[-4000:]
             raise RuntimeError(f"rate {label}: the deployment exited with {done.returncode}:\n{tail}")
         inner = json.loads(result.read_text())
-        results[label] = {"rate_mbit": rate, "rounds": inner["methods"], "idle_bps": inner["idle_bps"],
-                          "qdisc": qdisc, "seconds": time.perf_counter() - t0}  # fmt: skip
+        results[label] = {
+            "rate_mbit": rate,
+            "rounds": inner["methods"],
+            "idle_bps": inner["idle_bps"],
+            "qdisc": qdisc,
+            "seconds": time.perf_counter() - t0,
+        }
         for line in (folder / "inside.log").read_text(errors="replace").splitlines():
             if line.startswith(f"[{label}]"):
                 print(line, flush=True)
@@ -265,14 +329,21 @@ def summarise(results: dict[str, dict[str, Any]], methods: list[str]) -> list[di
             lo = median("lo_bytes")
             measured = [r["round_s"] for r in timed]
             row: dict[str, Any] = {
-                "method": method, "rate_mbit": res["rate_mbit"], "rounds_timed": len(timed),
-                "round1_s": rounds[0]["round_s"], "round_min_s": min(measured),
+                "method": method,
+                "rate_mbit": res["rate_mbit"],
+                "rounds_timed": len(timed),
+                "round1_s": rounds[0]["round_s"],
+                "round_min_s": min(measured),
                 "round_median_s": statistics.median(measured),
                 "payload_round_bytes": median("round_up_bytes") + median("round_down_bytes"),
-                "msg_round_bytes": msg_round, "msg_client_bytes": msg_client, "lo_round_bytes": lo,
-                "lo_over_msg": lo / msg_round, "relayed_round_bytes": relayed, "relayed_over_msg": relayed / msg_round,
+                "msg_round_bytes": msg_round,
+                "msg_client_bytes": msg_client,
+                "lo_round_bytes": lo,
+                "lo_over_msg": lo / msg_round,
+                "relayed_round_bytes": relayed,
+                "relayed_over_msg": relayed / msg_round,
                 "idle_kbit_s": res["idle_bps"] / 1e3,
-            }  # fmt: skip
+            }
             if res["rate_mbit"] is not None:
                 bps = res["rate_mbit"] * 1e6
                 row["pred_clock_s"] = t0 + 8 * msg_client / bps
@@ -300,8 +371,14 @@ def table(rows: list[dict[str, Any]]) -> str:
         "| predicted: loopback | median / shared | median / relayed |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    predicted = ("pred_clock_s", "pred_shared_s", "pred_relayed_s", "pred_loopback_s", "median_over_shared",
-                 "median_over_relayed")  # fmt: skip
+    predicted = (
+        "pred_clock_s",
+        "pred_shared_s",
+        "pred_relayed_s",
+        "pred_loopback_s",
+        "median_over_shared",
+        "median_over_relayed",
+    )
     for r in rows:
         rate = "none" if r["rate_mbit"] is None else f"{r['rate_mbit']:g}"
         cells = [fmt(r[k]) for k in ("round1_s", "round_min_s", "round_median_s")]
@@ -324,9 +401,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2, help="clients = SuperNodes (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per run (default 3; round 1 is warm-up)")
     parser.add_argument("--idle", type=float, default=5.0, help="seconds the idle deployment's traffic is counted")
-    parser.add_argument("--workers", action=argparse.BooleanOptionalAction, default=True,
-                        help="a warm worker beside each SuperNode (default); --no-workers: a fresh ClientApp per "
-                        "message")  # fmt: skip
+    parser.add_argument(
+        "--workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a warm worker beside each SuperNode (default); --no-workers: a fresh ClientApp per message",
+    )
     parser.add_argument("--round-timeout", type=float, default=600.0, help="Flower run config round-timeout (s)")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="longest wait for one run (s)")
     parser.add_argument(
@@ -337,9 +417,12 @@ def main() -> None:
     )
     parser.add_argument("--machine", default=f"{os.cpu_count()} CPU cores, shared")
     parser.add_argument("--workdir", type=Path, default=None, help="keep runs and logs here (default: a temp folder)")
-    parser.add_argument("--superexec-poll", type=float, default=0.05,
-                        help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL in seconds (default 0.05, as tests/deployment.py; "
-                        "Flower's default 1)")  # fmt: skip
+    parser.add_argument(
+        "--superexec-poll",
+        type=float,
+        default=0.05,
+        help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL in seconds (default 0.05, as tests/deployment.py; Flower's default 1)",
+    )
     parser.add_argument(
         "--from-json",
         type=Path,
@@ -379,10 +462,22 @@ def main() -> None:
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    settings = {"methods": args.methods, "clients": args.clients, "rounds": args.rounds, "workers": args.workers,
-                "superexec_poll": args.superexec_poll}  # fmt: skip
-    raw = {"command": command, "date": date, "machine": args.machine, "load_before": load, "settings": settings,
-           "total_min": (time.perf_counter() - started) / 60, "rates": results}  # fmt: skip
+    settings = {
+        "methods": args.methods,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "workers": args.workers,
+        "superexec_poll": args.superexec_poll,
+    }
+    raw = {
+        "command": command,
+        "date": date,
+        "machine": args.machine,
+        "load_before": load,
+        "settings": settings,
+        "total_min": (time.perf_counter() - started) / 60,
+        "rates": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
     write(raw, args.out)
@@ -401,8 +496,11 @@ def write(raw: dict[str, Any], out: Path, regenerated: str | None = None) -> Non
         writer.writeheader()
         for r in rows:
             writer.writerow({k: cell(v) for k, v in r.items()})
-    drops = {label: next((line.strip() for line in res["qdisc"].splitlines() if "dropped" in line), "")
-             for label, res in results.items() if res["rate_mbit"] is not None}  # fmt: skip
+    drops = {
+        label: next((line.strip() for line in res["qdisc"].splitlines() if "dropped" in line), "")
+        for label, res in results.items()
+        if res["rate_mbit"] is not None
+    }
     clients, rounds = settings["clients"], settings["rounds"]
     header = [
         "# Flower rounds on a rate-limited loopback, against the clock's model",

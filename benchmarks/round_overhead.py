@@ -93,9 +93,13 @@ def main() -> None:
         for i in range(args.repeats):  # alternated: round, epoch, round, epoch, ...
             TimedRunner.samples.clear()
             FederatedTrainer(
-                rounds=2, default_root_dir=Path(tmp, f"fed-{i}"), logger=False, enable_progress_bar=False,
-                limit_val_batches=0, seed=0,
-            ).fit(make_model(), datamodule=dm)  # fmt: skip
+                rounds=2,
+                default_root_dir=Path(tmp, f"fed-{i}"),
+                logger=False,
+                enable_progress_bar=False,
+                limit_val_batches=0,
+                seed=0,
+            ).fit(make_model(), datamodule=dm)
             samples["round"].append(TimedRunner.samples[-1])  # the second (warm) round
 
             timer = EpochTimer()

@@ -33,10 +33,23 @@ BUSY = "while True:\n    pass\n"
 def run_once(threads: int, rounds: int, root: Path, env: dict) -> Sample:
     """Wall and CPU seconds of one quickstart fit with ``--threads threads`` (waited for, so its CPU counts)."""
     cmd = [
-        sys.executable, "-m", "lightning_fl", "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
-        "--threads", str(threads), "--trainer.rounds", str(rounds), "--trainer.enable_progress_bar", "false",
-        "--trainer.logger", "false", "--trainer.default_root_dir", str(root),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lightning_fl",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        "--threads",
+        str(threads),
+        "--trainer.rounds",
+        str(rounds),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(root),
+    ]
 
     def run() -> subprocess.CompletedProcess:
         return subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1800)

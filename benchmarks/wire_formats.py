@@ -44,8 +44,15 @@ def st_dumps(payload: Payload) -> bytes:
     for i, (name, enc) in enumerate(payload.tensors.items()):
         for j, t in enumerate(enc.parts.values()):
             tensors[f"{i}.{j}"] = t.detach().contiguous().cpu()
-        entries.append({"name": name, "shape": list(enc.shape), "dtype": wire._NAMES[enc.dtype], "info": enc.info,
-                        "parts": list(enc.parts)})  # fmt: skip
+        entries.append(
+            {
+                "name": name,
+                "shape": list(enc.shape),
+                "dtype": wire._NAMES[enc.dtype],
+                "info": enc.info,
+                "parts": list(enc.parts),
+            }
+        )
     meta = json.dumps({"tensors": entries}, separators=(",", ":"), allow_nan=False)
     return save(tensors, metadata={KEY: meta})
 
@@ -101,8 +108,10 @@ def models() -> dict[str, dict[str, torch.Tensor]]:
     from lightning_fl.models import SmallCNN, TinyGPT
 
     torch.manual_seed(0)
-    return {"quickstart CNN": SmallCNN(in_channels=1, image_size=8).state_dict(),
-            "TinyGPT": TinyGPT(vocab_size=80, n_layer=4, n_embd=128, n_head=4, context=80).state_dict()}  # fmt: skip
+    return {
+        "quickstart CNN": SmallCNN(in_channels=1, image_size=8).state_dict(),
+        "TinyGPT": TinyGPT(vocab_size=80, n_layer=4, n_embd=128, n_head=4, context=80).state_dict(),
+    }
 
 
 def payloads() -> dict[str, Payload]:
@@ -154,8 +163,9 @@ def main() -> None:
         for fmt_name, (dumps, loads) in FORMATS.items():
             data = dumps(payload)
             back = loads(data)
-            assert all(torch.equal(back.tensors[n].parts[p], t) for n, e in payload.tensors.items()
-                       for p, t in e.parts.items())  # fmt: skip
+            assert all(
+                torch.equal(back.tensors[n].parts[p], t) for n, e in payload.tensors.items() for p, t in e.parts.items()
+            )
             row[f"{fmt_name}_overhead_bytes"] = len(data) - payload.nbytes
         encoded = {name: dumps(payload) for name, (dumps, _) in FORMATS.items()}
         sides = {}
@@ -165,9 +175,11 @@ def main() -> None:
         row["seconds_per_call"] = summarise(alternate(sides, args.repeats), per=args.calls)
         results[label] = row
         times = row["seconds_per_call"]
-        print(f"{label}: {payload.nbytes} B; overhead ours {row['ours_overhead_bytes']} B, safetensors "
-              f"{row['safetensors_overhead_bytes']} B; " + "; ".join(
-                  f"{side} {fmt(times[side]['cpu'], 'ms', 1e3)}" for side in sides))  # fmt: skip
+        print(
+            f"{label}: {payload.nbytes} B; overhead ours {row['ours_overhead_bytes']} B, safetensors "
+            f"{row['safetensors_overhead_bytes']} B; "
+            + "; ".join(f"{side} {fmt(times[side]['cpu'], 'ms', 1e3)}" for side in sides)
+        )
     for name, (dumps, loads) in FORMATS.items():
         encoded = {label: dumps(p) for label, p in made.items()}
         results[f"robustness {name}"] = robustness(encoded, loads, args.corruptions, seed=0)

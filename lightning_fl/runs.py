@@ -113,11 +113,7 @@ def holds_run(folder: Path) -> bool:
 
 
 def _next_free(parent: Path, prefix: str = "version") -> int:
-    numbers = [
-        int(p.name.split("_", 1)[1])
-        for p in parent.glob(f"{prefix}_*")
-        if p.name.split("_", 1)[1].isdigit()
-    ]  # fmt: skip
+    numbers = [int(p.name.split("_", 1)[1]) for p in parent.glob(f"{prefix}_*") if p.name.split("_", 1)[1].isdigit()]
     return max(numbers, default=-1) + 1
 
 

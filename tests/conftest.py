@@ -220,10 +220,25 @@ def context(summariser=None, codec=None):
 
 # CLI overrides that shrink an FMP config (configs/fmp_*.yaml) to seconds.
 FMP_SHRINK = [
-    "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--model.generator_training.steps", "3",
-    "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
-    "--model.num_generated", "20", "--model.test_samples", "2", "--data.meta_tasks", "40",
-]  # fmt: skip
+    "--trainer.max_steps",
+    "4",
+    "--trainer.val_check_interval",
+    "2",
+    "--model.generator_training.steps",
+    "3",
+    "--model.generator_training.eval_tasks",
+    "1",
+    "--data.val_tasks",
+    "1",
+    "--data.test_tasks",
+    "1",
+    "--model.num_generated",
+    "20",
+    "--model.test_samples",
+    "2",
+    "--data.meta_tasks",
+    "40",
+]
 
 
 # ------------------------------------------------------------------------------ fake image files on disk
@@ -345,10 +360,34 @@ def tiny_llama_args(tiny_llama: Path, corpus: Path) -> list[str]:
     a configs/smollm2_*.yaml run, shrunk to 4 clients, 2 rounds of 2 steps, 16-token windows, no logger."""
     network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_llama}, context: 16}}}}"
     return [
-        "--model.init_args.network", network, "--data.init_args.tokenizer", str(tiny_llama),
-        "--data.init_args.source.init_args.root", str(corpus), "--data.init_args.source.init_args.download", "false",
-        "--data.init_args.context", "16", "--data.init_args.partition.init_args.min_lines", "10",
-        "--data.init_args.pretrain_plays", "1", "--data.init_args.num_clients", "4", "--trainer.clients_per_round",
-        "4", "--trainer.local_steps", "2", "--trainer.rounds", "2", "--trainer.val_every_n_rounds", "1",
-        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.threads", "1",
-    ]  # fmt: skip
+        "--model.init_args.network",
+        network,
+        "--data.init_args.tokenizer",
+        str(tiny_llama),
+        "--data.init_args.source.init_args.root",
+        str(corpus),
+        "--data.init_args.source.init_args.download",
+        "false",
+        "--data.init_args.context",
+        "16",
+        "--data.init_args.partition.init_args.min_lines",
+        "10",
+        "--data.init_args.pretrain_plays",
+        "1",
+        "--data.init_args.num_clients",
+        "4",
+        "--trainer.clients_per_round",
+        "4",
+        "--trainer.local_steps",
+        "2",
+        "--trainer.rounds",
+        "2",
+        "--trainer.val_every_n_rounds",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger",
+        "false",
+        "--trainer.threads",
+        "1",
+    ]

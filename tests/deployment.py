@@ -187,9 +187,17 @@ def make_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) 
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lightning-fl test CA")])
-    ca_usage = x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                             key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-                             decipher_only=False)  # fmt: skip
+    ca_usage = x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=True,
+        crl_sign=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
     ca = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
@@ -226,8 +234,9 @@ def make_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) 
     tls = TLS(folder / "ca.crt", folder / "server.pem", folder / "server.key")
     tls.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     tls.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    tls.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))  # fmt: skip
+    tls.key.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     tls.key.chmod(0o600)
     return tls
 
@@ -244,11 +253,14 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private, public = folder / name, folder / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                          serialization.NoEncryption()))  # fmt: skip
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    )
     private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-                       + f" {name}\n".encode())  # fmt: skip
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        + f" {name}\n".encode()
+    )
     return private, public
 
 
@@ -321,8 +333,9 @@ class FlowerDeployment:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], home: Path, cwd: Path, env: dict[str, str] | None = None
-               ) -> subprocess.Popen:  # fmt: skip
+    def _spawn(
+        self, name: str, cmd: list[str], home: Path, cwd: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         home.mkdir(parents=True, exist_ok=True)
         log = self.workdir / f"{name}.log"
         self.logs[name] = log
@@ -342,8 +355,14 @@ class FlowerDeployment:
     # ------------------------------------------------------------ start
     def start_superlink(self, timeout: float = 30.0) -> None:
         if self.tls:
-            security = ["--ssl-ca-certfile", str(self.tls.ca), "--ssl-certfile", str(self.tls.cert),
-                        "--ssl-keyfile", str(self.tls.key)]  # fmt: skip
+            security = [
+                "--ssl-ca-certfile",
+                str(self.tls.ca),
+                "--ssl-certfile",
+                str(self.tls.cert),
+                "--ssl-keyfile",
+                str(self.tls.key),
+            ]
         else:
             security = ["--insecure"]
         if self.node_auth:
@@ -372,8 +391,12 @@ class FlowerDeployment:
         if not hasattr(self, "socket_dir"):
             self.socket_dir = Path(tempfile.mkdtemp(prefix="lfl-", dir="/tmp"))
         path = self.socket_dir / f"w{idx}.sock"
-        self._spawn(f"worker{idx}", [sys.executable, "-m", "lightning_fl.flower.worker", "--socket", str(path)],
-                    home=self.workdir / f"home-worker{idx}", cwd=self.workdir)  # fmt: skip
+        self._spawn(
+            f"worker{idx}",
+            [sys.executable, "-m", "lightning_fl.flower.worker", "--socket", str(path)],
+            home=self.workdir / f"home-worker{idx}",
+            cwd=self.workdir,
+        )
         deadline = time.time() + timeout
         while not path.exists():
             if self.procs[f"worker{idx}"].poll() is not None or time.time() > deadline:
@@ -400,8 +423,15 @@ class FlowerDeployment:
         self.node_ids[idx] = int(payload["node-id"])
         return self.node_ids[idx]
 
-    def start_supernode(self, idx: int, timeout: float = 30.0, register: bool = True, key: bool = True,
-                        trust_ca: bool = True, wait: bool = True) -> int:  # fmt: skip
+    def start_supernode(
+        self,
+        idx: int,
+        timeout: float = 30.0,
+        register: bool = True,
+        key: bool = True,
+        trust_ca: bool = True,
+        wait: bool = True,
+    ) -> int:
         """Start SuperNode ``idx``; its Runtime API port. Under ``node_auth`` its key is registered first unless
         ``register=False``, and it is started with its private key unless ``key=False`` (it then makes a key of its
         own and asks to register it, which ``--enable-supernode-auth`` forbids); ``trust_ca=False`` starts it

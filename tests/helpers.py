@@ -73,8 +73,20 @@ class Population:
         self.num_clients = num_clients
 
 
-def round_runner(fabric, transport, codec=None, *, strategy=None, local=None, num_clients=3, fold_groups=1,
-                 sampling="fixed", dropout=0.0, upload_policy="drop", **settings):  # fmt: skip
+def round_runner(
+    fabric,
+    transport,
+    codec=None,
+    *,
+    strategy=None,
+    local=None,
+    num_clients=3,
+    fold_groups=1,
+    sampling="fixed",
+    dropout=0.0,
+    upload_policy="drop",
+    **settings,
+):
     """A :class:`~lightning_fl.federated.round.RoundRunner` over ``transport`` with the stages a trainer with
     ``settings`` (its arguments: ``attack``, ``privacy``, ``max_update_norm``, ...) would run; the relative norm gate
     is off unless ``max_update_norm_ratio`` is given."""
@@ -83,12 +95,30 @@ def round_runner(fabric, transport, codec=None, *, strategy=None, local=None, nu
     args = TrainerArguments(strategy=strategy, sampling=sampling, **settings)
     arrivals = round_arrivals(args, local, target=None)
     collection = Uploads(transport, codec if codec is not None else FP32(), local, fold_groups, arrivals=arrivals)
-    return RoundRunner(fabric, strategy, collection, round_stages(args, fabric, local), ByteLedger(num_clients),
-                       RoundSettings(sampling, dropout, upload_policy))  # fmt: skip
+    return RoundRunner(
+        fabric,
+        strategy,
+        collection,
+        round_stages(args, fabric, local),
+        ByteLedger(num_clients),
+        RoundSettings(sampling, dropout, upload_policy),
+    )
 
 
-def crafted_runner(update, num_clients, *, strategy=None, privacy=None, sampling="fixed", count=None, rounds=1,
-                   seed=0, failing=(), num_samples=None, **kwargs):  # fmt: skip
+def crafted_runner(
+    update,
+    num_clients,
+    *,
+    strategy=None,
+    privacy=None,
+    sampling="fixed",
+    count=None,
+    rounds=1,
+    seed=0,
+    failing=(),
+    num_samples=None,
+    **kwargs,
+):
     """A :class:`~lightning_fl.federated.round.RoundRunner` over :class:`CraftedClients` on one CPU process, with
     ``privacy`` set up for ``rounds`` rounds of ``count`` clients; returns (runner, population)."""
     strategy = strategy if strategy is not None else FedAvg()
@@ -96,8 +126,16 @@ def crafted_runner(update, num_clients, *, strategy=None, privacy=None, sampling
     kwargs.setdefault("max_update_norm_ratio", None)
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
     transport = CraftedClients(update, num_samples, failing)
-    runner = round_runner(fabric, transport, strategy=strategy, local=LocalTraining(), num_clients=num_clients,
-                          privacy=privacy, sampling=sampling, **kwargs)  # fmt: skip
+    runner = round_runner(
+        fabric,
+        transport,
+        strategy=strategy,
+        local=LocalTraining(),
+        num_clients=num_clients,
+        privacy=privacy,
+        sampling=sampling,
+        **kwargs,
+    )
     if privacy is not None:
         privacy.setup(
             Plan(num_clients, float(count), sampling, rounds, seed, strategy, kwargs["max_update_norm_ratio"])

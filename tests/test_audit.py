@@ -97,9 +97,17 @@ def test_a_negative_audit_seed_is_one_line_from_the_command_line(in_tmp, capsys,
 def audited(tmp_path, name, privacy, audit=True, rounds=10, ckpt_path=None, **kwargs):
     if isinstance(privacy, DPSGD):  # record-level: the canaries are one client's records
         privacy, kwargs = None, {**kwargs, "dp_sgd": privacy}
-    trainer = make_trainer(tmp_path, rounds=rounds, logger=False, name=name, clients_per_round=4,
-                           max_update_norm_ratio=None, privacy=privacy,
-                           privacy_audit=PrivacyAudit(canaries=100, seed=1) if audit else None, **kwargs)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        rounds=rounds,
+        logger=False,
+        name=name,
+        clients_per_round=4,
+        max_update_norm_ratio=None,
+        privacy=privacy,
+        privacy_audit=PrivacyAudit(canaries=100, seed=1) if audit else None,
+        **kwargs,
+    )
     out = io.StringIO()
     with warnings.catch_warnings(), contextlib.redirect_stdout(out):
         warnings.simplefilter("ignore", UserWarning)
@@ -110,8 +118,10 @@ def audited(tmp_path, name, privacy, audit=True, rounds=10, ckpt_path=None, **kw
 
 @pytest.mark.parametrize("mechanism", ["central", "dp_sgd"])
 def test_without_noise_the_audit_sees_the_canaries(tmp_path, mechanism):
-    privacy = {"central": CentralDP(clip_norm=1.0, noise_multiplier=0.0, noise_seed=0),
-               "dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=0.0, noise_seed=0)}[mechanism]  # fmt: skip
+    privacy = {
+        "central": CentralDP(clip_norm=1.0, noise_multiplier=0.0, noise_seed=0),
+        "dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=0.0, noise_seed=0),
+    }[mechanism]
     _, report, out = audited(tmp_path, "off", privacy)
     assert report["epsilon_hat_every_round"] >= 50 and report["one_run_correct"] == report["one_run_guesses"]
     what = {"central": "canary clients, ", "dp_sgd": "canary records of client "}[mechanism]
@@ -120,9 +130,11 @@ def test_without_noise_the_audit_sees_the_canaries(tmp_path, mechanism):
 
 @pytest.mark.parametrize("mechanism", ["central", "local", "dp_sgd"])
 def test_an_honest_mechanism_leaks_less_than_its_accountant_says(tmp_path, mechanism):
-    privacy = {"central": CentralDP(clip_norm=1.0, noise_multiplier=5.0, noise_seed=0),
-               "local": LocalDP(clip_norm=1.0, noise_multiplier=5.0, noise_seed=0),
-               "dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=3.0, noise_seed=0)}[mechanism]  # fmt: skip
+    privacy = {
+        "central": CentralDP(clip_norm=1.0, noise_multiplier=5.0, noise_seed=0),
+        "local": LocalDP(clip_norm=1.0, noise_multiplier=5.0, noise_seed=0),
+        "dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=3.0, noise_seed=0),
+    }[mechanism]
     trainer, report, out = audited(tmp_path, mechanism, privacy)
     if mechanism == "dp_sgd":  # the audited client's record-level epsilon
         epsilon = trainer.dp_sgd.client_epsilon(trainer.dp_sgd.canaries.client)

@@ -38,15 +38,43 @@ class Case:
 
 CASES = {
     "client_overhead.py": Case(
-        ["--clients", "4", "--population", "8", "--per-client", "8", "--rounds", "2", "--repeats", "1", "--kinds",
-         "latent", "--json", "co.json"],
+        [
+            "--clients",
+            "4",
+            "--population",
+            "8",
+            "--per-client",
+            "8",
+            "--rounds",
+            "2",
+            "--repeats",
+            "1",
+            "--kinds",
+            "latent",
+            "--json",
+            "co.json",
+        ],
         "[client_overhead] wrote co.json",
         outputs=["co.json"],
     ),
     "startup.py": Case(["--repeats", "1", "--sides", "torch"], "[startup] torch threads"),
     "pfl_comparison.py": Case(
-        ["--data", "synthetic", "--population", "8", "--per-client", "8", "--clients", "2", "--batch", "4",
-         "--rounds", "1", "--json", "pfl.json"],
+        [
+            "--data",
+            "synthetic",
+            "--population",
+            "8",
+            "--per-client",
+            "8",
+            "--clients",
+            "2",
+            "--batch",
+            "4",
+            "--rounds",
+            "1",
+            "--json",
+            "pfl.json",
+        ],
         "[pfl_comparison] wrote pfl.json",
         slow=True,  # four processes, each with its imports and a warm-up round (about 40 s); pfl's may install
         outputs=["pfl.json"],
@@ -59,18 +87,68 @@ CASES = {
     ),
     "factor_families.py": Case(["--width", "8", "--repeats", "1", "--threads", "1"], '"orthonormality_error":'),
     "erm.py": Case(
-        ["--n", "20", "--extra", "5", "--d", "4", "--classes", "3", "--samples", "2", "--repeats", "1",
-         "--threads", "1"],
+        [
+            "--n",
+            "20",
+            "--extra",
+            "5",
+            "--d",
+            "4",
+            "--classes",
+            "3",
+            "--samples",
+            "2",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+        ],
         '"rows": [',
     ),
     "generator.py": Case(
-        ["--data", "digits", "--steps", "1", "--hidden", "8", "--num-generated", "5", "--eval-tasks", "1",
-         "--samples", "2", "--threads", "1"],
+        [
+            "--data",
+            "digits",
+            "--steps",
+            "1",
+            "--hidden",
+            "8",
+            "--num-generated",
+            "5",
+            "--eval-tasks",
+            "1",
+            "--samples",
+            "2",
+            "--threads",
+            "1",
+        ],
         "| generator, trained |",
     ),
     "gpt_step.py": Case(
-        ["--batch", "1", "--context", "8", "--vocab", "11", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
-         "--steps", "1", "--warmup", "1", "--threads", "1", "--latent", "4", "--rank", "2"],
+        [
+            "--batch",
+            "1",
+            "--context",
+            "8",
+            "--vocab",
+            "11",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "16",
+            "--n-head",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--threads",
+            "1",
+            "--latent",
+            "4",
+            "--rank",
+            "2",
+        ],
         "step (fwd+bwd+Adam) over 1:",
     ),
     "latent_overhead.py": Case(
@@ -78,23 +156,67 @@ CASES = {
         '"streamed_extra_peak_bytes":',
     ),
     "llm_step.py": Case(
-        ["--tiny", "--batch", "1", "--context", "8", "--repeats", "1", "--threads", "1", "--kronecker", "--json",
-         "llm.json"],
+        [
+            "--tiny",
+            "--batch",
+            "1",
+            "--context",
+            "8",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--kronecker",
+            "--json",
+            "llm.json",
+        ],
         "[llm_step] wrote llm.json",
         outputs=["llm.json"],
         needs="peft",
     ),
     "round_overhead.py": Case(["--samples", "64", "--batch", "16", "--clients", "2"], '"ratio":'),
     "in_memory_batches.py": Case(
-        ["--workload", "quickstart", "--population", "4", "--per-client", "8", "--batch", "4", "--clients", "2",
-         "--kinds", "latent", "--repeats", "1", "--round", "--json", "imb.json"],
+        [
+            "--workload",
+            "quickstart",
+            "--population",
+            "4",
+            "--per-client",
+            "8",
+            "--batch",
+            "4",
+            "--clients",
+            "2",
+            "--kinds",
+            "latent",
+            "--repeats",
+            "1",
+            "--round",
+            "--json",
+            "imb.json",
+        ],
         "[in_memory_batches] wrote imb.json",
         outputs=["imb.json"],
     ),
     "round_memory.py": Case(["--clients", "5", "--weights", "1000", "--groups", "2"], "| 5 | "),  # 3 processes
     "cohort.py": Case(
-        ["--models", "digits", "--clients", "4", "--cohorts", "2", "4", "--per-client", "8", "--batch", "8",
-         "--repeats", "1", "--json", "c.json"],
+        [
+            "--models",
+            "digits",
+            "--clients",
+            "4",
+            "--cohorts",
+            "2",
+            "4",
+            "--per-client",
+            "8",
+            "--batch",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+            "c.json",
+        ],
         "[cohort] wrote c.json",
         outputs=["c.json"],
     ),
@@ -109,14 +231,42 @@ CASES = {
         outputs=["dp.json"],
     ),
     "population.py": Case(
-        ["--populations", "300", "--clients", "4", "--rounds", "1", "--codec", "topk", "--client-state-mb", "0.01",
-         "--json", "pop.json"],
+        [
+            "--populations",
+            "300",
+            "--clients",
+            "4",
+            "--rounds",
+            "1",
+            "--codec",
+            "topk",
+            "--client-state-mb",
+            "0.01",
+            "--json",
+            "pop.json",
+        ],
         "[population] wrote pop.json",
         outputs=["pop.json"],
     ),
     "flower_overhead.py": Case(
-        ["--workloads", "quickstart", "--clients", "2", "--rounds", "2", "--repeats", "1", "--round-timeout", "120",
-         "--run-timeout", "300", "--workdir", "work", "--out", "flower_overhead"],  # a relative workdir on purpose
+        [
+            "--workloads",
+            "quickstart",
+            "--clients",
+            "2",
+            "--rounds",
+            "2",
+            "--repeats",
+            "1",
+            "--round-timeout",
+            "120",
+            "--run-timeout",
+            "300",
+            "--workdir",
+            "work",
+            "--out",
+            "flower_overhead",
+        ],  # a relative workdir on purpose
         "wrote ",
         slow=True,
         timeout=900.0,
@@ -131,8 +281,22 @@ CASES = {
         outputs=["audit.json"],
     ),
     "rate_limited_rounds.py": Case(
-        ["--methods", "flite", "--rates", "10", "--rounds", "2", "--idle", "1", "--run-timeout", "300",
-         "--workdir", "work", "--out", "rate_limited_rounds"],
+        [
+            "--methods",
+            "flite",
+            "--rates",
+            "10",
+            "--rounds",
+            "2",
+            "--idle",
+            "1",
+            "--run-timeout",
+            "300",
+            "--workdir",
+            "work",
+            "--out",
+            "rate_limited_rounds",
+        ],
         "wrote rate_limited_rounds.csv",
         slow=True,  # root and ip netns: a Flower deployment in a namespace per rate
         timeout=900.0,
@@ -172,7 +336,7 @@ CASES = {
         timeout=900.0,
         outputs=["threads.json"],
     ),
-}  # fmt: skip
+}
 
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))  # _harness.py is shared code
 
@@ -231,8 +395,30 @@ def test_gpt_step_times_a_lora_step_and_counts_its_adapters(tmp_path, variant, u
     """``gpt_step.py --lora 2`` on a 1-layer, 16-wide TinyGPT: the adapters on its 6 projections (4 of 16 x 16,
     16 x 64 and 64 x 16) are r (in + out) values each for LoRA, 576 floats, and r x out for FFA-LoRA (only B), 288."""
     pytest.importorskip("peft")
-    args = ["--batch", "1", "--context", "8", "--vocab", "11", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
-            "--steps", "1", "--warmup", "1", "--threads", "1", "--lora", "2", "--variant", variant]  # fmt: skip
+    args = [
+        "--batch",
+        "1",
+        "--context",
+        "8",
+        "--vocab",
+        "11",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--lora",
+        "2",
+        "--variant",
+        variant,
+    ]
     proc = run_script("gpt_step.py", args, tmp_path, 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     name = {"lora": "LoRA", "ffa": "FFA-LoRA"}[variant]
@@ -247,8 +433,24 @@ def test_gpt_step_refuses_a_latent_and_lora_together(tmp_path):
 def test_client_overhead_pairs_every_timed_round_with_a_floor_on_the_cross_device_network(tmp_path):
     """The cross-device workload (issue 39's plain CNN on 28x28 images) at a tiny size: 2 fits of 3 rounds give
     4 timed rounds and 4 floors, every number finite."""
-    args = ["--workload", "cross-device", "--population", "4", "--per-client", "4", "--clients", "2", "--batch", "2",
-            "--rounds", "3", "--repeats", "2", "--json", "co.json"]  # fmt: skip
+    args = [
+        "--workload",
+        "cross-device",
+        "--population",
+        "4",
+        "--per-client",
+        "4",
+        "--clients",
+        "2",
+        "--batch",
+        "2",
+        "--rounds",
+        "3",
+        "--repeats",
+        "2",
+        "--json",
+        "co.json",
+    ]
     proc = run_script("client_overhead.py", args, tmp_path, 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "co.json").read_text())["results"]
@@ -271,8 +473,22 @@ def test_pfl_comparison_alternates_ours_and_pfl_on_the_same_clients(tmp_path):
 
     if pfl_python(Path.home() / ".cache" / "lightning_fl" / "pfl-venv") is None:
         pytest.skip("pfl[pytorch]==0.6.0 cannot be installed here")
-    args = ["--data", "synthetic", "--population", "8", "--per-client", "8", "--clients", "2", "--batch", "4",
-            "--rounds", "2", "--json", "pfl.json"]  # fmt: skip
+    args = [
+        "--data",
+        "synthetic",
+        "--population",
+        "8",
+        "--per-client",
+        "8",
+        "--clients",
+        "2",
+        "--batch",
+        "4",
+        "--rounds",
+        "2",
+        "--json",
+        "pfl.json",
+    ]
     proc = run_script("pfl_comparison.py", args, tmp_path, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "pfl.json").read_text())["results"]
@@ -286,13 +502,26 @@ def test_the_cohort_rule_grid_reports_each_point_with_the_rules_decision(tmp_pat
     first convolution's 32 channels x 64 pixels per image) and its decision is the trainer's rule."""
     from lightning_fl.federated.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION
 
-    args = ["--grid", "--grid-images", "8", "--clients", "4", "--cohorts", "2", "4", "--repeats", "1", "--json",
-            "g.json"]  # fmt: skip
+    args = [
+        "--grid",
+        "--grid-images",
+        "8",
+        "--clients",
+        "4",
+        "--cohorts",
+        "2",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+        "g.json",
+    ]
     proc = run_script("cohort.py", args, tmp_path, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "g.json").read_text())["results"]["grid"]["rows"]
     assert [(r["kind"], r["batch"], r["cohort"]) for r in rows] == [
-        (kind, batch, k) for kind in ("latent", "full") for batch in (16, 32) for k in (2, 4)]  # fmt: skip
+        (kind, batch, k) for kind in ("latent", "full") for batch in (16, 32) for k in (2, 4)
+    ]
     for r in rows:
         assert r["client_activation"] == r["batch"] * 32 * 8 * 8
         within = r["client_activation"] <= MAX_CLIENT_ACTIVATION and r["cohort_activation"] <= MAX_COHORT_ACTIVATION

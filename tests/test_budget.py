@@ -202,19 +202,27 @@ def test_a_run_without_privacy_may_resume_an_earlier_checkpoint_and_is_told_what
         r"\(round_0003.ckpt, round_0004.ckpt\) and its last.ckpt will be replaced",
     ):
         make_trainer(tmp_path, rounds=4, name="plain", logger=False, **DP_ARGS).fit(
-            make_model(), datamodule=make_dm(num_clients=8),
-            ckpt_path=str(plain.log_dir / "checkpoints" / "round_0002.ckpt"))  # fmt: skip
+            make_model(),
+            datamodule=make_dm(num_clients=8),
+            ckpt_path=str(plain.log_dir / "checkpoints" / "round_0002.ckpt"),
+        )
 
 
 @pytest.mark.parametrize(
     ("what", "edit", "message"),
     [
-        ("forgotten rounds", lambda c: c["privacy"]["accountant"].update(rounds=[[1.0, 0.0, 2]]),
-         "its privacy accountant holds 2 rounds, the checkpoint 4"),
-        ("a lower epsilon", lambda c: c["privacy"]["accountant"].update(rounds=[[1.5, 0.0, 4]]),
-         r"its budget gives epsilon [\d.]+ after round 4, the run logged [\d.]+"),
+        (
+            "forgotten rounds",
+            lambda c: c["privacy"]["accountant"].update(rounds=[[1.0, 0.0, 2]]),
+            "its privacy accountant holds 2 rounds, the checkpoint 4",
+        ),
+        (
+            "a lower epsilon",
+            lambda c: c["privacy"]["accountant"].update(rounds=[[1.5, 0.0, 4]]),
+            r"its budget gives epsilon [\d.]+ after round 4, the run logged [\d.]+",
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_accountant_edited_with_its_digest_recomputed_is_refused(tmp_path, what, edit, message):
     """The red team's edit: fewer rounds in the accountant (epsilon 41.6 -> 25.9 in their run), the plain digest
     recomputed; the resume compares the budget with the round count and with what the run logged."""

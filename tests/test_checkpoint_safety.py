@@ -173,11 +173,31 @@ def test_a_legitimate_lightning_checkpoint_still_resumes(in_tmp):
 # ------------------------------------------------------------------------------ FMP
 FMP = str(CONFIGS / "fmp_digits.yaml")
 FMP_SHRINK = [
-    "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--model.generator_training.steps", "2",
-    "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
-    "--model.num_generated", "10", "--model.test_samples", "2", "--data.meta_tasks", "20", "--trainer.logger",
-    "false", "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
-]  # fmt: skip
+    "--trainer.max_steps",
+    "2",
+    "--trainer.val_check_interval",
+    "2",
+    "--model.generator_training.steps",
+    "2",
+    "--model.generator_training.eval_tasks",
+    "1",
+    "--data.val_tasks",
+    "1",
+    "--data.test_tasks",
+    "1",
+    "--model.num_generated",
+    "10",
+    "--model.test_samples",
+    "2",
+    "--data.meta_tasks",
+    "20",
+    "--trainer.logger",
+    "false",
+    "--trainer.enable_checkpointing",
+    "false",
+    "--trainer.callbacks",
+    "[]",
+]
 
 
 def test_fmp_ckpt_path_and_generator_checkpoint_refuse_bad_files(in_tmp, marker, capsys, monkeypatch):
@@ -211,13 +231,25 @@ def fmp_learner(cache: Path) -> FMPMetaLearner:
 
 def fmp_fit(model: FMPMetaLearner, root: Path) -> None:
     data = FederatedTasks(
-        PixelFeatures(), num_clients=2, points_per_client=20, meta_tasks=20, tasks_per_step=2, val_tasks=1,
-        test_tasks=1, heldout_points=20, min_classes=6,
-    )  # fmt: skip
+        PixelFeatures(),
+        num_clients=2,
+        points_per_client=20,
+        meta_tasks=20,
+        tasks_per_step=2,
+        val_tasks=1,
+        test_tasks=1,
+        heldout_points=20,
+        min_classes=6,
+    )
     trainer = L.Trainer(
-        max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root,
-    )  # fmt: skip
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     trainer.fit(model, datamodule=data)
 
 
@@ -335,9 +367,20 @@ def test_flower_codec_memory_is_read_with_the_same_reader(tmp_path, marker):
 
 
 # ------------------------------------------------------------------------------ round checkpoint integrity
-ROUNDS = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--data.num_clients", "4",
-          "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-          "--model.init_args.pretraining.epochs", "2"]  # fmt: skip
+ROUNDS = [
+    "--config",
+    str(CONFIGS / "quickstart.yaml"),
+    "--trainer.rounds",
+    "2",
+    "--data.num_clients",
+    "4",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.logger",
+    "false",
+    "--model.init_args.pretraining.epochs",
+    "2",
+]
 
 
 @pytest.fixture
@@ -385,8 +428,9 @@ def test_every_flipped_bit_of_a_round_checkpoint_is_refused_or_harmless(in_tmp, 
     assert refused > 100 and refused + harmless == 200
 
 
-def test_a_round_checkpoint_with_a_nan_state_or_missing_keys_is_refused_with_exit_code_2(in_tmp, round_checkpoint,
-                                                                                        capsys):  # fmt: skip
+def test_a_round_checkpoint_with_a_nan_state_or_missing_keys_is_refused_with_exit_code_2(
+    in_tmp, round_checkpoint, capsys
+):
     """Well-formed files (their digests recomputed) whose content cannot be resumed: one line and exit code 2."""
     from lightning_fl.checkpoint import atomic_save, content_digest
     from lightning_fl.federated.checkpoint import DIGEST

@@ -542,8 +542,10 @@ def test_client_fraction_null_needs_clients_per_round(in_tmp, capsys):
     TypeError about '<' before)."""
     args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.client_fraction", "null"]
     assert run_cli(*args, "--trainer.rounds", "1") == 2
-    assert "trainer.client_fraction must be in (0, 1] (or null with trainer.clients_per_round set)" in \
-        capsys.readouterr().err  # fmt: skip
+    assert (
+        "trainer.client_fraction must be in (0, 1] (or null with trainer.clients_per_round set)"
+        in capsys.readouterr().err
+    )
     from lightning_fl.cli import build
 
     trainer = build([*args, "--trainer.clients_per_round", "3", "--trainer.logger", "false"]).trainer
@@ -566,8 +568,9 @@ def test_a_lightning_checkpoint_of_another_model_is_one_line(in_tmp, capsys):
     """``validate --ckpt_path`` with a Lightning checkpoint whose weights do not fit the model: one line naming the
     file and the first mismatches, exit code 2 (it was Lightning's RuntimeError traceback)."""
     assert run_cli("fit", "--config", DIGITS, "--trainer.max_epochs", "1", *QUIET) == 0
-    ckpt = torch.load(in_tmp / "runs" / "pretrain_digits" / "version_0" / "checkpoints" / "last.ckpt",
-                      weights_only=True)  # fmt: skip
+    ckpt = torch.load(
+        in_tmp / "runs" / "pretrain_digits" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True
+    )
     name = next(k for k, v in ckpt["state_dict"].items() if v.dim() > 1)
     ckpt["state_dict"][name] = torch.zeros(3, 3)
     torch.save(ckpt, in_tmp / "other.ckpt")

@@ -116,9 +116,14 @@ def test_missing_files_and_a_manifest_without_a_folder_are_named(tmp_path):
 # ------------------------------------------------------------------------------ in a run
 def topk_run(tmp_path, name, rounds, budget=None, **kwargs):
     trainer = make_trainer(
-        tmp_path, rounds=rounds, codec=TopK(density=0.25), clients_per_round=3, name=name,
-        client_state_memory_mb=budget, **kwargs,
-    )  # fmt: skip
+        tmp_path,
+        rounds=rounds,
+        codec=TopK(density=0.25),
+        clients_per_round=3,
+        name=name,
+        client_state_memory_mb=budget,
+        **kwargs,
+    )
     trainer.fit(make_model(), datamodule=make_dm(num_clients=12, batch_size=8), ckpt_path=kwargs.get("ckpt_path"))
     return trainer
 
@@ -146,21 +151,40 @@ def test_state_exists_only_for_sampled_clients_and_files_change_nothing(tmp_path
 @pytest.mark.parametrize("codec", [TopK(density=0.25), PowerSGD(rank=1)], ids=["topk", "powersgd"])
 def test_a_run_with_client_state_in_files_resumes_bit_for_bit(tmp_path, codec):
     budget = 4 * 1704 / 2**20
-    full = make_trainer(tmp_path / "a", rounds=4, codec=codec, clients_per_round=3, client_state_memory_mb=budget,
-                        save_every_n_rounds=1)  # fmt: skip
+    full = make_trainer(
+        tmp_path / "a", rounds=4, codec=codec, clients_per_round=3, client_state_memory_mb=budget, save_every_n_rounds=1
+    )
     full.fit(make_model(), datamodule=make_dm(num_clients=12, batch_size=8))
-    first = make_trainer(tmp_path / "b", rounds=2, codec=type(codec)(**vars_of(codec)), clients_per_round=3,
-                         client_state_memory_mb=budget)  # fmt: skip
+    first = make_trainer(
+        tmp_path / "b",
+        rounds=2,
+        codec=type(codec)(**vars_of(codec)),
+        clients_per_round=3,
+        client_state_memory_mb=budget,
+    )
     first.fit(make_model(), datamodule=make_dm(num_clients=12, batch_size=8))
     ckpt = str(first.log_dir / "checkpoints" / "last.ckpt")
-    resumed = make_trainer(tmp_path / "b", rounds=4, codec=type(codec)(**vars_of(codec)), clients_per_round=3,
-                           client_state_memory_mb=budget)  # fmt: skip
+    resumed = make_trainer(
+        tmp_path / "b",
+        rounds=4,
+        codec=type(codec)(**vars_of(codec)),
+        clients_per_round=3,
+        client_state_memory_mb=budget,
+    )
     resumed.fit(make_model(), datamodule=make_dm(num_clients=12, batch_size=8), ckpt_path=ckpt)
     # and from a checkpoint kept two rounds back in the finished run (its files were superseded since, not deleted)
-    again = make_trainer(tmp_path / "a", rounds=4, codec=type(codec)(**vars_of(codec)), clients_per_round=3,
-                         client_state_memory_mb=budget)  # fmt: skip
-    again.fit(make_model(), datamodule=make_dm(num_clients=12, batch_size=8),
-              ckpt_path=str(full.log_dir / "checkpoints" / "round_0002.ckpt"))  # fmt: skip
+    again = make_trainer(
+        tmp_path / "a",
+        rounds=4,
+        codec=type(codec)(**vars_of(codec)),
+        clients_per_round=3,
+        client_state_memory_mb=budget,
+    )
+    again.fit(
+        make_model(),
+        datamodule=make_dm(num_clients=12, batch_size=8),
+        ckpt_path=str(full.log_dir / "checkpoints" / "round_0002.ckpt"),
+    )
     for other_run in (resumed, again):
         assert torch.equal(full.global_state["mapping.latent"], other_run.global_state["mapping.latent"])
         for name, store in full.codec.client_stores().items():

@@ -29,8 +29,9 @@ def quiet_fit(trainer, model, dm, **kwargs):
 
 def crafted(update, n, clock, steps=3, privacy=None, count=None):
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
-    runner = round_runner(fabric, CraftedClients(update), local=LocalTraining(steps=steps), num_clients=n,
-                          clock=clock, privacy=privacy)  # fmt: skip
+    runner = round_runner(
+        fabric, CraftedClients(update), local=LocalTraining(steps=steps), num_clients=n, clock=clock, privacy=privacy
+    )
     if privacy is not None:
         privacy.setup(Plan(n, float(count or n), "fixed", 1, 0, FedAvg(), None))
     return runner
@@ -46,8 +47,9 @@ def run_round(runner, n, count=None, seed=0):
 # ============================================================================ the model
 def test_a_round_takes_download_steps_and_upload_in_closed_form():
     clock = Clock(step_s=0.5, device_sigma=0.0, down_mbps=2.0, up_mbps=0.5, link_sigma=0.0, latency_s=0.1)
-    t = clock.timing(0, [3, 1], steps=np.array([4, 2]), down_bytes=np.array([10**6, 10**6]),
-                     up_bytes=np.array([1000, 250_000]))  # fmt: skip
+    t = clock.timing(
+        0, [3, 1], steps=np.array([4, 2]), down_bytes=np.array([10**6, 10**6]), up_bytes=np.array([1000, 250_000])
+    )
     # client 3: 0.1 + 8e6 / 2e6 = 4.1 s down, 4 * 0.5 = 2 s of steps, 0.1 + 8000 / 5e5 = 0.116 s up
     assert t.finish_s.tolist() == pytest.approx([4.1 + 2.0 + 0.116, 4.1 + 1.0 + 0.1 + 4.0])
     assert t.close_s == pytest.approx(9.2) and t.on_time.tolist() == [True, True]
@@ -123,8 +125,9 @@ def test_a_run_logs_its_simulated_time_and_resumes_it_bit_for_bit(tmp_path):
     resumed = make_trainer(tmp_path / "b", rounds=4, **args)
     quiet_fit(resumed, make_model(), dm, ckpt_path=str(first.log_dir / "checkpoints" / "last.ckpt"))
     assert torch.equal(full.global_state["mapping.latent"], resumed.global_state["mapping.latent"])
-    assert [h["time/simulated_elapsed_s"] for h in resumed.history[1:]] == [h["time/simulated_elapsed_s"]
-                                                                           for h in rounds]  # fmt: skip
+    assert [h["time/simulated_elapsed_s"] for h in resumed.history[1:]] == [
+        h["time/simulated_elapsed_s"] for h in rounds
+    ]
 
 
 def test_over_selection_samples_more_and_aggregates_the_target(tmp_path):
@@ -138,8 +141,11 @@ def test_over_selection_samples_more_and_aggregates_the_target(tmp_path):
 
 def test_local_epochs_time_each_client_by_its_batches(tmp_path):
     clock = Clock(step_s=1.0, device_sigma=0.0, down_mbps=1e6, up_mbps=1e6, link_sigma=0.0, latency_s=0.0)
-    trainer = quiet_fit(make_trainer(tmp_path, rounds=1, clock=clock, local_epochs=2, logger=False),
-                        make_model(), make_dm(num_clients=4))  # fmt: skip
+    trainer = quiet_fit(
+        make_trainer(tmp_path, rounds=1, clock=clock, local_epochs=2, logger=False),
+        make_model(),
+        make_dm(num_clients=4),
+    )
     # 60 images each, batches of 16: 4 batches an epoch, 2 epochs, 1 s a step (the bytes take nanoseconds)
     assert trainer.history[-1]["time/simulated_round_s"] == pytest.approx(8.0, abs=1e-3)
 
@@ -165,10 +171,12 @@ def test_combinations_the_clock_cannot_serve_are_refused(tmp_path, kwargs, messa
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"step_s": 0}, "trainer.clock.step_s must be a finite number > 0, got 0"),
-     ({"link_sigma": -1}, "trainer.clock.link_sigma must be a finite number >= 0, got -1"),
-     ({"deadline_s": math.inf}, "trainer.clock.deadline_s must be a number of seconds > 0 or null, got inf")],
-)  # fmt: skip
+    [
+        ({"step_s": 0}, "trainer.clock.step_s must be a finite number > 0, got 0"),
+        ({"link_sigma": -1}, "trainer.clock.link_sigma must be a finite number >= 0, got -1"),
+        ({"deadline_s": math.inf}, "trainer.clock.deadline_s must be a number of seconds > 0 or null, got inf"),
+    ],
+)
 def test_impossible_clock_settings_name_the_key(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         Clock(**kwargs)
@@ -179,10 +187,25 @@ def test_time_to_accuracy_counts_simulated_time_and_updates_to_the_first_round_a
     from conftest import tool_module
 
     tta = tool_module("time_to_accuracy")
-    columns = ["sweep", "label", "seed", "method", "close", "round", "final", "val/acc", "fed/clients",
-               "fed/late_clients", "fed/unavailable_clients", "fed/dropped_clients", "fed/staleness_max",
-               "time/simulated_elapsed_s", "comm/cum_client_bytes", "time/simulated_round_s",
-               "time/client_compute_s"]  # fmt: skip
+    columns = [
+        "sweep",
+        "label",
+        "seed",
+        "method",
+        "close",
+        "round",
+        "final",
+        "val/acc",
+        "fed/clients",
+        "fed/late_clients",
+        "fed/unavailable_clients",
+        "fed/dropped_clients",
+        "fed/staleness_max",
+        "time/simulated_elapsed_s",
+        "comm/cum_client_bytes",
+        "time/simulated_round_s",
+        "time/client_compute_s",
+    ]
     rows = [  # over-selection: 13 of 13 sampled, 3 late a round; FedBuff: steps of 10, staleness logged
         ["s", "a", 0, "flite", "over-selection", 0, 0, 0.80, "", "", "", "", "", "", "", "", ""],
         ["s", "a", 0, "flite", "over-selection", 1, 0, 0.84, 13, 3, 0, 0, "", 60.0, 100, 60.0, 0.2],
@@ -190,7 +213,7 @@ def test_time_to_accuracy_counts_simulated_time_and_updates_to_the_first_round_a
         ["s", "b", 0, "flite", "fedbuff", 0, 0, 0.80, "", "", "", "", "", "", "", "", ""],
         ["s", "b", 0, "flite", "fedbuff", 1, 0, "", 10, "", "", "", 1, 6.0, 50, 6.0, ""],
         ["s", "b", 0, "flite", "fedbuff", 2, 1, 0.88, 9, "", "", 1, 2, 12.0, 90, 6.0, ""],
-    ]  # fmt: skip
+    ]
     path = tmp_path / "r.csv"
     with path.open("w", newline="") as f:
         writer = csv.writer(f)

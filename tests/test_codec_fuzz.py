@@ -108,19 +108,54 @@ JUNK = st.one_of(
     st.just(object()),
 )
 OTHER_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64,
-]  # fmt: skip
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 OBJECT_KINDS = (
-    "payload", "tensors", "entry", "parts", "part-junk", "part-changed", "part-non-finite", "shape", "dtype", "info",
-    "missing-tensor", "extra-tensor", "renamed-tensor", "missing-part", "extra-part", "renamed-part", "key-type",
-)  # fmt: skip
+    "payload",
+    "tensors",
+    "entry",
+    "parts",
+    "part-junk",
+    "part-changed",
+    "part-non-finite",
+    "shape",
+    "dtype",
+    "info",
+    "missing-tensor",
+    "extra-tensor",
+    "renamed-tensor",
+    "missing-part",
+    "extra-part",
+    "renamed-part",
+    "key-type",
+)
 HEADER_OPS = (
-    "rename-tensor", "drop-tensor", "duplicate-tensor", "extra-tensor", "tensor-shape", "tensor-dtype", "info",
-    "rename-part", "drop-part", "extra-part", "part-dtype", "part-shape", "not-an-object",
-)  # fmt: skip
+    "rename-tensor",
+    "drop-tensor",
+    "duplicate-tensor",
+    "extra-tensor",
+    "tensor-shape",
+    "tensor-dtype",
+    "info",
+    "rename-part",
+    "drop-part",
+    "extra-part",
+    "part-dtype",
+    "part-shape",
+    "not-an-object",
+)
 
 
 def junk_for_tensor(draw, t: torch.Tensor):
@@ -171,8 +206,16 @@ def mutate_object(draw, payload: Payload):
     elif kind == "part-changed":
         enc.parts[part] = changed_part(draw, enc.parts[part])
     elif kind == "part-non-finite":  # every codec sends some floats; none sends a NaN or an Inf
-        name, part = draw(st.sampled_from([(n, p) for n in names for p, t in payload.tensors[n].parts.items()
-                                           if t.is_floating_point() and t.numel()]))  # fmt: skip
+        name, part = draw(
+            st.sampled_from(
+                [
+                    (n, p)
+                    for n in names
+                    for p, t in payload.tensors[n].parts.items()
+                    if t.is_floating_point() and t.numel()
+                ]
+            )
+        )
         t = payload.tensors[name].parts[part].reshape(-1)
         t[draw(st.integers(0, t.numel() - 1))] = draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
     elif kind == "shape":
@@ -293,8 +336,11 @@ def malformed(draw, name: str):
     whatever stands in its place)."""
     _, _, honest, data = setup(name)
     # in-process payloads are about half of the cases, forged headers a fifth, damaged bytes the rest
-    family = draw(st.sampled_from(["random-bytes", "truncated", "header-flip", "body-flip", "trailing"]
-                                  + ["forged"] * 3 + ["object"] * 7))  # fmt: skip
+    family = draw(
+        st.sampled_from(
+            ["random-bytes", "truncated", "header-flip", "body-flip", "trailing"] + ["forged"] * 3 + ["object"] * 7
+        )
+    )
     if family == "random-bytes":
         prefix = draw(st.sampled_from([b"", wire.MAGIC, struct.pack("<4sB", wire.MAGIC, wire.VERSION)]))
         return family, prefix + draw(st.binary(max_size=200)), True, True
@@ -346,8 +392,11 @@ def test_malformed_uploads_are_refused_and_change_nothing(name, data):
         assert problems and decoded is None, f"{kind} was accepted"
         # found before decoding: by the codec-independent layout check, the codec's own structure check or the
         # float parts' finiteness
-        assert (check_layout(candidate, reference) or codec.check_payload(candidate, reference)
-                or non_finite_parts(candidate))  # fmt: skip
+        assert (
+            check_layout(candidate, reference)
+            or codec.check_payload(candidate, reference)
+            or non_finite_parts(candidate)
+        )
     event("refused by the gate" if problems else "accepted (values changed, structure intact)")
     if not problems:
         assert all(torch.isfinite(decoded[n]).all() and decoded[n].shape == reference[n].shape for n in reference)

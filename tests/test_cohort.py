@@ -25,8 +25,10 @@ def fit(tmp_path, name, batching, rounds=3, model=None, dm=None, **kwargs):
     trainer = make_trainer(tmp_path, rounds=rounds, name=name, client_batching=batching, cohort_size=8, **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model if model is not None else make_model(), datamodule=dm if dm is not None else make_dm(
-            num_clients=8, batch_size=8))  # fmt: skip
+        trainer.fit(
+            model if model is not None else make_model(),
+            datamodule=dm if dm is not None else make_dm(num_clients=8, batch_size=8),
+        )
     trainer.caught = [str(w.message) for w in caught]
     return trainer
 
@@ -48,8 +50,7 @@ def quickstart_model(factors="stored", layers="conv+linear"):
 
     torch.manual_seed(0)
     backbone = SmallCNN(in_channels=1, image_size=8, channels=[32, 64], feature_dim=128, norm_groups=8)
-    return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers=layers,
-                            factors=factors)  # fmt: skip
+    return LatentClassifier(backbone, 10, base="scratch", latent_dim=64, rank=32, layers=layers, factors=factors)
 
 
 def test_a_cohort_of_8_clients_equals_8_clients_one_at_a_time_over_3_rounds(tmp_path):
@@ -102,16 +103,20 @@ def test_cohorts_smaller_than_the_round_and_codec_memory_equal_sequential(tmp_pa
     residuals = sequential.codec.residuals
     assert list(residuals) == list(trainer.codec.residuals)
     for c in residuals:
-        torch.testing.assert_close(residuals[c]["mapping.latent"], trainer.codec.residuals[c]["mapping.latent"],
-                                   rtol=0, atol=ATOL)  # fmt: skip
+        torch.testing.assert_close(
+            residuals[c]["mapping.latent"], trainer.codec.residuals[c]["mapping.latent"], rtol=0, atol=ATOL
+        )
 
 
 def test_a_cohort_run_resumes_bit_for_bit(tmp_path):
     full = fit(tmp_path / "a", "full", "vmap", rounds=4)
     first = fit(tmp_path / "b", "split", "vmap", rounds=2)
     resumed = make_trainer(tmp_path / "b", rounds=4, name="split", client_batching="vmap", cohort_size=8)
-    resumed.fit(make_model(), datamodule=make_dm(num_clients=8, batch_size=8),
-                ckpt_path=str(first.log_dir / "checkpoints" / "last.ckpt"))  # fmt: skip
+    resumed.fit(
+        make_model(),
+        datamodule=make_dm(num_clients=8, batch_size=8),
+        ckpt_path=str(first.log_dir / "checkpoints" / "last.ckpt"),
+    )
     assert torch.equal(full.global_state["mapping.latent"], resumed.global_state["mapping.latent"])
     assert [h["train/loss"] for h in full.history[-2:]] == [h["train/loss"] for h in resumed.history[-2:]]
 
@@ -146,7 +151,8 @@ def test_cohorts_whose_activations_outgrow_the_measured_limits_train_one_at_a_ti
     assert cohort.cohort_too_large(make_model(), dm, 0, 0, 0, 8, fabric) is None
     monkeypatch.setattr(cohort, "MAX_CLIENT_ACTIVATION", 4095)
     assert "largest activation is 4,096 values (32,768 for a cohort of 8" in cohort.cohort_too_large(
-        make_model(), dm, 0, 0, 0, 8, fabric)  # fmt: skip
+        make_model(), dm, 0, 0, 0, 8, fabric
+    )
     monkeypatch.setattr(cohort, "MAX_CLIENT_ACTIVATION", 4096)
     assert cohort.cohort_too_large(make_model(), dm, 0, 0, 0, 8, fabric) is None
     monkeypatch.setattr(cohort, "MAX_COHORT_ACTIVATION", 32_767)

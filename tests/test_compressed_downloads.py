@@ -93,8 +93,9 @@ class Clients(InProcess):
 @pytest.mark.parametrize("case", CASES)
 def test_every_client_holds_the_servers_state_bit_for_bit_and_downloads_the_broadcast_bytes(tmp_path, case):
     codec, model, extra = CASES[case]
-    trainer = make_trainer(tmp_path, rounds=4, codec=codec(), clients_per_round=2, compressed_downloads=True,
-                           logger=False, **extra())  # fmt: skip
+    trainer = make_trainer(
+        tmp_path, rounds=4, codec=codec(), clients_per_round=2, compressed_downloads=True, logger=False, **extra()
+    )
     clients = trainer.transport = Clients(trainer, codec())
     trainer.fit(model(), datamodule=make_dm())
     full = 4 * sum(t.numel() for t in trainer.global_state.values())
@@ -186,8 +187,9 @@ def test_downloads_are_charged_by_the_broadcasts_a_client_missed_or_the_full_sta
 
 def test_a_round_whose_aggregate_is_refused_broadcasts_nothing(tmp_path):
     # every upload exceeds max_update_norm: no round has an aggregate
-    trainer = make_trainer(tmp_path, rounds=2, codec=TopK(density=0.2), compressed_downloads=True, logger=False,
-                           max_update_norm=1e-12)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path, rounds=2, codec=TopK(density=0.2), compressed_downloads=True, logger=False, max_update_norm=1e-12
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(make_model(), datamodule=make_dm())
@@ -201,8 +203,16 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, case):
     codec, model, extra = CASES[case]
 
     def trainer(folder, rounds, **kwargs):
-        return make_trainer(tmp_path / folder, rounds=rounds, codec=codec(), clients_per_round=2, logger=False,
-                            compressed_downloads=True, **extra(), **kwargs)  # fmt: skip
+        return make_trainer(
+            tmp_path / folder,
+            rounds=rounds,
+            codec=codec(),
+            clients_per_round=2,
+            logger=False,
+            compressed_downloads=True,
+            **extra(),
+            **kwargs,
+        )
 
     full = trainer("a", 4)
     full.fit(model(), datamodule=make_dm())
@@ -245,11 +255,13 @@ def test_off_by_default_downloads_full_states_and_saves_nothing_new(tmp_path, mo
     [
         ({}, "trainer.codec FP32 is not a compressor: set trainer.codec TopK or PowerSGD"),
         ({"codec": Quantize(8, target="update")}, "trainer.codec Quantize is not a compressor"),
-        ({"secure_aggregation": SecureAggregation(), "max_update_norm_ratio": None},
-         "trainer.secure_aggregation uploads with none"),
+        (
+            {"secure_aggregation": SecureAggregation(), "max_update_norm_ratio": None},
+            "trainer.secure_aggregation uploads with none",
+        ),
         ({"codec": TopK(), "compressed_downloads": "yes"}, "must be true or false, got 'yes'"),
     ],
-)  # fmt: skip
+)
 def test_settings_it_cannot_serve_are_refused_in_one_line(tmp_path, kwargs, message):
     with pytest.raises(ConfigError, match=message) as err:
         make_trainer(tmp_path, **{"compressed_downloads": True, **kwargs})
@@ -271,8 +283,9 @@ def test_a_transport_to_other_machines_is_refused_before_any_round(tmp_path):
 
 def test_resuming_across_the_option_is_refused(tmp_path):
     def run(folder, on, rounds, ckpt=None):
-        trainer = make_trainer(tmp_path / folder, rounds=rounds, codec=TopK(density=0.2), compressed_downloads=on,
-                               logger=False)  # fmt: skip
+        trainer = make_trainer(
+            tmp_path / folder, rounds=rounds, codec=TopK(density=0.2), compressed_downloads=on, logger=False
+        )
         trainer.fit(make_model(), datamodule=make_dm(), ckpt_path=ckpt)
         return str(trainer.log_dir / "checkpoints" / "last.ckpt")
 

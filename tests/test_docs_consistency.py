@@ -182,8 +182,15 @@ def test_tool_figures_and_tables_redraw_from_the_commands_on_their_pages(args, t
 # A bound, then (without another number in scientific notation between them) the command that prints it.
 BOUND = re.compile(r"(\d\.\de-\d+)((?:(?!\d\.\de-\d).){0,120}?)`python tools/identity_bounds\.py([^`]*)`", re.DOTALL)
 # How many quoted bounds each file holds: a bound that loses its command (or a command its bound) fails the count.
-QUOTED = {"README.md": 0, "docs/results-flite.md": 4, "docs/results-flite-extras.md": 1, "docs/results-lora.md": 1,
-          "docs/results-llm.md": 2, "configs/quickstart.yaml": 1, "docs/tutorials/quickstart.md": 1}  # fmt: skip
+QUOTED = {
+    "README.md": 0,
+    "docs/results-flite.md": 4,
+    "docs/results-flite-extras.md": 1,
+    "docs/results-lora.md": 1,
+    "docs/results-llm.md": 2,
+    "configs/quickstart.yaml": 1,
+    "docs/tutorials/quickstart.md": 1,
+}
 
 
 def quoted_bounds(name: str) -> list[tuple[str, list[str]]]:
@@ -207,8 +214,10 @@ def test_identity_bounds_leave_out_loras_aggregation_error(tmp_path):
     """LoRA and FFA-LoRA rows share the column with their aggregation error: the bound is FLITE's rows' maximum."""
     bounds = tool_module("identity_bounds")
     path = tmp_path / "r.csv"
-    path.write_text("label,method,seed,round,fed/identity_error\nlatent,latent,0,1,3e-7\nlora_r4,lora,0,1,0.02\n"
-                    "ffa_r1,ffa,0,1,1e-17\n")  # fmt: skip
+    path.write_text(
+        "label,method,seed,round,fed/identity_error\nlatent,latent,0,1,3e-7\nlora_r4,lora,0,1,0.02\n"
+        "ffa_r1,ffa,0,1,1e-17\n"
+    )
     value, row = bounds.largest(path)
     assert (value, row["label"]) == (3e-7, "latent")
 
@@ -286,11 +295,16 @@ def same_summary(shown: list[str], printed: list[str]) -> bool:
 
 
 def test_the_quickstart_summary_matches_a_page_up_to_what_moves_between_machines():
-    shown = ["  val/acc: 0.9556 at round 0, 0.9639 at the end, best 0.9667 (round 18)",
-             "  val/ece: 0.0194 at round 0, 0.0161 at the end, best 0.0114 (round 26)",
-             "  bytes per client (uploads and downloads, mean over clients): 46,080 (0.044 MiB)"]  # fmt: skip
-    other_machine = ["  val/acc: 0.9556 at round 0, 0.9639 at the end, best 0.9667 (round 17)",
-                     "  val/ece: 0.0185 at round 0, 0.0122 at the end, best 0.0119 (round 26)", shown[2]]  # fmt: skip
+    shown = [
+        "  val/acc: 0.9556 at round 0, 0.9639 at the end, best 0.9667 (round 18)",
+        "  val/ece: 0.0194 at round 0, 0.0161 at the end, best 0.0114 (round 26)",
+        "  bytes per client (uploads and downloads, mean over clients): 46,080 (0.044 MiB)",
+    ]
+    other_machine = [
+        "  val/acc: 0.9556 at round 0, 0.9639 at the end, best 0.9667 (round 17)",
+        "  val/ece: 0.0185 at round 0, 0.0122 at the end, best 0.0119 (round 26)",
+        shown[2],
+    ]
     assert same_summary(shown, other_machine)
     for wrong in (
         [shown[0].replace("0.9639", "0.9611"), *shown[1:]],  # an accuracy
@@ -344,8 +358,17 @@ def test_the_quickstart_gives_the_numbers_readme_its_config_and_results_page_sta
     results = (DOCS / "results-flite.md").read_text()
     results_pattern = r"Test accuracy\s+(0\.\d+) \(base, round 0\) -> (0\.\d+) after 30 rounds \(best (0\.\d+)\)"
     m_base, m_final, m_best = _written(results_pattern, results, "results-flite.md")
-    for value, written in ((base, r_base), (base, q_base), (base, c_base), (base, m_base), (final, r_final),
-                           (final, q_final), (final, c_final), (final, m_final), (best, m_best)):  # fmt: skip
+    for value, written in (
+        (base, r_base),
+        (base, q_base),
+        (base, c_base),
+        (base, m_base),
+        (final, r_final),
+        (final, q_final),
+        (final, c_final),
+        (final, m_final),
+        (best, m_best),
+    ):
         assert _same(value, written), (value, written)
     assert {int(b.replace(",", "")) for b in (r_bytes, q_bytes, c_bytes)} == {int(cum_bytes)}
     assert 0 < identity <= float(c_bound)

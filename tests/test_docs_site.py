@@ -26,8 +26,11 @@ needs_mkdocs = pytest.mark.skipif(
 
 def mkdocs_build(config, site, cwd=REPO) -> subprocess.CompletedProcess:
     """``mkdocs build --strict`` in a fresh process, this tree first on the path (mkdocstrings reads its source)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "NO_MKDOCS_2_WARNING": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "NO_MKDOCS_2_WARNING": "1",
+    }
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -66,8 +69,16 @@ def test_the_site_build_fails_on_a_broken_link_or_anchor(tmp_path):
     docs.mkdir()
     (docs / "index.md").write_text("# Home\n\n[a page](missing.md) and [a heading](#no-such-heading)\n")
     config = tmp_path / "mkdocs.yml"
-    config.write_text(yaml.safe_dump({"INHERIT": str(REPO / "mkdocs.yml"), "docs_dir": str(docs),
-                                      "nav": [{"Home": "index.md"}], "plugins": ["search"]}))  # fmt: skip
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "INHERIT": str(REPO / "mkdocs.yml"),
+                "docs_dir": str(docs),
+                "nav": [{"Home": "index.md"}],
+                "plugins": ["search"],
+            }
+        )
+    )
     proc = mkdocs_build(config, tmp_path / "site", cwd=tmp_path)
     assert proc.returncode != 0
     assert "missing.md" in proc.stderr and "no-such-heading" in proc.stderr

@@ -71,8 +71,9 @@ def test_the_opacus_engine_equals_opacus_used_directly(dm):
     x, y = client_records(dm)
     plan = dp.client_plan(dm, CLIENT, LocalTraining(epochs=1))
     sampling, noise = (g.generator for g in dp.generators(SEED, ROUND, CLIENT))  # seeded: torch generators
-    sampler = UniformWithReplacementSampler(num_samples=len(x), sample_rate=plan.q, generator=sampling,
-                                            steps=plan.steps)  # fmt: skip
+    sampler = UniformWithReplacementSampler(
+        num_samples=len(x), sample_rate=plan.q, generator=sampling, steps=plan.steps
+    )
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=sampler)
     module = classifier()
     for m in module.modules():  # Opacus' hooks and in-place activations do not mix
@@ -80,8 +81,13 @@ def test_the_opacus_engine_equals_opacus_used_directly(dm):
             m.inplace = False
     model = GradSampleModule(module)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = DPOptimizer(torch.optim.Adam(trainable, lr=1e-3), noise_multiplier=1.1, max_grad_norm=0.5,
-                            expected_batch_size=plan.batch_size, generator=noise)  # fmt: skip
+    optimizer = DPOptimizer(
+        torch.optim.Adam(trainable, lr=1e-3),
+        noise_multiplier=1.1,
+        max_grad_norm=0.5,
+        expected_batch_size=plan.batch_size,
+        generator=noise,
+    )
     for xb, yb in loader:
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
         optimizer.step()
@@ -117,8 +123,13 @@ def test_the_torch_func_engine_is_torch_func_gradients_stepped_by_opacus_dpoptim
     sampling, noise = (g.generator for g in dp.generators(SEED, ROUND, CLIENT))  # seeded: torch generators
     module = classifier()
     trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    optimizer = DPOptimizer(configure_optimizer(module)[0], noise_multiplier=plan.z, max_grad_norm=0.5,
-                            expected_batch_size=plan.batch_size, generator=noise)  # fmt: skip
+    optimizer = DPOptimizer(
+        configure_optimizer(module)[0],
+        noise_multiplier=plan.z,
+        max_grad_norm=0.5,
+        expected_batch_size=plan.batch_size,
+        generator=noise,
+    )
 
     def record_loss(params, xi, yi):
         return module.compute_loss(functional_call(module, params, (xi.unsqueeze(0),)), yi.unsqueeze(0))
@@ -132,8 +143,11 @@ def test_the_torch_func_engine_is_torch_func_gradients_stepped_by_opacus_dpoptim
         optimizer.step()
         optimizer.zero_grad()
     assert plan.steps == 4 and set(ours) == set(trainable)
-    differ = {n: float((v - trainable[n].detach()).abs().max()) for n, v in ours.items()
-              if not torch.equal(v, trainable[n].detach())}  # fmt: skip
+    differ = {
+        n: float((v - trainable[n].detach()).abs().max())
+        for n, v in ours.items()
+        if not torch.equal(v, trainable[n].detach())
+    }
     assert not differ, f"max differences from DPOptimizer's steps: {differ}"
 
 
@@ -247,14 +261,16 @@ def test_calibration_spends_the_target_under_replace_one_and_needs_more_noise_th
     z = noise_multiplier(4.0, 1e-5, 0.1, 500)
     assert epsilon(0.1, 500, z, 1e-5) == pytest.approx(4.0, abs=2e-3)
     assert epsilon(0.1, 500, z * 0.98, 1e-5) > 4.0  # no less noise would do
-    add_remove = get_noise_multiplier(target_epsilon=4.0, target_delta=1e-5, sample_rate=0.1, steps=500,
-                                      epsilon_tolerance=0.001)  # fmt: skip
+    add_remove = get_noise_multiplier(
+        target_epsilon=4.0, target_delta=1e-5, sample_rate=0.1, steps=500, epsilon_tolerance=0.001
+    )
     assert z > 1.2 * add_remove
 
 
 def dp_fit(tmp_path, rounds, version, dp, **kwargs):
-    trainer = make_trainer(tmp_path, rounds=rounds, name="dp", version=version, clients_per_round=2, dp_sgd=dp,
-                           **kwargs)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path, rounds=rounds, name="dp", version=version, clients_per_round=2, dp_sgd=dp, **kwargs
+    )
     trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
     return trainer
 
@@ -309,8 +325,14 @@ def test_a_vectorised_cohort_equals_its_clients_trained_one_at_a_time(tmp_path, 
     dm_args = {"num_clients": 4, "batch_size": 8}
 
     def fit(batching):
-        trainer = make_trainer(tmp_path, rounds=2, name=batching, client_batching=batching, cohort_size=4,
-                               dp_sgd=DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=0.8))  # fmt: skip
+        trainer = make_trainer(
+            tmp_path,
+            rounds=2,
+            name=batching,
+            client_batching=batching,
+            cohort_size=4,
+            dp_sgd=DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=0.8),
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(make(), datamodule=make_dm(**dm_args))
@@ -337,8 +359,9 @@ def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_al
     module, dp = make_model(), DPSGD(noise_seed=0, max_grad_norm=0.5, noise_multiplier=0.8, engine="functorch")
     state, local = module.federated_state(), LocalTraining(steps=6, dp_sgd=dp)
     plan = dp.client_plan(dm, 0, local)
-    first = [int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0].generator) < plan.q).sum())
-             for c in (0, 3)]  # fmt: skip
+    first = [
+        int((torch.rand(plan.records, generator=dp.generators(0, 0, c)[0].generator) < plan.q).sum()) for c in (0, 3)
+    ]
     assert first == [0, 0] and plan.records == dm.client_num_samples(3)
     alone = [run_client(ClientJob(module, dm, state, 0, 0, FP32(), local), c) for c in (0, 3)]
     together = run_cohort_dp_sgd(ClientJob(module, dm, state, 0, 0, FP32(), local, _cpu_fabric()), [0, 3])
@@ -378,16 +401,23 @@ def test_a_client_whose_noised_steps_diverge_fails_alike_alone_and_in_a_dp_sgd_c
 def test_record_level_and_user_level_dp_run_together(tmp_path, capsys):
     from lightning_fl.privacy import CentralDP
 
-    trainer = make_trainer(tmp_path, rounds=2, clients_per_round=2, max_update_norm_ratio=None,
-                           privacy=CentralDP(clip_norm=0.1, noise_multiplier=1.0),
-                           dp_sgd=DPSGD(max_grad_norm=1.0, noise_multiplier=1.0))  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        rounds=2,
+        clients_per_round=2,
+        max_update_norm_ratio=None,
+        privacy=CentralDP(clip_norm=0.1, noise_multiplier=1.0),
+        dp_sgd=DPSGD(max_grad_norm=1.0, noise_multiplier=1.0),
+    )
     trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
     last = trainer.history[-1]
     assert 0 < last["privacy/epsilon"] < math.inf and 0 < last["privacy/record_epsilon_max"] < math.inf
     out = capsys.readouterr().out.splitlines()  # the summary: what each epsilon protects, under it
     user = next(i for i, line in enumerate(out) if line.startswith("  privacy: user-level epsilon "))
-    assert out[user + 1] == ("    trust: central, the server clips and noises the sum; neighbours: one client's data "
-                             "replaced (fixed-size sampling)")  # fmt: skip
+    assert out[user + 1] == (
+        "    trust: central, the server clips and noises the sum; neighbours: one client's data "
+        "replaced (fixed-size sampling)"
+    )
     record = next(i for i, line in enumerate(out) if line.startswith("  record-level DP-SGD: worst client's epsilon"))
     assert out[record + 1] == (
         "    trust: local, each client runs DP-SGD on its own records (neither the server "

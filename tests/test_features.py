@@ -154,8 +154,11 @@ def test_cache_key_follows_the_threads_that_train_the_extractor(tmp_path):
     assert two != one and path() == one
     key = ExtractedFeatures(Digits(), digits_cnn(), cache_dir=str(tmp_path), **TINY).cache_key()
     assert key["environment"] == {
-        "torch": torch.__version__, "device": "cpu", "cpu": torch.backends.cpu.get_cpu_capability(), "threads": 1
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "device": "cpu",
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": 1,
+    }
 
 
 def test_checkpoint_replaces_training(trained, tmp_path, monkeypatch):

@@ -93,8 +93,10 @@ def test_with_every_client_in_every_buffer_a_step_is_a_synchronous_fedavg_round(
     assert torch.equal(buffered.ledger.up, sync.ledger.up) and torch.equal(buffered.ledger.down, sync.ledger.down)
 
 
-@pytest.mark.parametrize(("staleness", "s1"), [(FedBuff(3, 2), 2**-0.5), (FedBuff(3, 2, "constant"), 1.0),
-                                               (FedBuff(3, 2, "polynomial", exponent=1.0), 0.5)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("staleness", "s1"),
+    [(FedBuff(3, 2), 2**-0.5), (FedBuff(3, 2, "constant"), 1.0), (FedBuff(3, 2, "polynomial", exponent=1.0), 0.5)],
+)
 def test_a_step_discounts_each_update_by_its_staleness_in_order_of_arrival(staleness, s1):
     # Three clients of 1, 3 and 4.5 s, all in flight (concurrency 3), two updates a step. By hand:
     # t=1 client 0 (version 0) arrives; t=3 client 1 (v0): step 0 from taus 0, 0; clients 0 and 1 restart at v1.
@@ -144,8 +146,9 @@ def simulated(history):
     return [{k: v for k, v in h.items() if k not in WALL} for h in history]
 
 
-@pytest.mark.parametrize("codec", [FP32, lambda: Quantize(bits=8), lambda: TopK(density=0.25)],
-                         ids=["fp32", "int8", "topk"])  # fmt: skip
+@pytest.mark.parametrize(
+    "codec", [FP32, lambda: Quantize(bits=8), lambda: TopK(density=0.25)], ids=["fp32", "int8", "topk"]
+)
 def test_a_run_is_deterministic_and_resumes_bit_for_bit(tmp_path, codec):
     dm = make_dm(num_clients=8)
 
@@ -194,9 +197,11 @@ def test_resuming_across_kinds_of_run_is_one_line(tmp_path):
     dm = make_dm(num_clients=6)
     buffered = quiet_fit(make_trainer(tmp_path / "b", rounds=1, **ARGS), make_model(), dm)
     sync = quiet_fit(make_trainer(tmp_path / "s", rounds=1, clock=Clock(), logger=False), make_model(), dm)
-    cases = [(buffered, {"clock": Clock()}, "it was written with trainer.buffered"),
-             (sync, ARGS, "it was written with synchronous rounds"),
-             (buffered, {**ARGS, "buffered": FedBuff(3, 2)}, "set the same, or start afresh")]  # fmt: skip
+    cases = [
+        (buffered, {"clock": Clock()}, "it was written with trainer.buffered"),
+        (sync, ARGS, "it was written with synchronous rounds"),
+        (buffered, {**ARGS, "buffered": FedBuff(3, 2)}, "set the same, or start afresh"),
+    ]
     for done, args, message in cases:
         again = make_trainer(done.log_dir.parent.parent, rounds=2, **args)
         with pytest.raises(CheckpointError, match=message) as err:
@@ -210,8 +215,10 @@ def test_resuming_across_kinds_of_run_is_one_line(tmp_path):
     [
         ({"clock": None}, "trainer.buffered needs trainer.clock"),
         ({"transport": CraftedClients(None)}, "trainer.buffered is simulated in process"),
-        ({"secure_aggregation": SecureAggregation(), "max_update_norm_ratio": None},
-         "trainer.secure_aggregation sums one cohort's uploads"),
+        (
+            {"secure_aggregation": SecureAggregation(), "max_update_norm_ratio": None},
+            "trainer.secure_aggregation sums one cohort's uploads",
+        ),
         ({"privacy": CentralDP(clip_norm=1.0, noise_multiplier=1.0)}, "trainer.privacy's accountant"),
         ({"dp_sgd": DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)}, "trainer.dp_sgd's per-client accounting"),
         ({"attack": SignFlip(clients=[0])}, "trainer.attack forges uploads"),
@@ -221,9 +228,20 @@ def test_resuming_across_kinds_of_run_is_one_line(tmp_path):
         ({"sampling": "poisson"}, "trainer.sampling and trainer.dropout pick"),
         ({"clock": Clock(deadline_s=3.0)}, "trainer.clock.deadline_s and over_selection close synchronous rounds"),
     ],
-    ids=["no-clock", "flower", "secure", "privacy", "dp-sgd", "attack", "robust", "downlink", "vmap", "poisson",
-         "deadline"],
-)  # fmt: skip
+    ids=[
+        "no-clock",
+        "flower",
+        "secure",
+        "privacy",
+        "dp-sgd",
+        "attack",
+        "robust",
+        "downlink",
+        "vmap",
+        "poisson",
+        "deadline",
+    ],
+)
 def test_combinations_fedbuff_cannot_serve_are_refused_in_one_line(tmp_path, kwargs, message):
     with pytest.raises(ConfigError, match=message) as err:
         make_trainer(tmp_path, **{"buffered": FedBuff(2, 2), "clock": Clock(), **kwargs})

@@ -290,10 +290,23 @@ EXTRAS = [
 
 # central DP with adaptive clipping, streamed on one process (no identity check, no relative gate)
 PRIVATE = [
-    "--trainer.check_identity", "false", "--trainer.max_update_norm_ratio", "null", "--trainer.privacy", "CentralDP",
-    "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5", "--trainer.privacy.adaptive",
-    "AdaptiveClipping", "--trainer.privacy.adaptive.count_std", "2", "--trainer.privacy.noise_seed", "0",
-]  # fmt: skip
+    "--trainer.check_identity",
+    "false",
+    "--trainer.max_update_norm_ratio",
+    "null",
+    "--trainer.privacy",
+    "CentralDP",
+    "--trainer.privacy.noise_multiplier",
+    "1.0",
+    "--trainer.privacy.clip_norm",
+    "0.5",
+    "--trainer.privacy.adaptive",
+    "AdaptiveClipping",
+    "--trainer.privacy.adaptive.count_std",
+    "2",
+    "--trainer.privacy.noise_seed",
+    "0",
+]
 
 # per-client codec memory: a client sampled again must find its residual, on whichever process trains it
 ERROR_FEEDBACK = ["--trainer.rounds", "4", "--trainer.codec", "TopK", "--trainer.codec.density", "0.1"]
@@ -384,9 +397,11 @@ def test_two_processes_give_the_same_global_state_as_one(tmp_path, extra):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "groups",
-    [pytest.param([], id="client_mod_processes"), pytest.param(["--trainer.fold_groups", "3"], id="fold_groups_3",
-                                                                 marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        pytest.param([], id="client_mod_processes"),
+        pytest.param(["--trainer.fold_groups", "3"], id="fold_groups_3", marks=pytest.mark.slow),
+    ],
+)
 def test_two_processes_resume_error_feedback_bit_for_bit(tmp_path, groups):
     """2 processes, 2 rounds, then resumed to 4: the same global state and residuals as 4 rounds on 1 process
     (each resumed process keeps only its own clients' residuals and the checkpoint gathers them again). With 3
@@ -438,8 +453,11 @@ def test_a_centralised_schedule_is_refused_before_anything_trains(tmp_path):
     from lightning_fl.methods import Classifier
 
     model = Classifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, recipe=Recipe(warmup_epochs=3))
-    with pytest.raises(ConfigError, match=r"model.recipe.warmup_epochs=3 and model.recipe.schedule='cosine' .* set "
-                       r"model.recipe.warmup_epochs 0 and model.recipe.schedule constant"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"model.recipe.warmup_epochs=3 and model.recipe.schedule='cosine' .* set "
+        r"model.recipe.warmup_epochs 0 and model.recipe.schedule constant",
+    ):
         make_trainer(tmp_path, rounds=1, logger=False).fit(model, datamodule=make_dm())
     assert not list(tmp_path.rglob("*.ckpt"))
 

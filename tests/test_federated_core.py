@@ -195,11 +195,18 @@ def test_the_identity_error_is_checked_over_every_aggregated_upload_of_the_round
     """FedAvg, 3 of 4 clients a round, 2 rounds: each round's check is given the 3 distinct uploads the round
     averaged (their mean is the new global state), and the round logs what the check returns for all 3."""
     torch.manual_seed(0)
-    model = CountingLatent(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
-                           latent_dim=8, rank=4, layers="conv+linear")  # fmt: skip
+    model = CountingLatent(
+        SmallCNN(image_size=8, channels=[8, 16], norm_groups=4),
+        10,
+        base="scratch",
+        latent_dim=8,
+        rank=4,
+        layers="conv+linear",
+    )
     model.checked = []
-    trainer = quiet_fit(make_trainer(tmp_path, rounds=2, strategy=FedAvg(), clients_per_round=3, logger=False),
-                        model, make_dm())  # fmt: skip
+    trainer = quiet_fit(
+        make_trainer(tmp_path, rounds=2, strategy=FedAvg(), clients_per_round=3, logger=False), model, make_dm()
+    )
     rounds = trainer.history[1:]
     assert [h["fed/clients"] - h["fed/dropped_clients"] - h["fed/lost_clients"] for h in rounds] == [3, 3]
     assert [len(states) for states, _ in model.checked] == [3, 3]
@@ -292,8 +299,14 @@ def test_self_log_in_training_step_works_under_both_trainers(tmp_path):
     # clients 0..3 have 60 samples each: the sample-weighted mean of 2 + client id
     assert trainer.history[-1]["train/custom"] == pytest.approx(3.5)
     assert model.fabric is None  # the context is detached after the round
-    central = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    central = L.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     central.fit(model, datamodule=make_dm())
     assert central.callback_metrics["train/custom"] == pytest.approx(2.0)  # no client: client_id is absent
 
@@ -354,19 +367,26 @@ def test_an_unknown_strategy_or_attack_is_named_with_the_choices(in_tmp, capsys)
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--trainer.attack", "SignFlip", "--trainer.attack.clients", "[3,8]"],
-         "error: fit: trainer.attack.clients [8] do not exist: client ids run 0..7\n"),
-        (["--trainer.strategy.min_clients", "9"],
-         "trainer.strategy cannot aggregate any round: a round samples 8 clients, so at most 8 upload(s) accepted, "
-         "fewer than trainer.strategy.min_clients=9\n"),
-        (["--trainer.strategy", "Krum", "--trainer.strategy.num_malicious", "6"],
-         "needs at least 9\n"),
-        (["--trainer.strategy", "FedAdam", "--trainer.strategy.server_lr", "-1"],
-         "error: fit: could not build the config: trainer.strategy.server_lr must be > 0, got -1.0\n"),
-        (["--trainer.dropout", "1.5"],
-         "error: fit: could not build the config: trainer.dropout must be in [0, 1), got 1.5\n"),
+        (
+            ["--trainer.attack", "SignFlip", "--trainer.attack.clients", "[3,8]"],
+            "error: fit: trainer.attack.clients [8] do not exist: client ids run 0..7\n",
+        ),
+        (
+            ["--trainer.strategy.min_clients", "9"],
+            "trainer.strategy cannot aggregate any round: a round samples 8 clients, so at most 8 upload(s) accepted, "
+            "fewer than trainer.strategy.min_clients=9\n",
+        ),
+        (["--trainer.strategy", "Krum", "--trainer.strategy.num_malicious", "6"], "needs at least 9\n"),
+        (
+            ["--trainer.strategy", "FedAdam", "--trainer.strategy.server_lr", "-1"],
+            "error: fit: could not build the config: trainer.strategy.server_lr must be > 0, got -1.0\n",
+        ),
+        (
+            ["--trainer.dropout", "1.5"],
+            "error: fit: could not build the config: trainer.dropout must be in [0, 1), got 1.5\n",
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_impossible_plan_is_refused_in_one_line_before_any_work(in_tmp, capsys, monkeypatch, args, message):
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
     assert run_cli("fit", "--config", str(CONFIGS / "quickstart.yaml"), *args) == 2
@@ -403,10 +423,27 @@ def test_a_collapse_under_defaults_is_warned_once_and_repeated_in_the_summary(in
     round and the largest updates, and the run summary repeats it (before, the run said nothing)."""
     import warnings
 
-    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.rounds", "2", "--data.num_clients", "4",
-            "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-            "--model.init_args.pretraining.epochs", "2", "--trainer.attack", "SignFlip",
-            "--trainer.attack.clients", "[0,1,2]", "--trainer.attack.scale", "50"]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        "--trainer.rounds",
+        "2",
+        "--data.num_clients",
+        "4",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger",
+        "false",
+        "--model.init_args.pretraining.epochs",
+        "2",
+        "--trainer.attack",
+        "SignFlip",
+        "--trainer.attack.clients",
+        "[0,1,2]",
+        "--trainer.attack.scale",
+        "50",
+    ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert run_cli(*args) == 0
@@ -414,8 +451,12 @@ def test_a_collapse_under_defaults_is_warned_once_and_repeated_in_the_summary(in
     assert len(alarms) == 1 and alarms[0].startswith("round 1: the global model collapsed: ")
     assert "the largest updates aggregated: client " in alarms[0]
     assert f"warning: {alarms[0]}" in capsys.readouterr().out
-    clean = [a for a in args if a not in ("--trainer.attack", "SignFlip", "--trainer.attack.clients", "[0,1,2]",
-                                          "--trainer.attack.scale", "50")]  # fmt: skip
+    clean = [
+        a
+        for a in args
+        if a
+        not in ("--trainer.attack", "SignFlip", "--trainer.attack.clients", "[0,1,2]", "--trainer.attack.scale", "50")
+    ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert run_cli(*clean, "--trainer.name", "clean") == 0
@@ -434,8 +475,14 @@ def test_the_collapse_alarm_advises_what_the_run_can_use(tmp_path):
     from lightning_fl.privacy import CentralDP
     from lightning_fl.privacy.secure import SecureAggregation
 
-    trainer = make_trainer(tmp_path, rounds=2, logger=False, clients_per_round=4, max_update_norm_ratio=None,
-                           privacy=CentralDP(clip_norm=5.0, noise_multiplier=200.0))  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        rounds=2,
+        logger=False,
+        clients_per_round=4,
+        max_update_norm_ratio=None,
+        privacy=CentralDP(clip_norm=5.0, noise_multiplier=200.0),
+    )
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
@@ -445,7 +492,8 @@ def test_the_collapse_alarm_advises_what_the_run_can_use(tmp_path):
     assert "trainer.strategy Median or Krum" in collapse_advice(plain)
     secure = SimpleNamespace(privacy=None, dp_sgd=None, secure_aggregation=SecureAggregation())
     assert collapse_advice(secure).startswith("trainer.max_update_norm bounds") and "Median" not in collapse_advice(
-        secure)  # fmt: skip
+        secure
+    )
     dp_sgd = SimpleNamespace(privacy=None, dp_sgd=object(), secure_aggregation=None)
     assert collapse_advice(dp_sgd).startswith("DP-SGD's noise inside the clients may be what moved it")
 

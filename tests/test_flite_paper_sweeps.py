@@ -25,11 +25,25 @@ from conftest import CONFIGS, REPO, fake_cifar, run_cli, sweep_tool
 SWEEPS = REPO / "tools" / "sweeps"
 WIDTH = 4  # the tiny ResNets' first stage (features: 8 x WIDTH)
 SHRINK = [
-    "--trainer.rounds", "1", "--trainer.local_epochs", "1", "--trainer.accelerator", "cpu",
-    "--model.pretraining.epochs", "1", "--model.pretraining.accelerator", "cpu",
-    "--model.backbone.init_args.width", str(WIDTH), "--model.backbone.init_args.norm_groups", "2",
-    "--data.batch_size", "64", "--data.num_workers", "0",
-]  # fmt: skip
+    "--trainer.rounds",
+    "1",
+    "--trainer.local_epochs",
+    "1",
+    "--trainer.accelerator",
+    "cpu",
+    "--model.pretraining.epochs",
+    "1",
+    "--model.pretraining.accelerator",
+    "cpu",
+    "--model.backbone.init_args.width",
+    str(WIDTH),
+    "--model.backbone.init_args.norm_groups",
+    "2",
+    "--data.batch_size",
+    "64",
+    "--data.num_workers",
+    "0",
+]
 
 
 # ------------------------------------------------------------------------------ fake data sets in the real layout
@@ -186,10 +200,18 @@ def test_every_run_of_the_paper_sweep_runs_and_reports_on_fake_files(name, tmp_p
     report.update(csv=str(table), figures_dir=str(tmp_path / "figures"), tensorboard=str(tmp_path / "tb"))
     (tmp_path / "report.yaml").write_text(yaml.safe_dump(report))
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "report.py"), str(tmp_path / "report.yaml"), "--markdown",
-         str(tmp_path / "tables.md")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "tools" / "report.py"),
+            str(tmp_path / "report.yaml"),
+            "--markdown",
+            str(tmp_path / "tables.md"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "tables.md").read_text()
     for table_spec in report["tables"]:

@@ -33,9 +33,17 @@ from lightning_fl.flower import node as flower_node  # noqa: E402
 from lightning_fl.flower.server import serve, settings  # noqa: E402
 
 SMALL = [
-    "--trainer.rounds", "2", "--data.num_clients", "4", "--trainer.enable_progress_bar", "false",
-    "--trainer.logger", "false", "--model.init_args.pretraining.epochs", "2",
-]  # fmt: skip
+    "--trainer.rounds",
+    "2",
+    "--data.num_clients",
+    "4",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.logger",
+    "false",
+    "--model.init_args.pretraining.epochs",
+    "2",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -120,8 +128,9 @@ def delivered(message: Message) -> Message:
     """``message`` as a node receives it: its config records are its own (the arrays are shared: nobody edits them)."""
     from flwr.app import ConfigRecord
 
-    content = RecordDict({k: ConfigRecord(dict(v)) if isinstance(v, ConfigRecord) else v
-                          for k, v in message.content.items()})  # fmt: skip
+    content = RecordDict(
+        {k: ConfigRecord(dict(v)) if isinstance(v, ConfigRecord) else v for k, v in message.content.items()}
+    )
     out = Message(content, dst_node_id=message.metadata.dst_node_id, message_type=message.metadata.message_type)
     out.metadata.__dict__.update(copy.deepcopy(message.metadata.__dict__))
     return out
@@ -191,8 +200,15 @@ def test_flower_transport_equals_in_process_bitwise(in_tmp, config):
 )
 def test_private_rounds_on_flower_equal_in_process_bitwise(in_tmp, privacy):
     """Central DP runs in the ServerApp, local DP on each node inside run_client: the same noise, state and budget."""
-    extra = [*privacy, "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5",
-             "--trainer.privacy.noise_seed", "0"]  # fmt: skip
+    extra = [
+        *privacy,
+        "--trainer.privacy.noise_multiplier",
+        "1.0",
+        "--trainer.privacy.clip_norm",
+        "0.5",
+        "--trainer.privacy.noise_seed",
+        "0",
+    ]
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert_same_state(got, reference)
@@ -203,8 +219,14 @@ def test_private_rounds_on_flower_equal_in_process_bitwise(in_tmp, privacy):
 
 def test_record_level_dp_sgd_on_flower_equals_in_process_bitwise(in_tmp):
     """Each node runs DP-SGD inside run_client (built from the run's config): the same state and per-client budget."""
-    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0",
-             "--trainer.dp_sgd.noise_seed", "0"]  # fmt: skip
+    extra = [
+        "--trainer.dp_sgd",
+        "lightning_fl.privacy.DPSGD",
+        "--trainer.dp_sgd.noise_multiplier",
+        "1.0",
+        "--trainer.dp_sgd.noise_seed",
+        "0",
+    ]
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert_same_state(got, reference)
@@ -227,11 +249,18 @@ def test_nodes_report_their_dp_sgd_plans_to_the_servers_accountant(in_tmp):
 
         return tamper
 
-    extra = ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0",
-             "--trainer.dp_sgd.noise_seed", "0"]  # fmt: skip
+    extra = [
+        "--trainer.dp_sgd",
+        "lightning_fl.privacy.DPSGD",
+        "--trainer.dp_sgd.noise_multiplier",
+        "1.0",
+        "--trainer.dp_sgd.noise_seed",
+        "0",
+    ]
     with pytest.warns(UserWarning, match=r"round 1, client 2: its DP-SGD plan \(records \d+, batch size -4\) is not"):
-        trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml",
-                                 LocalGrid(nodes(), tamper={1: batch(16), 3: batch(-4)}), *extra)  # fmt: skip
+        trainer, got = on_flower(
+            in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes(), tamper={1: batch(16), 3: batch(-4)}), *extra
+        )
     dp = trainer.local.dp_sgd
     rows = {row["client"]: row for row in dp.report()}
     assert dp.reported[0][1] == 16 and dp.reported[1][1] == 32 and 2 not in dp.reported
@@ -255,8 +284,9 @@ def garbage(reply: Message, message: Message) -> Message:
 def test_garbage_reply_is_rejected_and_the_run_goes_on(in_tmp):
     """A node replying junk bytes is named and dropped; the result equals dropping its upload in simulation."""
     # in simulation, NaNUpload makes client 2's upload fail the gate every round: the same as dropping it
-    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", "--trainer.attack", "NaNUpload",
-                           "--trainer.attack.clients", "[2]")  # fmt: skip
+    reference = in_process(
+        in_tmp, CONFIGS / "quickstart.yaml", "--trainer.attack", "NaNUpload", "--trainer.attack.clients", "[2]"
+    )
     grid = LocalGrid(nodes(), tamper={3: garbage})  # node 3 serves client 2
     with pytest.warns(UserWarning, match=r"round 2, client 2: upload rejected: malformed payload: not a lightning_fl"):
         trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
@@ -267,8 +297,9 @@ def test_garbage_reply_is_rejected_and_the_run_goes_on(in_tmp):
 def test_a_reply_that_makes_any_reader_raise_is_rejected_not_fatal(in_tmp, monkeypatch):
     """Whatever reading one reply raises (here an unexpected RuntimeError) rejects that reply, names it, and the
     run goes on: the same result as dropping client 2's upload."""
-    reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", "--trainer.attack", "NaNUpload",
-                           "--trainer.attack.clients", "[2]")  # fmt: skip
+    reference = in_process(
+        in_tmp, CONFIGS / "quickstart.yaml", "--trainer.attack", "NaNUpload", "--trainer.attack.clients", "[2]"
+    )
     read = messages.read_reply
 
     def fragile(message):
@@ -297,12 +328,17 @@ def test_a_declared_sample_count_is_capped_by_max_client_weight(in_tmp):
     with pytest.warns(UserWarning, match="takes each node's declared sample count as given"):
         on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *weighted, name="uncapped")
     capped = [*weighted, "--trainer.max_client_weight", "1000"]
-    with pytest.warns(UserWarning, match=r"client 2: declared 4611686018427387904 samples; its weight is capped at "
-                                         r"trainer.max_client_weight=1000"):  # fmt: skip
-        _, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes(), tamper={3: declare(2**62)}),
-                           *capped, name="liar")  # fmt: skip
-    _, reference = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes(), tamper={3: declare(1000)}),
-                             *capped, name="honest")  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"client 2: declared 4611686018427387904 samples; its weight is capped at "
+        r"trainer.max_client_weight=1000",
+    ):
+        _, got = on_flower(
+            in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes(), tamper={3: declare(2**62)}), *capped, name="liar"
+        )
+    _, reference = on_flower(
+        in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes(), tamper={3: declare(1000)}), *capped, name="honest"
+    )
     assert_same_state(got, reference)
 
 
@@ -412,16 +448,18 @@ def test_node_with_other_factors_refuses_to_train(in_tmp):
     assert any("client 1: upload rejected: refused: model fingerprint" in str(w.message) for w in caught)
     assert trainer.history[-1]["fed/dropped_clients"] == 1.0
     with pytest.raises(UploadRejectedError, match="client 1"):
-        on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs), "--trainer.upload_policy", "raise",
-                  name="raise")  # fmt: skip
+        on_flower(
+            in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(configs), "--trainer.upload_policy", "raise", name="raise"
+        )
 
 
 def test_server_restart_resumes_from_last_checkpoint(in_tmp):
     """Killed after round 1 and restarted with resume: auto, the run ends where an uninterrupted one does."""
     uninterrupted = in_process(in_tmp, CONFIGS / "quickstart.yaml")
     on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), "--trainer.rounds", "1", name="restart")
-    trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), "--trainer.resume", "auto",
-                             name="restart")  # fmt: skip
+    trainer, got = on_flower(
+        in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), "--trainer.resume", "auto", name="restart"
+    )
     assert [h["round"] for h in trainer.history] == [0, 1, 2]
     assert_same_state(got, uninterrupted)
 
@@ -514,19 +552,32 @@ def test_a_round_without_replies_is_not_done_and_runs_again_until_the_limit(in_t
 
     mute = dict.fromkeys(range(1, 5), lambda reply, message: None)
     overrides = [*SMALL, "--trainer.rounds", "3", "--trainer.default_root_dir", str(in_tmp / "runs")]
-    mute_from_round_2 = {n: (lambda reply, message: None if message.metadata.group_id != "1" else reply)
-                         for n in range(1, 5)}  # fmt: skip
+    mute_from_round_2 = {
+        n: (lambda reply, message: None if message.metadata.group_id != "1" else reply) for n in range(1, 5)
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         gone = r"no sampled client replied in 2 attempts in a row at round 2 \(SuperNodes known: \[1, 2, 3, 4\]\)"
         with pytest.raises(UserError, match=gone + r".*checkpoint of round 1 is saved.*'max-silent-rounds'"):
-            serve(LocalGrid(nodes(), tamper=mute_from_round_2), str(CONFIGS / "quickstart.yaml"),
-                  [*overrides, "--trainer.name", "gone"], wait_for_nodes=0, max_silent_rounds=2, **QUICK)  # fmt: skip
+            serve(
+                LocalGrid(nodes(), tamper=mute_from_round_2),
+                str(CONFIGS / "quickstart.yaml"),
+                [*overrides, "--trainer.name", "gone"],
+                wait_for_nodes=0,
+                max_silent_rounds=2,
+                **QUICK,
+            )
         saved = final(in_tmp / "runs", "gone")
         assert saved["round"] == 1 and [h["round"] for h in saved["history"]] == [0, 1]
         with pytest.raises(UserError, match=r"in 3 attempts in a row at round 1 "):
-            serve(LocalGrid(nodes(), tamper=mute), str(CONFIGS / "quickstart.yaml"), [*overrides, "--trainer.name",
-                  "never"], wait_for_nodes=0, max_silent_rounds=3, **QUICK)  # fmt: skip
+            serve(
+                LocalGrid(nodes(), tamper=mute),
+                str(CONFIGS / "quickstart.yaml"),
+                [*overrides, "--trainer.name", "never"],
+                wait_for_nodes=0,
+                max_silent_rounds=3,
+                **QUICK,
+            )
         assert not list((in_tmp / "runs" / "never").glob("*/checkpoints/last.ckpt"))  # no round was done
 
 
@@ -543,19 +594,35 @@ def test_nodes_that_come_back_finish_the_run_as_if_they_had_never_left_and_the_s
 
         return tamper
 
-    extra = ["--trainer.rounds", "3", "--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0",
-             "--trainer.privacy.noise_seed", "0", "--trainer.max_update_norm_ratio", "null"]  # fmt: skip
+    extra = [
+        "--trainer.rounds",
+        "3",
+        "--trainer.privacy",
+        "CentralDP",
+        "--trainer.privacy.noise_multiplier",
+        "1.0",
+        "--trainer.privacy.noise_seed",
+        "0",
+        "--trainer.max_update_norm_ratio",
+        "null",
+    ]
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     grid = LocalGrid(nodes(), tamper={n: back_after_two(n) for n in range(1, 5)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        trainer = serve(grid, str(CONFIGS / "quickstart.yaml"), [*SMALL, *extra, "--trainer.default_root_dir",
-                        str(in_tmp / "runs"), "--trainer.name", "back"], wait_for_nodes=0, max_silent_rounds=None,
-                        **QUICK)  # fmt: skip
+        trainer = serve(
+            grid,
+            str(CONFIGS / "quickstart.yaml"),
+            [*SMALL, *extra, "--trainer.default_root_dir", str(in_tmp / "runs"), "--trainer.name", "back"],
+            wait_for_nodes=0,
+            max_silent_rounds=None,
+            **QUICK,
+        )
     got = final(in_tmp / "runs", "back")
     assert_same_state(got, reference) and seen == dict.fromkeys(range(1, 5), 5)  # 2 dropped, then 3 rounds
-    assert [h["privacy/epsilon"] for h in trainer.history[1:]] == [h["privacy/epsilon"]
-                                                                   for h in reference["history"][1:]]  # fmt: skip
+    assert [h["privacy/epsilon"] for h in trainer.history[1:]] == [
+        h["privacy/epsilon"] for h in reference["history"][1:]
+    ]
     assert trainer.privacy.accountant.num_rounds == 3
     assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [0] * 3
 
@@ -573,8 +640,11 @@ def test_a_timed_out_round_says_so_and_a_late_reply_is_never_another_rounds(in_t
 
     grid = LocalGrid(nodes(), tamper={2: late})
     overrides = [*SMALL, "--trainer.default_root_dir", str(in_tmp / "runs"), "--trainer.name", "late"]
-    with pytest.warns(UserWarning, match=r"round 1: client\(s\) \[1\] did not reply: timed out after 1e-09 s; "
-                      r"raise run config 'round-timeout'"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"round 1: client\(s\) \[1\] did not reply: timed out after 1e-09 s; "
+        r"raise run config 'round-timeout'",
+    ):
         trainer = serve(grid, str(CONFIGS / "quickstart.yaml"), overrides, round_timeout=1e-9, wait_for_nodes=0)
     assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [1.0, 1.0]
 
@@ -593,8 +663,11 @@ def test_a_node_slow_to_say_hello_is_named_as_such_and_asked_again(in_tmp):
             return replies
 
     grid = SlowHello(nodes())
-    with pytest.warns(UserWarning, match=r"client\(s\) \[0\] have no SuperNode yet: 1 connected SuperNode\(s\) "
-                      r"did not say which client they serve within run config 'hello-timeout' \(0.05 s"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"client\(s\) \[0\] have no SuperNode yet: 1 connected SuperNode\(s\) "
+        r"did not say which client they serve within run config 'hello-timeout' \(0.05 s",
+    ):
         trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid)
     assert [h["fed/lost_clients"] for h in trainer.history[1:]] == [0.0, 0.0]  # asked again before round 1
 
@@ -606,10 +679,17 @@ def test_server_refuses_a_non_federated_trainer(in_tmp):
 
 # ------------------------------------------------------------------------------------------ secure aggregation
 SECURE = [
-    "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
-    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "0.5",
-    "--trainer.secure_aggregation.rounding_seed", "0", "--trainer.max_update_norm_ratio", "null",
-]  # fmt: skip
+    "--trainer.secure_aggregation",
+    "lightning_fl.privacy.secure.SecureAggregation",
+    "--trainer.secure_aggregation.clipping_range",
+    "1.0",
+    "--trainer.secure_aggregation.stage_timeout",
+    "0.5",
+    "--trainer.secure_aggregation.rounding_seed",
+    "0",
+    "--trainer.max_update_norm_ratio",
+    "null",
+]
 
 
 def secagg_reply(key: str, change: Callable) -> Callable:
@@ -654,9 +734,17 @@ def test_secure_rounds_on_flower_equal_in_process_bitwise(in_tmp, through, reque
 def test_distributed_dp_under_secagg_on_flower_equals_in_process_bitwise(in_tmp):
     """Each node clips its update and adds its noise share before SecAgg+ masks it: the in-process run's state and
     budget (the server never sees a single noised update either)."""
-    extra = [*SECURE, "--trainer.privacy", "lightning_fl.privacy.DistributedDP",
-             "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm", "0.5",
-             "--trainer.privacy.noise_seed", "0"]  # fmt: skip
+    extra = [
+        *SECURE,
+        "--trainer.privacy",
+        "lightning_fl.privacy.DistributedDP",
+        "--trainer.privacy.noise_multiplier",
+        "1.0",
+        "--trainer.privacy.clip_norm",
+        "0.5",
+        "--trainer.privacy.noise_seed",
+        "0",
+    ]
     reference = in_process(in_tmp, CONFIGS / "quickstart.yaml", *extra)
     trainer, got = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert_same_state(got, reference)
@@ -849,8 +937,16 @@ def test_a_node_that_spoils_every_secure_sum_it_is_in_is_named_and_left_out(in_t
 
     grid = LocalGrid(nodes(), tamper={3: secagg_reply("masked_params", shifted)})
     with pytest.warns(UserWarning, match="secure aggregation failed") as caught:
-        trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", grid, *SECURE, "--trainer.rounds", "10",
-                               "--trainer.clients_per_round", "2")  # fmt: skip
+        trainer, _ = on_flower(
+            in_tmp,
+            CONFIGS / "quickstart.yaml",
+            grid,
+            *SECURE,
+            "--trainer.rounds",
+            "10",
+            "--trainer.clients_per_round",
+            "2",
+        )
     said = [str(w.message) for w in caught if "secure aggregation failed" in str(w.message)]
     left = [s for s in said if "client 2 alone was in all" in s and "left out of the secure rounds that follow" in s]
     assert len(left) == 1 and trainer.round_runner.collection.suspects.left_out == {2}
@@ -893,8 +989,9 @@ def test_nodes_refuse_what_their_own_run_does_not_ask_for(in_tmp):
     grid.send_and_receive([Message(messages.hello_content(config), dst_node_id=1, message_type=messages.HELLO)])
     node = flower_node.build_node(config, grid.contexts[1].node_config)
     state = messages.state_to_record(node.model.federated_state())
-    train = Message(messages.train_content(state, 0, 0, 0, node.fingerprint), dst_node_id=1,
-                    message_type=messages.TRAIN)  # fmt: skip
+    train = Message(
+        messages.train_content(state, 0, 0, 0, node.fingerprint), dst_node_id=1, message_type=messages.TRAIN
+    )
     (reply,) = grid.send_and_receive([train])
     payload, _, failure, _ = messages.read_reply(reply)
     assert payload is None and failure.startswith("refused: this run uploads through secure aggregation only")
@@ -925,8 +1022,12 @@ def test_silent_attempts_count_in_a_row_and_a_completed_round_ends_the_streak():
     from lightning_fl.flower.transport import FlowerTransport
 
     transport = FlowerTransport(LocalGrid(nodes()), "", max_silent_rounds=2)
-    nobody_asked = {"fed/clients": 4.0, "fed/unavailable_clients": 4.0, "fed/lost_clients": 0.0,
-                    "fed/dropped_clients": 0.0}  # fmt: skip
+    nobody_asked = {
+        "fed/clients": 4.0,
+        "fed/unavailable_clients": 4.0,
+        "fed/lost_clients": 0.0,
+        "fed/dropped_clients": 0.0,
+    }
     transport.silent_round(1, [0, 1, 2, 3])
     transport.finished_round(1, nobody_asked)
     transport.silent_round(2, [0, 1, 2, 3])
@@ -1037,9 +1138,11 @@ def test_the_proxy_clientapp_imports_no_torch():
     import subprocess
     import sys
 
-    probe = ("import sys, lightning_fl.flower.client, lightning_fl.flower.worker; "
-             "print(sorted(m for m in ('torch', 'lightning', 'numpy.linalg', 'lightning_fl.flower.node') "
-             "if m in sys.modules and m != 'numpy.linalg'))")  # fmt: skip
+    probe = (
+        "import sys, lightning_fl.flower.client, lightning_fl.flower.worker; "
+        "print(sorted(m for m in ('torch', 'lightning', 'numpy.linalg', 'lightning_fl.flower.node') "
+        "if m in sys.modules and m != 'numpy.linalg'))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -1149,8 +1252,11 @@ def test_the_proxy_talks_only_to_its_own_users_worker_and_says_how_to_start_one(
 
     message = sent("m1")[0]
     context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
-    with pytest.raises(w.WorkerError, match=r"no worker socket there.*python -m lightning_fl.flower.worker "
-                       r"--socket /nowhere/x.sock"):  # fmt: skip
+    with pytest.raises(
+        w.WorkerError,
+        match=r"no worker socket there.*python -m lightning_fl.flower.worker "
+        r"--socket /nowhere/x.sock",
+    ):
         w.forward("/nowhere/x.sock", message, context)
     worker = workers(app=lambda m, c: Message(RecordDict(), reply_to=m))
     with monkeypatch.context() as patch:
@@ -1190,18 +1296,21 @@ def test_a_node_pins_secure_aggregation_and_its_noise_and_no_server_message_swit
     grid = LocalGrid([pinned])
 
     def hello(config):
-        (reply,) = grid.send_and_receive([Message(messages.hello_content(config), dst_node_id=1,
-                                                  message_type=messages.HELLO)])  # fmt: skip
+        (reply,) = grid.send_and_receive(
+            [Message(messages.hello_content(config), dst_node_id=1, message_type=messages.HELLO)]
+        )
         return reply.content[messages.RUN]["refusal"]
 
     assert hello(secure_yaml) == ""
-    assert hello(plain_yaml) == ("refused: this node pins require-secure-aggregation, and the run does not set "
-                                 "trainer.secure_aggregation")  # fmt: skip
+    assert hello(plain_yaml) == (
+        "refused: this node pins require-secure-aggregation, and the run does not set trainer.secure_aggregation"
+    )
     assert grid.contexts[1].state[messages.RUN]["config"] == secure_yaml  # the refused hello changed nothing
     node = flower_node.build_node(secure_yaml, pinned)
     state = messages.state_to_record(node.model.federated_state())
-    train = Message(messages.train_content(state, 0, 0, 0, node.fingerprint), dst_node_id=1,
-                    message_type=messages.TRAIN)  # fmt: skip
+    train = Message(
+        messages.train_content(state, 0, 0, 0, node.fingerprint), dst_node_id=1, message_type=messages.TRAIN
+    )
     (reply,) = grid.send_and_receive([train])
     payload, _, failure, _ = messages.read_reply(reply)
     assert payload is None and failure.startswith("refused: this run uploads through secure aggregation only")
@@ -1221,8 +1330,9 @@ def test_a_node_pins_secure_aggregation_and_its_noise_and_no_server_message_swit
     with pytest.raises(ValueError, match="node config require-privacy must be one of LocalDP, DistributedDP, DPSGD"):
         pin_problem(local, {"require-privacy": "CentralDP"})
     bad = LocalGrid([{"partition-id": 0, "min-noise-multiplier": "lots"}])
-    (reply,) = bad.send_and_receive([Message(messages.hello_content(plain_yaml), dst_node_id=1,
-                                             message_type=messages.HELLO)])  # fmt: skip
+    (reply,) = bad.send_and_receive(
+        [Message(messages.hello_content(plain_yaml), dst_node_id=1, message_type=messages.HELLO)]
+    )
     refusal = reply.content[messages.RUN]["refusal"]
     assert "node config min-noise-multiplier must be a number >= 0, got 'lots'" in refusal
 
@@ -1230,10 +1340,25 @@ def test_a_node_pins_secure_aggregation_and_its_noise_and_no_server_message_swit
 def test_the_serverapp_draws_central_dp_cohorts_from_the_os_as_in_process(in_tmp):
     """On Flower the ServerApp samples with the trainer's rule: under CentralDP with noise_seed null (the default)
     its cohorts come from the operating system's secure generator, not from the run's seed."""
-    extra = ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0",
-             "--trainer.max_update_norm_ratio", "null", "--trainer.clients_per_round", "2"]  # fmt: skip
+    extra = [
+        "--trainer.privacy",
+        "CentralDP",
+        "--trainer.privacy.noise_multiplier",
+        "1.0",
+        "--trainer.max_update_norm_ratio",
+        "null",
+        "--trainer.clients_per_round",
+        "2",
+    ]
     trainer, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra)
     assert trainer.round_runner.settings.secret_cohorts and trainer.privacy.noise_seed is None
-    seeded, _ = on_flower(in_tmp, CONFIGS / "quickstart.yaml", LocalGrid(nodes()), *extra,
-                          "--trainer.privacy.noise_seed", "0", name="seeded")  # fmt: skip
+    seeded, _ = on_flower(
+        in_tmp,
+        CONFIGS / "quickstart.yaml",
+        LocalGrid(nodes()),
+        *extra,
+        "--trainer.privacy.noise_seed",
+        "0",
+        name="seeded",
+    )
     assert not seeded.round_runner.settings.secret_cohorts

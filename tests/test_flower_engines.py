@@ -25,9 +25,15 @@ from lightning_fl.checkpoint import read_checkpoint
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SMALL = [
-    "--trainer.rounds", "2", "--data.num_clients", "4", "--trainer.enable_progress_bar", "false",
-    "--model.init_args.pretraining.epochs", "2",
-]  # fmt: skip
+    "--trainer.rounds",
+    "2",
+    "--data.num_clients",
+    "4",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.init_args.pretraining.epochs",
+    "2",
+]
 
 
 def environment(tmp_path) -> dict[str, str]:
@@ -39,8 +45,14 @@ def environment(tmp_path) -> dict[str, str]:
 
 def run(args: list[str], tmp_path, timeout: float = 420) -> None:
     """Run a Python module in a child process (killed by PID on timeout)."""
-    with subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=environment(tmp_path),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, *args],
+        cwd=tmp_path,
+        env=environment(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as process:
         try:
             out, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -144,9 +156,15 @@ def test_simulation_engine_equals_in_process_bitwise(tmp_path, config):
 
 # ------------------------------------------------------------------------------------------------ deployment
 DEPLOY = [
-    "--trainer.rounds", "2", "--data.num_clients", "2", "--trainer.enable_progress_bar", "false",
-    "--model.init_args.pretraining.epochs", "2",
-]  # fmt: skip
+    "--trainer.rounds",
+    "2",
+    "--data.num_clients",
+    "2",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.init_args.pretraining.epochs",
+    "2",
+]
 
 
 @pytest.fixture
@@ -230,8 +248,9 @@ def test_deployment_beside_a_cpu_heavy_neighbour_completes_with_a_raised_hello_t
     far longer to import and build): with run config hello-timeout raised, every round has both clients."""
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
     try:
-        finish(deployment, submit(deployment, tmp_path, "busy", timeout="600", run_config="hello-timeout=600"),
-               timeout=900)  # fmt: skip
+        finish(
+            deployment, submit(deployment, tmp_path, "busy", timeout="600", run_config="hello-timeout=600"), timeout=900
+        )
     finally:
         for process in busy:
             process.kill()
@@ -291,8 +310,17 @@ def test_a_quorum_round_proceeds_without_a_slow_supernode_and_folds_its_late_rep
     extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
     node_env = {2: {"PYTHONPATH": os.pathsep.join([str(slow), env["PYTHONPATH"]])}}
     with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=3, extra_env=extra, node_env=node_env) as d:
-        run_id = submit(d, tmp_path, "quorum", "--trainer.rounds", "5", "--data.num_clients", "3", timeout="120",
-                        run_config="quorum=2 max-staleness=4")  # fmt: skip
+        run_id = submit(
+            d,
+            tmp_path,
+            "quorum",
+            "--trainer.rounds",
+            "5",
+            "--data.num_clients",
+            "3",
+            timeout="120",
+            run_config="quorum=2 max-staleness=4",
+        )
         checkpoint, deadline = tmp_path / "runs" / "quorum", time.monotonic() + 240
         while not any(read_checkpoint(p)["round"] >= 1 for p in checkpoint.glob("**/checkpoints/last.ckpt")):
             assert time.monotonic() < deadline, "round 1 did not close without the held node"
@@ -345,8 +373,10 @@ def test_a_superlink_crash_and_restart(tmp_path, database):
             time.sleep(0.2)
         d.crash_superlink()
         d.start_superlink()
-        resumed = f'config="configs/quickstart.yaml" overrides="{overrides} --trainer.resume auto" round-timeout=60 ' \
-                  "wait-for-nodes=10 max-silent-rounds=2"  # fmt: skip
+        resumed = (
+            f'config="configs/quickstart.yaml" overrides="{overrides} --trainer.resume auto" round-timeout=60 '
+            "wait-for-nodes=10 max-silent-rounds=2"
+        )
         if database:
             d.wait_nodes(2, timeout=60)
             finish(d, d.run_app(REPO, resumed))
@@ -360,8 +390,21 @@ def test_a_superlink_crash_and_restart(tmp_path, database):
     if not database:  # the silent attempts of round 3 were not rounds: the run stopped, loudly, at round 2
         assert got["round"] == 2 and [h["fed/lost_clients"] for h in got["history"][1:]] == [0.0, 0.0]
         return
-    run(["-m", "lightning_fl", "fit", "--config", str(CONFIGS / "quickstart.yaml"), *common, "--trainer.name",
-         "straight", "--trainer.logger", "false"], tmp_path)  # fmt: skip
+    run(
+        [
+            "-m",
+            "lightning_fl",
+            "fit",
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            *common,
+            "--trainer.name",
+            "straight",
+            "--trainer.logger",
+            "false",
+        ],
+        tmp_path,
+    )
     reference = final_state(tmp_path, "straight")
     assert got["round"] == 4 and all(h["fed/lost_clients"] == 0.0 for h in got["history"][1:])
     for name in reference["global_state"]:
@@ -423,12 +466,25 @@ def test_tls_and_supernode_authentication(tmp_path):
 # the run's build: 20-30 s each on 2 busy cores, three nodes at once), so a stage waits 90 s (the default is 120 s);
 # with 20 s the nodes missed the setup or the masked upload and the deployed run summed fewer of them than in process.
 SECURE = [
-    "--trainer.rounds", "1", "--data.num_clients", "3", "--trainer.enable_progress_bar", "false",
-    "--model.init_args.pretraining.epochs", "2", "--trainer.max_update_norm_ratio", "null",
-    "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
-    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.secure_aggregation.stage_timeout", "90",
-    "--trainer.secure_aggregation.rounding_seed", "0",
-]  # fmt: skip
+    "--trainer.rounds",
+    "1",
+    "--data.num_clients",
+    "3",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.init_args.pretraining.epochs",
+    "2",
+    "--trainer.max_update_norm_ratio",
+    "null",
+    "--trainer.secure_aggregation",
+    "lightning_fl.privacy.secure.SecureAggregation",
+    "--trainer.secure_aggregation.clipping_range",
+    "1.0",
+    "--trainer.secure_aggregation.stage_timeout",
+    "90",
+    "--trainer.secure_aggregation.rounding_seed",
+    "0",
+]
 
 
 @pytest.fixture
@@ -480,8 +536,11 @@ def test_secagg_plus_deployment_equals_in_process_and_survives_dropped_and_hosti
     config = str(CONFIGS / "quickstart.yaml")
     common = ["--config", config, *SECURE, "--trainer.default_root_dir", str(tmp_path / "runs")]
     run(["-m", "lightning_fl", "fit", *common, "--trainer.name", "inproc", "--trainer.logger", "false"], tmp_path)
-    plain = [a for i, a in enumerate(common)  # the same run without the secure_aggregation keys and their values
-             if not any(common[j].startswith("--trainer.secure_aggregation") for j in (i, i - 1))]  # fmt: skip
+    plain = [
+        a
+        for i, a in enumerate(common)  # the same run without the secure_aggregation keys and their values
+        if not any(common[j].startswith("--trainer.secure_aggregation") for j in (i, i - 1))
+    ]
     run(["-m", "lightning_fl", "fit", *plain, "--trainer.name", "plain", "--trainer.logger", "false"], tmp_path)
     app = secure_app(tmp_path)
 
@@ -524,7 +583,9 @@ def test_secagg_plus_deployment_equals_in_process_and_survives_dropped_and_hosti
     finish(deployment, run_id)
     got = final_state(tmp_path, "hostile")
     assert got["history"][-1]["fed/dropped_clients"] == 1.0 and got["history"][-1]["fed/round_skipped"] == 0.0
-    assert "client 1: upload rejected: secure aggregation, masked upload stage: malformed SecAgg+ reply" in \
-        deployment.run_logs(run_id)  # fmt: skip
+    assert (
+        "client 1: upload rejected: secure aggregation, masked upload stage: malformed SecAgg+ reply"
+        in deployment.run_logs(run_id)
+    )
     assert all(torch.isfinite(t).all() for t in got["global_state"].values())
     assert any(not torch.equal(got["global_state"][n], reference["global_state"][n]) for n in got["global_state"])

@@ -56,8 +56,11 @@ class DelayedGrid(LocalGrid):
 
     def trains(self, node: int) -> list[int]:
         """The rounds (1-based) in which ``node`` was sent a train message."""
-        return [int(m.metadata.group_id) for m in self.sent
-                if m.metadata.message_type == messages.TRAIN and m.metadata.dst_node_id == node]  # fmt: skip
+        return [
+            int(m.metadata.group_id)
+            for m in self.sent
+            if m.metadata.message_type == messages.TRAIN and m.metadata.dst_node_id == node
+        ]
 
 
 def crafted(reply: Message, message: Message, codec=None) -> Message:
@@ -78,14 +81,27 @@ def int8_update(reply: Message, message: Message) -> Message:
 
 def sent_state(grid: DelayedGrid, round: int, node: int = 1) -> dict[str, torch.Tensor]:
     """The global state the train message of ``round`` (1-based) to ``node`` carried."""
-    (message,) = [m for m in grid.sent if m.metadata.message_type == messages.TRAIN and m.metadata.dst_node_id == node
-                  and m.metadata.group_id == str(round)]  # fmt: skip
+    (message,) = [
+        m
+        for m in grid.sent
+        if m.metadata.message_type == messages.TRAIN
+        and m.metadata.dst_node_id == node
+        and m.metadata.group_id == str(round)
+    ]
     return {n: t.double() for n, t in messages.record_to_state(message.content[messages.STATE]).items()}
 
 
 def run(tmp, grid, *extra, name="quorum", **kwargs):
-    overrides = [*SMALL, "--trainer.default_root_dir", str(tmp / "runs"), "--trainer.name", name,
-                 "--trainer.check_identity", "false", *extra]  # fmt: skip
+    overrides = [
+        *SMALL,
+        "--trainer.default_root_dir",
+        str(tmp / "runs"),
+        "--trainer.name",
+        name,
+        "--trainer.check_identity",
+        "false",
+        *extra,
+    ]
     kwargs = {"round_timeout": 10.0, "hello_timeout": 0.05, "wait_for_nodes": 0, **kwargs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -95,12 +111,16 @@ def run(tmp, grid, *extra, name="quorum", **kwargs):
 
 @pytest.mark.parametrize(
     ("identity", "codec", "tamper"),
-    [("false", "FP32", crafted), ("true", "FP32", crafted), ("false", "Quantize --trainer.codec.target update",
-                                                             int8_update)],
+    [
+        ("false", "FP32", crafted),
+        ("true", "FP32", crafted),
+        ("false", "Quantize --trainer.codec.target update", int8_update),
+    ],
     ids=["streamed", "rows", "int8-update"],
-)  # fmt: skip
-def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted(in_tmp, identity, codec, tamper,
-                                                                                  caplog):  # fmt: skip
+)
+def test_a_round_proceeds_at_k_of_n_and_the_next_folds_the_late_reply_discounted(
+    in_tmp, identity, codec, tamper, caplog
+):
     """k = 3 of 4, node 4 (client 3) one round late: round 1 steps with clients 0-2; round 2 with clients 0-2 and
     client 3's round-1 upload, discounted by s(1) = 1/sqrt(2) and rebased on round 2's state; the node is not sent a
     second message while its first is out; its download counts in round 1, its upload in round 2. Streamed, and with
@@ -137,8 +157,17 @@ def test_a_late_reply_of_a_client_the_round_did_not_sample_is_an_extra_upload_of
     arrives in round 2, which did not sample it: it is folded as a third upload (kept as a row more when the round
     keeps rows), discounted by s(1)."""
     grid = DelayedGrid(nodes(), hold={4: {1: 1}}, tamper=dict.fromkeys(STEPS, crafted))
-    trainer, got = run(in_tmp, grid, "--trainer.check_identity", identity, "--trainer.client_fraction", "null",
-                       "--trainer.clients_per_round", "2", quorum=1)  # fmt: skip
+    trainer, got = run(
+        in_tmp,
+        grid,
+        "--trainer.check_identity",
+        identity,
+        "--trainer.client_fraction",
+        "null",
+        "--trainer.clients_per_round",
+        "2",
+        quorum=1,
+    )
     assert [grid.trains(n) for n in STEPS] == [[2], [], [1, 2], [1]]  # (the seeded cohorts, as assumed)
     x0, x1 = sent_state(grid, 1, node=3), sent_state(grid, 2, node=3)
     for n in x0:
@@ -154,8 +183,16 @@ def test_a_round_whose_own_replies_are_all_late_but_that_folds_an_earlier_one_is
     """Cohorts {2, 3} then {0, 2}, k = 1: client 3's round-1 reply arrives in round 2, whose own two replies are both
     held back: round 2 is no silent attempt, it steps from client 3's discounted update alone."""
     grid = DelayedGrid(nodes(), hold={4: {1: 1}, 1: {2: 9}, 3: {2: 9}}, tamper=dict.fromkeys(STEPS, crafted))
-    trainer, got = run(in_tmp, grid, "--trainer.client_fraction", "null", "--trainer.clients_per_round", "2", quorum=1,
-                       round_timeout=0.05)  # fmt: skip
+    trainer, got = run(
+        in_tmp,
+        grid,
+        "--trainer.client_fraction",
+        "null",
+        "--trainer.clients_per_round",
+        "2",
+        quorum=1,
+        round_timeout=0.05,
+    )
     x1 = sent_state(grid, 2, node=3)
     for n in x1:
         torch.testing.assert_close(got["global_state"][n].double(), x1[n] + 0.04 / math.sqrt(2), atol=1e-6, rtol=0)
@@ -169,10 +206,21 @@ def test_a_message_out_longer_than_max_staleness_is_given_up_counted_and_its_cli
     message and replies in time; the old reply is never pulled."""
     grid = DelayedGrid(nodes(), hold={4: {1: 2}})
     overrides = [*SMALL, "--trainer.rounds", "3", "--trainer.default_root_dir", str(in_tmp / "runs")]
-    with pytest.warns(UserWarning, match=r"round 3: client\(s\) \[3\] did not reply within run config 'max-staleness' "
-                      r"\(1 rounds\): their messages are given up"):  # fmt: skip
-        trainer = serve(grid, str(CONFIGS / "quickstart.yaml"), overrides, round_timeout=10.0, hello_timeout=0.05,
-                        wait_for_nodes=0, quorum=3, max_staleness=1)  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"round 3: client\(s\) \[3\] did not reply within run config 'max-staleness' "
+        r"\(1 rounds\): their messages are given up",
+    ):
+        trainer = serve(
+            grid,
+            str(CONFIGS / "quickstart.yaml"),
+            overrides,
+            round_timeout=10.0,
+            hello_timeout=0.05,
+            wait_for_nodes=0,
+            quorum=3,
+            max_staleness=1,
+        )
     rounds = trainer.history[1:]
     assert [h["fed/stale_dropped"] for h in rounds] == [0.0, 0.0, 1.0]
     assert [h["fed/stale_replies"] for h in rounds] == [0.0, 0.0, 0.0]
@@ -242,17 +290,37 @@ def test_without_a_quorum_a_late_reply_is_never_folded(in_tmp):
 VOIDED = [  # run settings a quorum voids, and the words of their refusal
     (["--trainer.strategy", "Median"], "trainer.strategy Median aggregates one cohort's uploads"),
     (["--trainer.attack", "SignFlip", "--trainer.attack.clients", "[2]"], "trainer.attack forges uploads"),
-    (["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0",
-      "--trainer.max_update_norm_ratio", "null"],
-     "trainer.privacy's accountant and fixed denominator"),
-    (["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0"],
-     "trainer.dp_sgd's per-client accounting"),
-    (["--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
-      "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.max_update_norm_ratio", "null"],
-     "trainer.secure_aggregation sums one cohort's uploads"),
-    (["--trainer.codec", "TopK", "--trainer.compressed_downloads", "true"],
-     "trainer.compressed_downloads counts each client's catch-up"),
-]  # fmt: skip
+    (
+        [
+            "--trainer.privacy",
+            "CentralDP",
+            "--trainer.privacy.noise_multiplier",
+            "1.0",
+            "--trainer.max_update_norm_ratio",
+            "null",
+        ],
+        "trainer.privacy's accountant and fixed denominator",
+    ),
+    (
+        ["--trainer.dp_sgd", "lightning_fl.privacy.DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0"],
+        "trainer.dp_sgd's per-client accounting",
+    ),
+    (
+        [
+            "--trainer.secure_aggregation",
+            "lightning_fl.privacy.secure.SecureAggregation",
+            "--trainer.secure_aggregation.clipping_range",
+            "1.0",
+            "--trainer.max_update_norm_ratio",
+            "null",
+        ],
+        "trainer.secure_aggregation sums one cohort's uploads",
+    ),
+    (
+        ["--trainer.codec", "TopK", "--trainer.compressed_downloads", "true"],
+        "trainer.compressed_downloads counts each client's catch-up",
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -286,13 +354,18 @@ def test_a_quorum_no_round_can_meet_is_refused_in_one_line_before_any_message(in
 
 
 def test_the_new_run_config_keys_are_checked_one_line_each():
-    got = settings({"config": "x.yaml", "quorum": 3, "max-staleness": 2, "staleness": "polynomial",
-                    "staleness-exponent": 1.0})  # fmt: skip
+    got = settings(
+        {"config": "x.yaml", "quorum": 3, "max-staleness": 2, "staleness": "polynomial", "staleness-exponent": 1.0}
+    )
     assert (got["quorum"], got["max_staleness"], got["staleness"], got["staleness_exponent"]) == (3, 2, "polynomial", 1)
     assert settings({"config": "x.yaml"})["quorum"] == 0
-    for key, bad, why in [("quorum", -1, "a whole number >= 0"), ("quorum", 1.5, "a whole number >= 0"),
-                          ("max-staleness", True, "a whole number >= 0"), ("staleness", "linear", "one of sqrt"),
-                          ("staleness-exponent", float("nan"), "a finite number >= 0")]:  # fmt: skip
+    for key, bad, why in [
+        ("quorum", -1, "a whole number >= 0"),
+        ("quorum", 1.5, "a whole number >= 0"),
+        ("max-staleness", True, "a whole number >= 0"),
+        ("staleness", "linear", "one of sqrt"),
+        ("staleness-exponent", float("nan"), "a finite number >= 0"),
+    ]:
         with pytest.raises(ConfigError, match=f"run config '{key}' must be {why}"):
             settings({"config": "x.yaml", key: bad})
 
@@ -302,6 +375,7 @@ def test_a_plain_run_voids_nothing():
 
     from lightning_fl.federated import FedAvg
 
-    plain = SimpleNamespace(strategy=FedAvg(), secure_aggregation=None, privacy=None, dp_sgd=None, attack=None,
-                            compressed_downloads=False)  # fmt: skip
+    plain = SimpleNamespace(
+        strategy=FedAvg(), secure_aggregation=None, privacy=None, dp_sgd=None, attack=None, compressed_downloads=False
+    )
     assert quorum_problem(plain) is None

@@ -396,10 +396,16 @@ def test_meta_training_does_not_depend_on_the_target_tasks_partition(tmp_path):
         torch.manual_seed(0)
         model = learner(cache_dir=str(tmp_path))
         trainer = L.Trainer(
-            max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            max_steps=6,
+            val_check_interval=2,
+            check_val_every_n_epoch=None,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
             default_root_dir=tmp_path,
-        )  # fmt: skip
+        )
         trainer.fit(model, datamodule=small_tasks(alpha=alpha))
         weights.append(model.summariser.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
@@ -603,8 +609,19 @@ def test_the_polya_urn_is_selected_by_class_path_and_needs_no_training(in_tmp, m
     assert 0.3 < metrics["test/mp/acc"] <= 1.0
     assert metrics["test/fmp_km/theta_dist"] > 0 and "test/mp/theta_dist" not in metrics
     assert not (in_tmp / "cache" / "generators").exists()
-    assert run_cli("test", "--config", config, *FMP_SHRINK, "--model.generator", "PolyaUrn",
-                   "--model.generator_checkpoint", "x.pt") == 2  # fmt: skip
+    assert (
+        run_cli(
+            "test",
+            "--config",
+            config,
+            *FMP_SHRINK,
+            "--model.generator",
+            "PolyaUrn",
+            "--model.generator_checkpoint",
+            "x.pt",
+        )
+        == 2
+    )
 
 
 def test_target_classes_score_each_method_on_the_classes_the_tasks_leave_out(in_tmp, monkeypatch):
@@ -614,8 +631,17 @@ def test_target_classes_score_each_method_on_the_classes_the_tasks_leave_out(in_
     captured = capture_test_results(monkeypatch)
     config = str(CONFIGS / "fmp_digits.yaml")
     # the data read-out: 4 steps leave the config's linear one at its random start (near-uniform predictions)
-    args = [*FMP_SHRINK, "--model.generator", "PolyaUrn", "--data.points_per_client", "30",
-            "--model.summariser.readout", "data", "--model.warmup_steps", "0"]  # fmt: skip
+    args = [
+        *FMP_SHRINK,
+        "--model.generator",
+        "PolyaUrn",
+        "--data.points_per_client",
+        "30",
+        "--model.summariser.readout",
+        "data",
+        "--model.warmup_steps",
+        "0",
+    ]
     assert run_cli("test", "--config", config, *args, "--data.target_classes", "6") == 0
     metrics = captured["out"][0]
     for method in ("mp", "ann", "cann", "fmp"):

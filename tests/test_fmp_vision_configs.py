@@ -12,13 +12,24 @@ import pytest
 from conftest import CONFIGS, FMP_SHRINK, capture_test_results, fake_cifar, fake_mnist_folder, run_cli
 
 SMALL = [
-    *FMP_SHRINK, "--data.num_clients", "2", "--data.points_per_client", "10", "--model.summariser.num_points", "5",
-    "--data.features.init_args.epochs", "1", "--data.heldout_points", "40",
-]  # fmt: skip
+    *FMP_SHRINK,
+    "--data.num_clients",
+    "2",
+    "--data.points_per_client",
+    "10",
+    "--model.summariser.num_points",
+    "5",
+    "--data.features.init_args.epochs",
+    "1",
+    "--data.heldout_points",
+    "40",
+]
 NARROW_RESNET = [
-    "--data.features.init_args.backbone.init_args.width", "8",
-    "--data.features.init_args.backbone.init_args.norm_groups", "4",
-]  # fmt: skip
+    "--data.features.init_args.backbone.init_args.width",
+    "8",
+    "--data.features.init_args.backbone.init_args.norm_groups",
+    "4",
+]
 
 
 def mnist(root):

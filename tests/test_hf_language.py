@@ -48,8 +48,10 @@ def test_the_wrapper_loads_the_saved_model_counts_the_tied_weight_once_and_gives
     assert (net.vocab_size, net.context, net.pretrained) == (300, CONTEXT, True)
     assert net.hf.lm_head.weight is net.hf.model.embed_tokens.weight
     assert sum(p.numel() for p in net.parameters()) == TINY_PARAMS
-    assert net.tied_weights() == {"hf.lm_head.weight": ["hf.model.embed_tokens.weight"],
-                                  "hf.model.embed_tokens.weight": ["hf.lm_head.weight"]}  # fmt: skip
+    assert net.tied_weights() == {
+        "hf.lm_head.weight": ["hf.model.embed_tokens.weight"],
+        "hf.model.embed_tokens.weight": ["hf.lm_head.weight"],
+    }
     assert not any("tokenizer" in k for k in net.state_dict())
     ids = torch.randint(0, 300, (2, CONTEXT), generator=torch.Generator().manual_seed(0))
     logits = net(ids)
@@ -277,12 +279,37 @@ def test_a_cli_run_fine_tunes_the_tiny_model_with_lora_and_names_a_data_mismatch
     pytest.importorskip("peft")
     network = f"{{class_path: lightning_fl.models.HFCausalLM, init_args: {{path: {tiny_llama}, context: 16}}}}"
     source = f"{{class_path: lightning_fl.data.Shakespeare, init_args: {{root: {corpus}, download: false}}}}"
-    args = ["fit", "--trainer", "lightning_fl.FederatedTrainer", "--trainer.rounds", "1", "--trainer.accelerator",
-            "cpu", "--trainer.clients_per_round", "2", "--trainer.enable_progress_bar", "false",
-            "--model", "lightning_fl.methods.LoRALanguageModel", "--model.network", network, "--model.layers",
-            '["*.q_proj.weight", "*.v_proj.weight"]', "--model.sample_tokens", "0",
-            "--data", "lightning_fl.data.FederatedTextDataModule", "--data.source", source, "--data.context", "16",
-            "--data.partition.min_lines", "10", "--data.pretrain_plays", "1"]  # fmt: skip
+    args = [
+        "fit",
+        "--trainer",
+        "lightning_fl.FederatedTrainer",
+        "--trainer.rounds",
+        "1",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.clients_per_round",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--model",
+        "lightning_fl.methods.LoRALanguageModel",
+        "--model.network",
+        network,
+        "--model.layers",
+        '["*.q_proj.weight", "*.v_proj.weight"]',
+        "--model.sample_tokens",
+        "0",
+        "--data",
+        "lightning_fl.data.FederatedTextDataModule",
+        "--data.source",
+        source,
+        "--data.context",
+        "16",
+        "--data.partition.min_lines",
+        "10",
+        "--data.pretrain_plays",
+        "1",
+    ]
     assert run_cli(*args, "--data.tokenizer", str(tiny_llama)) == 0
     assert "round 1/1" in capsys.readouterr().out
     assert run_cli(*args) == 2  # data.tokenizer null: characters

@@ -230,11 +230,31 @@ def test_the_base_is_pretrained_once_and_shared_by_latent_and_full_weights(corpu
 # ------------------------------------------------------------------------------------------------ configs
 def shrink(corpus, vocab: int) -> list[str]:
     return [
-        "--data.source.root", str(corpus), "--data.source.download", "false", "--data.partition.min_lines", "10",
-        "--data.pretrain_plays", "1", "--data.context", "16", "--data.batch_size", "8",
-        "--model.network.vocab_size", str(vocab), "--model.network.n_layer", "1", "--model.network.n_embd", "16",
-        "--model.network.n_head", "2", "--model.network.context", "16", "--model.sample_tokens", "20",
-    ]  # fmt: skip
+        "--data.source.root",
+        str(corpus),
+        "--data.source.download",
+        "false",
+        "--data.partition.min_lines",
+        "10",
+        "--data.pretrain_plays",
+        "1",
+        "--data.context",
+        "16",
+        "--data.batch_size",
+        "8",
+        "--model.network.vocab_size",
+        str(vocab),
+        "--model.network.n_layer",
+        "1",
+        "--model.network.n_embd",
+        "16",
+        "--model.network.n_head",
+        "2",
+        "--model.network.context",
+        "16",
+        "--model.sample_tokens",
+        "20",
+    ]
 
 
 FEDERATED = ["--trainer.rounds", "2", "--trainer.clients_per_round", "3", "--model.pretraining.epochs", "1"]

@@ -84,10 +84,19 @@ def test_a_resumed_run_ends_bit_for_bit_where_an_unbroken_one_does(method, tiny,
 
 
 CENTRAL_DP = [
-    "--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0", "--trainer.privacy.clip_norm",
-    "0.05", "--trainer.privacy.noise_seed", "0", "--trainer.max_update_norm_ratio", "null",
-    "--trainer.strategy.init_args.weighted", "false",
-]  # fmt: skip
+    "--trainer.privacy",
+    "CentralDP",
+    "--trainer.privacy.noise_multiplier",
+    "1.0",
+    "--trainer.privacy.clip_norm",
+    "0.05",
+    "--trainer.privacy.noise_seed",
+    "0",
+    "--trainer.max_update_norm_ratio",
+    "null",
+    "--trainer.strategy.init_args.weighted",
+    "false",
+]
 
 
 @pytest.mark.parametrize("method", ["flite", "lora", "ffa_lora"])
@@ -104,16 +113,29 @@ def test_central_dp_clips_noises_and_spends_a_budget(method, tiny, tmp_path):
 
 
 SECURE = [
-    "--trainer.secure_aggregation", "lightning_fl.privacy.secure.SecureAggregation",
-    "--trainer.secure_aggregation.clipping_range", "1.0", "--trainer.max_update_norm_ratio", "null",
-    "--trainer.strategy.init_args.weighted", "false",
-]  # fmt: skip
+    "--trainer.secure_aggregation",
+    "lightning_fl.privacy.secure.SecureAggregation",
+    "--trainer.secure_aggregation.clipping_range",
+    "1.0",
+    "--trainer.max_update_norm_ratio",
+    "null",
+    "--trainer.strategy.init_args.weighted",
+    "false",
+]
 
 
 @pytest.mark.parametrize("method", ["flite", "lora"])
 def test_secure_aggregation_steps_by_the_mean_of_the_quantised_updates(method, tiny, tmp_path):
-    clear = fit(tmp_path, method, tiny, "--trainer.max_update_norm_ratio", "null",
-                "--trainer.strategy.init_args.weighted", "false", name="clear")  # fmt: skip
+    clear = fit(
+        tmp_path,
+        method,
+        tiny,
+        "--trainer.max_update_norm_ratio",
+        "null",
+        "--trainer.strategy.init_args.weighted",
+        "false",
+        name="clear",
+    )
     secure = fit(tmp_path, method, tiny, *SECURE, name="secure")
     for key, value in clear["global_state"].items():
         if value.is_floating_point():  # equal up to SecAgg+'s quantisation of each update
@@ -124,9 +146,20 @@ def test_secure_aggregation_steps_by_the_mean_of_the_quantised_updates(method, t
 @pytest.mark.slow
 def test_a_smollm2_config_runs_a_round_on_smollm2_itself(tmp_path):
     """The real model through the shipped LoRA config: one round of two clients, one step each, offline."""
-    small = ["--trainer.rounds", "1", "--trainer.clients_per_round", "2", "--trainer.local_steps", "1",
-             "--data.init_args.num_clients", "2", "--trainer.enable_progress_bar", "false",
-             "--trainer.logger", "false"]  # fmt: skip
+    small = [
+        "--trainer.rounds",
+        "1",
+        "--trainer.clients_per_round",
+        "2",
+        "--trainer.local_steps",
+        "1",
+        "--data.init_args.num_clients",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger",
+        "false",
+    ]
     done = fit(tmp_path, "lora", small)
     assert done["history"][-1]["comm/client_up_bytes"] == 4 * 305_280  # r = 1 on 210 projections
     assert math.isfinite(done["history"][-1]["val/ppl"])

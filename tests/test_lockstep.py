@@ -22,8 +22,9 @@ def test_a_lockstep_cohort_of_8_clients_equals_8_clients_one_at_a_time_over_3_ro
     lockstep = fit(tmp_path, "lock", "lockstep", model=quickstart_model())
     assert not any("one at a time" in w for w in lockstep.caught)
     assert_same_run(sequential, lockstep)
-    assert not torch.equal(sequential.global_state["mapping.latent"], torch.zeros_like(
-        lockstep.global_state["mapping.latent"]))  # fmt: skip
+    assert not torch.equal(
+        sequential.global_state["mapping.latent"], torch.zeros_like(lockstep.global_state["mapping.latent"])
+    )
     again = fit(tmp_path, "lock_again", "lockstep", model=quickstart_model())  # deterministic given the seed
     assert torch.equal(lockstep.global_state["mapping.latent"], again.global_state["mapping.latent"])
 
@@ -37,8 +38,9 @@ def test_a_lockstep_cohort_of_8_clients_equals_8_clients_one_at_a_time_over_3_ro
     ],
     ids=["sgd_momentum_local_steps", "trainable_head_clipping_two_epochs", "dense"],
 )
-def test_unequal_clients_heads_optimisers_and_dense_factors_equal_sequential(tmp_path, model_args, recipe_args,
-                                                                             trainer_args):  # fmt: skip
+def test_unequal_clients_heads_optimisers_and_dense_factors_equal_sequential(
+    tmp_path, model_args, recipe_args, trainer_args
+):
     """Dirichlet clients of unequal sizes: their last batches differ in size, and some clients stop early."""
     dm = lambda: make_dm(num_clients=8, batch_size=8, partition=Dirichlet(alpha=0.5, min_partition_size=5))
     recipe = dataclasses.replace(LATENT_RECIPE, **recipe_args)

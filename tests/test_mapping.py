@@ -156,8 +156,9 @@ def test_averaging_identity_error_measures_a_real_cancellation():
     """Two clients with huge opposite latents: float32 rounding of each client's weights does not cancel, so the
     identity error is positive; it equals the same maximum taken over the forward pass's own weights."""
     torch.manual_seed(0)
-    model = LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
-                             latent_dim=16, rank=8)  # fmt: skip
+    model = LatentClassifier(
+        SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch", latent_dim=16, rank=8
+    )
     big = 1e6 * torch.randn(model.mapping.latent_size)
     z1, z2 = big, -big + torch.randn(model.mapping.latent_size)
     error = model.averaging_identity_error([{"mapping.latent": z1}, {"mapping.latent": z2}])
@@ -175,8 +176,9 @@ def test_averaging_identity_error_is_taken_over_every_state():
     taken in float64 (the method's float32 sum of the first two is exact by Sterbenz's lemma and the rest adds
     about 1e-7); any one state alone, the first or the last, gives exactly 0."""
     torch.manual_seed(1)
-    model = LatentClassifier(SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch",
-                             latent_dim=16, rank=8)  # fmt: skip
+    model = LatentClassifier(
+        SmallCNN(image_size=8, channels=[8, 16], norm_groups=4), 10, base="scratch", latent_dim=16, rank=8
+    )
     size = model.mapping.latent_size
     big = 1e6 * torch.randn(size)
     zs = [big, -big + torch.randn(size), torch.randn(size), 0.5 * torch.randn(size)]

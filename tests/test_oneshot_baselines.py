@@ -147,10 +147,12 @@ def test_baselines_are_selected_from_the_config(in_tmp, monkeypatch):
     from conftest import CONFIGS, capture_test_results, run_cli
 
     monkeypatch.setenv("LIGHTNING_FL_CACHE", str(in_tmp / "cache"))
-    methods = ('[{"class_path": "lightning_fl.oneshot.baselines.cbnn.CBNN"}, '
-               '{"class_path": "lightning_fl.oneshot.baselines.cfmp.CFMP"}, '
-               '{"class_path": "lightning_fl.oneshot.baselines.laplace.BNN", '
-               '"init_args": {"prior_precision": 2.5}}]')  # fmt: skip
+    methods = (
+        '[{"class_path": "lightning_fl.oneshot.baselines.cbnn.CBNN"}, '
+        '{"class_path": "lightning_fl.oneshot.baselines.cfmp.CFMP"}, '
+        '{"class_path": "lightning_fl.oneshot.baselines.laplace.BNN", '
+        '"init_args": {"prior_precision": 2.5}}]'
+    )
     config = str(CONFIGS / "fmp_digits.yaml")
     assert run_cli("fit", "--config", config, *FMP_SHRINK, "--model.methods", methods) == 0
     captured = capture_test_results(monkeypatch)

@@ -88,8 +88,9 @@ def assert_same_cuts(got: list[list[int]], want: list[list[int]], targets: np.nd
 def test_dirichlet_equals_flowers_dirichlet_partitioner(seed, alpha, clients, min_size):
     n = 2003  # the mean client size is not an integer for any of the client counts
     targets = labels(n, 10, seed)
-    flower = partitioner.DirichletPartitioner(clients, "label", alpha, min_partition_size=min_size,
-                                              self_balancing=True, shuffle=False, seed=seed)  # fmt: skip
+    flower = partitioner.DirichletPartitioner(
+        clients, "label", alpha, min_partition_size=min_size, self_balancing=True, shuffle=False, seed=seed
+    )
     split = Dirichlet(alpha, min_partition_size=min_size, balance=True, max_retries=11)  # Flower tries 11 times
     with warnings.catch_warnings(action="ignore"):  # Flower warns on every redraw
         want = flower_parts(flower, targets)
@@ -98,8 +99,9 @@ def test_dirichlet_equals_flowers_dirichlet_partitioner(seed, alpha, clients, mi
 
 def test_dirichlet_without_balancing_equals_flowers_too():
     targets = labels(1000, 10, 5)
-    flower = partitioner.DirichletPartitioner(8, "label", 0.3, min_partition_size=0, self_balancing=False,
-                                              shuffle=False, seed=5)  # fmt: skip
+    flower = partitioner.DirichletPartitioner(
+        8, "label", 0.3, min_partition_size=0, self_balancing=False, shuffle=False, seed=5
+    )
     split = Dirichlet(0.3, min_partition_size=1, balance=False)
     with warnings.catch_warnings(action="ignore"):
         want = flower_parts(flower, targets)
@@ -110,7 +112,8 @@ def test_dirichlet_without_balancing_equals_flowers_too():
 @pytest.mark.parametrize(("n", "clients", "per_client"), [(1000, 10, 2), (600, 20, 3), (120, 6, 4)])
 def test_shards_equal_flowers_shard_partitioner_when_the_shards_divide_the_data(seed, n, clients, per_client):
     targets = labels(n, 10, seed)
-    flower = partitioner.ShardPartitioner(clients, "label", num_shards_per_partition=per_client, shuffle=False,
-                                          seed=seed)  # fmt: skip
+    flower = partitioner.ShardPartitioner(
+        clients, "label", num_shards_per_partition=per_client, shuffle=False, seed=seed
+    )
     # ours shuffles the samples (kept in order here), then deals the shards (Flower's one draw)
     assert ours(Shards(per_client), targets, clients, Aligned(seed, keep=1)) == flower_parts(flower, targets)

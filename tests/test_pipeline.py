@@ -69,8 +69,9 @@ def test_a_streamed_fedavg_round_equals_the_all_rows_mean_bit_for_bit_and_keeps_
     streamed, population = make(update, 12, strategy=FedAvg(weighted=weighted), num_samples=samples)
     state, _ = run_rounds(streamed, population, rounds=2)
     assert streamed.kept_rows == 0  # never an (n, D) matrix
-    kept, population = make(update, 12, strategy=FedAvg(weighted=weighted), num_samples=samples,
-                            max_update_norm_ratio=1e30)  # fmt: skip  # a relative gate that refuses nothing
+    kept, population = make(
+        update, 12, strategy=FedAvg(weighted=weighted), num_samples=samples, max_update_norm_ratio=1e30
+    )  # a relative gate that refuses nothing
     again, _ = run_rounds(kept, population, rounds=2)
     assert kept.kept_rows == 12
     assert torch.equal(flat(state), flat(again))
@@ -119,8 +120,9 @@ def test_fold_groups_add_each_group_in_client_order_then_the_groups_in_group_ord
     # wide-ranging updates, weighted, 3 groups of 11 clients: the hand fold, streamed and with rows kept
     update, samples = updates(), lambda c: 5 + 2 * c
     streamed, population = make(update, 11, strategy=FedAvg(weighted=True), num_samples=samples, fold_groups=3)
-    kept, _ = make(update, 11, strategy=FedAvg(weighted=True), num_samples=samples, fold_groups=3,
-                   max_update_norm_ratio=1e30)  # fmt: skip
+    kept, _ = make(
+        update, 11, strategy=FedAvg(weighted=True), num_samples=samples, fold_groups=3, max_update_norm_ratio=1e30
+    )
     s_streamed, history = run_rounds(streamed, population)
     s_kept, _ = run_rounds(kept, population)
     current = flat({"a": torch.zeros(2, 2), "b": torch.ones(2)})
@@ -136,8 +138,9 @@ def test_with_fold_groups_a_process_trains_the_clients_of_its_groups():
     runner.collection.fold_groups = 3
     assert [runner.process_of(c, 2) for c in range(6)] == [0, 1, 0, 0, 1, 0]  # group c % 3 on process g % 2
     with pytest.warns(UserWarning, match="fold_groups is 2 but the run has 4 processes"):
-        RoundRunner(SimpleNamespace(world_size=4), FedAvg(), Uploads(InProcess(), FP32(), LocalTraining(), 2), [],
-                    ByteLedger(4))  # fmt: skip
+        RoundRunner(
+            SimpleNamespace(world_size=4), FedAvg(), Uploads(InProcess(), FP32(), LocalTraining(), 2), [], ByteLedger(4)
+        )
     from lightning_fl import FederatedTrainer
 
     for bad in (0, 2.5):

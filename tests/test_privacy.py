@@ -76,8 +76,9 @@ def test_fixed_size_sampling_matches_autodp_and_pays_for_replace_one(z):
     n, m, rounds = 2000, 100, 100
     ours = Accountant(n, m, "fixed", "rdp").epsilon(DELTA, (RoundEvent(z), rounds))
     acct = rdp_acct.anaRDPacct()
-    acct.compose_subsampled_mechanism(lambda a: rdp_bank.RDP_gaussian({"sigma": z / 2}, a), m / n,
-                                      improved_bound_flag=True)  # fmt: skip
+    acct.compose_subsampled_mechanism(
+        lambda a: rdp_bank.RDP_gaussian({"sigma": z / 2}, a), m / n, improved_bound_flag=True
+    )
     acct.build_zeroth_oracle()
     orders = np.arange(2, 257)
     rdp = rounds * np.array([acct.evalRDP(int(a)) for a in orders])
@@ -97,8 +98,9 @@ def test_flowers_rdp_accountant_agrees_where_both_apply():
         ("poisson", SamplingMethod.POISSON, NeighboringRelation.ADD_OR_REMOVE_ONE, z),
         ("fixed", SamplingMethod.WITHOUT_REPLACEMENT, NeighboringRelation.REPLACE_ONE, z / 2),
     ):
-        flower = RdpAccountant(PrivacyConfig(target_delta=DELTA, population_size=n, neighboring_relation=relation,
-                                             sampling_method=method))  # fmt: skip
+        flower = RdpAccountant(
+            PrivacyConfig(target_delta=DELTA, population_size=n, neighboring_relation=relation, sampling_method=method)
+        )
         flower.compose(GaussianPrivacyEvent(noise_multiplier=flower_z, sample_size=m, population_size=n), rounds)
         ours = Accountant(n, m, sampling, "rdp").epsilon(DELTA, (RoundEvent(z), rounds))
         assert ours == pytest.approx(flower.get_epsilon(DELTA), rel=1e-9)
@@ -206,13 +208,30 @@ def test_central_dp_bounds_the_step_whatever_the_codec_did_and_local_dp_encodes_
 
     make_codec = {"int4": lambda: Quantize(bits=4), "topk_error_feedback": lambda: TopK(density=0.5)}[codec]
     bound = 1e-3  # far below the clients' update norms: every update is clipped
-    central = fit(make_trainer(tmp_path / "c", rounds=2, logger=False, codec=make_codec(),
-                               privacy=CentralDP(clip_norm=bound, noise_multiplier=0.0), **DP_ARGS))  # fmt: skip
+    central = fit(
+        make_trainer(
+            tmp_path / "c",
+            rounds=2,
+            logger=False,
+            codec=make_codec(),
+            privacy=CentralDP(clip_norm=bound, noise_multiplier=0.0),
+            **DP_ARGS,
+        )
+    )
     states = [make_model().federated_state()["mapping.latent"], central.global_state["mapping.latent"].cpu()]
     # two rounds, each a mean of at most m = 4 clipped updates over m: the state moved by at most 2 S
     assert 0 < float((states[1] - states[0]).double().norm()) <= 2 * bound * (1 + 1e-6)
-    local = fit(make_trainer(tmp_path / "l", rounds=1, logger=False, codec=make_codec(),
-                             privacy=LocalDP(clip_norm=0.1, epsilon=4.0), population="local", **DP_ARGS))  # fmt: skip
+    local = fit(
+        make_trainer(
+            tmp_path / "l",
+            rounds=1,
+            logger=False,
+            codec=make_codec(),
+            privacy=LocalDP(clip_norm=0.1, epsilon=4.0),
+            population="local",
+            **DP_ARGS,
+        )
+    )
     assert torch.isfinite(local.global_state["mapping.latent"]).all()
     assert local.history[-1]["privacy/epsilon"] == pytest.approx(4.0, rel=1e-6)
 
@@ -256,8 +275,9 @@ def test_target_epsilon_is_calibrated_before_round_1_and_spent_by_the_last(tmp_p
     trainer = fit(make_trainer(tmp_path, rounds=3, logger=False, privacy=privacy, **DP_ARGS))
     eps = [h["privacy/epsilon"] for h in trainer.history[1:]]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(6.0, rel=1e-3) and eps[-1] <= 6.0
-    other = make_trainer(tmp_path, rounds=4, logger=False, privacy=CentralDP(clip_norm=0.5, target_epsilon=8.0),
-                         **DP_ARGS)  # fmt: skip
+    other = make_trainer(
+        tmp_path, rounds=4, logger=False, privacy=CentralDP(clip_norm=0.5, target_epsilon=8.0), **DP_ARGS
+    )
     with pytest.raises(ConfigError, match="calibrated to trainer.privacy.target_epsilon=6.0, this run asks for 8.0"):
         fit(other, ckpt_path=str(trainer.log_dir / "checkpoints" / "last.ckpt"))
 
@@ -303,8 +323,9 @@ def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_a_resume_ke
     assert f"{said} {eps[2]:.4g}" in out and "max_epsilon" in out
     ckpt = stopped.log_dir / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["round"] == 2
-    again = fit(make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(limit), **DP_ARGS),
-                ckpt_path=str(ckpt))  # fmt: skip
+    again = fit(
+        make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(limit), **DP_ARGS), ckpt_path=str(ckpt)
+    )
     assert [h["round"] for h in again.history] == [0, 1, 2]  # the budget carried over: still no round 3
     resumed = fit(make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(), **DP_ARGS), ckpt_path=str(ckpt))
     assert [h["privacy/epsilon"] for h in resumed.history[1:]] == eps  # the same budget, continued
@@ -341,8 +362,10 @@ def test_private_runs_from_the_command_line_and_their_refusals(in_tmp, capsys, m
     assert run_cli("fit", *ok) == 0
     out = capsys.readouterr().out
     assert "privacy: user-level epsilon" in out and "at delta" in out
-    assert "    trust: central, the server clips and noises the sum; neighbours: one client's data added or removed " \
-           "(poisson sampling)\n" in out  # fmt: skip
+    assert (
+        "    trust: central, the server clips and noises the sum; neighbours: one client's data added or removed "
+        "(poisson sampling)\n" in out
+    )
     note = "relative norm gate off (trainer.max_update_norm_ratio auto under trainer.privacy CentralDP)"
     assert f"  {note}: the clip bound bounds every upload instead\n" in out
     config = (in_tmp / "runs" / "quickstart" / "version_0" / "config.yaml").read_text()
@@ -422,30 +445,38 @@ def test_the_summary_says_what_the_epsilon_protects_and_the_bytes_of_the_clients
     assert len(sent) == 2 and sent.double().mean() > trainer.history[-1]["comm/cum_client_bytes"]
     mean = float(sent.double().mean())
     bytes_line = out.index(next(line for line in out if line.startswith("  bytes per client (")))
-    assert out[bytes_line + 1] == f"  bytes per client that took part (2 of 8 clients): {mean:,.0f} " \
-                                  f"({mean / 2**20:.3f} MiB)"  # fmt: skip
+    assert (
+        out[bytes_line + 1] == f"  bytes per client that took part (2 of 8 clients): {mean:,.0f} "
+        f"({mean / 2**20:.3f} MiB)"
+    )
     epsilon = out.index(next(line for line in out if line.startswith("  privacy: user-level epsilon 4 at delta")))
     local = "    trust: local, each client noises its own upload (the server is not trusted); epsilon of the client "
     assert out[epsilon + 1] == local + "that uploaded most; neighbours: one client's data replaced"
     assert out[epsilon + 2] == "    noise from the operating system's secure generator"  # noise_seed null
     every = fit(make_trainer(tmp_path, rounds=1, logger=False, **DP_ARGS, name="every"), dm=make_dm(num_clients=4))
     assert "took part" not in capsys.readouterr().out and every.ledger.took_part()[0] == 4  # every client took part
-    for sampling, relation in [("fixed", "one client's data replaced (fixed-size sampling)"),
-                               ("poisson", "one client's data added or removed (poisson sampling)")]:  # fmt: skip
+    for sampling, relation in [
+        ("fixed", "one client's data replaced (fixed-size sampling)"),
+        ("poisson", "one client's data added or removed (poisson sampling)"),
+    ]:
         central, shares = CentralDP(noise_multiplier=1.0, noise_seed=2), DistributedDP(noise_multiplier=1.0)
         for privacy in (central, shares):
             privacy.setup(Plan(100, 10.0, sampling, 5, 0, FedAvg()))
         assert central.guarantee() == (
             f"trust: central, the server clips and noises the sum; neighbours: {relation}\nnoise and cohorts seeded "
             "by noise_seed 2 and the run's seed: the guarantee assumes the seeds stay secret (noise_seed null for a "
-            "deployment)")  # fmt: skip
+            "deployment)"
+        )
         assert shares.guarantee(secure_sum=True) == (
             "trust: distributed, each client adds a share of the noise and the server sees only their sum (secure "
             "aggregation); epsilon of the client whose shares reached most sums, not amplified by sampling (the "
             "server sees who takes part); neighbours: one client's data replaced\nnoise from the operating system's "
-            "secure generator")  # whatever the sampling  # fmt: skip
-        assert "without secure aggregation the server sees each upload, with 1/sqrt(m) of the noise" in \
-               shares.guarantee(secure_sum=False)  # fmt: skip
+            "secure generator"
+        )  # whatever the sampling
+        assert (
+            "without secure aggregation the server sees each upload, with 1/sqrt(m) of the noise"
+            in shares.guarantee(secure_sum=False)
+        )
 
 
 def test_plan_refusals_are_one_line_config_errors():
@@ -642,9 +673,10 @@ def test_a_distributed_dp_run_reports_its_worst_clients_unamplified_epsilon(tmp_
     assert dist.history[-1]["privacy/epsilon"] == pytest.approx(replace_one_gaussians(*[1.0] * most), rel=2e-3)
     assert cent.history[-1]["privacy/epsilon"] != dist.history[-1]["privacy/epsilon"]  # another accounting
     assert dist.local.upload_stage is dist.privacy
-    clean = [fit(make_trainer(tmp_path / name, privacy=kind(clip_norm=0.05, noise_multiplier=0.0), population=name,
-                              **args))
-             for name, kind in (("d0", DistributedDP), ("c0", CentralDP))]  # fmt: skip
+    clean = [
+        fit(make_trainer(tmp_path / name, privacy=kind(clip_norm=0.05, noise_multiplier=0.0), population=name, **args))
+        for name, kind in (("d0", DistributedDP), ("c0", CentralDP))
+    ]
     a, b = (t.global_state["mapping.latent"] for t in clean)  # without noise: clipped on the client or the server
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert not torch.equal(dist.global_state["mapping.latent"], a)
@@ -699,8 +731,11 @@ def test_without_a_noise_seed_every_mechanism_draws_its_noise_from_the_os(mechan
             privacy.setup(Plan(100, 10.0, "poisson", 5, 0, FedAvg()))
             privacy.release(torch.zeros(100, dtype=torch.float64), 0, 10, 0)
         elif mechanism in ("local", "distributed"):
-            privacy = LocalDP(noise_multiplier=1.0, noise_seed=seed) if mechanism == "local" else \
-                DistributedDP(noise_multiplier=1.0, noise_seed=seed)  # fmt: skip
+            privacy = (
+                LocalDP(noise_multiplier=1.0, noise_seed=seed)
+                if mechanism == "local"
+                else DistributedDP(noise_multiplier=1.0, noise_seed=seed)
+            )
             privacy.setup(Plan(100, 10.0, "poisson", 5, 0, FedAvg()))
             privacy.privatize(zero, zero, client=1, round=0, seed=0)
         else:
@@ -739,11 +774,29 @@ def test_the_planner_assumes_the_trainers_sampling_and_says_so(capsys):
     for _ in range(5):
         privacy.accountant.compose(privacy.event())  # what end_round composes
     assert f"| 1.0000 | {privacy.epsilon():.4f} |" in out
-    assert main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--epsilon", "4", "--accountant",
-                 "pld"]) == 2  # fmt: skip
+    assert (
+        main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--epsilon", "4", "--accountant", "pld"]) == 2
+    )
     assert capsys.readouterr().err.count("\n") == 1
-    assert main(["--clients", "2000", "--per-round", "100", "--rounds", "5", "--noise-multiplier", "1.0",
-                 "--accountant", "pld", "--sampling", "poisson"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--clients",
+                "2000",
+                "--per-round",
+                "100",
+                "--rounds",
+                "5",
+                "--noise-multiplier",
+                "1.0",
+                "--accountant",
+                "pld",
+                "--sampling",
+                "poisson",
+            ]
+        )
+        == 0
+    )
     assert "Poisson sampling, add/remove-one neighbours" in capsys.readouterr().out
 
 
@@ -835,10 +888,12 @@ def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload
     from lightning_fl.federated.transport import InProcess
     from lightning_fl.privacy import DPSGD, DistributedDP, LocalDP
 
-    kinds = {"local": {"privacy": LocalDP(noise_multiplier=1.0)},
-             "central": {"privacy": CentralDP(noise_multiplier=1.0)},
-             "distributed": {"privacy": DistributedDP(noise_multiplier=1.0)},
-             "dp_sgd": {"dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=1.0)}}  # fmt: skip
+    kinds = {
+        "local": {"privacy": LocalDP(noise_multiplier=1.0)},
+        "central": {"privacy": CentralDP(noise_multiplier=1.0)},
+        "distributed": {"privacy": DistributedDP(noise_multiplier=1.0)},
+        "dp_sgd": {"dp_sgd": DPSGD(max_grad_norm=1.0, noise_multiplier=1.0)},
+    }
     trainer = make_trainer(tmp_path, rounds=1, logger=False, **DP_ARGS, **kinds[mechanism])
     seen = []
     inner = InProcess.replies
@@ -855,7 +910,8 @@ def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload
     assert "train/loss" not in trainer.history[-1]  # (central DP's server gets it, and keeps it out of its logs)
     failed = ClientResult(0, 10, None, {"train/loss": (1e9, 1.0)}, "local training failed: train/loss became inf")
     assert failed.released(LocalTraining(upload_stage=LocalDP(noise_multiplier=1.0)))[2] == (
-        "local training failed (details withheld under local privacy)")  # fmt: skip
+        "local training failed (details withheld under local privacy)"
+    )
     if not trusted:  # a strategy weighing by sample counts would need what is withheld
         with pytest.raises(ConfigError, match=r"trainer.strategy weighted: true .* set weighted: false"):
             FederatedTrainer(strategy=FedAvg(weighted=True), **kinds[mechanism])
@@ -971,9 +1027,17 @@ def test_central_dp_with_noise_seed_null_draws_its_cohorts_where_no_seed_reveals
 
         RoundRunner.sample = spy
         try:
-            trainer = make_trainer(tmp_path, rounds=4, logger=False, name=name, sampling=sampling,
-                                   max_update_norm_ratio=None, clients_per_round=2, privacy=privacy,
-                                   population=name if privacy is not None else None)  # fmt: skip
+            trainer = make_trainer(
+                tmp_path,
+                rounds=4,
+                logger=False,
+                name=name,
+                sampling=sampling,
+                max_update_norm_ratio=None,
+                clients_per_round=2,
+                privacy=privacy,
+                population=name if privacy is not None else None,
+            )
             fit(trainer, dm=make_dm(num_clients=12))
         finally:
             RoundRunner.sample = inner
@@ -986,8 +1050,9 @@ def test_central_dp_with_noise_seed_null_draws_its_cohorts_where_no_seed_reveals
     assert "noise and cohorts from the operating system's secure generator" in trainer.privacy.guarantee()
     pinned, trainer = cohorts(CentralDP(noise_multiplier=1.0, noise_seed=3), "c")
     assert pinned == seeded and not trainer.round_runner.settings.secret_cohorts
-    assert ("noise and cohorts seeded by noise_seed 3 and the run's seed: the guarantee assumes the seeds stay "
-            "secret") in trainer.privacy.guarantee()  # fmt: skip
+    assert (
+        "noise and cohorts seeded by noise_seed 3 and the run's seed: the guarantee assumes the seeds stay secret"
+    ) in trainer.privacy.guarantee()
     shares, trainer = cohorts(DistributedDP(noise_multiplier=1.0), "d")
     assert shares == seeded and "noise from the operating system's secure generator" in trainer.privacy.guarantee()
 

@@ -168,10 +168,21 @@ def test_resume_auto_never_attaches_to_a_live_run(tmp_path):
 def test_two_cli_runs_started_together_keep_both_results(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_FL_CACHE": str(tmp_path / "cache")}
     common = [
-        sys.executable, "-m", "lightning_fl", "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
-        "--trainer.rounds", "1", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
-        str(tmp_path / "runs"), "--model.pretraining.epochs", "2",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lightning_fl",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        "--trainer.rounds",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path / "runs"),
+        "--model.pretraining.epochs",
+        "2",
+    ]
     procs = [
         subprocess.Popen([*common, "--model.recipe.lr", lr], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
         for lr in ("0.011", "0.022")
@@ -351,10 +362,23 @@ def test_kill_9_at_random_moments_then_resume_ends_bitwise_equal(tmp_path):
 
     def command(root: str) -> list[str]:
         return [
-            sys.executable, "-m", "lightning_fl", "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
-            "--trainer.rounds", str(rounds), "--trainer.enable_progress_bar", "false", "--trainer.resume", "auto",
-            "--trainer.default_root_dir", str(tmp_path / root), "--model.pretraining.epochs", "2",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "lightning_fl",
+            "fit",
+            "--config",
+            str(REPO / "configs" / "quickstart.yaml"),
+            "--trainer.rounds",
+            str(rounds),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.resume",
+            "auto",
+            "--trainer.default_root_dir",
+            str(tmp_path / root),
+            "--model.pretraining.epochs",
+            "2",
+        ]
 
     subprocess.run(command("reference"), env=env, check=True, timeout=600, capture_output=True)  # caches the base
     reference = torch.load(next((tmp_path / "reference").rglob("last.ckpt")), weights_only=True)

@@ -50,8 +50,9 @@ def test_a_run_ends_with_a_summary_and_prints_plain_progress_lines(tmp_path, cap
     assert "\r" not in out  # no carriage-return bars when output is not a terminal
 
 
-@pytest.mark.parametrize(("terminal", "bar", "lines"), [(False, True, True), (False, False, True), (True, True, False),
-                                                      (True, False, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("terminal", "bar", "lines"), [(False, True, True), (False, False, True), (True, True, False), (True, False, True)]
+)
 def test_progress_is_a_bar_on_a_terminal_if_enabled_else_a_line_every_tenth_of_the_run(
     monkeypatch, capsys, terminal, bar, lines
 ):
@@ -75,8 +76,10 @@ def test_the_summary_says_when_the_best_rounds_are_chosen_on_test_data(tmp_path)
 
     history = [{"round": 0, "val/acc": 0.5}, {"round": 1, "val/acc": 0.7}]
     on_test = run_summary(history, tmp_path, logger=False, val_is_test=True).splitlines()
-    assert on_test[1] == "  val/* is the test split (no validation split: data.val_fraction 0): each best round " \
-                         "below is chosen on test data"  # fmt: skip
+    assert (
+        on_test[1] == "  val/* is the test split (no validation split: data.val_fraction 0): each best round "
+        "below is chosen on test data"
+    )
     assert on_test[2:] == run_summary(history, tmp_path, logger=False).splitlines()[1:]
     assert "test split" not in run_summary([{"round": 1}], tmp_path, False, val_is_test=True)  # no val/*
     source = Synthetic(train_size=40, test_size=10)

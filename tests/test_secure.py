@@ -53,8 +53,9 @@ def test_the_rounding_is_unbiased_seeded_and_clips_to_the_range():
     draws = torch.stack([secure.dequantize(secure.quantize(x, g)) for _ in range(20_000)])
     torch.testing.assert_close(draws.mean(0), x.clamp(-1, 1), rtol=0, atol=4e-3)
     assert set(torch.unique(draws[:, 0]).tolist()) == {0.25, 0.375}  # the two grid points around 0.3
-    assert torch.equal(secure.quantize(x, torch.Generator().manual_seed(3)),
-                       secure.quantize(x, torch.Generator().manual_seed(3)))  # fmt: skip
+    assert torch.equal(
+        secure.quantize(x, torch.Generator().manual_seed(3)), secure.quantize(x, torch.Generator().manual_seed(3))
+    )
 
 
 def test_secure_rounding_draws_from_the_os_unless_a_seed_is_given():
@@ -94,8 +95,15 @@ def secure_fit(tmp_path, name, secure=None, rounds=2, **kwargs):
 
     from conftest import make_dm, make_model, make_trainer
 
-    trainer = make_trainer(tmp_path, rounds=rounds, name=name, max_update_norm_ratio=None, check_identity=False,
-                           secure_aggregation=secure, **kwargs)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        rounds=rounds,
+        name=name,
+        max_update_norm_ratio=None,
+        check_identity=False,
+        secure_aggregation=secure,
+        **kwargs,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         trainer.fit(make_model(), datamodule=make_dm(num_clients=kwargs.pop("num_clients", 4)))
@@ -134,10 +142,16 @@ def test_distributed_dp_under_secure_aggregation_spends_what_it_spends_in_the_cl
     from lightning_fl.privacy import DistributedDP
     from lightning_fl.privacy.secure import SecureAggregation
 
-    secure = secure_fit(tmp_path, "sd", SecureAggregation(clipping_range=1.0), clients_per_round=4,
-                        privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0))  # fmt: skip
-    clear = secure_fit(tmp_path, "c", None, clients_per_round=4,
-                       privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0))  # fmt: skip
+    secure = secure_fit(
+        tmp_path,
+        "sd",
+        SecureAggregation(clipping_range=1.0),
+        clients_per_round=4,
+        privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0),
+    )
+    clear = secure_fit(
+        tmp_path, "c", None, clients_per_round=4, privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0)
+    )
     assert [h["privacy/epsilon"] for h in secure.history[1:]] == [h["privacy/epsilon"] for h in clear.history[1:]]
     assert secure.privacy.precision == clear.privacy.precision and secure.history[-1]["privacy/epsilon"] > 0
     assert torch.isfinite(secure.global_state["mapping.latent"]).all()
@@ -171,16 +185,20 @@ def test_a_malformed_secure_upload_is_named_and_a_dropped_client_leaves_a_correc
     secure = SecureAggregation()
     good = Payload({"secure": Encoded({"q": torch.zeros(6, dtype=torch.int64)}, (6,), torch.int64)})
     assert secure.read(good, 6)[1] is None
-    for bad in (Payload({"secure": Encoded({"q": torch.zeros(6)}, (6,), torch.int64)}),  # floats
-                Payload({"secure": Encoded({"q": torch.zeros(5, dtype=torch.int64)}, (5,), torch.int64)}),
-                Payload({}), "not a payload"):  # fmt: skip
+    for bad in (
+        Payload({"secure": Encoded({"q": torch.zeros(6)}, (6,), torch.int64)}),  # floats
+        Payload({"secure": Encoded({"q": torch.zeros(5, dtype=torch.int64)}, (5,), torch.int64)}),
+        Payload({}),
+        "not a payload",
+    ):
         vector, problem = secure.read(bad, 6)
         assert vector is None and problem.startswith("malformed secure upload")
     dropped = secure_fit(tmp_path, "drop", SecureAggregation(clipping_range=1.0), dropout=0.4)
     plain = secure_fit(tmp_path, "plain", None, dropout=0.4)
     gap = (dropped.global_state["mapping.latent"] - plain.global_state["mapping.latent"]).abs().max()
-    assert [h["fed/unavailable_clients"] for h in dropped.history[1:]] == [h["fed/unavailable_clients"]
-                                                                           for h in plain.history[1:]]  # fmt: skip
+    assert [h["fed/unavailable_clients"] for h in dropped.history[1:]] == [
+        h["fed/unavailable_clients"] for h in plain.history[1:]
+    ]
     assert sum(h["fed/unavailable_clients"] for h in dropped.history[1:]) > 0
     assert float(gap) <= 2 * SecureAggregation(clipping_range=1.0).step
 
@@ -204,8 +222,9 @@ def test_one_client_shifting_its_masked_vector_cannot_move_the_model_it_loses_th
     monkeypatch.setattr(InProcess, "replies", hostile)
     from conftest import make_dm, make_model, make_trainer
 
-    attacked = make_trainer(tmp_path, rounds=1, max_update_norm_ratio=None, check_identity=False,
-                            secure_aggregation=secure)  # fmt: skip
+    attacked = make_trainer(
+        tmp_path, rounds=1, max_update_norm_ratio=None, check_identity=False, secure_aggregation=secure
+    )
     with pytest.warns(UserWarning, match=r"round 1: secure aggregation failed: the secure sum lies outside \[0, n T\]"):
         attacked.fit(make_model(), datamodule=make_dm(num_clients=4))
     assert attacked.history[-1]["fed/round_skipped"] == 1  # the global state stays where it was
@@ -233,8 +252,15 @@ def test_the_client_in_every_invalid_sum_is_named_and_left_out_so_the_honest_cli
             yield reply
 
     monkeypatch.setattr(InProcess, "replies", hostile)
-    trainer = make_trainer(tmp_path, rounds=12, max_update_norm_ratio=None, check_identity=False, logger=False,
-                           secure_aggregation=secure, clients_per_round=4)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        rounds=12,
+        max_update_norm_ratio=None,
+        check_identity=False,
+        logger=False,
+        secure_aggregation=secure,
+        clients_per_round=4,
+    )
     with pytest.warns(UserWarning, match="secure aggregation failed") as caught:
         trainer.fit(make_model(), datamodule=make_dm(num_clients=8))
     said = [str(w.message) for w in caught if "secure aggregation failed" in str(w.message)]
@@ -298,8 +324,15 @@ def test_a_client_that_spoils_only_the_rounds_of_a_chosen_client_gets_no_one_lef
             yield reply
 
     monkeypatch.setattr(InProcess, "replies", framing)
-    trainer = make_trainer(tmp_path, rounds=5, max_update_norm_ratio=None, check_identity=False, logger=False,
-                           secure_aggregation=secure, clients_per_round=4)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        rounds=5,
+        max_update_norm_ratio=None,
+        check_identity=False,
+        logger=False,
+        secure_aggregation=secure,
+        clients_per_round=4,
+    )
     with pytest.warns(UserWarning, match="secure aggregation failed") as caught:
         trainer.fit(make_model(), datamodule=make_dm(num_clients=8))
     said = [str(w.message) for w in caught if "secure aggregation failed" in str(w.message)]

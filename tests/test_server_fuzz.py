@@ -44,8 +44,11 @@ def frame(header: bytes, body: bytes = b"") -> bytes:
 
 def crafted_header(shape: list) -> bytes:
     part = {"name": "values", "dtype": "float32", "shape": shape}
-    return frame(json.dumps({"tensors": [{"name": "w", "shape": shape, "dtype": "float32", "info": {},
-                                          "parts": [part]}]}).encode())  # fmt: skip
+    return frame(
+        json.dumps(
+            {"tensors": [{"name": "w", "shape": shape, "dtype": "float32", "info": {}, "parts": [part]}]}
+        ).encode()
+    )
 
 
 CRASHERS = [  # replies that crashed a ServerApp before the reader refused them
@@ -108,8 +111,10 @@ class Replies:
             record[rng.choice(["num-samples", "failure"])] = rng.choice([-5, True, 2.5, "many", 2**62, b"x", None])
             kind += "+field"
         record = {k: v for k, v in record.items() if v is not None}
-        logged = {"train/loss:sum": rng.choice([1.0, float("nan"), float("inf"), -1e308]),
-                  "train/loss:weight": rng.choice([10.0, -1.0, 0.0, float("nan")])}  # fmt: skip
+        logged = {
+            "train/loss:sum": rng.choice([1.0, float("nan"), float("inf"), -1e308]),
+            "train/loss:weight": rng.choice([10.0, -1.0, 0.0, float("nan")]),
+        }
         content = RecordDict({messages.REPLY: ConfigRecord(record), messages.LOGGED: MetricRecord(logged)})
         if rng.random() < 0.05:  # the reply's record under the wrong kind, or missing
             content = RecordDict({messages.REPLY: MetricRecord({"num-samples": 10})})

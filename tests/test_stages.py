@@ -65,8 +65,12 @@ class OddOut(Stage):
 
 
 def run(stages, strategy=None, clients=5):
-    runner = round_runner(SimpleNamespace(world_size=1, global_rank=0, is_global_zero=True), CraftedClients(update),
-                          strategy=strategy, num_clients=clients)  # fmt: skip
+    runner = round_runner(
+        SimpleNamespace(world_size=1, global_rank=0, is_global_zero=True),
+        CraftedClients(update),
+        strategy=strategy,
+        num_clients=clients,
+    )
     runner.stages = [*runner.stages, *stages]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -203,11 +207,15 @@ def test_a_linear_strategys_step_obeys_the_relative_bound_and_a_server_optimiser
     from lightning_fl.federated import FedAdam, FedAvgM
 
     given = {c: torch.tensor([0.1, 0, 0, 0, 0, 0]) for c in range(3)}  # norm 0.1 each: the median
-    _, state, metrics, messages = crafted(given, 3, strategy=FedAvgM(server_lr=10.0, momentum=0.0),
-                                          max_update_norm_ratio=3.0)  # fmt: skip
+    _, state, metrics, messages = crafted(
+        given, 3, strategy=FedAvgM(server_lr=10.0, momentum=0.0), max_update_norm_ratio=3.0
+    )
     assert metrics["fed/round_skipped"] == 1 and torch.equal(state["a"], STATE["a"])
-    assert any("FedAvgM's step has norm 1, which is more than trainer.max_update_norm_ratio=3 times the round's "
-               "median update norm 0.1" in m for m in messages)  # fmt: skip
+    assert any(
+        "FedAvgM's step has norm 1, which is more than trainer.max_update_norm_ratio=3 times the round's "
+        "median update norm 0.1" in m
+        for m in messages
+    )
     _, state, metrics, _ = crafted(given, 3, strategy=FedAdam(server_lr=10.0), max_update_norm_ratio=3.0)
     assert metrics["fed/round_skipped"] == 0 and float(state["a"].reshape(-1)[0]) > 0.3
 

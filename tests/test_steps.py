@@ -27,17 +27,29 @@ def data(n: int = 72, batch: int = 16) -> DataLoader:
 
 def classifier(**recipe) -> Classifier:
     torch.manual_seed(0)
-    return Classifier(SmallCNN(in_channels=1, image_size=8, channels=[8, 16], norm_groups=4), num_classes=10,
-                      recipe=Recipe(warmup_epochs=0, schedule="constant", **recipe))  # fmt: skip
+    return Classifier(
+        SmallCNN(in_channels=1, image_size=8, channels=[8, 16], norm_groups=4),
+        num_classes=10,
+        recipe=Recipe(warmup_epochs=0, schedule="constant", **recipe),
+    )
 
 
-@pytest.mark.parametrize("recipe", [{"optimizer": "adam", "lr": 0.01, "grad_clip": 0.05},
-                                    {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4}],
-                         ids=["adam-clipped", "sgd"])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"optimizer": "adam", "lr": 0.01, "grad_clip": 0.05},
+        {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
+    ],
+    ids=["adam-clipped", "sgd"],
+)
 def test_a_client_round_equals_an_epoch_of_pretraining_bit_for_bit(recipe):
     loader = data()
-    dm = SimpleNamespace(client_dataloader=lambda client, seed: loader, client_num_samples=lambda client: 72,
-                         train_dataloader=lambda: loader, val_dataloader=lambda: loader)  # fmt: skip
+    dm = SimpleNamespace(
+        client_dataloader=lambda client, seed: loader,
+        client_num_samples=lambda client: 72,
+        train_dataloader=lambda: loader,
+        val_dataloader=lambda: loader,
+    )
     client, central = classifier(**recipe), classifier(**recipe)
     start = client.federated_state()
     result = run_client(ClientJob(client, dm, start, 0, 0, FP32(), LocalTraining(epochs=2)), 0)
@@ -55,8 +67,16 @@ def test_steps_cycle_the_data_and_stop_at_the_count_and_an_empty_loader_is_refus
     optimizer = fabric.setup_optimizers(model.make_optimizer(list(model.parameters())))
     context, seen = StepContext(None, sync=False), []
     with attached(model, context):
-        taken = train_steps(model, optimizer, None, data(), fabric, context, steps=7,
-                            after_batch=lambda epoch, batch: seen.append((epoch, batch)))  # fmt: skip
+        taken = train_steps(
+            model,
+            optimizer,
+            None,
+            data(),
+            fabric,
+            context,
+            steps=7,
+            after_batch=lambda epoch, batch: seen.append((epoch, batch)),
+        )
     assert taken == 7 and context.global_step == 7
     assert seen == [(0, b) for b in range(5)] + [(1, 0), (1, 1)]  # 72 samples in batches of 16: 5 a pass
     assert context.weight == 16 and context.weighted("train/loss")[1] == 7 * 16 - 8  # 4 full and one of 8

@@ -177,8 +177,9 @@ def test_fedavgm_agrees_with_sgd_momentum_and_flowers_fedavgm_over_five_rounds()
     flower = pytest.importorskip("flwr.server.strategy")
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-    theirs = flower.FedAvgM(server_learning_rate=eta, server_momentum=beta,
-                            initial_parameters=ndarrays_to_parameters([x0.numpy()]))  # fmt: skip
+    theirs = flower.FedAvgM(
+        server_learning_rate=eta, server_momentum=beta, initial_parameters=ndarrays_to_parameters([x0.numpy()])
+    )
     for r, mean in enumerate(means):
         reply = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([mean.numpy()]), num_examples=1, metrics={})
         new, _ = theirs.aggregate_fit(r + 1, [(None, reply)], [])
@@ -316,9 +317,11 @@ def test_strategies_agree_with_flowers_aggregation_functions(n):
         return strategy.aggregate(0, current, uploads, n_samples, list(range(n)))[0]
 
     torch.testing.assert_close(
-        ours(FedAvg(weighted=True), samples), _flat(flower.aggregate(_flower_results(uploads, samples))),
-        rtol=1e-12, atol=1e-12,
-    )  # fmt: skip
+        ours(FedAvg(weighted=True), samples),
+        _flat(flower.aggregate(_flower_results(uploads, samples))),
+        rtol=1e-12,
+        atol=1e-12,
+    )
     assert torch.equal(ours(Median(), samples), _flat(flower.aggregate_median(_flower_results(uploads, samples))))
     for beta in (0.1, 0.2, 0.3):
         theirs = flower.aggregate_trimmed_avg(_flower_results(uploads, samples), proportiontocut=beta)

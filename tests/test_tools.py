@@ -301,9 +301,26 @@ def test_a_failed_run_makes_the_sweep_exit_non_zero_and_name_it(tmp_path):
 
 
 def test_oneshot_sweep_fits_tests_and_collects(tmp_path, sweep_main):
-    shrink = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--model.generator_training.steps",
-              "2", "--model.generator_training.eval_tasks", "1", "--data.val_tasks", "1", "--data.test_tasks", "1",
-              "--model.num_generated", "10", "--model.test_samples", "2", "--data.meta_tasks", "8"]  # fmt: skip
+    shrink = [
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "1",
+        "--model.generator_training.steps",
+        "2",
+        "--model.generator_training.eval_tasks",
+        "1",
+        "--data.val_tasks",
+        "1",
+        "--data.test_tasks",
+        "1",
+        "--model.num_generated",
+        "10",
+        "--model.test_samples",
+        "2",
+        "--data.meta_tasks",
+        "8",
+    ]
     spec = {
         "name": "fmp_tiny",
         "kind": "oneshot",
@@ -313,10 +330,15 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path, sweep_main):
         "common": shrink,
         "runs": [
             {"label": "digits", "config": str(CONFIGS / "fmp_digits.yaml"), "tags": {"data": "digits"}},
-            {"label": "skewed", "config": str(CONFIGS / "fmp_digits.yaml"), "args": ["--data.alpha", "0.1"],
-             "fit_from": "digits", "tags": {"data": "digits"}},
+            {
+                "label": "skewed",
+                "config": str(CONFIGS / "fmp_digits.yaml"),
+                "args": ["--data.alpha", "0.1"],
+                "fit_from": "digits",
+                "tags": {"data": "digits"},
+            },
         ],
-    }  # fmt: skip
+    }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(spec))
     first = sweep_main(path)
@@ -342,11 +364,26 @@ def test_oneshot_sweep_fits_tests_and_collects(tmp_path, sweep_main):
     report = {
         "csv": str(tmp_path / "sweep" / "results.csv"),
         "figures_dir": str(tmp_path / "figures"),
-        "tables": [{"title": "T", "methods": ["fmp", "mp", "cann"], "labels": ["digits"], "metrics": ["acc", "ece"],
-                    "comm": "comm/{method}/kb_per_client"}],
-        "figures": [{"name": "by_seed", "kind": "sweep", "x": "seed", "xscale": "linear",
-                     "metric": "test/{method}/acc", "methods": ["fmp", "mp"]}],
-    }  # fmt: skip
+        "tables": [
+            {
+                "title": "T",
+                "methods": ["fmp", "mp", "cann"],
+                "labels": ["digits"],
+                "metrics": ["acc", "ece"],
+                "comm": "comm/{method}/kb_per_client",
+            }
+        ],
+        "figures": [
+            {
+                "name": "by_seed",
+                "kind": "sweep",
+                "x": "seed",
+                "xscale": "linear",
+                "metric": "test/{method}/acc",
+                "methods": ["fmp", "mp"],
+            }
+        ],
+    }
     (tmp_path / "report.yaml").write_text(yaml.safe_dump(report))
     out = tool(REPO / "tools" / "report.py", tmp_path / "report.yaml", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -488,13 +525,26 @@ def test_a_best_pivot_takes_each_runs_best_round_and_keeps_its_tags():
         sys.path.pop(0)
     curve = {0: 0.9, 1: 0.3, 2: 0.6, 3: 0.5}  # round 0 (the base) is not a round of the run
     rows = [
-        {"label": f"{m}_{e}", "seed": seed, "round": r, "final": int(r == 3), "method": m, "epsilon": e,
-         "val/acc": acc + (0.1 if m == "b" else 0.0) + 0.01 * seed}
-        for m in ("a", "b") for e in (1.0, float("inf")) for seed in (0, 1) for r, acc in curve.items()
-    ]  # fmt: skip
+        {
+            "label": f"{m}_{e}",
+            "seed": seed,
+            "round": r,
+            "final": int(r == 3),
+            "method": m,
+            "epsilon": e,
+            "val/acc": acc + (0.1 if m == "b" else 0.0) + 0.01 * seed,
+        }
+        for m in ("a", "b")
+        for e in (1.0, float("inf"))
+        for seed in (0, 1)
+        for r, acc in curve.items()
+    ]
     spec = {"pivot": {"rows": "method", "columns": ["epsilon"]}, "metric": "val/acc", "best": True}
-    lines = {line.split(" | ")[0].strip("| "): line for line in report.pivot_table(rows, spec).splitlines()
-             if line.startswith("| ")}  # fmt: skip
+    lines = {
+        line.split(" | ")[0].strip("| "): line
+        for line in report.pivot_table(rows, spec).splitlines()
+        if line.startswith("| ")
+    }
     assert lines["method"] == "| method | epsilon=1 | epsilon=inf |"
     assert lines["a"] == "| a | 0.605 (0.007) | 0.605 (0.007) |" and lines["b"].startswith("| b | 0.705 (0.007)")
     final = report.pivot_table(rows, {**spec, "best": False})
@@ -510,10 +560,18 @@ def test_a_gain_pivot_subtracts_each_runs_own_round_0():
         sys.path.pop(0)
     curve = {1: 0.3, 2: 0.6, 3: 0.5}
     rows = [
-        {"label": "a", "seed": seed, "round": r, "final": int(r == 3), "method": "a", "epsilon": 1.0,
-         "val/acc": (0.5 - 0.02 * seed) if r == 0 else curve[r] + 0.01 * seed}
-        for seed in (0, 1) for r in (0, 1, 2, 3)
-    ]  # fmt: skip
+        {
+            "label": "a",
+            "seed": seed,
+            "round": r,
+            "final": int(r == 3),
+            "method": "a",
+            "epsilon": 1.0,
+            "val/acc": (0.5 - 0.02 * seed) if r == 0 else curve[r] + 0.01 * seed,
+        }
+        for seed in (0, 1)
+        for r in (0, 1, 2, 3)
+    ]
     spec = {"pivot": {"rows": "method", "columns": ["epsilon"]}, "metric": "val/acc", "gain": True, "scale": 100}
     # best: seed 0 0.60 - 0.50, seed 1 0.61 - 0.48 (points: +10, +13); final: 0.50 - 0.50, 0.51 - 0.48 (0, +3)
     assert "| a | +11.500 (2.121) |" in report.pivot_table(rows, {**spec, "best": True})
@@ -523,10 +581,27 @@ def test_a_gain_pivot_subtracts_each_runs_own_round_0():
 
 def test_fmp_label_probe_scores_summaries_of_a_checkpoint(tmp_path):
     """Uniform labels on the k-means centres cost FMP most of what the centres give (the read-out study)."""
-    args = ["fit", "--config", str(CONFIGS / "fmp_digits.yaml"), "--model.generator", "PolyaUrn",
-            "--trainer.max_steps", "2", "--trainer.val_check_interval", "1", "--data.val_tasks", "2",
-            "--data.meta_tasks", "8", "--model.num_generated", "20", "--model.test_samples", "2",
-            "--model.summariser.readout", "linear"]  # fmt: skip
+    args = [
+        "fit",
+        "--config",
+        str(CONFIGS / "fmp_digits.yaml"),
+        "--model.generator",
+        "PolyaUrn",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "1",
+        "--data.val_tasks",
+        "2",
+        "--data.meta_tasks",
+        "8",
+        "--model.num_generated",
+        "20",
+        "--model.test_samples",
+        "2",
+        "--model.summariser.readout",
+        "linear",
+    ]
     fit = tool("-m", "lightning_fl", *args, cwd=tmp_path)
     assert fit.returncode == 0, fit.stdout + fit.stderr
     ckpt = tmp_path / "runs/fmp_digits/version_0/checkpoints/last.ckpt"
@@ -614,8 +689,21 @@ def test_dp_noise_probe_shares_against_closed_forms():
 def test_dp_noise_probe_reads_two_checkpoints(tmp_path):
     """End to end on digits: the noise the probe reports is the difference planted between two checkpoints."""
     config, short = CONFIGS / "fedavg_digits.yaml", ["--model.pretraining.epochs", "3"]  # the base: 3 epochs, not 30
-    fit = tool("-m", "lightning_fl", "fit", "--config", config, "--trainer.rounds", "1", *short,
-               "--trainer.default_root_dir", tmp_path / "runs", "--trainer.logger", "false", cwd=tmp_path)  # fmt: skip
+    fit = tool(
+        "-m",
+        "lightning_fl",
+        "fit",
+        "--config",
+        config,
+        "--trainer.rounds",
+        "1",
+        *short,
+        "--trainer.default_root_dir",
+        tmp_path / "runs",
+        "--trainer.logger",
+        "false",
+        cwd=tmp_path,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
     clean = next((tmp_path / "runs").rglob("last.ckpt"))
     ckpt = torch.load(clean, map_location="cpu", weights_only=True)
@@ -732,8 +820,14 @@ def test_run_table_prints_rounds_epochs_and_a_summary(tmp_path, capsys):
     a later event file (a resumed run) overrides a step logged again."""
     run_table = tool_module("run_table")
     run = tmp_path / "version_0"
-    _events(run, {0: {"val/acc": 0.5}, 1: {"val/acc": 0.75, "comm/cum_client_bytes": 1536.0},
-                  2: {"val/acc": 0.625, "comm/cum_client_bytes": 3072.0, "fed/identity_error": 3.6e-7}})  # fmt: skip
+    _events(
+        run,
+        {
+            0: {"val/acc": 0.5},
+            1: {"val/acc": 0.75, "comm/cum_client_bytes": 1536.0},
+            2: {"val/acc": 0.625, "comm/cum_client_bytes": 3072.0, "fed/identity_error": 3.6e-7},
+        },
+    )
     assert run_table.main([str(run), "--tags", "val/acc", "comm/cum_client_bytes", "fed/identity_error"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "| step | 0 | 1 | 2 |",
@@ -793,16 +887,30 @@ def test_latent_probe_trains_on_the_pooled_clients_from_the_public_base(tmp_path
 def test_llm_frontier_gives_each_runs_base_final_and_best_as_mean_and_standard_error(tmp_path):
     """tools/llm_frontier.py on a hand-made CSV: two seeds of one label, one of another; the numbers by hand."""
     frontier = tool_module("llm_frontier")
-    header = ["sweep", "label", "seed", "method", "round", "final", "val/ppl", "val/acc", "comm/client_up_bytes",
-              "time/round_s"]  # fmt: skip
+    header = [
+        "sweep",
+        "label",
+        "seed",
+        "method",
+        "round",
+        "final",
+        "val/ppl",
+        "val/acc",
+        "comm/client_up_bytes",
+        "time/round_s",
+    ]
     rows = [  # label, seed, round, ppl, acc, bytes, time
-        ("lora_r1", 0, 0, 100.0, 0.20, "", ""), ("lora_r1", 0, 1, "", "", 1000, 10.0),
-        ("lora_r1", 0, 2, 80.0, 0.25, 1000, 12.0), ("lora_r1", 0, 3, "", "", 1000, 11.0),
+        ("lora_r1", 0, 0, 100.0, 0.20, "", ""),
+        ("lora_r1", 0, 1, "", "", 1000, 10.0),
+        ("lora_r1", 0, 2, 80.0, 0.25, 1000, 12.0),
+        ("lora_r1", 0, 3, "", "", 1000, 11.0),
         ("lora_r1", 0, 4, 90.0, 0.24, 1000, 30.0),
-        ("lora_r1", 1, 0, 100.0, 0.20, "", ""), ("lora_r1", 1, 2, 70.0, 0.30, 1000, 10.0),
+        ("lora_r1", 1, 0, 100.0, 0.20, "", ""),
+        ("lora_r1", 1, 2, 70.0, 0.30, 1000, 10.0),
         ("lora_r1", 1, 4, 60.0, 0.32, 1000, 10.0),
-        ("flite_d8", 0, 0, 100.0, 0.20, "", ""), ("flite_d8", 0, 4, 95.0, 0.21, 32, 9.0),
-    ]  # fmt: skip
+        ("flite_d8", 0, 0, 100.0, 0.20, "", ""),
+        ("flite_d8", 0, 4, 95.0, 0.21, 32, 9.0),
+    ]
     path = tmp_path / "f.csv"
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -828,14 +936,29 @@ def test_llm_frontier_gives_each_runs_base_final_and_best_as_mean_and_standard_e
 
 def test_llm_frontier_adds_epsilon_z_and_the_clip_for_private_sweeps_and_lists_no_noise_first(tmp_path):
     frontier = tool_module("llm_frontier")
-    header = ["sweep", "label", "seed", "method", "eps", "round", "final", "val/ppl", "val/acc",
-              "comm/client_up_bytes", "time/round_s", "privacy/epsilon", "privacy/noise_multiplier",
-              "privacy/clip_norm"]  # fmt: skip
+    header = [
+        "sweep",
+        "label",
+        "seed",
+        "method",
+        "eps",
+        "round",
+        "final",
+        "val/ppl",
+        "val/acc",
+        "comm/client_up_bytes",
+        "time/round_s",
+        "privacy/epsilon",
+        "privacy/noise_multiplier",
+        "privacy/clip_norm",
+    ]
     rows = [  # label, eps, round, ppl, epsilon, z
-        ("flite_d8_eps8", "8", 0, 100.0, "", ""), ("flite_d8_eps8", "8", 1, "", 3.5, 0.5),
+        ("flite_d8_eps8", "8", 0, 100.0, "", ""),
+        ("flite_d8_eps8", "8", 1, "", 3.5, 0.5),
         ("flite_d8_eps8", "8", 2, 97.0, 7.99, 0.5),
-        ("flite_d8_epsinf", "inf", 0, 100.0, "", ""), ("flite_d8_epsinf", "inf", 2, 90.0, "inf", 0.0),
-    ]  # fmt: skip
+        ("flite_d8_epsinf", "inf", 0, 100.0, "", ""),
+        ("flite_d8_epsinf", "inf", 2, 90.0, "inf", 0.0),
+    ]
     path = tmp_path / "dp.csv"
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -867,9 +990,19 @@ def test_paired_seeds_differences_per_seed_at_the_best_and_last_round(tmp_path):
 
     paired_seeds = tool_module("paired_seeds")
     # (label, seed, round, accuracy); seed 2 of b alone: not paired
-    rows = [("a", 0, 0, 0.80), ("a", 0, 1, 0.90), ("a", 0, 2, 0.85), ("b", 0, 0, 0.80), ("b", 0, 1, 0.84),
-            ("b", 0, 2, 0.86), ("a", 1, 0, 0.70), ("a", 1, 1, 0.72), ("b", 1, 0, 0.70), ("b", 1, 1, 0.70),
-            ("b", 2, 1, 0.99)]  # fmt: skip
+    rows = [
+        ("a", 0, 0, 0.80),
+        ("a", 0, 1, 0.90),
+        ("a", 0, 2, 0.85),
+        ("b", 0, 0, 0.80),
+        ("b", 0, 1, 0.84),
+        ("b", 0, 2, 0.86),
+        ("a", 1, 0, 0.70),
+        ("a", 1, 1, 0.72),
+        ("b", 1, 0, 0.70),
+        ("b", 1, 1, 0.70),
+        ("b", 2, 1, 0.99),
+    ]
     path = tmp_path / "s.csv"
     path.write_text("label,seed,round,val/acc\n" + "".join(f"{name},{s},{r},{v}\n" for name, s, r, v in rows))
     got = paired_seeds.paired(paired_seeds.accuracies(path), "a", "b")

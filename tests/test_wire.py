@@ -62,8 +62,13 @@ def forged(header: object, body: bytes = b"", version: int = wire.VERSION, magic
 
 
 def entry(**changes):
-    base = {"name": "w", "shape": [2], "dtype": "float32", "info": {},
-            "parts": [{"name": "values", "dtype": "float32", "shape": [2]}]}  # fmt: skip
+    base = {
+        "name": "w",
+        "shape": [2],
+        "dtype": "float32",
+        "info": {},
+        "parts": [{"name": "values", "dtype": "float32", "shape": [2]}],
+    }
     return {"tensors": [{**base, **changes}]}
 
 

@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--labels", nargs="+", required=True)
     parser.add_argument("--target", type=float, required=True, help="mean val/acc to reach")
     args = parser.parse_args(argv)
-    lines = [f"| csv | run | round reaching {args.target:g} | up | total | total, base held |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"| csv | run | round reaching {args.target:g} | up | total | total, base held |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for path in args.csv:
         for label, k, up, total, held in reach(path, args.labels, args.target):
             if k is None:

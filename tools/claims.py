@@ -523,8 +523,9 @@ def flite_rows() -> list[Row]:
             "int8 / int4 latents unchanged",
         )
     )
-    fp32, i8, i4 = (best(rerun, x) for x in ("fedavg_textbook", "fedavg_textbook_int8_update",
-                                              "fedavg_textbook_int4_update"))  # fmt: skip
+    fp32, i8, i4 = (
+        best(rerun, x) for x in ("fedavg_textbook", "fedavg_textbook_int8_update", "fedavg_textbook_int4_update")
+    )
     chance = Mean(COLLAPSE / CLASSES, 0.0, 0)
     rows.append(
         Row(
@@ -545,14 +546,22 @@ def pareto_row(f: list[dict]) -> Row:
     """Claim 4: bytes per client until the mean accuracy first reaches the latent's final mean (bytes_to_reach)."""
     reach = sibling("bytes_to_reach").reach
     target = final(f, "latent", "val/acc").mean
-    others = {"powersgd_r2": "PowerSGD r2", "powersgd_r8": "PowerSGD r8", "topk_1pct": "top-k 1%",
-              "topk_10pct": "top-k 10%"}  # fmt: skip
-    got = {label: (k, up, held) for label, k, up, _total, held in reach(RESULTS / "flite_fashion_mnist.csv",
-                                                                          ["latent", *others], target)}  # fmt: skip
+    others = {
+        "powersgd_r2": "PowerSGD r2",
+        "powersgd_r8": "PowerSGD r8",
+        "topk_1pct": "top-k 1%",
+        "topk_10pct": "top-k 10%",
+    }
+    got = {
+        label: (k, up, held)
+        for label, k, up, _total, held in reach(RESULTS / "flite_fashion_mnist.csv", ["latent", *others], target)
+    }
     _, up0, held0 = got["latent"]
     tests = [Test(math.log10(got[x][2] / held0) - 1, 0.0, name) for x, name in others.items()]
-    parts = [f"{name} {got[x][2] / held0:.1f}x (round {got[x][0]}; uploads {got[x][1] / up0:.1f}x)"
-             for x, name in others.items()]  # fmt: skip
+    parts = [
+        f"{name} {got[x][2] / held0:.1f}x (round {got[x][0]}; uploads {got[x][1] / up0:.1f}x)"
+        for x, name in others.items()
+    ]
     return Row(
         "§5.3, Fig. 2",
         'the latent is "a further 1-2 orders of magnitude cheaper at matched accuracy" than PowerSGD and top-k',
@@ -635,11 +644,16 @@ def paper_budget_row() -> Row:
 def scratch_row(rerun: list[dict]) -> Row:
     """Claim 7: from a random base, every d, r and warm start against the collapse level (2.5x chance)."""
     variants = {
-        "d = 64": "latent_scratch", "d = 1,024": "latent_scratch_d1024", "d = 4,096": "latent_scratch_d4096",
-        "d = 16,384": "latent_scratch_d16384", "r = 8": "latent_scratch_d4096_r8",
-        "r = 128": "latent_scratch_d4096_r128", "least-squares teacher fit": "latent_scratch_d4096_teacher",
-        "1-epoch SGD warm-up": "latent_warmup1_d4096", "PCANet base": "latent_pcanet_d4096",
-    }  # fmt: skip
+        "d = 64": "latent_scratch",
+        "d = 1,024": "latent_scratch_d1024",
+        "d = 4,096": "latent_scratch_d4096",
+        "d = 16,384": "latent_scratch_d16384",
+        "r = 8": "latent_scratch_d4096_r8",
+        "r = 128": "latent_scratch_d4096_r128",
+        "least-squares teacher fit": "latent_scratch_d4096_teacher",
+        "1-epoch SGD warm-up": "latent_warmup1_d4096",
+        "PCANet base": "latent_pcanet_d4096",
+    }
     means = {name: best(rerun, label) for name, label in variants.items()}
     level = Mean(COLLAPSE / CLASSES, 0.0, 0)
     lo, hi = min(means, key=lambda k: means[k].mean), max(means, key=lambda k: means[k].mean)
@@ -663,8 +677,10 @@ def appendix_b_rows() -> list[Row]:
     fed_best = best(s, "fedavg", "val/ppl", lower=True)
     fed_final = final(s, "fedavg", "val/ppl")
     ratio = upload(s, "fedavg") / upload(s, "latent")
-    setting = (f"Shakespeare by role, TinyGPT 4 x 128, 8 of 316 clients a round, R = 20; {upload(s, 'latent'):,.0f} "
-               f"vs {upload(s, 'fedavg'):,.0f} B per upload ({ratio:.0f}x)")  # fmt: skip
+    setting = (
+        f"Shakespeare by role, TinyGPT 4 x 128, 8 of 316 clients a round, R = 20; {upload(s, 'latent'):,.0f} "
+        f"vs {upload(s, 'fedavg'):,.0f} B per upload ({ratio:.0f}x)"
+    )
     return [
         Row(
             "App. B",
@@ -742,8 +758,10 @@ def fmp_rows() -> list[Row]:
 
 
 def table(rows: list[Row], tie: float = TIE) -> str:
-    lines = ["| # | claim (the paper's words, short) | the paper | ours: mean +/- SE (seeds; setting) | verdict |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| # | claim (the paper's words, short) | the paper | ours: mean +/- SE (seeds; setting) | verdict |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for i, r in enumerate(rows, 1):
         cell = verdict_cell(r.test, tie) if r.test is not None else r.missing
         lines.append(f"| {i} | {r.source}: {r.claim} | {r.paper} | {r.ours} | {cell} |")
@@ -795,31 +813,33 @@ def notes(tables: dict[str, list[Row]]) -> str:
 
 def markdown(tie: float = TIE) -> str:
     flite, fmp, own = flite_rows(), fmp_rows(), own_rows()
-    return "\n".join([
-        "Made by `python tools/claims.py --markdown docs/results/claims.md` from the CSVs in docs/results/; the rule "
-        "is in the tool's docstring.",
-        "",
-        "In short:",
-        "",
-        summary("FLITE", flite, tie),
-        summary("FMP", fmp, tie),
-        summary("Our own questions", own, tie),
-        "",
-        notes({"FLITE": flite, "FMP": fmp, "our own questions": own}),
-        "",
-        "**FLITE** (arXiv 2607.18343; abstract, sections 5.1-5.9, appendix B):",
-        "",
-        table(flite, tie),
-        "",
-        "**FMP** (Table I, Figs. 2-3, Proposition 1):",
-        "",
-        table(fmp, tie),
-        "",
-        "**Our own questions** (neither paper makes these claims; the same rule):",
-        "",
-        table(own, tie),
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "Made by `python tools/claims.py --markdown docs/results/claims.md` from the CSVs in docs/results/; the "
+            "rule is in the tool's docstring.",
+            "",
+            "In short:",
+            "",
+            summary("FLITE", flite, tie),
+            summary("FMP", fmp, tie),
+            summary("Our own questions", own, tie),
+            "",
+            notes({"FLITE": flite, "FMP": fmp, "our own questions": own}),
+            "",
+            "**FLITE** (arXiv 2607.18343; abstract, sections 5.1-5.9, appendix B):",
+            "",
+            table(flite, tie),
+            "",
+            "**FMP** (Table I, Figs. 2-3, Proposition 1):",
+            "",
+            table(fmp, tie),
+            "",
+            "**Our own questions** (neither paper makes these claims; the same rule):",
+            "",
+            table(own, tie),
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> str:

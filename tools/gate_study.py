@@ -59,9 +59,14 @@ def honest_table(rows: list[dict[str, str]], gates: tuple[float, ...] = GATES) -
     for key in sorted(ratios):
         values = sorted(ratios[key])
         p99 = values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
-        cells = [key[0], key[1], key[2], f"{len(seeds[key])} x {len(values) // max(1, len(seeds[key]))}",
-                 f"{uploads[key]:.0f}",
-                 f"{statistics.median(values):.2f}, {p99:.2f}, {values[-1]:.2f}"]  # fmt: skip
+        cells = [
+            key[0],
+            key[1],
+            key[2],
+            f"{len(seeds[key])} x {len(values) // max(1, len(seeds[key]))}",
+            f"{uploads[key]:.0f}",
+            f"{statistics.median(values):.2f}, {p99:.2f}, {values[-1]:.2f}",
+        ]
         cells += [f"{sum(v > g for v in values)} of {len(values)}" for g in gates]
         if refused[key]:
             cells[4] += f" ({refused[key]:.0f} refused with the gate off)"
@@ -131,12 +136,19 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     args = parser.parse_args(argv)
     honest = read(args.honest)
-    lines = ["**Honest clients, gate off: each round's largest update norm over its median**", "",
-             *honest_table(honest)]  # fmt: skip
+    lines = [
+        "**Honest clients, gate off: each round's largest update norm over its median**",
+        "",
+        *honest_table(honest),
+    ]
     if args.attacks is not None:
-        lines += ["", "**Digits, IID, FedAvg, 20 rounds: final val/acc under attack by gate ratio, mean (std) over "
-                  "seeds; refused: uploads refused over hostile uploads sent**", "",
-                  *attack_table(read(args.attacks), honest, args.margin)]  # fmt: skip
+        lines += [
+            "",
+            "**Digits, IID, FedAvg, 20 rounds: final val/acc under attack by gate ratio, mean (std) over "
+            "seeds; refused: uploads refused over hostile uploads sent**",
+            "",
+            *attack_table(read(args.attacks), honest, args.margin),
+        ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown is not None:

@@ -49,16 +49,28 @@ def probe(argv: list[str], latent_dim: int, rank: int, epochs: int) -> dict:
     data.train_split = "clients"
     epochs_seen = _Epochs()
     trainer = L.Trainer(
-        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[epochs_seen],
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[epochs_seen],
         inference_mode=False,  # the factors materialise in the first validation and are then trained through
-    )  # fmt: skip
+    )
     trainer.validate(model, datamodule=data, verbose=False)
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data)
     seconds = time.perf_counter() - t0
-    return {"latent_dim": latent_dim, "rank": rank, "steps": trainer.global_step, "fit_seconds": round(seconds, 1),
-            "epochs": epochs_seen.rows}  # fmt: skip
+    return {
+        "latent_dim": latent_dim,
+        "rank": rank,
+        "steps": trainer.global_step,
+        "fit_seconds": round(seconds, 1),
+        "epochs": epochs_seen.rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,15 +64,23 @@ def summary(rows: list[dict]) -> dict[str, float]:
     uploads = {number(r.get("comm/client_up_bytes")) for r in rows[1:]} - {None}
     times = [number(r.get("time/round_s")) for r in rows[1:] if number(r.get("time/round_s")) is not None]
     return {
-        "base_ppl": float(base["val/ppl"]), "final_ppl": float(final["val/ppl"]), "best_ppl": float(best["val/ppl"]),
-        "best_round": int(best["round"]), "base_acc": float(base["val/acc"]), "final_acc": float(final["val/acc"]),
+        "base_ppl": float(base["val/ppl"]),
+        "final_ppl": float(final["val/ppl"]),
+        "best_ppl": float(best["val/ppl"]),
+        "best_round": int(best["round"]),
+        "base_acc": float(base["val/acc"]),
+        "final_acc": float(final["val/acc"]),
         "best_acc": max(float(r["val/acc"]) for r in evaluated if int(r["round"]) >= 1),
-        "bytes": max(uploads) if uploads else math.nan, "round_s": statistics.median(times) if times else math.nan,
+        "bytes": max(uploads) if uploads else math.nan,
+        "round_s": statistics.median(times) if times else math.nan,
         "round_min_s": min(times) if times else math.nan,
-        "rounds": int(final["round"]), "method": final.get("method", ""), "eps": final.get("eps", ""),
-        "epsilon": last(rows, "privacy/epsilon"), "z": last(rows, "privacy/noise_multiplier"),
+        "rounds": int(final["round"]),
+        "method": final.get("method", ""),
+        "eps": final.get("eps", ""),
+        "epsilon": last(rows, "privacy/epsilon"),
+        "z": last(rows, "privacy/noise_multiplier"),
         "clip": last(rows, "privacy/clip_norm"),
-    }  # fmt: skip
+    }
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -140,13 +148,25 @@ def figure(by_label: dict[str, list[dict]], path: Path, title: str = TITLE) -> N
     for method, points in sorted(methods.items()):
         points.sort()
         shown = [min(p[1], cap) for p in points]
-        bars = ax.errorbar([p[0] for p in points], shown, yerr=[p[2] if p[1] <= cap else 0 for p in points],
-                           marker="o", capsize=3, label=method)  # fmt: skip
+        bars = ax.errorbar(
+            [p[0] for p in points],
+            shown,
+            yerr=[p[2] if p[1] <= cap else 0 for p in points],
+            marker="o",
+            capsize=3,
+            label=method,
+        )
         for (x, y, _), y_shown in zip(points, shown, strict=True):
             if y > cap:
-                ax.annotate(f"{method}: {y:,.0f} (off scale)", (x, y_shown), textcoords="offset points",
-                            xytext=(-4, -12 - 10 * len(ax.texts)), ha="right", fontsize=7,
-                            color=bars[0].get_color())  # fmt: skip
+                ax.annotate(
+                    f"{method}: {y:,.0f} (off scale)",
+                    (x, y_shown),
+                    textcoords="offset points",
+                    xytext=(-4, -12 - 10 * len(ax.texts)),
+                    ha="right",
+                    fontsize=7,
+                    color=bars[0].get_color(),
+                )
     ax.axhline(base, color="grey", linestyle="--", label=f"base (round 0): {base:.1f}")
     ax.set_xscale("log")
     ax.set_xlabel("bytes per upload (float32)")

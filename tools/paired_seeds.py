@@ -100,8 +100,10 @@ def main() -> None:
                 f"{label}: seeds {len(r['last']['per_seed'])}; "
                 + "; ".join(f"{name} round {', '.join(f'{x:+.{digits}f}' for x in r[name]['per_seed'])}" for name in r)
             )
-        worst = {name: max((abs(x) for r in rows.values() for x in r[name]["per_seed"]), default=math.nan)
-                 for name in ("best", "last")}  # fmt: skip
+        worst = {
+            name: max((abs(x) for r in rows.values() for x in r[name]["per_seed"]), default=math.nan)
+            for name in ("best", "last")
+        }
         runs = sum(len(r["last"]["per_seed"]) for r in rows.values())
         print(
             f"{len(rows)} labels, {runs} runs paired; largest |difference|{unit}: best round "
@@ -110,8 +112,10 @@ def main() -> None:
         return
     for name, r in paired(acc, args.a, args.b, other, args.metric).items():
         seeds = ", ".join(f"{x:+.{digits}f}" for x in r["per_seed"])
-        print(f"{args.a} - {args.b} ({args.metric}), {name} round: per seed {seeds}; mean {r['mean']:+.{digits}f}"
-              f"{unit}, SE {r['se']:.{digits}f}, {r['ratio']:+.1f} SE")  # fmt: skip
+        print(
+            f"{args.a} - {args.b} ({args.metric}), {name} round: per seed {seeds}; mean {r['mean']:+.{digits}f}"
+            f"{unit}, SE {r['se']:.{digits}f}, {r['ratio']:+.1f} SE"
+        )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def public_clients(data: Any, clients: int, windows: int, seed: int, pretraining
     if callable(getattr(data, "public_groups", None)):  # text: a speaking role each; instructions: client-sized groups
         groups = data.public_groups()
         if not groups and hasattr(data, "pretrain_plays"):
-            raise ConfigError(f"data.pretrain_plays={data.pretrain_plays}: {name} has no public window to draw "
-                              "pseudo-clients from; set --data.pretrain_plays (e.g. 0.2)")  # fmt: skip
+            raise ConfigError(
+                f"data.pretrain_plays={data.pretrain_plays}: {name} has no public window to draw "
+                "pseudo-clients from; set --data.pretrain_plays (e.g. 0.2)"
+            )
         if not groups:
             raise ConfigError(
                 f"data.source: {name} has no public records to draw pseudo-clients from; give the source a public "
@@ -90,13 +92,17 @@ def public_clients(data: Any, clients: int, windows: int, seed: int, pretraining
         if len(held_out):
             public, described = held_out, f"public images (held out from pretraining; {len(public)} pretrain) of"
         elif len(public) == 0:
-            raise ConfigError(f"data.public_fraction={data.public_fraction}: {name} has no public split to draw "
-                              "pseudo-clients from; set --data.public_fraction (e.g. 0.1)")  # fmt: skip
+            raise ConfigError(
+                f"data.public_fraction={data.public_fraction}: {name} has no public split to draw "
+                "pseudo-clients from; set --data.public_fraction (e.g. 0.1)"
+            )
         parts = [np.sort(rng.choice(public, min(windows, len(public)), replace=False)) for _ in range(clients)]
         return PublicClients(parts, data.indices_dataloader, "images", f"{len(public)} {described} {name}")
-    raise ConfigError(f"data: {name} has no public split (neither public_groups() nor split_indices('public')) to "
-                      "draw pseudo-clients from; use a data module with one (FederatedTextDataModule, "
-                      "FederatedDataModule)")  # fmt: skip
+    raise ConfigError(
+        f"data: {name} has no public split (neither public_groups() nor split_indices('public')) to "
+        "draw pseudo-clients from; use a data module with one (FederatedTextDataModule, "
+        "FederatedDataModule)"
+    )
 
 
 def update_norms(
@@ -107,11 +113,15 @@ def update_norms(
 
     trainer, model, data = run.trainer, run.model, run.data
     if not isinstance(trainer, FederatedTrainer):
-        raise ConfigError(f"trainer: {type(trainer).__name__} has no federated clients; public_clip needs "
-                          "trainer.class_path lightning_fl.FederatedTrainer")  # fmt: skip
+        raise ConfigError(
+            f"trainer: {type(trainer).__name__} has no federated clients; public_clip needs "
+            "trainer.class_path lightning_fl.FederatedTrainer"
+        )
     if trainer.dp_sgd is not None:
-        raise ConfigError("trainer.dp_sgd: public_clip measures plain local training (what CentralDP clips); "
-                          "set --trainer.dp_sgd null")  # fmt: skip
+        raise ConfigError(
+            "trainer.dp_sgd: public_clip measures plain local training (what CentralDP clips); "
+            "set --trainer.dp_sgd null"
+        )
     threads.for_run(trainer.threads)
     fabric = L.Fabric(accelerator=trainer.accelerator, devices=1, precision=trainer.precision, loggers=[])
     model, _ = setup.prepare(fabric, model, data, "fit")  # data set up, the base prepared, as a run does
@@ -159,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     stats = summary(norms)
     local = run.trainer.local
     recipe = f"local_steps {local.steps}" if local.steps is not None else f"local_epochs {local.epochs}"
-    print(f"{pseudo.num_clients} public pseudo-clients of up to {args.windows} {pseudo.unit} from {pseudo.described}; "
-          f"a client's round each ({recipe}, batch size {run.data.batch_size}) from the starting state")  # fmt: skip
+    print(
+        f"{pseudo.num_clients} public pseudo-clients of up to {args.windows} {pseudo.unit} from {pseudo.described}; "
+        f"a client's round each ({recipe}, batch size {run.data.batch_size}) from the starting state"
+    )
     print("update L2 norms: " + "  ".join(f"{name} {stats[name]:.6g}" for name in QUANTILES))
     print(f"suggested: --trainer.privacy.clip_norm {stats['clip_norm']:.6g} (the median)")
-    line = json.dumps({"clients": pseudo.num_clients, "windows": args.windows, "seed": args.seed, **stats,
-                       "norms": norms})  # fmt: skip
+    line = json.dumps(
+        {"clients": pseudo.num_clients, "windows": args.windows, "seed": args.seed, **stats, "norms": norms}
+    )
     print(line)
     if args.json is not None:
         with open(args.json, "w") as f:

@@ -201,8 +201,10 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
     if spec.get("gain"):  # each run's value less its own round-0 value (its starting model), times ``scale``
         start = {(r.get("sweep"), r["label"], r["seed"]): r.get(metric, "") for r in chosen if r["round"] == 0}
         scale = float(spec.get("scale", 1))
-        groups = {key: [gain_row(r, start.get((r.get("sweep"), r["label"], r["seed"]), ""), metric, scale)
-                        for r in group] for key, group in groups.items()}  # fmt: skip
+        groups = {
+            key: [gain_row(r, start.get((r.get("sweep"), r["label"], r["seed"]), ""), metric, scale) for r in group]
+            for key, group in groups.items()
+        }
     cells: dict[tuple, list[float]] = defaultdict(list)
     row_keys, col_keys = [], []
     for group in groups.values():
@@ -220,8 +222,10 @@ def pivot_table(rows: list[dict], spec: dict) -> str:
         f"**{spec.get('title', metric)}** ({metric}, {which}, mean (std) over {'/'.join(map(str, seeds))} seeds)",
         "",
     ]
-    header = [" ".join(f"{t}={v:g}" if isinstance(v, float) else str(v) for t, v in zip(col_tags, ck, strict=True))
-              for ck in col_keys]  # fmt: skip
+    header = [
+        " ".join(f"{t}={v:g}" if isinstance(v, float) else str(v) for t, v in zip(col_tags, ck, strict=True))
+        for ck in col_keys
+    ]
     lines.append(f"| {row_tag} | " + " | ".join(header) + " |")
     lines.append("| --- | " + " | ".join("---" for _ in header) + " |")
     sign = "+" if spec.get("gain") else ""

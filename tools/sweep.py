@@ -209,26 +209,58 @@ def command(spec: dict, out: Path, run: dict) -> list[str]:
     if spec.get("kind") == "oneshot":
         return oneshot_command(spec, out, run, "test" if run.get("fit_from") else "fit")
     return [
-        sys.executable, "-m", "lightning_fl", "fit", "--config", run["config"], *config_args(spec, run),
-        *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
-        "--seed_everything", str(run["seed"]), *seed_args(spec, run),
-        "--trainer.default_root_dir", str(out), "--trainer.name", run["id"], "--trainer.version", "version_0",
-        "--trainer.resume", "auto", "--trainer.enable_progress_bar", "false",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lightning_fl",
+        "fit",
+        "--config",
+        run["config"],
+        *config_args(spec, run),
+        *[str(a) for a in spec.get("common", [])],
+        *[str(a) for a in run["args"]],
+        "--seed_everything",
+        str(run["seed"]),
+        *seed_args(spec, run),
+        "--trainer.default_root_dir",
+        str(out),
+        "--trainer.name",
+        run["id"],
+        "--trainer.version",
+        "version_0",
+        "--trainer.resume",
+        "auto",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
 
 
 # ------------------------------------------------------------------------------ one-shot runs (lightning.Trainer)
 def oneshot_command(spec: dict, out: Path, run: dict, stage: str) -> list[str]:
     """``fit`` into ``<out>/<id>/version_0`` or ``test`` from its ``last.ckpt`` into ``<out>/<id>/test``."""
     cmd = [
-        sys.executable, "-m", "lightning_fl", stage, "--config", run["config"], *config_args(spec, run),
-        *[str(a) for a in spec.get("common", [])], *[str(a) for a in run["args"]],
-        "--seed_everything", str(run["seed"]), *seed_args(spec, run),
-        "--trainer.default_root_dir", str(out / run["id"]), "--trainer.logger.init_args.save_dir", str(out),
-        "--trainer.logger.init_args.name", run["id"],
-        "--trainer.logger.init_args.version", "version_0" if stage == "fit" else "test",
-        "--trainer.enable_progress_bar", "false",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lightning_fl",
+        stage,
+        "--config",
+        run["config"],
+        *config_args(spec, run),
+        *[str(a) for a in spec.get("common", [])],
+        *[str(a) for a in run["args"]],
+        "--seed_everything",
+        str(run["seed"]),
+        *seed_args(spec, run),
+        "--trainer.default_root_dir",
+        str(out / run["id"]),
+        "--trainer.logger.init_args.save_dir",
+        str(out),
+        "--trainer.logger.init_args.name",
+        run["id"],
+        "--trainer.logger.init_args.version",
+        "version_0" if stage == "fit" else "test",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     ckpt = fit_dir(out, run) / "checkpoints" / "last.ckpt"
     if stage == "test" or ckpt.is_file():
         cmd += ["--ckpt_path", str(ckpt)]
@@ -280,9 +312,20 @@ def oneshot_collect(spec: dict, out: Path, runs: list[dict]) -> Path:
     path = write_csv(
         out / "results.csv",
         ["sweep", "label", "seed", "environment", *tag_names, "round", "final", *columns],
-        [[spec["name"], run["label"], run["seed"], machines[run["id"]], *[run["tags"].get(t, "") for t in tag_names],
-          0, 1, *[metrics.get(c, "") for c in columns]] for run, metrics in rows],
-    )  # fmt: skip
+        [
+            [
+                spec["name"],
+                run["label"],
+                run["seed"],
+                machines[run["id"]],
+                *[run["tags"].get(t, "") for t in tag_names],
+                0,
+                1,
+                *[metrics.get(c, "") for c in columns],
+            ]
+            for run, metrics in rows
+        ],
+    )
     print(f"wrote {len(rows)} rows to {path}")
     return path
 
@@ -292,8 +335,9 @@ def run_oneshot(spec: dict, out: Path, run: dict, log) -> int:
         log.write(f"error: the fit of {run['fit_from']}__seed{run['seed']} is not there: run that run first\n")
         return 2
     for stage in ("test",) if run.get("fit_from") is not None else ("fit", "test"):
-        proc = subprocess.run(oneshot_command(spec, out, run, stage), stdout=log, stderr=subprocess.STDOUT,
-                              env=os.environ.copy())  # fmt: skip
+        proc = subprocess.run(
+            oneshot_command(spec, out, run, stage), stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
         if proc.returncode != 0:
             return proc.returncode
     return 0
@@ -391,8 +435,11 @@ def main() -> None:
     runs = expand(spec)
     failed = []
     if not args.collect:
-        todo = [r for r in runs if (args.only is None or args.only in r["label"])
-                and (args.seeds is None or r["seed"] in args.seeds)]  # fmt: skip
+        todo = [
+            r
+            for r in runs
+            if (args.only is None or args.only in r["label"]) and (args.seeds is None or r["seed"] in args.seeds)
+        ]
         for i, run in enumerate(todo, 1):
             state, _ = status(spec, out, run)
             if state == "done":

@@ -104,13 +104,18 @@ def table(runs: dict, targets: list[float], gain: bool = False) -> str:
             reached = [reach(c, c[0][2] + target if gain else target) for c in curves]
             got = [x for x in reached if x is not None]
             if len(got) == len(reached):
-                cells += [fmt(*mean_se([t / 60 for t, _, _ in got]), 2), fmt(*mean_se([r for _, _, r in got]), 1),
-                          fmt(*mean_se([u for _, u, _ in got]), 0)]  # fmt: skip
+                cells += [
+                    fmt(*mean_se([t / 60 for t, _, _ in got]), 2),
+                    fmt(*mean_se([r for _, _, r in got]), 1),
+                    fmt(*mean_se([u for _, u, _ in got]), 0),
+                ]
             else:
                 cells += [f"{len(got)} of {len(reached)} seeds reach it"] * 3
         cum = [rows[-1].get("comm/cum_client_bytes") or 0.0 for rows in seeds.values()]
-        lines.append(f"| {method} | {CLOSES.get(close, close)} | {len(seeds)} | {fmt(*mean_se(finals))} | "
-                     f"{fmt(*mean_se(minutes), 2)} | {' | '.join(cells)} | {sum(cum) / len(cum):,.0f} |")  # fmt: skip
+        lines.append(
+            f"| {method} | {CLOSES.get(close, close)} | {len(seeds)} | {fmt(*mean_se(finals))} | "
+            f"{fmt(*mean_se(minutes), 2)} | {' | '.join(cells)} | {sum(cum) / len(cum):,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,8 +124,10 @@ PARTS = ["time/simulated_round_s", "time/client_download_s", "time/client_comput
 
 def parts(runs: dict) -> str:
     """Where a round's time goes: medians over every round of every seed (module docstring)."""
-    lines = ["| method | round closes | round (s) | client download (s) | client compute (s) | client upload (s) |",
-             "|---|---|--:|--:|--:|--:|"]  # fmt: skip
+    lines = [
+        "| method | round closes | round (s) | client download (s) | client compute (s) | client upload (s) |",
+        "|---|---|--:|--:|--:|--:|",
+    ]
     for (method, close), seeds in ordered(runs):
         rows = [r for rows in seeds.values() for r in rows if r["round"] > 0]
         cells = []

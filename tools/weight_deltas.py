@@ -83,11 +83,15 @@ def measure(folder: Path) -> dict:
             frobenius.append(dfro / torch.linalg.matrix_norm(w0).item())
             stable.append(dfro**2 / d2**2 if d2 > 0 else 0.0)
     return {
-        "run": str(folder), "round": int(state["round"]), "layers": len(spectral),
-        "spectral_median": statistics.median(spectral), "spectral_max": max(spectral),
-        "frobenius_median": statistics.median(frobenius), "frobenius_max": max(frobenius),
+        "run": str(folder),
+        "round": int(state["round"]),
+        "layers": len(spectral),
+        "spectral_median": statistics.median(spectral),
+        "spectral_max": max(spectral),
+        "frobenius_median": statistics.median(frobenius),
+        "frobenius_max": max(frobenius),
         "stable_rank_median": statistics.median(stable),
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,12 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print("| run | round | layers | ||dW||_2 / ||W0||_2, median / max | ||dW||_F / ||W0||_F, median / max | "
-          "stable rank of dW, median |")  # fmt: skip
+    print(
+        "| run | round | layers | ||dW||_2 / ||W0||_2, median / max | ||dW||_F / ||W0||_F, median / max | "
+        "stable rank of dW, median |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['run']} | {r['round']} | {r['layers']} | {r['spectral_median']:.4f} / {r['spectral_max']:.4f} | "
-              f"{r['frobenius_median']:.4f} / {r['frobenius_max']:.4f} | {r['stable_rank_median']:.1f} |")  # fmt: skip
+        print(
+            f"| {r['run']} | {r['round']} | {r['layers']} | {r['spectral_median']:.4f} / {r['spectral_max']:.4f} | "
+            f"{r['frobenius_median']:.4f} / {r['frobenius_max']:.4f} | {r['stable_rank_median']:.1f} |"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -144,12 +144,17 @@ def _check_ckpt_path(
     own = model.state_dict() if isinstance(model, torch.nn.Module) else {}
     state = ckpt["state_dict"]
     missing = sorted(k for k in own if k not in state)  # (keys a module makes later may be in the file only)
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-             if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape]  # fmt: skip
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and isinstance(state[k], torch.Tensor) and state[k].shape != v.shape
+    ]
     if missing or wrong:
         details = [f"missing {missing[:4]}"] * bool(missing) + [f"shape (file vs model) {wrong[:4]}"] * bool(wrong)
-        raise CheckpointError(f"ckpt_path {path} does not fit this model ({'; '.join(details)}); pass a checkpoint "
-                              "of this model and config")  # fmt: skip
+        raise CheckpointError(
+            f"ckpt_path {path} does not fit this model ({'; '.join(details)}); pass a checkpoint "
+            "of this model and config"
+        )
 
 
 @dataclass

@@ -48,8 +48,10 @@ class UpdateCompressor(Codec):
         raise NotImplementedError
 
     def encode(self, state: State, reference: State, client: int) -> Payload:
-        update = {n: state[n].detach().to("cpu", torch.float32) - reference[n].detach().to("cpu", torch.float32)
-                  for n in sorted(state)}  # fmt: skip
+        update = {
+            n: state[n].detach().to("cpu", torch.float32) - reference[n].detach().to("cpu", torch.float32)
+            for n in sorted(state)
+        }
         return self.encode_update(update, client)
 
     def encode_update(self, update: State, client: int) -> Payload:

@@ -157,8 +157,9 @@ def _name(value: str, where: str) -> str:
 
 def _shape(value: list, where: str) -> list[int]:
     if len(value) > MAX_NDIM or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise PayloadFormatError(f"{where}: shape must be at most {MAX_NDIM} non-negative integers, got "
-                                 f"{_short(value)}")  # fmt: skip
+        raise PayloadFormatError(
+            f"{where}: shape must be at most {MAX_NDIM} non-negative integers, got {_short(value)}"
+        )
     # checked before torch sees it: even an empty tensor's size is computed from every dimension
     if math.prod(max(d, 1) for d in value) > MAX_ELEMENTS:
         limit = MAX_ELEMENTS.bit_length() - 1

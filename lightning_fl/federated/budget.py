@@ -75,8 +75,11 @@ def warn_rewind(folder: Path, completed: int, path: Path, is_private: bool) -> N
     later = sorted(p.name for p in (folder / "checkpoints").glob("round_*.ckpt") if _round_of(p) > completed)
     if later:
         names = ", ".join(later)
-        warnings.warn(f"resuming round {completed + 1} from {path.name}: the run's later checkpoints ({names}) and "
-                      "its last.ckpt will be replaced as the rounds are run again", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"resuming round {completed + 1} from {path.name}: the run's later checkpoints ({names}) and "
+            "its last.ckpt will be replaced as the rounds are run again",
+            stacklevel=3,
+        )
 
 
 def _round_of(path: Path) -> int:

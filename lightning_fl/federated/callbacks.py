@@ -84,8 +84,13 @@ class ProgressReport(Callback):
         rank_zero, terminal = trainer.fabric.is_global_zero, sys.stderr.isatty()
         self.lines = rank_zero and not (terminal and trainer.enable_progress_bar)
         self.printed = time.perf_counter()
-        self.bar = tqdm(total=trainer.rounds, initial=start, desc="round", dynamic_ncols=True,
-                        disable=not (rank_zero and terminal and trainer.enable_progress_bar))  # fmt: skip
+        self.bar = tqdm(
+            total=trainer.rounds,
+            initial=start,
+            desc="round",
+            dynamic_ncols=True,
+            disable=not (rank_zero and terminal and trainer.enable_progress_bar),
+        )
 
     def on_round_end(self, trainer: Rounds, round: int, metrics: dict[str, float]) -> None:
         shown = {k: f"{metrics[k]:.4f}" for k in ("val/acc", "val/ppl", "val/exact_match") if k in metrics}
@@ -144,8 +149,11 @@ class CollapseAlarm(Callback):
         if why is None:
             return
         largest = ", ".join(f"client {c} (norm {n:.3g})" for n, c in trainer.round_runner.update_norms[:3])
-        seen = "no single update is seen (secure aggregation)" if trainer.secure_aggregation is not None else (
-            f"the largest updates aggregated: {largest or 'none known'}")  # fmt: skip
+        seen = (
+            "no single update is seen (secure aggregation)"
+            if trainer.secure_aggregation is not None
+            else (f"the largest updates aggregated: {largest or 'none known'}")
+        )
         if unprotected(trainer) == "withhold" and trainer.secure_aggregation is None:
             seen = "the updates' norms stay out of a private run's logs (trainer.unprotected_statistics)"
         trainer.alarm = f"round {round}: the global model collapsed: {why}; {seen}; {collapse_advice(trainer)}"
@@ -159,16 +167,21 @@ def collapse_advice(trainer: Rounds) -> str:
     if privacy is not None:
         z = getattr(privacy, "z", None)
         noise = f" (noise multiplier {z:.4g})" if isinstance(z, float) else ""
-        return (f"under trainer.privacy the noise{noise} may be what moved it: more clients per round, a larger "
-                "epsilon or fewer rounds lower it; a lower trainer.privacy.clip_norm bounds each update")  # fmt: skip
+        return (
+            f"under trainer.privacy the noise{noise} may be what moved it: more clients per round, a larger "
+            "epsilon or fewer rounds lower it; a lower trainer.privacy.clip_norm bounds each update"
+        )
     if trainer.secure_aggregation is not None:
-        return ("trainer.max_update_norm bounds the aggregate's step (a robust strategy needs single updates, which "
-                "secure aggregation hides)")  # fmt: skip
-    robust = ("a robust strategy (trainer.strategy Median or Krum) or a lower trainer.max_update_norm_ratio may hold "
-              "it")  # fmt: skip
+        return (
+            "trainer.max_update_norm bounds the aggregate's step (a robust strategy needs single updates, which "
+            "secure aggregation hides)"
+        )
+    robust = "a robust strategy (trainer.strategy Median or Krum) or a lower trainer.max_update_norm_ratio may hold it"
     if dp_sgd is not None:
-        return (f"DP-SGD's noise inside the clients may be what moved it (a larger trainer.dp_sgd.target_epsilon or "
-                f"more records per client lower it); else {robust}")  # fmt: skip
+        return (
+            f"DP-SGD's noise inside the clients may be what moved it (a larger trainer.dp_sgd.target_epsilon or "
+            f"more records per client lower it); else {robust}"
+        )
     return robust
 
 

@@ -120,8 +120,17 @@ def load_round(path: Path, expect: dict[str, Any], state_keys: list[str], rounds
 FIX = "resume from an earlier round_NNNN.ckpt of the run (trainer.save_every_n_rounds), or start afresh"
 
 #: What a round checkpoint must hold, and of which type (beyond ``format``).
-REQUIRED = {"round": int, "seed": int, "num_clients": int, "global_state": dict, "codec": dict, "ledger": dict,
-            "history": list, "strategy": dict, "strategy_class": str}  # fmt: skip
+REQUIRED = {
+    "round": int,
+    "seed": int,
+    "num_clients": int,
+    "global_state": dict,
+    "codec": dict,
+    "ledger": dict,
+    "history": list,
+    "strategy": dict,
+    "strategy_class": str,
+}
 
 
 def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
@@ -131,13 +140,17 @@ def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
     if (problem := zip_problem(path)) is not None:
         raise CheckpointError(f"{name}: {problem}; {FIX}")
     if DIGEST in ckpt and ckpt[DIGEST] != content_digest({k: v for k, v in ckpt.items() if k not in (DIGEST, KEYED)}):
-        raise CheckpointError(f"{name} is corrupt: its content differs from the digest written with it (a flipped "
-                              f"bit or a damaged copy); {FIX}")  # fmt: skip
+        raise CheckpointError(
+            f"{name} is corrupt: its content differs from the digest written with it (a flipped "
+            f"bit or a damaged copy); {FIX}"
+        )
     if (problem := _keyed_problem(ckpt)) is not None:
         raise CheckpointError(f"{name}: {problem}")
     if ckpt.get("version") != VERSION:
-        raise CheckpointError(f"{name} has layout version {ckpt.get('version')!r}, this lightning_fl reads {VERSION}; "
-                              "resume it with the lightning_fl that wrote it, or start afresh")  # fmt: skip
+        raise CheckpointError(
+            f"{name} has layout version {ckpt.get('version')!r}, this lightning_fl reads {VERSION}; "
+            "resume it with the lightning_fl that wrote it, or start afresh"
+        )
     if DIGEST not in ckpt:
         raise CheckpointError(f"{name} lacks its content digest ({DIGEST!r}); {FIX}")
     for key, kind in REQUIRED.items():
@@ -150,20 +163,26 @@ def check_integrity(path: Path, ckpt: dict[str, Any]) -> None:
         raise CheckpointError(f"{name}: 'global_state' holds no named tensors; {FIX}")
     bad = sorted(k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
     if bad:
-        raise CheckpointError(f"{name}: the global state has NaN or Inf values in {bad[:4]} (the run diverged before "
-                              f"it was saved); {FIX}")  # fmt: skip
+        raise CheckpointError(
+            f"{name}: the global state has NaN or Inf values in {bad[:4]} (the run diverged before it was saved); {FIX}"
+        )
 
 
 def _keyed_problem(ckpt: dict[str, Any]) -> str | None:
     want, have = keyed_digest(str(ckpt.get(DIGEST))), ckpt.get(KEYED)
     if want is None:
-        return None if have is None else (f"it carries a keyed digest: set {KEY_ENV} to the key it was written with "
-                                          "to read it")  # fmt: skip
+        return (
+            None
+            if have is None
+            else (f"it carries a keyed digest: set {KEY_ENV} to the key it was written with to read it")
+        )
     if have is None:
         return f"{KEY_ENV} is set but the checkpoint has no keyed digest (written without the key): {FIX}"
     if not hmac.compare_digest(str(have), want):
-        return (f"its keyed digest does not match {KEY_ENV}: it was edited after it was written, or written under "
-                f"another key; {FIX}")  # fmt: skip
+        return (
+            f"its keyed digest does not match {KEY_ENV}: it was edited after it was written, or written under "
+            f"another key; {FIX}"
+        )
     return None
 
 

@@ -85,8 +85,18 @@ def run_client(job: ClientJob, client: int) -> ClientResult:
                     no_batches=f"client {client} has no training batches",
                 )
             else:
-                train_dp_sgd(module, optimizer, scheduler, loader, fabric, context, plan, dp,
-                             dp.generators(seed, round, client, fabric.device), engine)  # fmt: skip
+                train_dp_sgd(
+                    module,
+                    optimizer,
+                    scheduler,
+                    loader,
+                    fabric,
+                    context,
+                    plan,
+                    dp,
+                    dp.generators(seed, round, client, fabric.device),
+                    engine,
+                )
     except (UserError, FloatingPointError) as err:
         if isinstance(err, ConfigError):
             raise

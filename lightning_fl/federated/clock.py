@@ -104,12 +104,22 @@ class Clock:
     def problems(self) -> list[str]:
         """One line per impossible setting."""
         positive = {"step_s": self.step_s, "down_mbps": self.down_mbps, "up_mbps": self.up_mbps}
-        non_negative = {"device_sigma": self.device_sigma, "link_sigma": self.link_sigma,
-                        "latency_s": self.latency_s, "over_selection": self.over_selection}  # fmt: skip
-        out = [f"trainer.clock.{k} must be a finite number > 0, got {v}" for k, v in positive.items()
-               if not _finite(v) or v <= 0]  # fmt: skip
-        out += [f"trainer.clock.{k} must be a finite number >= 0, got {v}" for k, v in non_negative.items()
-                if not _finite(v) or v < 0]  # fmt: skip
+        non_negative = {
+            "device_sigma": self.device_sigma,
+            "link_sigma": self.link_sigma,
+            "latency_s": self.latency_s,
+            "over_selection": self.over_selection,
+        }
+        out = [
+            f"trainer.clock.{k} must be a finite number > 0, got {v}"
+            for k, v in positive.items()
+            if not _finite(v) or v <= 0
+        ]
+        out += [
+            f"trainer.clock.{k} must be a finite number >= 0, got {v}"
+            for k, v in non_negative.items()
+            if not _finite(v) or v < 0
+        ]
         if self.deadline_s is not None and (not _finite(self.deadline_s) or self.deadline_s <= 0):
             out.append(f"trainer.clock.deadline_s must be a number of seconds > 0 or null, got {self.deadline_s}")
         return out
@@ -122,8 +132,9 @@ class Clock:
     # ============================================================================ the clients' speeds
     def links(self, seed: int, clients: list[int]) -> Links:
         """The speeds of ``clients``: each drawn from ``(seed, client)`` alone, the same in every round."""
-        draws = np.array([np.random.default_rng(derive_seed(seed, c, STREAM_CLOCK)).standard_normal(3)
-                          for c in clients]).reshape(len(clients), 3)  # fmt: skip
+        draws = np.array(
+            [np.random.default_rng(derive_seed(seed, c, STREAM_CLOCK)).standard_normal(3) for c in clients]
+        ).reshape(len(clients), 3)
         return Links(
             step_s=self.step_s * np.exp(self.device_sigma * draws[:, 0]),
             down_bps=self.down_mbps * 1e6 * np.exp(self.link_sigma * draws[:, 1]),

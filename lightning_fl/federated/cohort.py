@@ -125,9 +125,11 @@ def cohort_too_large(module, datamodule, client: int, round: int, seed: int, coh
         return None
     if per_client <= MAX_CLIENT_ACTIVATION and per_client * cohort_size <= MAX_COHORT_ACTIVATION:
         return None
-    return (f"a client's largest activation is {per_client:,} values ({per_client * cohort_size:,} for a cohort of "
-            f"{cohort_size}; limits {MAX_CLIENT_ACTIVATION:,} and {MAX_COHORT_ACTIVATION:,}), where cohorts train "
-            "slower on CPU than one client at a time (docs/results-systems.md, 'Vectorised cohorts')")  # fmt: skip
+    return (
+        f"a client's largest activation is {per_client:,} values ({per_client * cohort_size:,} for a cohort of "
+        f"{cohort_size}; limits {MAX_CLIENT_ACTIVATION:,} and {MAX_COHORT_ACTIVATION:,}), where cohorts train "
+        "slower on CPU than one client at a time (docs/results-systems.md, 'Vectorised cohorts')"
+    )
 
 
 def _client_batches(datamodule: Any, client: int, round: int, seed: int, local: LocalTraining):
@@ -157,13 +159,17 @@ def run_cohort(job: ClientJob, clients: list[int]) -> list[ClientResult]:
     module, datamodule, global_state, round, seed = job.module, job.datamodule, job.state, job.round, job.seed
     codec, local, fabric = job.codec, job.local, job.fabric
     if local.dp_sgd is not None:
-        raise ValueError("run_cohort trains without DP-SGD; a cohort under trainer.dp_sgd is "
-                         "lightning_fl.federated.dp_cohort.run_cohort_dp_sgd")  # fmt: skip
+        raise ValueError(
+            "run_cohort trains without DP-SGD; a cohort under trainer.dp_sgd is "
+            "lightning_fl.federated.dp_cohort.run_cohort_dp_sgd"
+        )
     trainable = module.trainable_parameters()
     names = list(trainable)
     if sorted(names) != sorted(global_state):
-        raise ConfigError(f"{type(module).__name__}'s federated state is not its trainable parameters; train "
-                          "clients one at a time (trainer.client_batching: sequential)")  # fmt: skip
+        raise ConfigError(
+            f"{type(module).__name__}'s federated state is not its trainable parameters; train "
+            "clients one at a time (trainer.client_batching: sequential)"
+        )
     module.load_federated_state(global_state)
     optimizer, _ = configure_optimizer(module)
     clip = gradient_clip(module, local)
@@ -171,8 +177,9 @@ def run_cohort(job: ClientJob, clients: list[int]) -> list[ClientResult]:
         module.train()
     drawn = [_client_batches(datamodule, c, round, seed, local) for c in clients]
     batches, epochs = [b for b, _ in drawn], [e for _, e in drawn]
-    cohort = start_cohort(global_state, names, clients, optimizer, datamodule, fabric.device,
-                          epoch_of=lambda k, t: epochs[k][t])  # fmt: skip
+    cohort = start_cohort(
+        global_state, names, clients, optimizer, datamodule, fabric.device, epoch_of=lambda k, t: epochs[k][t]
+    )
 
     def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
         logits = functional_call(module, p, (x,), strict=False)
@@ -198,6 +205,14 @@ def run_cohort(job: ClientJob, clients: list[int]) -> list[ClientResult]:
         grads, (losses, logits) = step_fn(params, x, y)
         return grads, losses, accuracy_fn(logits.detach(), y), [batch_size(batches[k][t]) for k in members]
 
-    train_cohort(module, fabric, round, cohort, max(len(b) for b in batches), groups, gradients,
-                 lambda t, members, grads: clip_each(clip, grads))  # fmt: skip
+    train_cohort(
+        module,
+        fabric,
+        round,
+        cohort,
+        max(len(b) for b in batches),
+        groups,
+        gradients,
+        lambda t, members, grads: clip_each(clip, grads),
+    )
     return finish_cohort(module, cohort, global_state, codec, local, round, seed)

@@ -62,8 +62,11 @@ class CohortOptimizer:
             else:  # SGD
                 momentum, dampening = g["momentum"], g["dampening"]
                 if momentum != 0:
-                    buf = grad_.clone() if t == 0 else rows_of(state["momentum_buffer"], rows).mul(momentum).add(
-                        grad_, alpha=1 - dampening)  # fmt: skip
+                    buf = (
+                        grad_.clone()
+                        if t == 0
+                        else rows_of(state["momentum_buffer"], rows).mul(momentum).add(grad_, alpha=1 - dampening)
+                    )
                     _set_rows(state, "momentum_buffer", rows, buf)
                     grad_ = grad_.add(buf, alpha=momentum) if g["nesterov"] else buf
                 p = p.add(grad_, alpha=-g["lr"])
@@ -77,8 +80,10 @@ def clip_each(clip: float | None, grads: Tensors) -> Tensors:
         return grads
     norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], dim=1).norm(dim=1)
     if not bool(torch.isfinite(norms).all()):
-        raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, "
-                           "so it cannot be clipped (a client of the cohort)")  # fmt: skip
+        raise RuntimeError(
+            "The total norm of order 2.0 for gradients from `parameters` is non-finite, "
+            "so it cannot be clipped (a client of the cohort)"
+        )
     coef = (clip / (norms + 1e-6)).clamp(max=1.0)
     return {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
 
@@ -116,8 +121,9 @@ class Cohort:
 def start_cohort(global_state: State, names, clients: list[int], optimizer, datamodule: Any, device, epoch_of):
     """A :class:`Cohort` of ``clients``, each starting from ``global_state``'s tensors ``names``."""
     C = len(clients)
-    params = {n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim()))
-              for n in names}  # fmt: skip
+    params = {
+        n: global_state[n].detach().to(device).unsqueeze(0).repeat(C, *([1] * global_state[n].dim())) for n in names
+    }
     results = [ClientResult(c, int(datamodule.client_num_samples(c)), None) for c in clients]
     sums = [{"train/loss": [0.0, 0.0], "train/acc": [0.0, 0.0]} for _ in clients]
     return Cohort(clients, params, CohortOptimizer(optimizer, params), results, sums, [True] * C, epoch_of)
@@ -149,8 +155,9 @@ def train_cohort(
     for t in range(steps):
         for members in groups(t):
             rows = None if members == list(range(C)) else torch.tensor(members, device=device)  # None: every row
-            grads, losses, accuracy, weights = gradients(t, members, {n: rows_of(p, rows) for n, p in
-                                                                      cohort.params.items()})  # fmt: skip
+            grads, losses, accuracy, weights = gradients(
+                t, members, {n: rows_of(p, rows) for n, p in cohort.params.items()}
+            )
             keep = _log_and_check(module, fabric, round, cohort, t, members, losses, accuracy, weights)
             if not keep:
                 continue

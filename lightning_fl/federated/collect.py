@@ -55,8 +55,14 @@ from lightning_fl.federated.uploads import (
 def entry_of(reply: Reply, rnd: Round, stages: list[Stage]) -> Entry:
     """A reply as the round's entry (its sample count as weight, its message bytes), after the stages' ``on_reply``;
     ``LOST`` when nothing came back."""
-    entry = Entry(reply.client, float(reply.num_samples), REJECTED, logged=reply.logged, staleness=reply.staleness,
-                  downloaded=reply.downloaded)  # fmt: skip
+    entry = Entry(
+        reply.client,
+        float(reply.num_samples),
+        REJECTED,
+        logged=reply.logged,
+        staleness=reply.staleness,
+        downloaded=reply.downloaded,
+    )
     entry.msg_up = -1 if reply.message_up is None else reply.message_up
     entry.msg_down = -1 if reply.message_down is None else reply.message_down
     for stage in stages:

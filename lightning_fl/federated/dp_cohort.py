@@ -52,16 +52,19 @@ def run_cohort_dp_sgd(job: ClientJob, clients: list[int]) -> list[ClientResult]:
         sampling, noise = dp.generators(seed, round, c, fabric.device)
         records = PoissonBatches(client_loader(datamodule, c, round, seed), plan.q, sampling)
         if records.n != plan.records:
-            raise ConfigError(f"trainer.dp_sgd: client {c}'s loader holds {records.n} records but the data "
-                              f"module's client_num_samples says {plan.records}")  # fmt: skip
+            raise ConfigError(
+                f"trainer.dp_sgd: client {c}'s loader holds {records.n} records but the data "
+                f"module's client_num_samples says {plan.records}"
+            )
         stream = iter(records)
         plans.append(plan)
         draws.append([next(stream) for _ in range(plan.steps)])
         noises.append(noise)
     sizes = [[0 if b is None else len(b[1]) for b in drawn] for drawn in draws]  # records drawn, per client and step
     per_epoch = [-(-plan.records // plan.batch_size) for plan in plans]  # (what current_epoch counts, as alone)
-    cohort = start_cohort(global_state, list(trainable), clients, optimizer, datamodule, device,
-                          epoch_of=lambda k, t: t // per_epoch[k])  # fmt: skip
+    cohort = start_cohort(
+        global_state, list(trainable), clients, optimizer, datamodule, device, epoch_of=lambda k, t: t // per_epoch[k]
+    )
     cohort.check_finite = False  # a record's non-finite gradient is zeroed (below), never a client's failure
 
     def one_record(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
@@ -99,15 +102,18 @@ def run_cohort_dp_sgd(job: ClientJob, clients: list[int]) -> list[ClientResult]:
         grads, (losses, logits) = per_record(params, x, y)
         zero = losses.new_zeros(())
         mean_loss = torch.stack([losses[i, :size].mean() if size else zero for i, size in enumerate(counts)])
-        acc = torch.stack([accuracy(logits[i, :size].detach().unsqueeze(0), y[i, :size].unsqueeze(0))[0] if size
-                           else zero for i, size in enumerate(counts)])  # fmt: skip
+        acc = torch.stack(
+            [
+                accuracy(logits[i, :size].detach().unsqueeze(0), y[i, :size].unsqueeze(0))[0] if size else zero
+                for i, size in enumerate(counts)
+            ]
+        )
         return grads, mean_loss, acc, counts
 
     def clipped_noised_scaled(t: int, members: list[int], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """DPOptimizer's clip_and_accumulate, add_noise and scale_grad for each member at once."""
         width = grads[ordered[0]].shape[1]
-        mask = (torch.arange(width).unsqueeze(0) < torch.tensor([sizes[k][t] for k in members]).unsqueeze(1)).to(
-            device)  # fmt: skip
+        mask = (torch.arange(width).unsqueeze(0) < torch.tensor([sizes[k][t] for k in members]).unsqueeze(1)).to(device)
         if width:  # a record's (or a padding record's) non-finite gradient is zero, as one client alone zeroes it
             finite = finite_records([grads[n].flatten(0, 1) for n in ordered]).view(len(members), width)
             grads = {n: keep_rows(finite, g) for n, g in grads.items()}
@@ -117,8 +123,12 @@ def run_cohort_dp_sgd(job: ClientJob, clients: list[int]) -> list[ClientResult]:
         stepped = {}
         for n in ordered:
             summed = torch.einsum("ki,ki...->k...", factor.to(grads[n].dtype), grads[n])
-            noise = [noises[k].normal(plans[k].z * dp.max_grad_norm, trainable[n].shape, summed.dtype, device)
-                     if plans[k].z > 0 else torch.zeros_like(summed[0]) for k in members]  # fmt: skip
+            noise = [
+                noises[k].normal(plans[k].z * dp.max_grad_norm, trainable[n].shape, summed.dtype, device)
+                if plans[k].z > 0
+                else torch.zeros_like(summed[0])
+                for k in members
+            ]
             stepped[n] = summed + torch.stack(noise)  # client k's generator draws parameter by parameter, in order
         batch = torch.tensor([plans[k].batch_size for k in members], dtype=torch.float32, device=device)
         return {n: g / batch.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for n, g in stepped.items()}

@@ -71,8 +71,7 @@ def supplied(mapping: torch.nn.Module, weights: Tensors) -> Iterator[None]:
 def mapped_rows(mapping: torch.nn.Module, base: Tensors, latents: torch.Tensor) -> Tensors:
     """Every client's mapped weights, one row per client: ``{name: (C, P_l)}`` for the latents ``(C, D)``."""
     out = {}
-    for lay, z in zip(mapping.layers, torch.split(latents, [lay.latent_dim for lay in mapping.layers], 1),
-                      strict=True):  # fmt: skip
+    for lay, z in zip(mapping.layers, torch.split(latents, [lay.latent_dim for lay in mapping.layers], 1), strict=True):
         theta = base[lay.name].reshape(-1)
         u = getattr(mapping, f"u_{lay.index}").to(theta.dtype)
         coeff = z.to(theta.dtype) if mapping.mode == "dense" else z @ getattr(mapping, f"v_{lay.index}").to(z.dtype)
@@ -100,8 +99,10 @@ def run_lockstep(job: ClientJob, clients: list[int]) -> list[ClientResult]:
     trainable = module.trainable_parameters()
     names = list(trainable)
     if sorted(names) != sorted(global_state):
-        raise ConfigError(f"{type(module).__name__}'s federated state is not its trainable parameters; train "
-                          "clients one at a time (trainer.client_batching: sequential)")  # fmt: skip
+        raise ConfigError(
+            f"{type(module).__name__}'s federated state is not its trainable parameters; train "
+            "clients one at a time (trainer.client_batching: sequential)"
+        )
     mapping = module.mapping
     latent = next(n for n, p in trainable.items() if p is mapping.latent)
     others = [n for n in names if n != latent]
@@ -112,8 +113,9 @@ def run_lockstep(job: ClientJob, clients: list[int]) -> list[ClientResult]:
         module.train()
     drawn = [_client_batches(datamodule, c, round, seed, local) for c in clients]
     batches, epochs = [b for b, _ in drawn], [e for _, e in drawn]
-    cohort = start_cohort(global_state, names, clients, optimizer, datamodule, fabric.device,
-                          epoch_of=lambda k, t: epochs[k][t])  # fmt: skip
+    cohort = start_cohort(
+        global_state, names, clients, optimizer, datamodule, fabric.device, epoch_of=lambda k, t: epochs[k][t]
+    )
     mapping.materialise()
     base = {n: w.detach() for n, w in module.mapped_base().items()}
     shapes = {lay.name: lay.shape for lay in mapping.layers}
@@ -145,6 +147,14 @@ def run_lockstep(job: ClientJob, clients: list[int]) -> list[ClientResult]:
         grads = {latent: latent_rows(mapping, mapped_grads, params[latent].dtype), **other_grads}
         return grads, torch.stack(losses), torch.stack(accuracies), [batch_size(batches[k][t]) for k in members]
 
-    train_cohort(module, fabric, round, cohort, max(len(b) for b in batches), groups, gradients,
-                 lambda t, members, grads: clip_each(clip, grads))  # fmt: skip
+    train_cohort(
+        module,
+        fabric,
+        round,
+        cohort,
+        max(len(b) for b in batches),
+        groups,
+        gradients,
+        lambda t, members, grads: clip_each(clip, grads),
+    )
     return finish_cohort(module, cohort, global_state, codec, local, round, seed)

@@ -70,14 +70,20 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         super().__post_init__()  # the checks
         privacy, dp_sgd = self.privacy, self.dp_sgd
         upload_stage = privacy if privacy is not None and privacy.client_stage else None  # local or distributed noise
-        self.local = LocalTraining(self.local_epochs, self.local_steps, self.gradient_clip_val, upload_stage, dp_sgd,
-                                   self.secure_aggregation)  # fmt: skip
+        self.local = LocalTraining(
+            self.local_epochs, self.local_steps, self.gradient_clip_val, upload_stage, dp_sgd, self.secure_aggregation
+        )
         if dp_sgd is not None:
             dp_sgd.setup(self.rounds, record_canaries(self))
         #: The server's compressed broadcast (``compressed_downloads``); ``None``: clients download full states.
         self.downlink = round_downlink(self)
-        self.fabric_args = {"accelerator": self.accelerator, "devices": self.devices, "strategy": self.fabric_strategy,
-                            "num_nodes": self.num_nodes, "precision": self.precision}  # fmt: skip
+        self.fabric_args = {
+            "accelerator": self.accelerator,
+            "devices": self.devices,
+            "strategy": self.fabric_strategy,
+            "num_nodes": self.num_nodes,
+            "precision": self.precision,
+        }
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
         self.log_dir: Path | None = None
@@ -129,8 +135,13 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
                 base.update(self._evaluate(model, datamodule, "test"))
             self._log(base, step=0)
             self.history.append({"round": 0, **base})
-        callbacks = [ProgressReport(), TensorBoardText(hooks.text_samples), CollapseAlarm(), self.transport,
-                     *(self.callbacks or [])]  # fmt: skip
+        callbacks = [
+            ProgressReport(),
+            TensorBoardText(hooks.text_samples),
+            CollapseAlarm(),
+            self.transport,
+            *(self.callbacks or []),
+        ]
         for callback in callbacks:
             callback.on_rounds_start(self, start)
         started, count = time.perf_counter(), self._clients_per_round(num_clients)
@@ -256,8 +267,11 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         )
         self.round_runner = RoundRunner(fabric, self.strategy, collection, stages, self.ledger, settings)
         if self.strategy.weighted and self.strategy.linear and self.max_client_weight is None and not in_process:
-            warnings.warn("trainer.strategy.weighted takes each node's declared sample count as given (a node can "
-                          "claim any number); set trainer.max_client_weight to bound it", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                "trainer.strategy.weighted takes each node's declared sample count as given (a node can "
+                "claim any number); set trainer.max_client_weight to bound it",
+                stacklevel=3,
+            )
         self.transport.open(num_clients=num_clients, fingerprint=fingerprint, seed=seed)
         self._attach_client_state()
         return fingerprint
@@ -279,8 +293,16 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         threads.for_run(self.threads)  # before Fabric starts its processes (they inherit it; each shares the cores)
         restart = self.resume in (True, "auto")  # a named run that died before its first checkpoint starts over
         version = None if evaluation else self.version
-        self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(self.fabric_args, self.logger,
-            self.default_root_dir, self.name, version, find_checkpoint, restart, evaluation or "version")  # fmt: skip
+        self.fabric, self.log_dir, self._run_lock, ckpt = setup.launch(
+            self.fabric_args,
+            self.logger,
+            self.default_root_dir,
+            self.name,
+            version,
+            find_checkpoint,
+            restart,
+            evaluation or "version",
+        )
         return ckpt
 
     def _release(self) -> None:
@@ -293,8 +315,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         """A run that failed before writing anything leaves no run folder (only its lock was there)."""
         folder = self.log_dir
         self._release()
-        if folder is not None and self.fabric is not None and self.fabric.is_global_zero and \
-                not runs.holds_run(folder):  # fmt: skip
+        if folder is not None and self.fabric is not None and self.fabric.is_global_zero and not runs.holds_run(folder):
             shutil.rmtree(folder, ignore_errors=True)
 
     def _run_seed(self) -> int:
@@ -318,9 +339,14 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
 
     def _privacy_plan(self, num_clients: int, count: int, seed: int) -> Plan:
         return Plan(
-            num_clients=num_clients, expected_clients=float(count), sampling=self.sampling, rounds=self.rounds,
-            seed=seed, strategy=self.strategy, max_update_norm_ratio=self.norm_gate_ratio,
-        )  # fmt: skip
+            num_clients=num_clients,
+            expected_clients=float(count),
+            sampling=self.sampling,
+            rounds=self.rounds,
+            seed=seed,
+            strategy=self.strategy,
+            max_update_norm_ratio=self.norm_gate_ratio,
+        )
 
     def _clients_per_round(self, num_clients: int) -> int:
         return self.clients_per_round or max(1, round(self.client_fraction * num_clients))

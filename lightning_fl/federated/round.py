@@ -157,8 +157,9 @@ class RoundRunner:
     ) -> tuple[State, dict[str, float]] | None:
         names = sorted(state)
         full = FP32().encode(state, state, -1).nbytes  # a download of the global state in float32
-        rnd = Round(r, seed, state, names, flatten(state, names), self.fabric, datamodule, self.settings.upload_policy,
-                    full)  # fmt: skip
+        rnd = Round(
+            r, seed, state, names, flatten(state, names), self.fabric, datamodule, self.settings.upload_policy, full
+        )
         self.collection.arrivals.begin(rnd, lambda rnd: self.draw(rnd, count), self.collection, model)
         sampled, away, available = rnd.sampled, rnd.away, list(rnd.available)
         for stage in self.stages:
@@ -173,8 +174,9 @@ class RoundRunner:
         aggregated = set(rnd.folded)
         self.kept_rows = 0 if rnd.streaming else rnd.rows.held
         self.dropped = [e.client for e in rnd.answered if e.client not in aggregated]
-        self.update_norms = sorted(((rnd.entry(c).norm, c) for c in aggregated if not math.isnan(rnd.entry(c).norm)),
-                                   reverse=True)  # fmt: skip
+        self.update_norms = sorted(
+            ((rnd.entry(c).norm, c) for c in aggregated if not math.isnan(rnd.entry(c).norm)), reverse=True
+        )
         logged = mean_over_clients([e.logged for e in rnd.answered if e.client in aggregated])
         rnd.unprotected.update({*logged, "fed/dropped_clients", "comm/rejected_bytes", "comm/cum_rejected_bytes"})
         rnd.metrics = {
@@ -220,8 +222,9 @@ class RoundRunner:
                 step.flat, step.metrics = self.strategy.step(rnd.index, rnd.current, total.mean(rnd.current64))
             else:
                 weights = torch.tensor([rnd.entry(c).weight for c in rnd.folded], dtype=torch.float64)
-                step.flat, step.metrics = self.strategy.aggregate(rnd.index, rnd.current, rnd.rows.values, weights,
-                                                                  list(rnd.folded))  # fmt: skip
+                step.flat, step.metrics = self.strategy.aggregate(
+                    rnd.index, rnd.current, rnd.rows.values, weights, list(rnd.folded)
+                )
             step.state = unflatten(step.flat, rnd.state, rnd.names)
         for stage in self.stages:
             stage.on_step(rnd, step)

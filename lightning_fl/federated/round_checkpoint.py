@@ -110,8 +110,12 @@ def restore_trainer(
     (its ``without`` is ``None``), and a checkpoint with state no part of this run claims is refused with
     ``written_with[key]`` (what to set to continue it). ``keep``: which clients' codec state this process holds.
     ``privacy`` and ``dp_sgd``: the budgets restored, checked against what the run logged."""
-    expect = {"seed": run.seed, "num_clients": run.num_clients, "fingerprint": run.fingerprint,
-              "strategy": run.strategy.name}  # fmt: skip
+    expect = {
+        "seed": run.seed,
+        "num_clients": run.num_clients,
+        "fingerprint": run.fingerprint,
+        "strategy": run.strategy.name,
+    }
     is_private = privacy is not None or dp_sgd is not None
     ckpt, error = None, None
     if fabric.is_global_zero:
@@ -131,8 +135,10 @@ def restore_trainer(
     run.ledger.load_state_dict(ckpt["ledger"])
     _restore_parts(parts, path, ckpt, completed, written_with)
     if (problem := budget.budget_problem(privacy, dp_sgd, ckpt)) is not None:
-        raise CheckpointError(f"cannot resume from {path}: {problem}: the checkpoint was edited after it was written "
-                              f"(its plain digest recomputed; {KEY_ENV} catches that); {FIX}")  # fmt: skip
+        raise CheckpointError(
+            f"cannot resume from {path}: {problem}: the checkpoint was edited after it was written "
+            f"(its plain digest recomputed; {KEY_ENV} catches that); {FIX}"
+        )
     run.history[:] = list(ckpt["history"])
     if fabric.is_global_zero:
         remove_stale_temps(path.parent)
@@ -140,8 +146,22 @@ def restore_trainer(
 
 
 #: A round checkpoint's keys that are not a part's state.
-CORE = {"format", "version", "round", "seed", "num_clients", "fingerprint", "global_state", "strategy_class",
-        "strategy", "codec", "ledger", "history", DIGEST, KEYED}  # fmt: skip
+CORE = {
+    "format",
+    "version",
+    "round",
+    "seed",
+    "num_clients",
+    "fingerprint",
+    "global_state",
+    "strategy_class",
+    "strategy",
+    "codec",
+    "ledger",
+    "history",
+    DIGEST,
+    KEYED,
+}
 
 
 def _restore_parts(parts: list[Part], path: Path, ckpt: dict[str, Any], completed: int, written_with: dict[str, str]):

@@ -45,8 +45,10 @@ class SecureUploads(Uploads):
                 "processes: set trainer.devices 1 and trainer.num_nodes 1, or remove the key"
             )
         if reading := [repr(s) for s in stages if s.needs_rows]:
-            raise ConfigError(f"trainer.secure_aggregation shows the server no single upload, but {', '.join(reading)} "
-                              "reads every upload of a round: remove its setting")  # fmt: skip
+            raise ConfigError(
+                f"trainer.secure_aggregation shows the server no single upload, but {', '.join(reading)} "
+                "reads every upload of a round: remove its setting"
+            )
 
     def collect(self, rnd: Round, strategy: Strategy, stages: list[Stage], model: Any, datamodule: Any) -> None:
         self.arrivals.admit(rnd)
@@ -67,8 +69,11 @@ class SecureUploads(Uploads):
             elif result.problem is None and entry.client in result.included:
                 entry.status = ACCEPTED
         if result.problem is not None:
-            warnings.warn(f"round {rnd.index + 1}: secure aggregation failed: {result.problem}; the round has no "
-                          f"aggregate{f'; {note}' if note else ''}", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"round {rnd.index + 1}: secure aggregation failed: {result.problem}; the round has no "
+                f"aggregate{f'; {note}' if note else ''}",
+                stacklevel=3,
+            )
         else:
             rnd.folded = list(result.included)
         n = len(rnd.folded)

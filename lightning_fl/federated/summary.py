@@ -94,8 +94,10 @@ def run_summary(
         lines.append(text)
         if took_part is not None and 0 < took_part[0] < took_part[2]:
             count, mean, clients = took_part
-            lines.append(f"  bytes per client that took part ({count:,} of {clients:,} clients): {mean:,.0f} "
-                         f"({mean / 2**20:.3f} MiB)")  # fmt: skip
+            lines.append(
+                f"  bytes per client that took part ({count:,} of {clients:,} clients): {mean:,.0f} "
+                f"({mean / 2**20:.3f} MiB)"
+            )
     if any(k.startswith("unprotected/") for k in last):  # trainer.unprotected_statistics
         lines.append(UNPROTECTED)
     lines += [f"  {line}" for line in stages or []]
@@ -122,6 +124,8 @@ def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | No
         lines.append(f"  {key:<{width}}  {value:.6g}")
     bad = [k for k, v in metrics.items() if not math.isfinite(v)]
     if bad:
-        lines.append(f"warning: {', '.join(sorted(bad))} not finite: the model's outputs are NaN or Inf "
-                     "(check the checkpoint and the data)")  # fmt: skip
+        lines.append(
+            f"warning: {', '.join(sorted(bad))} not finite: the model's outputs are NaN or Inf "
+            "(check the checkpoint and the data)"
+        )
     return "\n".join(lines)

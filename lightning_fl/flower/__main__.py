@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> None:
         for name in ("round_timeout", "hello_timeout"):
             value = getattr(args, name)
             if not 0 <= value < float("inf") or (name == "hello_timeout" and value == 0):
-                raise UserError(f"--{name.replace('_', '-')} must be a finite number of seconds "
-                                f"{'> 0' if name == 'hello_timeout' else '>= 0'}, got {value}")  # fmt: skip
+                raise UserError(
+                    f"--{name.replace('_', '-')} must be a finite number of seconds "
+                    f"{'> 0' if name == 'hello_timeout' else '>= 0'}, got {value}"
+                )
         outcome: dict = {}
         server = server_app(
             config=args.config,
@@ -56,8 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         # this is 0 (its default on macOS and Windows). Ray reads it when imported, i.e. inside run_simulation.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         with _without_deprecation_notices():
-            run_simulation(server_app=server, client_app=client_app, num_supernodes=supernodes,
-                           backend_config=resources)  # fmt: skip
+            run_simulation(
+                server_app=server, client_app=client_app, num_supernodes=supernodes, backend_config=resources
+            )
         if "error" in outcome:
             raise outcome["error"]
         if "trainer" not in outcome:

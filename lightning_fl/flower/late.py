@@ -68,9 +68,12 @@ class LateReplies:
             del self.out[message_id]
         if old:
             self.dropped += len(old)
-            warnings.warn(f"round {round + 1}: client(s) {[c for c, _ in old]} did not reply within run config "
-                          f"'max-staleness' ({self.max_staleness} rounds): their messages are given up and they may "
-                          "be sampled again", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"round {round + 1}: client(s) {[c for c, _ in old]} did not reply within run config "
+                f"'max-staleness' ({self.max_staleness} rounds): their messages are given up and they may "
+                "be sampled again",
+                stacklevel=3,
+            )
         self._prune()
         return {o.client for o in self.out.values()}
 
@@ -101,8 +104,14 @@ class LateReplies:
             return replace(reply, message_down=out.down)
         self.stale.append(tau)
         reference = self.states[out.round]  # (kept until the next round starts)
-        return replace(reply, staleness=tau, reference=reference, discount=discount(self.staleness, self.exponent, tau),
-                       downloaded=False, message_down=None)  # fmt: skip
+        return replace(
+            reply,
+            staleness=tau,
+            reference=reference,
+            discount=discount(self.staleness, self.exponent, tau),
+            downloaded=False,
+            message_down=None,
+        )
 
     def lost(self, client: int) -> Reply:
         """A busy client's entry when no reply of its came: lost, its download counted only if its message is this
@@ -114,8 +123,12 @@ class LateReplies:
         """``fed/stale_replies`` (late replies this round took: folded unless the gate rejects one),
         ``fed/staleness_max`` (the largest staleness among them, 0 if none), ``fed/stale_dropped`` (messages given up
         this round), ``fed/busy_clients`` (clients with a message out as the round ends)."""
-        return {"fed/stale_replies": float(len(self.stale)), "fed/staleness_max": float(max(self.stale, default=0)),
-                "fed/stale_dropped": float(self.dropped), "fed/busy_clients": float(len(self.out))}  # fmt: skip
+        return {
+            "fed/stale_replies": float(len(self.stale)),
+            "fed/staleness_max": float(max(self.stale, default=0)),
+            "fed/stale_dropped": float(self.dropped),
+            "fed/busy_clients": float(len(self.out)),
+        }
 
     def _prune(self) -> None:
         """Keep only the states of rounds that still have a message out."""

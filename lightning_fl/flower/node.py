@@ -61,8 +61,9 @@ def _secure_aggregation_if_asked(message: Message, context: Context, call_next):
         raise RuntimeError("refused: the node was not introduced to this run")
     node = build_node(run_record["config"], dict(context.node_config))
     if node.local.secure is None:
-        raise RuntimeError("refused: the server asks for secure aggregation, which this run does not set "
-                           "(trainer.secure_aggregation)")  # fmt: skip
+        raise RuntimeError(
+            "refused: the server asks for secure aggregation, which this run does not set (trainer.secure_aggregation)"
+        )
     configs = message.content.config_records[RECORD_KEY_CONFIGS]
     if configs.get(Key.STAGE) == Stage.SETUP:
         from lightning_fl.flower.secure import check_setup

@@ -40,8 +40,9 @@ class Screen:
     """The grid as the workflow sees it: counts each node's messages and bytes per stage, waits ``timeouts[stage]``
     and turns a reply that lacks what its stage needs into an error reply (the node drops; nothing raises)."""
 
-    def __init__(self, grid: Any, nodes: Iterable[int], size: int, modulus: int, timeouts: list[float],
-                 count_bytes: Any) -> None:  # fmt: skip
+    def __init__(
+        self, grid: Any, nodes: Iterable[int], size: int, modulus: int, timeouts: list[float], count_bytes: Any
+    ) -> None:
         self.grid, self.size, self.modulus, self.timeouts = grid, size, modulus, timeouts
         self.nodes = set(nodes)
         self.count_bytes = count_bytes

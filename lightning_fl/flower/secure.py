@@ -113,8 +113,10 @@ def recover_sum(aggregate: np.ndarray, n: int, secure: Any) -> tuple[torch.Tenso
     if aggregate.shape != (aggregate.size,) or not np.isfinite(x).all():
         return None, "the secure sum is not a finite vector"
     if total.size and (np.abs(x - total).max() > 0.25 or total.min() < 0 or total.max() > n * secure.T):
-        return None, ("the secure sum is off the quantisation grid (a node masked something other than its "
-                      "quantised update, or another weight)")  # fmt: skip
+        return None, (
+            "the secure sum is off the quantisation grid (a node masked something other than its "
+            "quantised update, or another weight)"
+        )
     return torch.from_numpy(total.astype(np.int64)), None
 
 
@@ -140,21 +142,27 @@ def secure_round(
             outcome.problem = f"SecAgg+ needs at least 2 nodes, {len(nodes)} left"
             return outcome
         stage2 = max(secure.stage_timeout, train_timeout or 0.0)
-        screen = Screen(grid, nodes, size, secure.M, [secure.stage_timeout] * 2 + [stage2, secure.stage_timeout],
-                         count_bytes)  # fmt: skip
+        screen = Screen(
+            grid, nodes, size, secure.M, [secure.stage_timeout] * 2 + [stage2, secure.stage_timeout], count_bytes
+        )
         strategy = _Round(nodes)
-        context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-                                strategy=strategy)  # fmt: skip
+        context = LegacyContext(
+            Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}), strategy=strategy
+        )
         from flwr.app import ArrayRecord, ConfigRecord
 
         context.state.config_records["config"] = ConfigRecord({"current_round": round + 1})
         context.state.array_records["parameters"] = ArrayRecord()
         workflow = _Workflow(
             {n: contents[n] for n in nodes},
-            num_shares=secure.num_shares, reconstruction_threshold=secure.reconstruction_threshold, max_weight=1.0,
-            clipping_range=secure.c, quantization_range=secure.T, modulus_range=secure.M,
+            num_shares=secure.num_shares,
+            reconstruction_threshold=secure.reconstruction_threshold,
+            max_weight=1.0,
+            clipping_range=secure.c,
+            quantization_range=secure.T,
+            modulus_range=secure.M,
             timeout=secure.stage_timeout,
-        )  # fmt: skip
+        )
         global_random = random.getstate()  # the workflow shuffles with Python's global generator: keep ours
         try:
             workflow(screen, context)

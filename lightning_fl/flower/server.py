@@ -73,9 +73,15 @@ def serve(
     if quorum and isinstance(num_clients, int) and (problem := late.quorum_unmet(trainer, quorum, num_clients)):
         raise ConfigError(problem)
     behind = late.late_replies(quorum, max_staleness, staleness, staleness_exponent)
-    transport = FlowerTransport(grid, run.config_yaml, round_timeout, hello_timeout=hello_timeout,
-                                wait_for_nodes=wait_for_nodes, max_silent_rounds=max_silent_rounds,
-                                late=behind)  # fmt: skip
+    transport = FlowerTransport(
+        grid,
+        run.config_yaml,
+        round_timeout,
+        hello_timeout=hello_timeout,
+        wait_for_nodes=wait_for_nodes,
+        max_silent_rounds=max_silent_rounds,
+        late=behind,
+    )
     trainer = dataclasses.replace(trainer, transport=transport)  # the config's trainer, rounds through Flower
     trainer.log_config(run.config_yaml)
     trainer.fit(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
@@ -84,9 +90,18 @@ def serve(
 
 # the run config keys and their defaults; pyproject.toml's [tool.flwr.app.config] declares the same (Flower refuses
 # a `flwr run --run-config` key the app does not declare)
-RUN_CONFIG = {"config": "configs/quickstart.yaml", "overrides": "", "round-timeout": 0.0, "wait-for-nodes": 60.0,
-              "hello-timeout": 60.0, "max-silent-rounds": 3, "quorum": 0, "max-staleness": 4, "staleness": "sqrt",
-              "staleness-exponent": 0.5}  # fmt: skip
+RUN_CONFIG = {
+    "config": "configs/quickstart.yaml",
+    "overrides": "",
+    "round-timeout": 0.0,
+    "wait-for-nodes": 60.0,
+    "hello-timeout": 60.0,
+    "max-silent-rounds": 3,
+    "quorum": 0,
+    "max-staleness": 4,
+    "staleness": "sqrt",
+    "staleness-exponent": 0.5,
+}
 
 
 def settings(run_config: dict[str, Any]) -> dict[str, Any]:
@@ -113,11 +128,20 @@ def settings(run_config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(silent, int) or isinstance(silent, bool) or silent < 0:
         raise ConfigError(f"run config 'max-silent-rounds' must be a whole number of rounds >= 0, got {silent!r}")
     timeout, wait = numbers["round-timeout"] or None, numbers["wait-for-nodes"]
-    folding = {key.replace("-", "_"): run_config.get(key, RUN_CONFIG[key])
-               for key in ("quorum", "max-staleness", "staleness", "staleness-exponent")}  # fmt: skip
+    folding = {
+        key.replace("-", "_"): run_config.get(key, RUN_CONFIG[key])
+        for key in ("quorum", "max-staleness", "staleness", "staleness-exponent")
+    }
     late.check(*folding.values())
-    return {"config": config, "overrides": overrides, "round_timeout": timeout, "wait_for_nodes": wait,
-            "hello_timeout": numbers["hello-timeout"], "max_silent_rounds": silent or None, **folding}  # fmt: skip
+    return {
+        "config": config,
+        "overrides": overrides,
+        "round_timeout": timeout,
+        "wait_for_nodes": wait,
+        "hello_timeout": numbers["hello-timeout"],
+        "max_silent_rounds": silent or None,
+        **folding,
+    }
 
 
 def server_app(outcome: dict | None = None, **kwargs: Any) -> ServerApp:

@@ -87,12 +87,15 @@ class FlowerTransport(Transport):
             time.sleep(0.5)
         if len(self.node_of) < num_clients:
             missing = sorted(set(range(num_clients)) - set(self.node_of))
-            why = (f"{len(self.unanswered)} connected SuperNode(s) did not say which client they serve within "
-                   f"run config 'hello-timeout' ({self.hello_timeout:g} s; they are asked again each round)"
-                   if self.unanswered else f"no SuperNode answered for them within run config 'wait-for-nodes' "
-                   f"({self.wait_for_nodes:g} s)")  # fmt: skip
-            warnings.warn(f"client(s) {missing} have no SuperNode yet: {why}; until one answers they miss rounds",
-                          stacklevel=2)  # fmt: skip
+            why = (
+                f"{len(self.unanswered)} connected SuperNode(s) did not say which client they serve within "
+                f"run config 'hello-timeout' ({self.hello_timeout:g} s; they are asked again each round)"
+                if self.unanswered
+                else f"no SuperNode answered for them within run config 'wait-for-nodes' ({self.wait_for_nodes:g} s)"
+            )
+            warnings.warn(
+                f"client(s) {missing} have no SuperNode yet: {why}; until one answers they miss rounds", stacklevel=2
+            )
 
     def introduce(self) -> None:
         """Forget nodes that left; ask new ones which client they are (and give them the run's config)."""
@@ -156,8 +159,14 @@ class FlowerTransport(Transport):
         ``max_silent_rounds`` attempts in a row were silent."""
         self.silent_rounds += 1
         n, limit = self.silent_rounds, self.max_silent_rounds
-        log(WARNING, "round %d: none of the %d sampled clients replied (attempt %d%s): the round is not done and "
-            "runs again", round, len(asked), n, f" of {limit}" if limit else "")  # fmt: skip
+        log(
+            WARNING,
+            "round %d: none of the %d sampled clients replied (attempt %d%s): the round is not done and runs again",
+            round,
+            len(asked),
+            n,
+            f" of {limit}" if limit else "",
+        )
         if limit is not None and n >= limit:
             nodes = sorted(self.client_of) or "none"
             raise UserError(
@@ -205,12 +214,21 @@ class FlowerTransport(Transport):
         behind = sorted(set(targets) - set(answers))
         if late is not None and behind:
             late.left(round, state, [(m, c, *sent[c]) for m, c in zip(out, targets, strict=True) if c in behind])
-            log(INFO, "round %d: proceeds with %d of %d replies; client(s) %s are still training: a reply that "
-                "arrives within run config 'max-staleness' rounds is folded into the round it arrives in", round + 1,
-                len(answers), len(out), behind)  # fmt: skip
+            log(
+                INFO,
+                "round %d: proceeds with %d of %d replies; client(s) %s are still training: a reply that "
+                "arrives within run config 'max-staleness' rounds is folded into the round it arrives in",
+                round + 1,
+                len(answers),
+                len(out),
+                behind,
+            )
         elif behind and self.round_timeout is not None and time.monotonic() - started >= self.round_timeout:
-            warnings.warn(f"round {round + 1}: client(s) {behind} did not reply: timed out after "
-                          f"{self.round_timeout:g} s; raise run config 'round-timeout'", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"round {round + 1}: client(s) {behind} did not reply: timed out after "
+                f"{self.round_timeout:g} s; raise run config 'round-timeout'",
+                stacklevel=2,
+            )
         for cid in clients:
             if cid in busy:  # its entry is its late reply, if that came
                 was, message = stale.pop(cid, (None, None))
@@ -237,8 +255,7 @@ class FlowerTransport(Transport):
             payload, num_samples, logged, plan = None, 0, {}, None
             failure = f"malformed reply ({type(err).__name__}: {str(err)[:200]})"
         size = wire_msg.message_bytes(reply) if reply.has_content() else None
-        return Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down,
-                     dp_sgd_plan=plan)  # fmt: skip
+        return Reply(cid, num_samples, payload, logged, failure, message_up=size, message_down=down, dp_sgd_plan=plan)
 
     def round_metrics(self) -> dict[str, float]:
         """With run config ``quorum``: the round's late replies (:meth:`LateReplies.metrics`)."""
@@ -264,8 +281,9 @@ class FlowerTransport(Transport):
         size = sum(t.numel() for t in state.values())
         outcome = secagg.SecAggOutcome(problem="no sampled client has a node")
         if contents:
-            outcome = secagg.secure_round(self.grid, contents, round, secure, size, wire_msg.message_bytes,
-                                          self.round_timeout)  # fmt: skip
+            outcome = secagg.secure_round(
+                self.grid, contents, round, secure, size, wire_msg.message_bytes, self.round_timeout
+            )
         out = SecureRound(problem=outcome.problem, invalid=outcome.invalid)
         included = set(outcome.included)
         for cid in clients:
@@ -292,8 +310,17 @@ class FlowerTransport(Transport):
                 failure = f"secure aggregation, {secagg.STAGES[traffic.failed_stage]} stage: {traffic.failure}"
             elif node not in included and outcome.problem is None:
                 failure = "secure aggregation left its upload out"
-            reply = Reply(cid, num_samples, None, logged, failure, message_up=up, message_down=down,
-                          upload_bytes=8 * size if traffic.upload is not None else 0, dp_sgd_plan=plan)  # fmt: skip
+            reply = Reply(
+                cid,
+                num_samples,
+                None,
+                logged,
+                failure,
+                message_up=up,
+                message_down=down,
+                upload_bytes=8 * size if traffic.upload is not None else 0,
+                dp_sgd_plan=plan,
+            )
             out.replies.append(reply)
         if outcome.total is not None:
             out.total = torch.remainder(outcome.total, secure.M)

@@ -120,8 +120,10 @@ def forward(path: str, message: Message, context: Context) -> Message:
 
 
 def _unreachable(path: str, why: str) -> str:
-    return (f"node config worker={path!r}: {why}; start `python -m lightning_fl.flower.worker --socket {path}` "
-            "beside flower-supernode as this node's user, or drop 'worker' from the node config")  # fmt: skip
+    return (
+        f"node config worker={path!r}: {why}; start `python -m lightning_fl.flower.worker --socket {path}` "
+        "beside flower-supernode as this node's user, or drop 'worker' from the node config"
+    )
 
 
 # ============================================================================================ the worker
@@ -135,8 +137,13 @@ class Worker:
         read_timeout: Seconds a peer may pause while sending its request.
     """
 
-    def __init__(self, path: str, app: Callable[[Message, Context], Message] | None = None,
-                 max_frame: int = MAX_FRAME, read_timeout: float = READ_TIMEOUT) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        app: Callable[[Message, Context], Message] | None = None,
+        max_frame: int = MAX_FRAME,
+        read_timeout: float = READ_TIMEOUT,
+    ) -> None:
         self.path, self.max_frame, self.read_timeout = str(path), max_frame, read_timeout
         if app is None:
             from lightning_fl.flower.node import app
@@ -212,11 +219,15 @@ class Worker:
         conn.settimeout(None)
         try:
             reply = self.app(message, context)
-            frames = (serde.message_to_proto(reply).SerializeToString(),
-                      serde.recorddict_to_proto(context.state).SerializeToString())  # fmt: skip
+            frames = (
+                serde.message_to_proto(reply).SerializeToString(),
+                serde.recorddict_to_proto(context.state).SerializeToString(),
+            )
         except Exception as err:  # the app's exception: the proxy raises it, as the ClientApp would have
-            _log(f"{message.metadata.message_type} (round {message.metadata.group_id or '-'}): "
-                 f"{type(err).__name__}: {str(err)[:300]}")  # fmt: skip
+            _log(
+                f"{message.metadata.message_type} (round {message.metadata.group_id or '-'}): "
+                f"{type(err).__name__}: {str(err)[:300]}"
+            )
             _answer_error(conn, f"{type(err).__name__}: {err}")
             return
         try:
@@ -225,8 +236,10 @@ class Worker:
             _log(f"could not send the reply: {err}")
             return
         self.served += 1
-        _log(f"{message.metadata.message_type} (round {message.metadata.group_id or '-'}) served in "
-             f"{time.monotonic() - started:.2f} s")  # fmt: skip
+        _log(
+            f"{message.metadata.message_type} (round {message.metadata.group_id or '-'}) served in "
+            f"{time.monotonic() - started:.2f} s"
+        )
 
 
 def _peer_uid(conn: socket.socket) -> int | None:
@@ -246,11 +259,18 @@ def _log(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_fl.flower.worker", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_fl.flower.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--socket", required=True, help="the Unix socket path the node config's 'worker' names")
-    parser.add_argument("--max-message-mib", type=float, default=MAX_FRAME / 2**20,
-                        help="largest message accepted, MiB (default: %(default)g)")  # fmt: skip
+    parser.add_argument(
+        "--max-message-mib",
+        type=float,
+        default=MAX_FRAME / 2**20,
+        help="largest message accepted, MiB (default: %(default)g)",
+    )
     args = parser.parse_args(argv)
     if not args.max_message_mib > 0:
         _fail(f"--max-message-mib must be above 0, got {args.max_message_mib}")

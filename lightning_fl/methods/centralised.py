@@ -86,8 +86,16 @@ def train_classifier(
         for epoch in range(epochs):
             model.train()
             with attached(model, StepContext(None, sync=False)) as sink:  # one epoch's metrics
-                train_steps(model, optimizer, scheduler, loader, fabric, sink, clip=model.recipe.grad_clip,
-                            after_batch=lambda _, b, e=epoch: heartbeat(e, b))  # fmt: skip
+                train_steps(
+                    model,
+                    optimizer,
+                    scheduler,
+                    loader,
+                    fabric,
+                    sink,
+                    clip=model.recipe.grad_clip,
+                    after_batch=lambda _, b, e=epoch: heartbeat(e, b),
+                )
             metrics = sink.reduce()
             metrics.update(evaluate_classifier(model, datamodule.val_dataloader(), device, fabric=fabric))
             if (epoch + 1) % max(1, epochs // 10) == 0 or epoch + 1 == epochs:  # a line every tenth of the run

@@ -87,8 +87,10 @@ class TrainingRecipe(L.LightningModule):
 
         Errors name ``what`` (the config key, or the cache) and the file, and end with ``fix``."""
         if not Path(path).expanduser().exists():
-            raise CheckpointError(f"{checkpoint_name(what, path)} does not exist; pass the path of a checkpoint file "
-                                  "(e.g. <run>/checkpoints/last.ckpt)")  # fmt: skip
+            raise CheckpointError(
+                f"{checkpoint_name(what, path)} does not exist; pass the path of a checkpoint file "
+                "(e.g. <run>/checkpoints/last.ckpt)"
+            )
         fix = fix or f"check that {self.weights_hint} are those the checkpoint was trained with"
         state = load_state_dict_file(path, what, fix)
         own = self.own_weights()

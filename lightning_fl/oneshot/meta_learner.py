@@ -233,8 +233,10 @@ class FMPMetaLearner(L.LightningModule):
                     f"model.generator_checkpoint is set but model.generator ({type(self.generator).__name__}) has "
                     "nothing to load; remove the key or choose PredictiveGenerator"
                 )
-            log.info("%s has nothing to train: model.generator_training is used only for its eval_tasks",
-                     type(self.generator).__name__)  # fmt: skip
+            log.info(
+                "%s has nothing to train: model.generator_training is used only for its eval_tasks",
+                type(self.generator).__name__,
+            )
             self.generator_report = {"heldout": self._score_generator()}
         elif self.generator_checkpoint is not None:
             # A path the user gave: any problem is an error, never replaced by training.

@@ -62,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, required=True, help="the population N (data.num_clients)")
     parser.add_argument("--per-round", type=float, required=True, help="m (trainer.clients_per_round)")
     parser.add_argument("--rounds", type=int, required=True, help="trainer.rounds")
-    parser.add_argument("--sampling", choices=["poisson", "fixed"], default="fixed",
-                        help="trainer.sampling (default: fixed, as the trainer's)")  # fmt: skip
+    parser.add_argument(
+        "--sampling",
+        choices=["poisson", "fixed"],
+        default="fixed",
+        help="trainer.sampling (default: fixed, as the trainer's)",
+    )
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp", help="trainer.privacy.accountant")
     parser.add_argument("--delta", type=float, default=None, help="default: min(1e-5, N^-1.1), as CentralDP")
     parser.add_argument("--clip", type=float, default=1.0, help="the clip bound S, for the noise on the mean")
@@ -72,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--noise-multiplier", type=float, nargs="+", help="z: the epsilon each spends")
     args = parser.parse_args(argv)
     if args.accountant == "pld" and args.sampling == "fixed":
-        print("error: --accountant pld has no event for fixed-size sampling (the default, as trainer.sampling's): "
-              "add --sampling poisson, or use --accountant rdp", file=sys.stderr)  # fmt: skip
+        print(
+            "error: --accountant pld has no event for fixed-size sampling (the default, as trainer.sampling's): "
+            "add --sampling poisson, or use --accountant rdp",
+            file=sys.stderr,
+        )
         return 2
     try:
         accountant = Accountant(args.clients, args.per_round, args.sampling, args.accountant)
@@ -90,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    how = "fixed-size sampling without replacement, replace-one" if args.sampling == "fixed" else \
-        "Poisson sampling, add/remove-one"  # fmt: skip
-    print(f"N = {args.clients:,}, m = {args.per_round:g} per round ({how} neighbours), {args.rounds} rounds, "
-          f"delta = {delta:.3g}, {args.accountant.upper()} accounting")  # fmt: skip
+    how = (
+        "fixed-size sampling without replacement, replace-one"
+        if args.sampling == "fixed"
+        else "Poisson sampling, add/remove-one"
+    )
+    print(
+        f"N = {args.clients:,}, m = {args.per_round:g} per round ({how} neighbours), {args.rounds} rounds, "
+        f"delta = {delta:.3g}, {args.accountant.upper()} accounting"
+    )
     print(f"| noise multiplier z | epsilon | noise std on the mean update (S = {args.clip:g}) |")
     print("|---:|---:|---:|")
     for z, eps in rows:
@@ -118,8 +130,11 @@ def plan_dp_sgd(argv: list[str] | None = None) -> int:
     group.add_argument("--epsilon", type=float, nargs="+", help="target epsilon(s): the z each needs")
     group.add_argument("--noise-multiplier", type=float, nargs="+", help="z: the epsilon each spends")
     args = parser.parse_args(argv)
-    if bad := [f"--{k} must be >= 1, got {v}" for k, v in vars(args).items() if k in ("records", "batch", "steps",
-                                                                                   "rounds") and v < 1]:  # fmt: skip
+    if bad := [
+        f"--{k} must be >= 1, got {v}"
+        for k, v in vars(args).items()
+        if k in ("records", "batch", "steps", "rounds") and v < 1
+    ]:
         print(f"error: {'; '.join(bad)}", file=sys.stderr)
         return 2
     q, total = min(1.0, args.batch / args.records), args.steps * args.rounds
@@ -134,8 +149,10 @@ def plan_dp_sgd(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"n = {args.records:,} records, q = {q:.5g}, {args.steps} steps x {args.rounds} rounds = {total} steps, "
-          f"delta = {args.delta:.3g}, PLD accounting, replace-one-record neighbours")  # fmt: skip
+    print(
+        f"n = {args.records:,} records, q = {q:.5g}, {args.steps} steps x {args.rounds} rounds = {total} steps, "
+        f"delta = {args.delta:.3g}, PLD accounting, replace-one-record neighbours"
+    )
     print("| noise multiplier z | epsilon |")
     print("|---:|---:|")
     for z, eps in rows:

@@ -47,82 +47,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy import stats
 
 from lightning_fl.errors import ConfigError
-
-
-def gaussian_pair_epsilon(mu0: float, sd0: float, mu1: float, sd1: float, delta: float) -> float:
-    """Epsilon at ``delta`` of telling ``N(mu0, sd0^2)`` from ``N(mu1, sd1^2)``, both ways: the smallest epsilon
-    whose hockey-stick divergence ``int (p - e^eps q)_+`` is at most ``delta`` for ``(p, q)`` either way round, by
-    numerical integration (capped at 100)."""
-    if not (sd0 > 0 and sd1 > 0):
-        return math.inf if mu0 != mu1 else 0.0
-    width = 14 * max(sd0, sd1)
-    x = np.linspace(min(mu0, mu1) - width, max(mu0, mu1) + width, 8_001)
-    dx = x[1] - x[0]
-    log0, log1 = stats.norm.logpdf(x, mu0, sd0), stats.norm.logpdf(x, mu1, sd1)
-
-    def divergence(eps: float) -> float:
-        one = np.exp(log1) * np.clip(1 - np.exp(np.minimum(eps + log0 - log1, 50)), 0, None)
-        other = np.exp(log0) * np.clip(1 - np.exp(np.minimum(eps + log1 - log0, 50)), 0, None)
-        return max(float(one.sum()), float(other.sum())) * dx
-
-    if divergence(0.0) <= delta:
-        return 0.0
-    lo, hi = 0.0, 100.0
-    if divergence(hi) > delta:
-        return hi
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if divergence(mid) <= delta else (mid, hi)
-    return hi
-
-
-def one_shot_epsilon(inserted: np.ndarray, absent: np.ndarray, delta: float) -> float:
-    """Andrew et al.'s estimate: a Gaussian fitted to each set of scores, the epsilon between them."""
-    return gaussian_pair_epsilon(float(np.mean(absent)), float(np.std(absent, ddof=1)), float(np.mean(inserted)),
-                                 float(np.std(inserted, ddof=1)), delta)  # fmt: skip
-
-
-def bootstrap_interval(inserted, absent, delta, confidence, rng, resamples=200) -> tuple[float, float]:
-    """A percentile bootstrap interval of :func:`one_shot_epsilon` (both sets resampled)."""
-    draws = [one_shot_epsilon(rng.choice(inserted, len(inserted)), rng.choice(absent, len(absent)), delta)
-             for _ in range(resamples)]  # fmt: skip
-    tail = (1 - confidence) / 2
-    return float(np.quantile(draws, tail)), float(np.quantile(draws, 1 - tail))
-
-
-def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
-    """The probability, were the run (eps, delta)-DP, of ``v`` or more correct guesses of ``r`` about ``m`` canaries
-    each inserted with probability 1/2 (Steinke et al., Theorem 5.2): ``P[Binom(r, p) >= v] + 2 m delta alpha``,
-    ``p = e^eps / (1 + e^eps)``, ``alpha = max_i P[v - i <= Binom(r, p) < v] / i``."""
-    p = 1 / (1 + math.exp(-eps))
-    tail = float(stats.binom.sf(v - 1, r, p))
-    below = np.cumsum(stats.binom.pmf(v - np.arange(1, v + 1), r, p))  # P[v - i <= B < v], i = 1..v
-    alpha = float(np.max(below / np.arange(1, v + 1))) if v > 0 else 0.0
-    return min(1.0, tail + 2 * m * delta * alpha)
-
-
-def one_run_lower_bound(m: int, r: int, v: int, delta: float, confidence: float) -> float:
-    """The largest epsilon that ``v`` correct guesses of ``r`` rule out at ``confidence`` (0: none)."""
-    if not 0.5 <= confidence < 1:
-        raise ValueError(f"a lower bound's confidence must be in [0.5, 1), got {confidence!r}")
-    level = 1 - confidence
-    if r == 0 or one_run_p_value(m, r, v, 0.0, delta) >= level:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while one_run_p_value(m, r, v, hi, delta) < level and hi < 100:
-        lo, hi = hi, hi * 2
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if one_run_p_value(m, r, v, mid, delta) < level else (lo, mid)
-    return lo
-
-
-def one_run_ceiling(m: int, r: int, delta: float, confidence: float) -> float:
-    """The largest lower bound ``r`` guesses about ``m`` canaries can give (all right): no epsilon above it shows."""
-    return one_run_lower_bound(m, r, r, delta, confidence)
+from lightning_fl.privacy.audit_estimates import (
+    bootstrap_interval as bootstrap_interval,
+)
+from lightning_fl.privacy.audit_estimates import (
+    gaussian_pair_epsilon as gaussian_pair_epsilon,
+)
+from lightning_fl.privacy.audit_estimates import (
+    one_run_ceiling as one_run_ceiling,
+)
+from lightning_fl.privacy.audit_estimates import (
+    one_run_lower_bound as one_run_lower_bound,
+)
+from lightning_fl.privacy.audit_estimates import (
+    one_run_p_value as one_run_p_value,
+)
+from lightning_fl.privacy.audit_estimates import (
+    one_shot_epsilon as one_shot_epsilon,
+)
 
 
 class PrivacyAudit:
@@ -137,10 +81,17 @@ class PrivacyAudit:
         max_memory_mb: The most memory the directions may take (``canaries x D x 4`` bytes).
     """
 
-    def __init__(self, canaries: int = 1000, confidence: float = 0.95, guess_fraction: float = 0.1,
-                 seed: int | None = None, max_memory_mb: float = 1024.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        canaries: int = 1000,
+        confidence: float = 0.95,
+        guess_fraction: float = 0.1,
+        seed: int | None = None,
+        max_memory_mb: float = 1024.0,
+    ) -> None:
         problems = [f"trainer.privacy_audit.canaries must be an integer >= 10, got {canaries!r}"] * (
-            isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < 10)  # fmt: skip
+            isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < 10
+        )
         if not (isinstance(confidence, (int, float)) and 0.5 <= confidence < 1):  # (below 1/2 a bound says nothing)
             problems.append(f"trainer.privacy_audit.confidence must be in [0.5, 1), e.g. 0.95, got {confidence!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -148,7 +99,8 @@ class PrivacyAudit:
         if not (isinstance(max_memory_mb, (int, float)) and math.isfinite(max_memory_mb) and max_memory_mb > 0):
             problems.append(f"trainer.privacy_audit.max_memory_mb must be a finite number > 0, got {max_memory_mb!r}")
         problems += [f"trainer.privacy_audit.guess_fraction must be in (0, 0.5], got {guess_fraction!r}"] * (
-            not 0 < guess_fraction <= 0.5)  # fmt: skip
+            not 0 < guess_fraction <= 0.5
+        )
         if problems:
             raise ConfigError("; ".join(problems))
         self.canaries, self.confidence, self.guess_fraction = canaries, confidence, guess_fraction
@@ -198,14 +150,26 @@ class PrivacyAudit:
         """The estimates (and what they are next to: the accountant's ``epsilon`` at ``delta``)."""
         if not hasattr(self, "every"):
             seen = "no release was seen in this process (on Flower, DP-SGD's steps run on the nodes)"
-            return {"canaries": self.canaries, "inserted": 0, "rounds": 0, "accountant_epsilon": epsilon,
-                    "delta": delta, "confidence": self.confidence, "problem": seen}  # fmt: skip
+            return {
+                "canaries": self.canaries,
+                "inserted": 0,
+                "rounds": 0,
+                "accountant_epsilon": epsilon,
+                "delta": delta,
+                "confidence": self.confidence,
+                "problem": seen,
+            }
         seen = torch.isfinite(self.every).numpy()
         inserted, absent = self.inserted & seen, ~self.inserted & seen
         every = self.every.numpy()
-        out: dict[str, Any] = {"canaries": self.canaries, "inserted": int(self.inserted.sum()),
-                               "rounds": self.rounds, "accountant_epsilon": epsilon, "delta": delta,
-                               "confidence": self.confidence}  # fmt: skip
+        out: dict[str, Any] = {
+            "canaries": self.canaries,
+            "inserted": int(self.inserted.sum()),
+            "rounds": self.rounds,
+            "accountant_epsilon": epsilon,
+            "delta": delta,
+            "confidence": self.confidence,
+        }
         if min(inserted.sum(), absent.sum()) < 5:
             return {**out, "problem": "too few canaries were seen to estimate anything"}
         boot = np.random.default_rng(self.drawn_seed + 1)
@@ -235,11 +199,15 @@ def violation(report: dict[str, Any]) -> str | None:
     leaks more than it accounts)."""
     epsilon = report["accountant_epsilon"]
     if report["one_run_lower_bound"] > epsilon:
-        return (f"the one-run lower bound {report['one_run_lower_bound']:.3g} exceeds the accountant's epsilon "
-                f"{epsilon:.4g}: the mechanism does not give the guarantee it accounts")  # fmt: skip
+        return (
+            f"the one-run lower bound {report['one_run_lower_bound']:.3g} exceeds the accountant's epsilon "
+            f"{epsilon:.4g}: the mechanism does not give the guarantee it accounts"
+        )
     if report["interval_every_round"][0] > epsilon:
-        return (f"the estimate's whole interval lies above the accountant's epsilon {epsilon:.4g}: the mechanism "
-                "very likely leaks more than it accounts (less noise or a weaker clip than assumed)")  # fmt: skip
+        return (
+            f"the estimate's whole interval lies above the accountant's epsilon {epsilon:.4g}: the mechanism "
+            "very likely leaks more than it accounts (less noise or a weaker clip than assumed)"
+        )
     return None
 
 
@@ -272,13 +240,17 @@ def audit_lines(report: dict[str, Any]) -> list[str]:
         return [f"{head}: {report['problem']}"]
     lo, hi = report["interval_every_round"]
     conf = f"{report['confidence']:.0%}"
-    lines = [f"{head}: epsilon-hat {report['epsilon_hat_every_round']:.3g} ({conf} interval {lo:.3g}-{hi:.3g}) from "
-             f"every released {report.get('unit', 'round')} (Andrew et al. 2024: an estimate)"]  # fmt: skip
+    lines = [
+        f"{head}: epsilon-hat {report['epsilon_hat_every_round']:.3g} ({conf} interval {lo:.3g}-{hi:.3g}) from "
+        f"every released {report.get('unit', 'round')} (Andrew et al. 2024: an estimate)"
+    ]
     if "epsilon_hat_final_model" in report:
         lines[0] += f", {report['epsilon_hat_final_model']:.3g} from the final model"
-    lines.append(f"  one-run lower bound {report['one_run_lower_bound']:.3g} at {conf} confidence ("
-                 f"{report['one_run_correct']} of {report['one_run_guesses']} guesses right; Steinke et al. 2023); "
-                 f"the accountant's epsilon {report['accountant_epsilon']:.4g} is an upper bound")  # fmt: skip
+    lines.append(
+        f"  one-run lower bound {report['one_run_lower_bound']:.3g} at {conf} confidence ("
+        f"{report['one_run_correct']} of {report['one_run_guesses']} guesses right; Steinke et al. 2023); "
+        f"the accountant's epsilon {report['accountant_epsilon']:.4g} is an upper bound"
+    )
     lines += [power_line(report)] if "one_run_ceiling" in report else []
     if report.get("violation"):
         lines.append(f"  warning: {report['violation']}")

@@ -74,8 +74,9 @@ class Privacy:
     def setup(self, plan: Plan) -> None:
         """Check the run's other settings and prepare (calibrate noise, build the accountant) before round 1."""
         self.plan = plan
-        if (problem := delta_problem("trainer.privacy.delta", getattr(self, "delta", None), plan.num_clients,
-                                     "clients")) is not None:  # fmt: skip
+        if (
+            problem := delta_problem("trainer.privacy.delta", getattr(self, "delta", None), plan.num_clients, "clients")
+        ) is not None:
             raise ConfigError(problem)
         if plan.strategy.weighted:
             name = type(self).__name__
@@ -93,8 +94,9 @@ class Privacy:
         it and charges nobody); ``None`` (default): it is released."""
         return None
 
-    def privatize(self, state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], client: int,
-                  round: int, seed: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    def privatize(
+        self, state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], client: int, round: int, seed: int
+    ) -> dict[str, torch.Tensor]:
         """A client's stage: what it uploads instead of its trained ``state`` (default: ``state`` itself)."""
         return state
 
@@ -250,8 +252,9 @@ def positive(key: str, value: float | None, allow_zero: bool = False, allow_none
 
 def flat_update(state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]) -> torch.Tensor:
     """A client's update ``state - global_state`` as one float64 CPU vector, tensors in name order."""
-    return torch.cat([(state[n].detach().double() - global_state[n].detach().double()).reshape(-1).cpu()
-                      for n in sorted(state)])  # fmt: skip
+    return torch.cat(
+        [(state[n].detach().double() - global_state[n].detach().double()).reshape(-1).cpu() for n in sorted(state)]
+    )
 
 
 def apply_update(global_state: dict[str, torch.Tensor], update: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -101,8 +101,9 @@ class DistributedDP(CentralDP):
     ) -> None:
         if isinstance(min_shares, bool) or not isinstance(min_shares, int) or min_shares < 1:
             raise ConfigError(f"trainer.privacy.min_shares must be an integer >= 1, got {min_shares!r}")
-        super().__init__(clip_norm, noise_multiplier, target_epsilon, delta, max_epsilon, per_layer, None, "rdp",
-                         noise_seed)  # fmt: skip
+        super().__init__(
+            clip_norm, noise_multiplier, target_epsilon, delta, max_epsilon, per_layer, None, "rdp", noise_seed
+        )
         self.min_shares = min_shares
         #: Per client, the sum of ``mu_i^-2`` over the rounds its share reached the sum (module docstring).
         self.precision: dict[int, float] = {}
@@ -165,11 +166,16 @@ class DistributedDP(CentralDP):
         )
 
     def guarantee(self, secure_sum: bool = False) -> str:
-        seen = ("the server sees only their sum (secure aggregation)" if secure_sum else "without secure aggregation "
-                "the server sees each upload, with 1/sqrt(m) of the noise")  # fmt: skip
-        return (f"trust: distributed, each client adds a share of the noise and {seen}; epsilon of the client whose "
-                "shares reached most sums, not amplified by sampling (the server sees who takes part); neighbours: "
-                f"one client's data replaced\n{seeding(self.noise_seed)}")  # fmt: skip
+        seen = (
+            "the server sees only their sum (secure aggregation)"
+            if secure_sum
+            else "without secure aggregation the server sees each upload, with 1/sqrt(m) of the noise"
+        )
+        return (
+            f"trust: distributed, each client adds a share of the noise and {seen}; epsilon of the client whose "
+            "shares reached most sums, not amplified by sampling (the server sees who takes part); neighbours: "
+            f"one client's data replaced\n{seeding(self.noise_seed)}"
+        )
 
     # ------------------------------------------------------------------------------------------ the client
     def share_std(self) -> float:
@@ -207,8 +213,11 @@ class DistributedDP(CentralDP):
         """The mean update ``sum / m``: the noise is already in the sum, ``n = participants`` shares of it."""
         m = self.plan.expected_clients
         std = self.z * self.bound * math.sqrt(participants / m)
-        return total / m, {"privacy/clip_norm": self.bound, "privacy/noise_std": std / m,
-                           "privacy/noise_shares": float(participants)}  # fmt: skip
+        return total / m, {
+            "privacy/clip_norm": self.bound,
+            "privacy/noise_std": std / m,
+            "privacy/noise_shares": float(participants),
+        }
 
     def end_round(self, round: int, participants: list[int]) -> dict[str, float]:
         """Each client whose share reached the sum has released one more Gaussian, ``mu = z sqrt(n / m) / 2``."""
@@ -216,16 +225,26 @@ class DistributedDP(CentralDP):
         mu = z_sum / 2
         for c in participants:
             self.precision[c] = self.precision.get(c, 0.0) + (mu**-2 if mu > 0 else math.inf)
-        return {"privacy/epsilon": self.epsilon(), "privacy/noise_multiplier": self.z, "privacy/delta": self.delta,
-                "privacy/round_noise_multiplier": z_sum}  # fmt: skip
+        return {
+            "privacy/epsilon": self.epsilon(),
+            "privacy/noise_multiplier": self.z,
+            "privacy/delta": self.delta,
+            "privacy/round_noise_multiplier": z_sum,
+        }
 
     def rounds_accounted(self) -> int | None:
         return None  # (a precision per client, no accountant history)
 
     def state_dict(self) -> dict[str, Any]:
         spent = torch.tensor([[c, p] for c, p in sorted(self.precision.items())], dtype=torch.float64).reshape(-1, 2)
-        return {"distributed": 2, "noise_multiplier": self.z, "target_epsilon": self.target_epsilon,
-                "clip_norm": self.bound, "delta": self.delta, "precision": spent}  # fmt: skip
+        return {
+            "distributed": 2,
+            "noise_multiplier": self.z,
+            "target_epsilon": self.target_epsilon,
+            "clip_norm": self.bound,
+            "delta": self.delta,
+            "precision": spent,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state and not state.get("distributed"):

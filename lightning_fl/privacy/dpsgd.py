@@ -191,8 +191,10 @@ class DPSGD:
         """A client's DP-SGD plan: its Poisson rate, steps per round (``local.steps``, else ``local.epochs`` times
         ``ceil(records / batch_size)``) and noise multiplier."""
         if records < 1 or batch_size < 1:
-            raise ConfigError(f"trainer.dp_sgd needs clients with records and a batch size >= 1, got {records} "
-                              f"records and batch size {batch_size}")  # fmt: skip
+            raise ConfigError(
+                f"trainer.dp_sgd needs clients with records and a batch size >= 1, got {records} "
+                f"records and batch size {batch_size}"
+            )
         if (problem := delta_problem("trainer.dp_sgd.delta", self.delta, records, "the client's records")) is not None:
             raise ConfigError(problem)
         q = min(1.0, batch_size / records)
@@ -254,16 +256,28 @@ class DPSGD:
 
     def guarantee(self) -> str:
         """What the logged epsilons protect, for the run's summary (as :meth:`Privacy.guarantee`)."""
-        return ("trust: local, each client runs DP-SGD on its own records (neither the server nor other clients "
-                "trusted); neighbours: one record of a client replaced (its record count is public)\n"
-                f"record {seeding(self.noise_seed).replace('noise', 'sampling and noise', 1)}")  # fmt: skip
+        return (
+            "trust: local, each client runs DP-SGD on its own records (neither the server nor other clients "
+            "trusted); neighbours: one record of a client replaced (its record count is public)\n"
+            f"record {seeding(self.noise_seed).replace('noise', 'sampling and noise', 1)}"
+        )
 
     def report(self) -> list[dict[str, float]]:
         """One row per client that trained: records, rate, steps per round, z, rounds taken part in, epsilon."""
         plans = [(c, self.plans[c]) for c in sorted(self.participations)]
-        return [{"client": c, "records": p.records, "sample_rate": p.q, "steps_per_round": p.steps,
-                 "noise_multiplier": p.z, "rounds": self.participations[c], "epsilon": self.client_epsilon(c),
-                 "delta": self.delta} for c, p in plans]  # fmt: skip
+        return [
+            {
+                "client": c,
+                "records": p.records,
+                "sample_rate": p.q,
+                "steps_per_round": p.steps,
+                "noise_multiplier": p.z,
+                "rounds": self.participations[c],
+                "epsilon": self.client_epsilon(c),
+                "delta": self.delta,
+            }
+            for c, p in plans
+        ]
 
     def settings(self) -> list[float]:
         """What fixes every client's noise: ``C``, ``z`` or the target with the rounds it is calibrated for, delta."""

@@ -104,8 +104,10 @@ class LocalDP(Privacy):
         return gaussian_epsilon_closed_form(self.z / 2 / math.sqrt(k), self.delta)
 
     def guarantee(self, secure_sum: bool = False) -> str:
-        return ("trust: local, each client noises its own upload (the server is not trusted); epsilon of the client "
-                f"that uploaded most; neighbours: one client's data replaced\n{seeding(self.noise_seed)}")  # fmt: skip
+        return (
+            "trust: local, each client noises its own upload (the server is not trusted); epsilon of the client "
+            f"that uploaded most; neighbours: one client's data replaced\n{seeding(self.noise_seed)}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"noise_multiplier": self.z, "uploads": torch.tensor(sorted(self.uploads.items()), dtype=torch.int64)}

@@ -55,13 +55,21 @@ class SecureSum:
         problems = []
         if not _power_of_two(clipping_range):
             problems.append(f"clipping_range must be a power of two (e.g. 0.125 or 1.0), got {clipping_range}")
-        if not (isinstance(quantization_range, int) and _power_of_two(quantization_range) and
-                2 <= quantization_range <= 2**30):  # fmt: skip
+        if not (
+            isinstance(quantization_range, int)
+            and _power_of_two(quantization_range)
+            and 2 <= quantization_range <= 2**30
+        ):
             problems.append(f"quantization_range must be a power of two in [2, 2^30], got {quantization_range}")
-        if not (isinstance(modulus_range, int) and _power_of_two(modulus_range) and
-                isinstance(quantization_range, int) and quantization_range < modulus_range <= 2**62):  # fmt: skip
-            problems.append(f"modulus_range must be a power of two above quantization_range, at most 2^62, got "
-                            f"{modulus_range}")  # fmt: skip
+        if not (
+            isinstance(modulus_range, int)
+            and _power_of_two(modulus_range)
+            and isinstance(quantization_range, int)
+            and quantization_range < modulus_range <= 2**62
+        ):
+            problems.append(
+                f"modulus_range must be a power of two above quantization_range, at most 2^62, got {modulus_range}"
+            )
         if problems:
             raise ConfigError("trainer.secure_aggregation." + "; trainer.secure_aggregation.".join(problems))
         self.c, self.T, self.M = float(clipping_range), int(quantization_range), int(modulus_range)
@@ -109,8 +117,10 @@ class SecureSum:
         """Why ``total`` cannot be the modular sum of ``clients`` uploads in ``[0, T]`` (``None``: it can): an honest
         sum never wraps, so it lies in ``[0, n T]`` (the check Flower's path makes, ``recover_sum``)."""
         if total.numel() and (int(total.min()) < 0 or int(total.max()) > clients * self.T):
-            return (f"the secure sum lies outside [0, n T] = [0, {clients * self.T}] for its {clients} uploads (a "
-                    "client masked values outside [0, T]); the server cannot tell whose")  # fmt: skip
+            return (
+                f"the secure sum lies outside [0, n T] = [0, {clients * self.T}] for its {clients} uploads (a "
+                "client masked values outside [0, T]); the server cannot tell whose"
+            )
         return None
 
     def recover(self, total: torch.Tensor, clients: int) -> torch.Tensor:
@@ -171,43 +181,63 @@ class SecureAggregation(SecureSum):
         self.rounding_seed = check_noise_seed(rounding_seed)
         problems = []
         number = (int, float)
-        if isinstance(num_shares, bool) or not isinstance(num_shares, number) or not math.isfinite(num_shares) or (
-                num_shares <= 2 if isinstance(num_shares, int) else not 0 < num_shares <= 1):  # fmt: skip
+        if (
+            isinstance(num_shares, bool)
+            or not isinstance(num_shares, number)
+            or not math.isfinite(num_shares)
+            or (num_shares <= 2 if isinstance(num_shares, int) else not 0 < num_shares <= 1)
+        ):
             problems.append(f"num_shares must be an integer above 2 or a fraction in (0, 1], got {num_shares!r}")
         threshold = reconstruction_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, number) or not math.isfinite(threshold) or (
-                threshold < 2 if isinstance(threshold, int) else not 0 < threshold <= 1):  # fmt: skip
-            problems.append("reconstruction_threshold must be an integer of at least 2 or a fraction in (0, 1], got "
-                            f"{threshold!r}")  # fmt: skip
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, number)
+            or not math.isfinite(threshold)
+            or (threshold < 2 if isinstance(threshold, int) else not 0 < threshold <= 1)
+        ):
+            problems.append(
+                f"reconstruction_threshold must be an integer of at least 2 or a fraction in (0, 1], got {threshold!r}"
+            )
         elif isinstance(threshold, int) and isinstance(num_shares, int) and threshold >= num_shares:
             problems.append(f"reconstruction_threshold {threshold} must be below num_shares {num_shares}")
-        if isinstance(stage_timeout, bool) or not isinstance(stage_timeout, number) or not stage_timeout > 0 \
-                or not math.isfinite(stage_timeout):  # fmt: skip
+        if (
+            isinstance(stage_timeout, bool)
+            or not isinstance(stage_timeout, number)
+            or not stage_timeout > 0
+            or not math.isfinite(stage_timeout)
+        ):
             problems.append(f"stage_timeout must be a number of seconds above 0, got {stage_timeout!r}")
         if problems:
             raise ConfigError("trainer.secure_aggregation." + "; trainer.secure_aggregation.".join(problems))
         self.num_shares, self.reconstruction_threshold = num_shares, threshold
         self.stage_timeout = float(stage_timeout)
 
-    def problems(self, strategy: Any, privacy: Any, codec: Any, max_update_norm_ratio: float | None,
-                 attack: Any) -> list[str]:  # fmt: skip
+    def problems(
+        self, strategy: Any, privacy: Any, codec: Any, max_update_norm_ratio: float | None, attack: Any
+    ) -> list[str]:
         """What in the run's settings needs single updates, which a secure round never shows the server."""
         from lightning_fl.compress.base import FP32
 
         out = []
         if not strategy.streams:
-            out.append(f"trainer.strategy {strategy.name} needs single updates; use FedAvg, FedAvgM, FedAdam, FedYogi "
-                       "or FedAdagrad")  # fmt: skip
+            out.append(
+                f"trainer.strategy {strategy.name} needs single updates; use FedAvg, FedAvgM, FedAdam, FedYogi "
+                "or FedAdagrad"
+            )
         if strategy.weighted:
             out.append("set trainer.strategy.weighted false (client-declared weights cannot be checked in a sum)")
         if privacy is not None and privacy.central and not privacy.client_stage:
-            out.append(f"trainer.privacy {type(privacy).__name__} clips each update on the server; use DistributedDP "
-                       "(each client clips and adds its noise share)")  # fmt: skip
+            out.append(
+                f"trainer.privacy {type(privacy).__name__} clips each update on the server; use DistributedDP "
+                "(each client clips and adds its noise share)"
+            )
         if max_update_norm_ratio is not None:
             out.append("set trainer.max_update_norm_ratio null (it compares single updates)")
         if attack is not None:
-            out.append(f"trainer.attack {type(attack).__name__} is simulated on single uploads at the server, which "
-                       "a secure round never shows it; remove trainer.attack")  # fmt: skip
+            out.append(
+                f"trainer.attack {type(attack).__name__} is simulated on single uploads at the server, which "
+                "a secure round never shows it; remove trainer.attack"
+            )
         if not isinstance(codec, FP32):
             out.append(
                 f"trainer.codec {type(codec).__name__}: a secure upload is the quantised update itself; use FP32"
@@ -231,11 +261,14 @@ class SecureAggregation(SecureSum):
             ((part, q),) = encoded.parts.items()
         except (AttributeError, ValueError):
             return None, "malformed secure upload: expected one vector"
-        if (name, part) != ("secure", "q") or not isinstance(q, torch.Tensor) or q.dtype != torch.int64 \
-                or tuple(q.shape) != (size,):  # fmt: skip
+        if (
+            (name, part) != ("secure", "q")
+            or not isinstance(q, torch.Tensor)
+            or q.dtype != torch.int64
+            or tuple(q.shape) != (size,)
+        ):
             return None, f"malformed secure upload: expected an int64 vector of {size} values"
         return torch.remainder(q, self.M), None
 
     def __repr__(self) -> str:
-        return (f"SecureAggregation(clipping_range={self.c}, quantization_range={self.T}, "
-                f"modulus_range={self.M})")  # fmt: skip
+        return f"SecureAggregation(clipping_range={self.c}, quantization_range={self.T}, modulus_range={self.M})"

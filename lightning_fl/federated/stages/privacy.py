@@ -169,8 +169,11 @@ class RecordPrivacy(Stage):
             return
         problem = self.dp_sgd.report_plan(reply.client, *reply.dp_sgd_plan, self.local)
         if problem is not None:
-            warnings.warn(f"round {rnd.index + 1}, client {reply.client}: {problem}; its record-level epsilon is "
-                          "accounted with the server's data module", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"round {rnd.index + 1}, client {reply.client}: {problem}; its record-level epsilon is "
+                "accounted with the server's data module",
+                stacklevel=3,
+            )
 
     def end_round(self, rnd: Round) -> None:
         rnd.metrics.update(self.dp_sgd.end_round(rnd.available, rnd.datamodule, self.local))

@@ -31,8 +31,11 @@ class WeightCap(Stage):
 
     def on_reply(self, rnd: Round, reply: Reply, entry: Entry) -> None:
         if entry.weight > self.cap and not reply.lost:
-            warnings.warn(f"round {rnd.index + 1}, client {reply.client}: declared {reply.num_samples} samples; its "
-                          f"weight is capped at trainer.max_client_weight={self.cap:g}", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"round {rnd.index + 1}, client {reply.client}: declared {reply.num_samples} samples; its "
+                f"weight is capped at trainer.max_client_weight={self.cap:g}",
+                stacklevel=3,
+            )
             entry.weight = float(self.cap)
 
     def __repr__(self) -> str:
@@ -109,11 +112,13 @@ class NormGate(Stage):
         if relative and self.max_update_norm_ratio is not None and norms is not None and len(norms):
             median = float(norms.median())  # the lower median: an honest majority keeps it honest
             if median > 0:
-                out.append((
-                    self.max_update_norm_ratio * median,
-                    f"is more than trainer.max_update_norm_ratio={self.max_update_norm_ratio:g} times the round's "
-                    f"median update norm {median:.4g}",
-                ))  # fmt: skip
+                out.append(
+                    (
+                        self.max_update_norm_ratio * median,
+                        f"is more than trainer.max_update_norm_ratio={self.max_update_norm_ratio:g} times the round's "
+                        f"median update norm {median:.4g}",
+                    )
+                )
         return out
 
     def on_upload(self, rnd: Round, entry: Entry, row: torch.Tensor) -> torch.Tensor | None:

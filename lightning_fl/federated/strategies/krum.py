@@ -64,9 +64,11 @@ class Krum(Strategy):
         Guerraoui, Stainer (2017), "Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent"
         (NeurIPS), prove it for ``n >= 2f + 3``."""
         if count < 2 * self.num_malicious + 3:
-            return (f"Krum with num_malicious={self.num_malicious} is proven to tolerate them only with at least "
-                    f"{2 * self.num_malicious + 3} uploads per round (n >= 2f + 3); a round samples {count}: lower "
-                    "trainer.strategy.num_malicious or sample more clients")  # fmt: skip
+            return (
+                f"Krum with num_malicious={self.num_malicious} is proven to tolerate them only with at least "
+                f"{2 * self.num_malicious + 3} uploads per round (n >= 2f + 3); a round samples {count}: lower "
+                "trainer.strategy.num_malicious or sample more clients"
+            )
         return None
 
     def select(self, uploads: torch.Tensor) -> list[int]:

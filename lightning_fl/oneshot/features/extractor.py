@@ -288,8 +288,10 @@ class ExtractedFeatures(FeatureData):
         self.info = {**info, "cached": False, "cache_path": str(path)}
         log.warning(
             "Feature extractor ready: train acc %s, test acc %s; features cached at %s",
-            info.get("extractor_train_acc"), info.get("extractor_test_acc"), path,
-        )  # fmt: skip
+            info.get("extractor_train_acc"),
+            info.get("extractor_test_acc"),
+            path,
+        )
         return sets["train"], sets["test"]
 
     def _train(self, splits: dict, picks: dict, log_dir: Path) -> dict[str, float]:
