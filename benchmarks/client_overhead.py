@@ -57,8 +57,8 @@ from torch import nn
 
 from lightning_fl.data import FederatedDataModule, Synthetic
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.federated.client import _cpu_fabric, configure_optimizer
-from lightning_fl.federated.transport import InProcess
+from lightning_fl.federated.clients.client import _cpu_fabric, configure_optimizer
+from lightning_fl.federated.clients.transport import InProcess
 from lightning_fl.methods import Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 from lightning_fl.models.backbone import Backbone

@@ -18,7 +18,7 @@ one convolution per client, against ``conv_grouped``, the one grouped convolutio
 ``vmap`` runs instead, forward only.
 
 With ``--grid`` it measures instead the rule by which the trainer declines cohorts on CPU (their activations
-outgrow the caches; ``cohort_too_large`` in lightning_fl/federated/cohort.py): the SmallCNN, latent and full
+outgrow the caches; ``cohort_too_large`` in lightning_fl/federated/clients/cohort.py): the SmallCNN, latent and full
 weights, on images of 8 to 28 pixels and batches of 16 and 32, each cohort size against one client at a time,
 with each point's activations and what the rule decides.
 
@@ -38,8 +38,13 @@ from _harness import add_arguments, alternate, fmt, machine, ratios, report, sum
 
 from lightning_fl.compress import FP32
 from lightning_fl.data import FederatedDataModule, Synthetic
-from lightning_fl.federated.client import ClientJob, LocalTraining, _cpu_fabric, run_client
-from lightning_fl.federated.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION, largest_activation, run_cohort
+from lightning_fl.federated.clients.client import ClientJob, LocalTraining, _cpu_fabric, run_client
+from lightning_fl.federated.clients.cohort import (
+    MAX_CLIENT_ACTIVATION,
+    MAX_COHORT_ACTIVATION,
+    largest_activation,
+    run_cohort,
+)
 from lightning_fl.methods import Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 
@@ -108,8 +113,8 @@ GRID = [
 
 def grid(args: argparse.Namespace) -> dict:
     """The measurements behind the CPU rule that declines cohorts (``MAX_CLIENT_ACTIVATION``,
-    ``MAX_COHORT_ACTIVATION`` in lightning_fl/federated/cohort.py): for each model kind, image size and batch, the
-    largest activation per client and per cohort, whether the rule lets the cohort run, and its speed-up over one
+    ``MAX_COHORT_ACTIVATION`` in lightning_fl/federated/clients/cohort.py): for each model kind, image size and batch,
+    the largest activation per client and per cohort, whether the rule lets the cohort run, and its speed-up over one
     client at a time (CPU time per repeat, min and median)."""
     rows = []
     for kind, size, batch in [point for point in GRID if args.grid_images is None or point[1] in args.grid_images]:

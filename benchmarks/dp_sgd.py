@@ -30,8 +30,8 @@ from _harness import add_arguments, alternate, fmt, machine, ratios, report, sum
 
 from lightning_fl.compress import FP32
 from lightning_fl.data import FederatedDataModule, Synthetic
-from lightning_fl.federated.client import ClientJob, LocalTraining, _cpu_fabric, run_client
-from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
+from lightning_fl.federated.clients.client import ClientJob, LocalTraining, _cpu_fabric, run_client
+from lightning_fl.federated.clients.dp_cohort import run_cohort_dp_sgd
 from lightning_fl.methods import LATENT_RECIPE, Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 from lightning_fl.privacy import DPSGD

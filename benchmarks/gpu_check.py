@@ -595,8 +595,8 @@ def flite_step(ctx: Context, precision: str, width: int, batch: int, steps: int,
     from latent_overhead import resnet18
 
     from lightning_fl.context import StepContext, attached
-    from lightning_fl.federated.client import configure_optimizer, gradient_clip
-    from lightning_fl.federated.local import LocalTraining
+    from lightning_fl.federated.clients.client import configure_optimizer, gradient_clip
+    from lightning_fl.federated.clients.local import LocalTraining
     from lightning_fl.methods import Classifier, LatentClassifier, Recipe
     from lightning_fl.methods.centralised import step_fabric
     from lightning_fl.steps import train_steps

@@ -53,7 +53,7 @@ from lightning_fl.data import FashionMNIST, FederatedDataModule, Synthetic
 from lightning_fl.data.datamodule import InMemoryBatches, TransformedSubset
 from lightning_fl.errors import DatasetNotFoundError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.federated.transport import InProcess
+from lightning_fl.federated.clients.transport import InProcess
 from lightning_fl.methods import Classifier, LatentClassifier, Recipe
 from lightning_fl.models import SmallCNN
 

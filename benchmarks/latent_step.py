@@ -37,7 +37,7 @@ import torch
 from _harness import add_arguments, alternate, fmt, machine, ratios, report, summarise
 from client_overhead import make_module
 
-from lightning_fl.federated.client import LocalTraining, configure_optimizer, gradient_clip
+from lightning_fl.federated.clients.client import LocalTraining, configure_optimizer, gradient_clip
 
 MODELS = {"cross-device": (28, 20), "quickstart": (8, 32)}  # image size, batch
 

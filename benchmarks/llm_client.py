@@ -4,8 +4,9 @@ Both sides do the same work on the same weights and batches: load the server's s
 ``--steps`` Adam steps (gradient norms clipped at 1.0) on the same instruction batches (the built-in task through
 SmolLM2's chat template, the loss on the responses), and produce the upload (a copy of what trained):
 
-- ``ours_lora`` / ``ours_full``: :func:`~lightning_fl.federated.client.run_client` with ``LoRALanguageModel`` (PEFT's
-  LoRA, rank ``--rank``, on all 210 projections) or ``LanguageModel`` (every weight), the FP32 codec, in process;
+- ``ours_lora`` / ``ours_full``: :func:`~lightning_fl.federated.clients.client.run_client` with ``LoRALanguageModel``
+  (PEFT's LoRA, rank ``--rank``, on all 210 projections) or ``LanguageModel`` (every weight), the FP32 codec, in
+  process;
 - ``plain_lora`` / ``plain_full``: the loop a ``transformers`` user writes: ``peft.get_peft_model`` (the same rank,
   targets and adapter values) or the bare model, ``torch.optim.Adam``/``AdamW``, ``model(input_ids=x).logits``,
   ``cross_entropy(..., ignore_index=-100)``, ``clip_grad_norm_``, ``step``, ``zero_grad(set_to_none=True)``.
@@ -34,8 +35,8 @@ from torch.nn import functional as F
 
 from lightning_fl.compress import FP32
 from lightning_fl.data import IID, FederatedInstructionDataModule, InstructionTasks
-from lightning_fl.federated.client import ClientJob, run_client
-from lightning_fl.federated.local import LocalTraining
+from lightning_fl.federated.clients.client import ClientJob, run_client
+from lightning_fl.federated.clients.local import LocalTraining
 from lightning_fl.methods import LanguageModel, LoRALanguageModel, Recipe
 from lightning_fl.metrics import IGNORE_INDEX
 

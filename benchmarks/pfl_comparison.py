@@ -126,7 +126,7 @@ def write_inputs(folder: Path, settings: dict) -> None:
 def our_side(kind: str, rounds: int, settings: dict) -> None:
     """Our trainer with one side's module, alternating through stdin and stdout as _pfl_side.py does."""
     from lightning_fl.federated import FederatedTrainer
-    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.federated.clients.transport import InProcess
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")

@@ -24,8 +24,9 @@ headers and every process's traffic included). Round 1 is warm-up; rounds 2..R a
 Predicted round time at rate B, from the same method's median round without a limit ``T0`` (compute, Flower's
 polls and processes) plus transfer time:
 
-- ``clock``: ``T0 + 8 (msg_down + msg_up) / B`` per client: the clock's formula (``lightning_fl/federated/clock.py``)
-  with latency 0 and every client on a link of its own at B (clients in parallel);
+- ``clock``: ``T0 + 8 (msg_down + msg_up) / B`` per client: the clock's formula
+  (``lightning_fl/federated/arrivals/clock.py``) with latency 0 and every client on a link of its own at B (clients in
+  parallel);
 - ``shared``: ``T0 + 8 (sum over clients of msg_down + msg_up) / B``: the same messages through one bottleneck;
 - ``relayed``: ``T0 + 8 * relayed bytes / B``, the relayed bytes being the round's loopback bytes without a limit
   less the idle deployment's traffic over ``T0`` (``--idle`` seconds of it are counted before the first run): every
@@ -64,7 +65,7 @@ from typing import Any
 
 from _harness import command_line
 
-from lightning_fl.federated.callbacks import Callback
+from lightning_fl.federated.trainer.callbacks import Callback
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"

@@ -49,10 +49,10 @@ def worker(clients: int, weights: int, mode: str, groups: int = 1) -> dict:
 
     from lightning_fl.compress import FP32
     from lightning_fl.federated import ByteLedger, FedAvg, LocalTraining
-    from lightning_fl.federated.collect import Uploads
-    from lightning_fl.federated.round import RoundRunner
-    from lightning_fl.federated.stages import NormGate
-    from lightning_fl.federated.transport import Reply, Transport
+    from lightning_fl.federated.clients.transport import Reply, Transport
+    from lightning_fl.federated.server.collect import Uploads
+    from lightning_fl.federated.server.round import RoundRunner
+    from lightning_fl.federated.server.stages import NormGate
 
     class Clients(Transport):
         """Clients that upload the global state plus a small seeded perturbation (no training)."""

@@ -37,7 +37,7 @@ from _harness import Sample, add_arguments, cpu_seconds, line, machine, measure,
 from lightning_fl.data import FashionMNIST, FederatedDataModule, Synthetic
 from lightning_fl.errors import DatasetNotFoundError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.federated import loop as federated_loop
+from lightning_fl.federated.trainer import loop as federated_loop
 from lightning_fl.methods import LatentClassifier
 from lightning_fl.models import SmallCNN
 

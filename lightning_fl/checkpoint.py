@@ -241,8 +241,8 @@ def digest_tensors(tensors: dict[str, torch.Tensor]) -> str:
 
 def content_digest(obj: Any) -> str:
     """SHA-256 of a checkpoint's content: every tensor (dtype, shape, bytes) and plain value (type and repr), in
-    key order. What :func:`lightning_fl.federated.checkpoint.save_round` stores and ``load_round`` verifies: a
-    flipped bit anywhere in what the file holds changes it."""
+    key order. What :func:`lightning_fl.federated.persistence.checkpoint.save_round` stores and ``load_round``
+    verifies: a flipped bit anywhere in what the file holds changes it."""
     h = hashlib.sha256()
     _digest_into(h, obj)
     return h.hexdigest()

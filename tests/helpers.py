@@ -10,12 +10,12 @@ import torch
 from lightning_fl import TrainerLike
 from lightning_fl.compress import FP32
 from lightning_fl.federated import ByteLedger, FedAvg, LocalTraining
-from lightning_fl.federated.arguments import TrainerArguments
-from lightning_fl.federated.collect import Uploads
-from lightning_fl.federated.round import RoundRunner, RoundSettings
-from lightning_fl.federated.stages import round_arrivals, round_stages
-from lightning_fl.federated.state import flatten, unflatten
-from lightning_fl.federated.transport import Reply, Transport
+from lightning_fl.federated.clients.transport import Reply, Transport
+from lightning_fl.federated.server.collect import Uploads
+from lightning_fl.federated.server.round import RoundRunner, RoundSettings
+from lightning_fl.federated.server.stages import round_arrivals, round_stages
+from lightning_fl.federated.server.state import flatten, unflatten
+from lightning_fl.federated.trainer.arguments import TrainerArguments
 from lightning_fl.privacy import Plan
 
 
@@ -87,7 +87,7 @@ def round_runner(
     upload_policy="drop",
     **settings,
 ):
-    """A :class:`~lightning_fl.federated.round.RoundRunner` over ``transport`` with the stages a trainer with
+    """A :class:`~lightning_fl.federated.server.round.RoundRunner` over ``transport`` with the stages a trainer with
     ``settings`` (its arguments: ``attack``, ``privacy``, ``max_update_norm``, ...) would run; the relative norm gate
     is off unless ``max_update_norm_ratio`` is given."""
     strategy = strategy if strategy is not None else FedAvg()
@@ -119,7 +119,7 @@ def crafted_runner(
     num_samples=None,
     **kwargs,
 ):
-    """A :class:`~lightning_fl.federated.round.RoundRunner` over :class:`CraftedClients` on one CPU process, with
+    """A :class:`~lightning_fl.federated.server.round.RoundRunner` over :class:`CraftedClients` on one CPU process, with
     ``privacy`` set up for ``rounds`` rounds of ``count`` clients; returns (runner, population)."""
     strategy = strategy if strategy is not None else FedAvg()
     count = count if count is not None else num_clients

@@ -13,11 +13,11 @@ from helpers import CraftedClients, Population
 from lightning_fl.compress import FP32
 from lightning_fl.federated import ByteLedger, Clock, FedAvg, FedAvgM, FedBuff, LocalTraining
 from lightning_fl.federated.arrivals import Buffered, Timed, WaitForAll, layout_bytes
-from lightning_fl.federated.buffered import discount
-from lightning_fl.federated.collect import Uploads
-from lightning_fl.federated.round import RoundRunner
-from lightning_fl.federated.stages import IdentityCheck, NormGate, Stage, WeightCap
-from lightning_fl.federated.state import flatten
+from lightning_fl.federated.arrivals.fedbuff import discount
+from lightning_fl.federated.server.collect import Uploads
+from lightning_fl.federated.server.round import RoundRunner
+from lightning_fl.federated.server.stages import IdentityCheck, NormGate, Stage, WeightCap
+from lightning_fl.federated.server.state import flatten
 
 D = 6  # the crafted state: a (2, 2) and b (2,), float32
 CLIENTS = 6

@@ -500,7 +500,7 @@ def test_pfl_comparison_alternates_ours_and_pfl_on_the_same_clients(tmp_path):
 def test_the_cohort_rule_grid_reports_each_point_with_the_rules_decision(tmp_path):
     """benchmarks/cohort.py --grid at a tiny size: every point's activations are the network's (8x8 images: the
     first convolution's 32 channels x 64 pixels per image) and its decision is the trainer's rule."""
-    from lightning_fl.federated.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION
+    from lightning_fl.federated.clients.cohort import MAX_CLIENT_ACTIVATION, MAX_COHORT_ACTIVATION
 
     args = [
         "--grid",

@@ -10,8 +10,8 @@ import torch
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.checkpoint import content_digest
 from lightning_fl.errors import CheckpointError, ConfigError
-from lightning_fl.federated import checkpoint as round_ckpt
-from lightning_fl.federated.checkpoint import DIGEST, KEY_ENV, KEYED
+from lightning_fl.federated.persistence import checkpoint as round_ckpt
+from lightning_fl.federated.persistence.checkpoint import DIGEST, KEY_ENV, KEYED
 from lightning_fl.privacy import CentralDP, DistributedDP, LocalDP
 from lightning_fl.privacy.accountant import Accountant, RoundEvent
 

@@ -76,7 +76,7 @@ def truncated_file(path: Path, obj) -> Path:
 def resealed(ckpt: dict) -> dict:
     """A round checkpoint's dict with its content digest recomputed (well formed, whatever it holds)."""
     from lightning_fl.checkpoint import content_digest
-    from lightning_fl.federated.checkpoint import DIGEST
+    from lightning_fl.federated.persistence.checkpoint import DIGEST
 
     body = {k: v for k, v in ckpt.items() if k != DIGEST}
     return {**body, DIGEST: content_digest(body)}
@@ -392,7 +392,7 @@ def round_checkpoint(in_tmp) -> Path:
 
 def resume(path: Path, good: dict) -> dict:
     """``path`` read as the trainer reads a checkpoint to resume from (for the run that wrote ``good``)."""
-    from lightning_fl.federated import checkpoint as round_ckpt
+    from lightning_fl.federated.persistence import checkpoint as round_ckpt
 
     expect = {"seed": 0, "num_clients": 4, "fingerprint": good["fingerprint"], "strategy": "FedAvg"}
     return round_ckpt.load_round(path, expect, list(good["global_state"]), 2)
@@ -433,7 +433,7 @@ def test_a_round_checkpoint_with_a_nan_state_or_missing_keys_is_refused_with_exi
 ):
     """Well-formed files (their digests recomputed) whose content cannot be resumed: one line and exit code 2."""
     from lightning_fl.checkpoint import atomic_save, content_digest
-    from lightning_fl.federated.checkpoint import DIGEST
+    from lightning_fl.federated.persistence.checkpoint import DIGEST
 
     good = read_checkpoint(round_checkpoint)
     name = next(iter(good["global_state"]))

@@ -238,7 +238,7 @@ REAL_CAUSES = {
         QUICKSTART,
         ["--trainer.aggregation", "median"],
         [
-            "error: fit: unknown key 'trainer.aggregation' for lightning_fl.federated.loop.FederatedTrainer.",
+            "error: fit: unknown key 'trainer.aggregation' for lightning_fl.federated.trainer.loop.FederatedTrainer.",
             "Accepted: rounds,",
         ],
     ),
@@ -613,7 +613,7 @@ def test_the_trainer_help_shows_the_doc_under_each_field(capsys):
     from docstring_parser import parse_from_object
 
     from lightning_fl.cli.parser import asks_for_help, plain_roles
-    from lightning_fl.federated.arguments import TrainerArguments
+    from lightning_fl.federated.trainer.arguments import TrainerArguments
 
     docs = {p.arg_name: p.description for p in parse_from_object(TrainerArguments).params}
     assert docs.keys() == {f.name for f in dataclasses.fields(TrainerArguments)}, "a field without its doc"

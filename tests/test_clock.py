@@ -14,7 +14,7 @@ from conftest import make_dm, make_model, make_trainer
 from helpers import CraftedClients, Population, round_runner
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FedAvg, LocalTraining
-from lightning_fl.federated.clock import Clock
+from lightning_fl.federated.arrivals.clock import Clock
 from lightning_fl.privacy import CentralDP, Plan
 
 D = 6  # the crafted rounds' state: a (2, 2) and b (2,), float32: 24 bytes down and up

@@ -2,7 +2,7 @@
 
 For each codec, Hypothesis builds payloads that are not what the codec's ``encode`` makes: random and damaged
 wire bytes (parsed by :func:`lightning_fl.compress.wire.loads`), forged wire headers, and in-process payloads
-with junk in every slot. Each goes through :func:`lightning_fl.federated.gate.screen_upload`, what the server
+with junk in every slot. Each goes through :func:`lightning_fl.federated.server.gate.screen_upload`, what the server
 runs on every reply; it must end in a :class:`~lightning_fl.compress.wire.PayloadFormatError` or a non-empty
 problem list found before decoding, and neither the global state nor the codec's per-client memory may change.
 """
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from helpers import round_runner
 from lightning_fl.compress import FP32, Codec, PayloadDecodeError, PowerSGD, Quantize, TopK, wire
 from lightning_fl.compress.base import Encoded, Payload, non_finite_parts
-from lightning_fl.federated.gate import UploadRejectedError, check_layout, decode_upload, screen_upload
-from lightning_fl.federated.transport import Reply, Transport
+from lightning_fl.federated.clients.transport import Reply, Transport
+from lightning_fl.federated.server.gate import UploadRejectedError, check_layout, decode_upload, screen_upload
 
 CODECS = {
     "fp32": FP32,
@@ -501,7 +501,7 @@ def test_the_server_sums_each_value_of_an_upload_once_for_finiteness(codec, summ
     """FP32's decoded tensors are views of its parts: checked before decoding, not summed again after; 8-bit
     uploads have their float parameters (2 per tensor) checked before decoding and the decoded floats after."""
     import lightning_fl.compress.base as base
-    import lightning_fl.federated.gate as gate
+    import lightning_fl.federated.server.gate as gate
 
     seen = []
 

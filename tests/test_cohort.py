@@ -12,8 +12,8 @@ import torch
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.compress import TopK
 from lightning_fl.data import Dirichlet
-from lightning_fl.federated.client import ClientJob, LocalTraining, _cpu_fabric, run_client
-from lightning_fl.federated.cohort import cohort_problem, run_cohort
+from lightning_fl.federated.clients.client import ClientJob, LocalTraining, _cpu_fabric, run_client
+from lightning_fl.federated.clients.cohort import cohort_problem, run_cohort
 from lightning_fl.methods import LATENT_RECIPE
 
 # Stated tolerance: after 3 rounds the latents of cohort and sequential runs differ by at most 1e-5 (float32
@@ -142,7 +142,7 @@ def test_what_cannot_be_vectorised_trains_one_at_a_time_with_a_warning(tmp_path)
 def test_cohorts_whose_activations_outgrow_the_measured_limits_train_one_at_a_time(tmp_path, monkeypatch):
     """The CPU rule (cohorts slower than sequential beyond the limits): the activation measured on a client's first
     batch, per client and per cohort, against each limit; the run then trains one at a time with one line why."""
-    from lightning_fl.federated import cohort
+    from lightning_fl.federated.clients import cohort
 
     fabric, dm = _cpu_fabric(), make_dm(num_clients=8, batch_size=8)
     dm.setup()
@@ -168,7 +168,7 @@ def test_the_activation_probe_leaves_random_state_and_modes_as_it_found_them():
 
     import numpy as np
 
-    from lightning_fl.federated.cohort import cohort_too_large
+    from lightning_fl.federated.clients.cohort import cohort_too_large
 
     dm = make_dm(num_clients=4, batch_size=8, augment=True)
     dm.setup()

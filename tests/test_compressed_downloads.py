@@ -15,7 +15,7 @@ from lightning_fl.compress import Downlink, PayloadError, PowerSGD, Quantize, To
 from lightning_fl.compress.downlink import SERVER
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import FederatedTrainer, Median
-from lightning_fl.federated.transport import InProcess, Transport
+from lightning_fl.federated.clients.transport import InProcess, Transport
 from lightning_fl.methods import Classifier, Recipe
 from lightning_fl.models import SmallCNN
 from lightning_fl.privacy import CentralDP

@@ -46,14 +46,16 @@ def test_the_site_builds_strict(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     built = tmp_path / "site"
     reference = (built / "reference" / "trainer" / "index.html").read_text()
-    assert 'id="lightning_fl.federated.arguments.TrainerArguments.rounds"' in reference  # generated from the code
+    generated = 'id="lightning_fl.federated.trainer.arguments.TrainerArguments.rounds"'  # from the code
+    assert generated in reference
     assert "Communication rounds R." in reference  # the field's docstring
     fetched = re.compile(r"<(?:link|script)[^>]+(?:href|src)=\"https?://", re.I)
     assert not [p for p in built.rglob("*.html") if fetched.search(p.read_text())], "a page loads a remote resource"
     # the docstrings' Sphinx roles are links (tools/sphinx_roles.py), none is shown as written
     raw = {str(p.relative_to(built)): RAW_ROLE.findall(p.read_text()) for p in built.rglob("*.html")}
     assert not {page: roles for page, roles in raw.items() if roles}, "raw Sphinx roles in the built site"
-    link = r'<a class="autorefs autorefs-internal"[^>]*href="[^"]*#lightning_fl\.federated\.loop\.FederatedTrainer"'
+    target = r"lightning_fl\.federated\.trainer\.loop\.FederatedTrainer"
+    link = rf'<a class="autorefs autorefs-internal"[^>]*href="[^"]*#{target}"'
     assert re.search(rf"configured by \({link}[^>]*><code>FederatedTrainer</code></a>", reference)
     # signatures are formatted (by ruff, in the docs extra): one parameter a line, not all of them on one
     assert "Formatting signatures requires" not in proc.stderr

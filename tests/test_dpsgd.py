@@ -15,7 +15,13 @@ import torch
 from conftest import make_dm, make_model, make_trainer
 from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.client import ClientJob, LocalTraining, client_loader, configure_optimizer, run_client
+from lightning_fl.federated.clients.client import (
+    ClientJob,
+    LocalTraining,
+    client_loader,
+    configure_optimizer,
+    run_client,
+)
 from lightning_fl.privacy import DPSGD
 from lightning_fl.privacy.dpsgd import epsilon, noise_multiplier
 
@@ -152,7 +158,7 @@ def test_the_torch_func_engine_is_torch_func_gradients_stepped_by_opacus_dpoptim
 
 
 def test_auto_picks_opacus_for_standard_layers_and_torch_func_for_the_latent(dm):
-    from lightning_fl.federated.dp_client import choose_engine
+    from lightning_fl.federated.clients.dp_client import choose_engine
 
     dp = DPSGD(noise_multiplier=1.0)
     assert choose_engine(classifier(), dp) == "opacus"
@@ -164,7 +170,7 @@ def test_auto_picks_opacus_for_standard_layers_and_torch_func_for_the_latent(dm)
 def test_either_engine_without_opacus_says_how_to_install_it(monkeypatch):
     import sys
 
-    from lightning_fl.federated.dp_client import choose_engine
+    from lightning_fl.federated.clients.dp_client import choose_engine
 
     dp = DPSGD(noise_multiplier=1.0, engine="functorch")  # (made without Opacus, it is refused: test_privacy.py)
     monkeypatch.setitem(sys.modules, "opacus", None)  # (import opacus then raises ImportError)
@@ -351,8 +357,8 @@ def test_a_vectorised_cohort_equals_its_clients_trained_one_at_a_time(tmp_path, 
 def test_a_cohort_step_in_which_no_client_drew_a_record_is_each_clients_noise_alone():
     """Batch size 1 over 60 records (q = 1/60): clients 0 and 3 both draw nobody at step 0 of round 0, so the cohort's
     first step has no records at all; each client's step is its noise alone, as when it trains by itself."""
-    from lightning_fl.federated.client import _cpu_fabric
-    from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
+    from lightning_fl.federated.clients.client import _cpu_fabric
+    from lightning_fl.federated.clients.dp_cohort import run_cohort_dp_sgd
 
     dm = make_dm(augment=False, batch_size=1)
     dm.setup("fit")
@@ -379,9 +385,9 @@ def test_a_client_whose_noised_steps_diverge_fails_alike_alone_and_in_a_dp_sgd_c
     DP-SGD and says which function does."""
     import dataclasses
 
-    from lightning_fl.federated.client import _cpu_fabric
-    from lightning_fl.federated.cohort import run_cohort
-    from lightning_fl.federated.dp_cohort import run_cohort_dp_sgd
+    from lightning_fl.federated.clients.client import _cpu_fabric
+    from lightning_fl.federated.clients.cohort import run_cohort
+    from lightning_fl.federated.clients.dp_cohort import run_cohort_dp_sgd
     from lightning_fl.methods import LATENT_RECIPE
 
     dm = make_dm(augment=False, batch_size=8)

@@ -232,7 +232,7 @@ def test_smollm2_fine_tuned_with_lora_exports_a_model_transformers_generates_fro
     from lightning_fl.cli import build
 
     ours = build(["validate", "--config", saved]).model
-    from lightning_fl.federated.checkpoint import load_for_evaluation
+    from lightning_fl.federated.persistence.checkpoint import load_for_evaluation
 
     load_for_evaluation(ours, ckpt, torch.device("cpu"))
     ours.eval()
@@ -285,7 +285,7 @@ def test_the_how_to_runs_as_written_with_a_tiny_model_in_smollm2s_place(tiny_cha
     with contextlib.redirect_stdout(printed):
         exec(compile(python, "instruction-data.md", "exec"), {})
     from lightning_fl.cli import build
-    from lightning_fl.federated.checkpoint import load_for_evaluation
+    from lightning_fl.federated.persistence.checkpoint import load_for_evaluation
 
     folder = in_tmp / "runs" / "my_instructions" / "version_0"
     ours = build(["validate", "--config", str(folder / "config.yaml")]).model

@@ -15,10 +15,10 @@ from lightning_fl.compress import FP32, Quantize, TopK
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import ByteLedger, Clock, FedAvg, FedAvgM, FedBuff, LocalTraining, Median, SignFlip
 from lightning_fl.federated.arrivals import Buffered
-from lightning_fl.federated.collect import Uploads
-from lightning_fl.federated.round import RoundRunner
-from lightning_fl.federated.stages import NormGate
-from lightning_fl.federated.state import flatten
+from lightning_fl.federated.server.collect import Uploads
+from lightning_fl.federated.server.round import RoundRunner
+from lightning_fl.federated.server.stages import NormGate
+from lightning_fl.federated.server.state import flatten
 from lightning_fl.methods import Classifier, LoRAClassifier, Recipe
 from lightning_fl.models import SmallCNN
 from lightning_fl.privacy import DPSGD, CentralDP

@@ -28,7 +28,7 @@ from lightning_fl.federated import (
     TrimmedMean,
     run_client,
 )
-from lightning_fl.federated.callbacks import Callback
+from lightning_fl.federated.trainer.callbacks import Callback
 from lightning_fl.methods import LatentClassifier
 from lightning_fl.models import SmallCNN
 
@@ -404,7 +404,7 @@ def test_fabric_strategy_names_given_as_the_server_strategy_say_where_they_belon
 
 
 def test_update_norms_in_chunks_equal_the_float64_norms_of_every_row():
-    from lightning_fl.federated.uploads import take, update_norms
+    from lightning_fl.federated.server.uploads import take, update_norms
 
     g = torch.Generator().manual_seed(0)
     for n, width in ((0, 7), (1, 7), (5, 3), (37, 2**15 + 3)):  # the last spans several chunks of rows
@@ -471,7 +471,7 @@ def test_the_collapse_alarm_advises_what_the_run_can_use(tmp_path):
     from types import SimpleNamespace
 
     from conftest import make_dm, make_model, make_trainer
-    from lightning_fl.federated.callbacks import collapse_advice
+    from lightning_fl.federated.trainer.callbacks import collapse_advice
     from lightning_fl.privacy import CentralDP
     from lightning_fl.privacy.secure import SecureAggregation
 
@@ -584,7 +584,7 @@ def test_callbacks_come_from_the_config_by_class_path(in_tmp, capsys):
 
 
 def test_the_transport_is_a_constructor_argument_and_sees_every_round(tmp_path):
-    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.federated.clients.transport import InProcess
 
     class Counting(InProcess):
         def __init__(self):

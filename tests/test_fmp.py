@@ -10,7 +10,7 @@ import torch
 from conftest import FMP_SHRINK, C, D, context, generator, pool
 from lightning_fl.compress import FP32, Quantize
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.gate import UploadRejectedError
+from lightning_fl.federated.server.gate import UploadRejectedError
 from lightning_fl.oneshot import (
     ANN,
     CANN,

@@ -195,7 +195,7 @@ def test_weight_deltas_measures_each_layers_change_as_its_closed_form(method, ti
     import lightning as L
 
     from lightning_fl.cli import build
-    from lightning_fl.federated import setup
+    from lightning_fl.federated.trainer import setup
 
     fit(tmp_path, method, tiny)
     (folder,) = (tmp_path / "run").glob("version_*")

@@ -12,8 +12,8 @@ from test_cohort import ATOL, assert_same_run, fit, quickstart_model
 
 from conftest import make_dm, make_model
 from lightning_fl.data import Dirichlet
-from lightning_fl.federated.client import _cpu_fabric
-from lightning_fl.federated.lockstep import lockstep_problem
+from lightning_fl.federated.clients.client import _cpu_fabric
+from lightning_fl.federated.clients.lockstep import lockstep_problem
 from lightning_fl.methods import LATENT_RECIPE
 
 

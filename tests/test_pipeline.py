@@ -12,11 +12,11 @@ from helpers import crafted_runner
 from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FedAdam, FedAvg, FedAvgM, Median, NaNUpload, SignFlip
-from lightning_fl.federated.client import LocalTraining
-from lightning_fl.federated.collect import Uploads
-from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.round import RoundRunner
-from lightning_fl.federated.transport import InProcess
+from lightning_fl.federated.clients.client import LocalTraining
+from lightning_fl.federated.clients.transport import InProcess
+from lightning_fl.federated.persistence.ledger import ByteLedger
+from lightning_fl.federated.server.collect import Uploads
+from lightning_fl.federated.server.round import RoundRunner
 from lightning_fl.privacy import AdaptiveClipping, CentralDP, Plan
 
 D = 6

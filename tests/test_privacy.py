@@ -746,7 +746,7 @@ def test_without_a_noise_seed_every_mechanism_draws_its_noise_from_the_os(mechan
 
 def test_dp_sgd_with_the_secure_source_steps_through_opacus_with_noise_of_scale_z_c_over_b():
     """No record drawn: the step is the noise alone, ``N(0, (z C)^2) / B`` per coordinate, from the OS."""
-    from lightning_fl.federated.dp_client import dp_optimizer_for
+    from lightning_fl.federated.clients.dp_client import dp_optimizer_for
     from lightning_fl.privacy.base import SystemRandomness
     from lightning_fl.privacy.dpsgd import ClientPlan
 
@@ -884,8 +884,8 @@ def test_under_a_mechanism_that_does_not_trust_the_server_only_the_noised_upload
     """Local DP, distributed DP's shares and DP-SGD: no sample count, no logged loss or accuracy reach the server
     (uploads weigh alike); central DP trusts the server, which gets them as without DP."""
     from lightning_fl.federated import FedAvg, FederatedTrainer, LocalTraining
-    from lightning_fl.federated.local import ClientResult
-    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.federated.clients.local import ClientResult
+    from lightning_fl.federated.clients.transport import InProcess
     from lightning_fl.privacy import DPSGD, DistributedDP, LocalDP
 
     kinds = {
@@ -948,7 +948,7 @@ def test_a_non_finite_record_is_not_told_apart_by_the_reply_and_is_accounted(tmp
     not trust the server the reply must not tell them apart: a noised upload every time, nothing else (no failure),
     the same shape; and the client is accounted in both. (A NaN record used to make the client reply "local training
     failed" with no upload, and local DP then left it unaccounted.)"""
-    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.federated.clients.transport import InProcess
     from lightning_fl.privacy import DPSGD, DistributedDP, LocalDP
 
     def kind():
@@ -1015,7 +1015,7 @@ def test_central_dp_with_noise_seed_null_draws_its_cohorts_where_no_seed_reveals
     (the default) two runs with the same seed sample different clients, and the summary says so; with an integer
     ``noise_seed`` the cohorts are the run seed's (those of a run without DP) and the summary says the guarantee
     assumes the seeds stay secret. DistributedDP is not amplified: its cohorts stay seeded."""
-    from lightning_fl.federated.round import RoundRunner
+    from lightning_fl.federated.server.round import RoundRunner
     from lightning_fl.privacy import DistributedDP
 
     def cohorts(privacy, name):
@@ -1062,7 +1062,7 @@ def test_a_secret_cohort_is_rank_zeros_on_every_process():
     from types import SimpleNamespace
 
     from lightning_fl.federated import FedAvg
-    from lightning_fl.federated.round import RoundRunner, RoundSettings
+    from lightning_fl.federated.server.round import RoundRunner, RoundSettings
 
     class TwoProcesses:
         world_size = 2

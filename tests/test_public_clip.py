@@ -3,8 +3,8 @@
 On the tiny Llama (conftest's ``tiny_llama``) in place of SmolLM2 in ``configs/smollm2_lora.yaml``, on a small
 TinyGPT character model in ``configs/fedavg_shakespeare.yaml`` and on synthetic images in
 ``configs/fedavg_fashion_mnist.yaml``: the tool's norms are those of updates computed here by calling
-:func:`~lightning_fl.federated.client.run_client` directly, it runs with the private clients' data unreachable, and
-a data module without public data is refused in one line.
+:func:`~lightning_fl.federated.clients.client.run_client` directly, it runs with the private clients' data unreachable,
+and a data module without public data is refused in one line.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from conftest import CONFIGS, PLAYS, play_text, tiny_llama_args, tool_module, wr
 from lightning_fl.cli import build
 from lightning_fl.data import ByRole, FederatedDataModule, FederatedTextDataModule, Shakespeare
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.client import ClientJob, run_client
+from lightning_fl.federated.clients.client import ClientJob, run_client
 
 clip = tool_module("public_clip")
 SMALL = ["--clients", "3", "--windows", "5", "--seed", "1"]

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from lightning_fl.federated import budget
+from lightning_fl.federated.persistence import budget
 
 
 def recorded(folder, rounds):

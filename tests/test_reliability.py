@@ -21,8 +21,8 @@ from lightning_fl import runs
 from lightning_fl.data import Dirichlet, FashionMNIST, FederatedDataModule, Partitioner, Synthetic
 from lightning_fl.errors import CheckpointError, ConfigError, DatasetNotFoundError
 from lightning_fl.federated import NaNUpload, Scaling, UploadRejectedError
-from lightning_fl.federated import round as round_module
-from lightning_fl.federated.strategies import Strategy
+from lightning_fl.federated.server import round as round_module
+from lightning_fl.federated.server.strategies import Strategy
 
 
 def latent(trainer) -> torch.Tensor:

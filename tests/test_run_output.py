@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import make_dm, make_model, make_trainer
-from lightning_fl.federated.callbacks import ProgressReport
-from lightning_fl.federated.summary import best_round, run_summary
+from lightning_fl.federated.trainer.callbacks import ProgressReport
+from lightning_fl.federated.trainer.summary import best_round, run_summary
 
 
 def test_best_round_follows_the_metric_direction():

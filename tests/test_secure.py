@@ -113,7 +113,7 @@ def secure_fit(tmp_path, name, secure=None, rounds=2, **kwargs):
 def test_a_secure_round_steps_by_the_exact_mean_of_the_clients_quantised_updates(tmp_path):
     from conftest import make_dm, make_model
     from lightning_fl.compress import FP32
-    from lightning_fl.federated.client import ClientJob, LocalTraining, run_client
+    from lightning_fl.federated.clients.client import ClientJob, LocalTraining, run_client
     from lightning_fl.privacy.secure import SecureAggregation
 
     secure = SecureAggregation(clipping_range=1.0, quantization_range=2**12, rounding_seed=0)  # a coarse step
@@ -206,7 +206,7 @@ def test_a_malformed_secure_upload_is_named_and_a_dropped_client_leaves_a_correc
 def test_one_client_shifting_its_masked_vector_cannot_move_the_model_it_loses_the_round(tmp_path, monkeypatch):
     """A hostile client adds M/2 to its quantised vector: the modular sum leaves [0, n T] (an honest one never
     does), so the round has no aggregate and says why; without the range check the shift reaches the model."""
-    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.federated.clients.transport import InProcess
     from lightning_fl.privacy.secure import SecureAggregation
 
     secure = SecureAggregation(clipping_range=1.0)
@@ -237,8 +237,8 @@ def test_the_client_in_every_invalid_sum_is_named_and_left_out_so_the_honest_cli
     sum; the server, which sees only sums and who was in them, names the one client in every invalid sum and in no
     valid one, leaves it out, and the later rounds aggregate again."""
     from conftest import make_dm, make_model, make_trainer
-    from lightning_fl.federated.suspects import Suspects
-    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.federated.clients.transport import InProcess
+    from lightning_fl.federated.server.suspects import Suspects
     from lightning_fl.privacy.secure import SecureAggregation
 
     secure = SecureAggregation(clipping_range=1.0)
@@ -286,7 +286,7 @@ def test_a_valid_sum_clears_no_one_so_a_hostile_client_cannot_frame_an_honest_on
     """Issue 72, item 6: client 7 spoils only the sums that include client 4. Its own valid sums (without 4) once
     cleared it, leaving 4 alone as the suspect, left out after two invalid sums; now both stay candidates and no one
     is left out, while a client alone in every invalid sum still is."""
-    from lightning_fl.federated.suspects import Suspects
+    from lightning_fl.federated.server.suspects import Suspects
 
     record = Suspects()
     assert record.record([1, 4, 5, 7], valid=False).endswith(
@@ -309,7 +309,7 @@ def test_a_client_that_spoils_only_the_rounds_of_a_chosen_client_gets_no_one_lef
     now 4 and 7 are named as candidates, no one is left out, and only the rounds with both lose their sum (the
     denial of service SecAgg+ without proofs cannot prevent)."""
     from conftest import make_dm, make_model, make_trainer
-    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.federated.clients.transport import InProcess
     from lightning_fl.privacy.secure import SecureAggregation
 
     secure, attacker, victim = SecureAggregation(clipping_range=1.0), 7, 4

@@ -13,12 +13,12 @@ from helpers import CraftedClients, Population, round_runner
 from lightning_fl.compress import FP32
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FedAvg, LocalTraining, Median
-from lightning_fl.federated.collect import Uploads
-from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.round import RoundRunner
-from lightning_fl.federated.secure_uploads import SecureUploads
-from lightning_fl.federated.stages import IdentityCheck, NormGate, Stage
-from lightning_fl.federated.transport import InProcess
+from lightning_fl.federated.clients.transport import InProcess
+from lightning_fl.federated.persistence.ledger import ByteLedger
+from lightning_fl.federated.server.collect import Uploads
+from lightning_fl.federated.server.round import RoundRunner
+from lightning_fl.federated.server.secure_uploads import SecureUploads
+from lightning_fl.federated.server.stages import IdentityCheck, NormGate, Stage
 from lightning_fl.privacy.secure import SecureAggregation
 
 D = 6
@@ -153,7 +153,7 @@ def test_no_module_outside_the_stage_builder_names_a_mechanisms_class():
     """The trainer, the checkpoint, the callbacks and the summary iterate the stages: the builder makes them (the
     stages and arrival policies themselves hold the plug-ins they run)."""
     package = REPO / "lightning_fl"
-    mechanisms = (package / "federated" / "stages", package / "federated" / "arrivals")
+    mechanisms = (package / "federated" / "server" / "stages", package / "federated" / "arrivals")
     naming = {}
     for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -170,7 +170,7 @@ def test_the_round_knows_no_mechanism_by_name():
     """round.py and collect.py run the stages they are given: they import no mechanism and name none."""
     mechanisms = ("privacy", "downlink", "attack", "identity", "dp_sgd", "NormGate", "broadcast")
     for name in ("round.py", "collect.py"):
-        path = REPO / "lightning_fl" / "federated" / name
+        path = REPO / "lightning_fl" / "federated" / "server" / name
         tree = ast.parse(path.read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not {m for m in imported if m.startswith(("lightning_fl.privacy", "lightning_fl.compress.downlink"))}

@@ -12,7 +12,7 @@ from lightning_fl.compress import FP32
 from lightning_fl.context import StepContext, attached
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import LocalTraining, run_client
-from lightning_fl.federated.client import ClientJob, _cpu_fabric
+from lightning_fl.federated.clients.client import ClientJob, _cpu_fabric
 from lightning_fl.methods import Classifier, Recipe
 from lightning_fl.methods.centralised import train_classifier
 from lightning_fl.models import SmallCNN

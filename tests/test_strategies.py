@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lightning_fl.errors import ConfigError
-from lightning_fl.federated.strategies import (
+from lightning_fl.federated.server.strategies import (
     FedAdagrad,
     FedAdam,
     FedAvg,
@@ -41,7 +41,7 @@ def test_fedavg_unweighted_and_weighted_by_hand():
 def test_a_running_sum_in_chunks_is_the_one_step_fold_bit_for_bit():
     """RunningSum adds FOLD_CHUNK values at a time: the same float64 additions as ``total += w * x.double()``
     over the whole vector, for weights 1 (no multiplication) and others, float32 and float64 uploads."""
-    from lightning_fl.federated.strategies.base import FOLD_CHUNK, RunningSum
+    from lightning_fl.federated.server.strategies.base import FOLD_CHUNK, RunningSum
 
     g = torch.Generator().manual_seed(0)
     size = 2 * FOLD_CHUNK + 5  # three chunks, the last a short one
@@ -276,7 +276,7 @@ def test_krum_warns_when_a_round_is_too_small_for_its_guarantee():
     n >= f + 3), a plan at it is not."""
     import warnings
 
-    from lightning_fl.federated.setup import check_plan
+    from lightning_fl.federated.trainer.setup import check_plan
 
     with pytest.warns(UserWarning, match=r"num_malicious=3 is proven to tolerate them only with at least 9 uploads"):
         check_plan(Krum(num_malicious=3), None, 8, 8)

@@ -1,6 +1,6 @@
 """Who spoils secure sums, unit by unit: a client is left out only once two invalid sums or more point to it alone."""
 
-from lightning_fl.federated.suspects import Suspects
+from lightning_fl.federated.server.suspects import Suspects
 
 
 def test_one_invalid_sum_names_its_clients_but_leaves_no_one_out():

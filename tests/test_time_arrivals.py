@@ -12,9 +12,9 @@ from helpers import CraftedClients, Population
 from lightning_fl.compress import FP32
 from lightning_fl.federated import ByteLedger, Clock, FedAvg, LocalTraining
 from lightning_fl.federated.arrivals import Timed, layout_bytes
-from lightning_fl.federated.collect import Uploads
-from lightning_fl.federated.round import RoundRunner
-from lightning_fl.federated.stages import Stage
+from lightning_fl.federated.server.collect import Uploads
+from lightning_fl.federated.server.round import RoundRunner
+from lightning_fl.federated.server.stages import Stage
 
 #: 1 Mbit/s down and up, no latency, no spread, no compute: a client's download takes 8 * bytes microseconds.
 SLOW = {"step_s": 1e-9, "device_sigma": 0.0, "link_sigma": 0.0, "latency_s": 0.0, "down_mbps": 1.0, "up_mbps": 1.0}

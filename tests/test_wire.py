@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lightning_fl.compress import FP32, PowerSGD, Quantize, TopK, wire
 from lightning_fl.compress.base import Encoded, Payload
-from lightning_fl.federated.gate import check_layout
+from lightning_fl.federated.server.gate import check_layout
 
 
 def state(seed=0):

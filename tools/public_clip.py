@@ -5,7 +5,7 @@ The clip bound ``S`` of a private run is part of the mechanism: chosen from the 
 tool chooses it from the data module's public split alone. It builds the run of a config (the CLI's own parser,
 same overrides), forms ``--clients`` K pseudo-clients of ``--windows`` N windows (images, for an image data module)
 each from the public split only, trains each exactly as a federated client trains in the first round
-(:func:`~lightning_fl.federated.client.run_client`: the config's recipe, ``trainer.local_steps`` or
+(:func:`~lightning_fl.federated.clients.client.run_client`: the config's recipe, ``trainer.local_steps`` or
 ``local_epochs``, batch size, gradient clipping and codec, from the same starting global state), and measures the
 L2 norm of each pseudo-client's update as CentralDP would clip it: the decoded upload minus the global state, in
 float64, over every tensor of the federated state. It prints the quantiles and suggests the median as
@@ -38,9 +38,9 @@ import torch
 from lightning_fl import threads
 from lightning_fl.cli import build
 from lightning_fl.errors import ConfigError, UserError
-from lightning_fl.federated import setup
-from lightning_fl.federated.client import ClientJob, run_client
-from lightning_fl.federated.gate import screen_upload
+from lightning_fl.federated.clients.client import ClientJob, run_client
+from lightning_fl.federated.server.gate import screen_upload
+from lightning_fl.federated.trainer import setup
 from lightning_fl.privacy.base import flat_update
 
 QUANTILES = {"min": 0.0, "q25": 0.25, "median": 0.5, "q75": 0.75, "max": 1.0}
@@ -109,7 +109,7 @@ def update_norms(
     run: Any, clients: int = 16, windows: int = 32, seed: int = 0, pretraining: bool = False
 ) -> tuple[list[float], PublicClients]:
     """Each public pseudo-client's update norm (as CentralDP clips it) after one federated client's local training."""
-    from lightning_fl.federated.loop import FederatedTrainer
+    from lightning_fl.federated.trainer.loop import FederatedTrainer
 
     trainer, model, data = run.trainer, run.model, run.data
     if not isinstance(trainer, FederatedTrainer):

@@ -29,7 +29,7 @@ from torch import nn
 from lightning_fl import threads
 from lightning_fl.cli import build
 from lightning_fl.errors import UserError
-from lightning_fl.federated import setup
+from lightning_fl.federated.trainer import setup
 
 
 def probe(layer: nn.Module, features: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ class RunSummaryCallback(Callback):
 
 def lightning_summary(trainer: L.Trainer, log_dir: str | None) -> str:
     """The final ``val/*`` metrics, the epochs and steps, the checkpoint and the run folder (``log_dir``) of a fit."""
-    from lightning_fl.federated.summary import TEST_AS_VAL
+    from lightning_fl.federated.trainer.summary import TEST_AS_VAL
 
     lines = [f"Finished after {trainer.current_epoch} epoch(s) ({trainer.global_step} optimiser steps)."]
     metrics = trainer.callback_metrics
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> Any:
         # weights_only passed explicitly: Lightning's torch.load then ignores TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD too
         out = method(run.model, datamodule=run.data, ckpt_path=run.ckpt_path, weights_only=True)
         if run.subcommand != "fit" and (log_dir := run.trainer.log_dir) is not None and run.trainer.is_global_zero:
-            from lightning_fl.federated.summary import EVALUATION_FOLDER, TEST_AS_VAL
+            from lightning_fl.federated.trainer.summary import EVALUATION_FOLDER, TEST_AS_VAL
 
             print(f"{run.subcommand}: {EVALUATION_FOLDER.format(log_dir)}", flush=True)  # (a fit's summary says it)
             if run.subcommand == "validate" and getattr(run.data, "val_is_test", False) is True:

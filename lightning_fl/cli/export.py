@@ -28,7 +28,7 @@ def run_export(model: Any, ckpt_path: str | None, out: str | None, adapter: bool
     """Load ``ckpt_path`` into ``model`` and write it to ``out``; the lines to print. ``data``: the config's data
     module, which prepares what the model makes from data before the checkpoint is loaded (a subspace from public
     records: Fed-SB, ``subspace: public``)."""
-    from lightning_fl.federated.checkpoint import load_for_evaluation
+    from lightning_fl.federated.persistence.checkpoint import load_for_evaluation
     from lightning_fl.methods.export import export_adapter, export_model
 
     if ckpt_path is None:

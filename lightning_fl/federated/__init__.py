@@ -1,21 +1,18 @@
 """Federated training: the round loop, the client runner, server strategies, the upload gate and the ledger.
 
 The contracts: a method is a :class:`FederatedModule`; a client's round is :func:`run_client`; the server's
-algorithm is a :class:`~lightning_fl.federated.strategies.Strategy`; :class:`FederatedTrainer` sequences rounds.
+algorithm is a :class:`~lightning_fl.federated.server.strategies.Strategy`; :class:`FederatedTrainer` sequences rounds.
 """
 
-from lightning_fl.federated import attacks, strategies
-from lightning_fl.federated.attacks import ALIE, Attack, GaussianNoise, NaNUpload, Scaling, SignFlip
-from lightning_fl.federated.buffered import FedBuff
-from lightning_fl.federated.client import run_client
-from lightning_fl.federated.clock import Clock
-from lightning_fl.federated.gate import UploadRejectedError, check_upload
-from lightning_fl.federated.ledger import ByteLedger
-from lightning_fl.federated.local import ClientJob, ClientResult, LocalTraining
-from lightning_fl.federated.loop import FederatedTrainer
-from lightning_fl.federated.module import FederatedModule, ModuleHooks
-from lightning_fl.federated.setup import FactorMismatchError
-from lightning_fl.federated.strategies import (
+from lightning_fl.federated.arrivals.clock import Clock
+from lightning_fl.federated.arrivals.fedbuff import FedBuff
+from lightning_fl.federated.clients.client import run_client
+from lightning_fl.federated.clients.local import ClientJob, ClientResult, LocalTraining
+from lightning_fl.federated.persistence.ledger import ByteLedger
+from lightning_fl.federated.server import attacks, strategies
+from lightning_fl.federated.server.attacks import ALIE, Attack, GaussianNoise, NaNUpload, Scaling, SignFlip
+from lightning_fl.federated.server.gate import UploadRejectedError, check_upload
+from lightning_fl.federated.server.strategies import (
     FedAdagrad,
     FedAdam,
     FedAvg,
@@ -26,6 +23,9 @@ from lightning_fl.federated.strategies import (
     Strategy,
     TrimmedMean,
 )
+from lightning_fl.federated.trainer.loop import FederatedTrainer
+from lightning_fl.federated.trainer.module import FederatedModule, ModuleHooks
+from lightning_fl.federated.trainer.setup import FactorMismatchError
 
 __all__ = [
     "ALIE",

@@ -4,9 +4,10 @@ A synchronous round waits for every sampled node, so one slow node stalls the fe
 round proceeds once k of the messages it sent have replied (or ``round-timeout`` passed); the messages still out
 are remembered (message id -> client, round sent) with the global state they carried, one copy per round that still
 has a message out. Every later round pulls their ids too. A reply that arrives ``tau`` rounds after its message was
-sent is folded into the round it arrives in with FedBuff's staleness rule (:mod:`lightning_fl.federated.buffered`):
-decoded against the state it was trained from and entered as the upload ``x + s(tau) (u - x_then)``, so the round's
-(weighted) mean steps by ``sum_i w_i s(tau_i) Delta_i / sum_i w_i``, ``tau = 0`` for the round's own replies.
+sent is folded into the round it arrives in with FedBuff's staleness rule
+(:mod:`lightning_fl.federated.arrivals.fedbuff`): decoded against the state it was trained from and entered as the
+upload ``x + s(tau) (u - x_then)``, so the round's (weighted) mean steps by ``sum_i w_i s(tau_i) Delta_i / sum_i w_i``,
+``tau = 0`` for the round's own replies.
 
 A client whose message is still out is *busy*: it is sent nothing new (a node trains one message at a time); if it
 is sampled, its entry in the round is its late reply when that arrives, else it is lost (no download counted: it
@@ -24,10 +25,10 @@ from typing import Any
 
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.federated.arguments import TrainerArguments
-from lightning_fl.federated.buffered import STALENESS, discount, stale_problems
-from lightning_fl.federated.state import State
-from lightning_fl.federated.transport import Reply
+from lightning_fl.federated.arrivals.fedbuff import STALENESS, discount, stale_problems
+from lightning_fl.federated.clients.transport import Reply
+from lightning_fl.federated.server.state import State
+from lightning_fl.federated.trainer.arguments import TrainerArguments
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def late_replies(quorum: int, max_staleness: int, staleness: str, exponent: floa
 
 def quorum_problem(trainer: TrainerArguments) -> str | None:
     """What a round that proceeds at k of n and folds late replies voids in ``trainer``'s settings: the first, in one
-    line naming the key and the fix (FedBuff refuses the same: :func:`~lightning_fl.federated.buffered.stale_problems`).
+    line naming the key and the fix (FedBuff refuses the same:
+    :func:`~lightning_fl.federated.arrivals.fedbuff.stale_problems`).
     """
     problems = stale_problems(vars(trainer))
     return next((f"{why}: set run config 'quorum' 0 or remove trainer.{key}" for key, why in problems), None)

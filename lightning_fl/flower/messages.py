@@ -20,7 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from lightning_fl.compress import wire
 from lightning_fl.compress.base import Payload
-from lightning_fl.federated.state import State
+from lightning_fl.federated.server.state import State
 
 HELLO, TRAIN = "query", "train"  # Flower message types
 STATE, INSTRUCTIONS, REPLY, LOGGED, RUN = "global", "instructions", "reply", "logged", "run"

@@ -1,4 +1,4 @@
-"""The node's app: a SuperNode trains its client with :func:`~lightning_fl.federated.client.run_client`.
+"""The node's app: a SuperNode trains its client with :func:`~lightning_fl.federated.clients.client.run_client`.
 
 Flower runs it through the ClientApp :mod:`lightning_fl.flower.client`, in the process Flower starts for each
 message or in the node's warm worker (:mod:`lightning_fl.flower.worker`). A node's ``--node-config`` says who it
@@ -40,8 +40,8 @@ from flwr.clientapp import ClientApp
 from lightning_fl.checkpoint import read_checkpoint
 from lightning_fl.errors import UserError
 from lightning_fl.federated import FederatedTrainer
-from lightning_fl.federated.client import ClientJob, run_client, warn_withheld
-from lightning_fl.federated.setup import prepare
+from lightning_fl.federated.clients.client import ClientJob, run_client, warn_withheld
+from lightning_fl.federated.trainer.setup import prepare
 from lightning_fl.flower import messages as wire_msg
 from lightning_fl.flower.pins import noise_cohort, pin_problem
 

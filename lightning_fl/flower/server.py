@@ -30,7 +30,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from lightning_fl.errors import ConfigError, UserError
-from lightning_fl.federated.loop import FederatedTrainer
+from lightning_fl.federated.trainer.loop import FederatedTrainer
 from lightning_fl.flower import late
 from lightning_fl.flower.transport import FlowerTransport
 

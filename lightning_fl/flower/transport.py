@@ -23,8 +23,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from lightning_fl.errors import ConfigError, UserError
-from lightning_fl.federated.local import ClientJob
-from lightning_fl.federated.transport import Reply, SecureRound, Transport
+from lightning_fl.federated.clients.local import ClientJob
+from lightning_fl.federated.clients.transport import Reply, SecureRound, Transport
 from lightning_fl.flower import messages as wire_msg
 from lightning_fl.flower import secure as secagg
 from lightning_fl.flower.grid import exchange  # (also lightning_fl.flower.transport.exchange, as before)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_fl.compress.base import FP32, Codec
-from lightning_fl.federated.gate import UploadRejectedError, screen_upload
+from lightning_fl.federated.server.gate import UploadRejectedError, screen_upload
 from lightning_fl.oneshot.predictive import Predictive, refit
 from lightning_fl.oneshot.summarize import Summariser
 from lightning_fl.oneshot.tasks import Task
@@ -74,12 +74,12 @@ class OneShotMethod:
 
 def upload(ctx: Context, tensors: dict[str, Tensor], client: int) -> tuple[dict[str, Tensor], int]:
     """What the server receives from one client: ``tensors`` encoded with the context's codec, then screened
-    and decoded by the server's upload gate (:func:`~lightning_fl.federated.gate.screen_upload`, as in every
+    and decoded by the server's upload gate (:func:`~lightning_fl.federated.server.gate.screen_upload`, as in every
     federated round); returns the decoded tensors and the payload's bytes.
 
     The layout the server expects is that of ``tensors`` (their shapes and dtypes, which server and clients
     agree on from the method's settings). A payload the gate refuses (non-finite values, a wrong structure,
-    more bytes than float32) raises :class:`~lightning_fl.federated.gate.UploadRejectedError` naming the client:
+    more bytes than float32) raises :class:`~lightning_fl.federated.server.gate.UploadRejectedError` naming the client:
     one-shot methods have a single round, so there is nothing to drop a client from.
     """
     reference = {name: torch.zeros(t.shape, dtype=t.dtype) for name, t in tensors.items()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_fl.federated.gate import UploadRejectedError
+from lightning_fl.federated.server.gate import UploadRejectedError
 from lightning_fl.oneshot.base import Context, OneShotMethod, Outcome, martingale_samples, upload
 from lightning_fl.oneshot.predictive import refit
 from lightning_fl.oneshot.summarize import Summariser

@@ -22,7 +22,7 @@ accounted, a clip that does not clip) is caught. Two measurements from one run, 
   rule out nothing above :func:`one_run_ceiling` (2.55 for 200 canaries, 4.17 for 1,000, about 8.25 at most at
   delta 1e-5): the report says whether the bound could contradict the accountant at all (``one_run_can_fail``).
 
-Where the canaries enter (:mod:`lightning_fl.federated.stages.audit`): under central and
+Where the canaries enter (:mod:`lightning_fl.federated.server.stages.audit`): under central and
 distributed DP their clipped updates join the round's clipped sum before the noise of the same release, so the
 audited release is ``(sum + canaries + noise) / m``; under local DP each canary's upload goes through the
 mechanism's own ``privatize`` (clip and noise), and an inserted canary is scored on its own uploads, a canary not

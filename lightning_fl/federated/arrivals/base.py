@@ -1,5 +1,5 @@
-"""How a round's replies arrive: a policy of the collection (:mod:`lightning_fl.federated.collect`), the same
-:class:`~lightning_fl.federated.round.RoundRunner` and the same stages for every policy.
+"""How a round's replies arrive: a policy of the collection (:mod:`lightning_fl.federated.server.collect`), the same
+:class:`~lightning_fl.federated.server.round.RoundRunner` and the same stages for every policy.
 
 ==================  ===================================================================================
 policy              who takes part in round ``r``, and whose reply the round takes
@@ -12,13 +12,13 @@ k of n              Flower's rounds at ``quorum`` k (:mod:`lightning_fl.flower.l
                     over a transport whose replies include the late replies of earlier rounds
 :class:`Buffered`   FedBuff (``trainer.buffered``): the clients of round ``r`` are the first
                     ``buffer_size`` arrivals of clients trained asynchronously, each from the state it
-                    downloaded when it started (:mod:`lightning_fl.federated.buffered`)
+                    downloaded when it started (:mod:`lightning_fl.federated.arrivals.fedbuff`)
 ==================  ===================================================================================
 
 A reply trained from an older global state (a late reply on Flower, a stale FedBuff update) carries that state, its
 staleness ``tau`` and its discount ``s(tau)``; the collection decodes it against that state and enters it as
-``x + s(tau) (u - x_then)`` (:func:`~lightning_fl.federated.collect.rebased`), so a round's weighted mean steps by
-FedBuff's ``sum_i w_i s(tau_i) Delta_i / sum_i w_i``. Every stage's hooks see every reply, whatever the policy.
+``x + s(tau) (u - x_then)`` (:func:`~lightning_fl.federated.server.collect.rebased`), so a round's weighted mean steps
+by FedBuff's ``sum_i w_i s(tau_i) Delta_i / sum_i w_i``. Every stage's hooks see every reply, whatever the policy.
 
 The policy acts at three points of a round: :meth:`Arrivals.begin` picks the round's clients (before the stages'
 ``start``), :meth:`Arrivals.admit` leaves out those that report after the round closes (after the stages' ``start``,
@@ -31,13 +31,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from lightning_fl.compress.base import Codec
-from lightning_fl.federated.local import ClientJob, LocalTraining
-from lightning_fl.federated.transport import Reply, Transport
-from lightning_fl.federated.uploads import Round
+from lightning_fl.federated.clients.local import ClientJob, LocalTraining
+from lightning_fl.federated.clients.transport import Reply, Transport
+from lightning_fl.federated.server.uploads import Round
 
 
 class Delivery(Protocol):
-    """What a policy uses of its collection (:class:`~lightning_fl.federated.collect.Uploads`): how clients are
+    """What a policy uses of its collection (:class:`~lightning_fl.federated.server.collect.Uploads`): how clients are
     reached, how their uploads are encoded, how they train."""
 
     transport: Transport

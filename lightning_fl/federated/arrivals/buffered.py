@@ -1,5 +1,5 @@
 """FedBuff's arrivals (``trainer.buffered``): an event loop over the clock's time, one server step per round
-(the settings and the staleness rule: :mod:`lightning_fl.federated.buffered`)."""
+(the settings and the staleness rule: :mod:`lightning_fl.federated.arrivals.fedbuff`)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from lightning_fl.compress import wire
 from lightning_fl.compress.base import Encoded, Payload
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.arrivals.base import Arrivals, Delivery, local_steps
-from lightning_fl.federated.buffered import FedBuff
-from lightning_fl.federated.clock import Clock
-from lightning_fl.federated.gate import upload_nbytes
-from lightning_fl.federated.local import LocalTraining
-from lightning_fl.federated.state import State
-from lightning_fl.federated.transport import Reply
-from lightning_fl.federated.uploads import Round
+from lightning_fl.federated.arrivals.clock import Clock
+from lightning_fl.federated.arrivals.fedbuff import FedBuff
+from lightning_fl.federated.clients.local import LocalTraining
+from lightning_fl.federated.clients.transport import Reply
+from lightning_fl.federated.server.gate import upload_nbytes
+from lightning_fl.federated.server.state import State
+from lightning_fl.federated.server.uploads import Round
 from lightning_fl.seeding import STREAM_FEDBUFF, derive_seed
 
 
@@ -74,8 +74,8 @@ class Buffered(Arrivals):
 
     A client is trained as soon as it starts, from the global state of that moment and through the transport (seeds
     from ``(seed, server version, client)``); its reply is kept until its finish time, the clock's download, local
-    steps and upload of its exact bytes (:meth:`~lightning_fl.federated.clock.Clock.timing`). Arrivals come in order
-    of finish time (ties: client order); the round's clients are the first ``buffer_size`` arrivals, and the freed
+    steps and upload of its exact bytes (:meth:`~lightning_fl.federated.arrivals.clock.Clock.timing`). Arrivals come in
+    order of finish time (ties: client order); the round's clients are the first ``buffer_size`` arrivals, and the freed
     slots start new clients from the round's state. A new client is drawn uniformly (``STREAM_FEDBUFF``, by the count
     of starts) from the clients neither in flight nor waiting in the buffer: so ``(version, client)`` names every
     training once, and a slot with no such client waits for the next round. Each arrival enters its round as a reply

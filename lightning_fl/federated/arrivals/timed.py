@@ -11,18 +11,18 @@ import numpy as np
 import torch
 
 from lightning_fl.federated.arrivals.base import Arrivals, local_steps
-from lightning_fl.federated.clock import Clock
-from lightning_fl.federated.local import LocalTraining
-from lightning_fl.federated.state import State
-from lightning_fl.federated.uploads import LOST, Round
+from lightning_fl.federated.arrivals.clock import Clock
+from lightning_fl.federated.clients.local import LocalTraining
+from lightning_fl.federated.server.state import State
+from lightning_fl.federated.server.uploads import LOST, Round
 
 
 class Timed(Arrivals):
     """``trainer.clock``: each round's simulated time (``time/simulated_round_s``) and its late clients.
 
     When the round's clients are known and the stages have said what each downloads, the clock times each one
-    (:class:`~lightning_fl.federated.clock.Clock`) and leaves out those its rule closes the round on before they
-    report. A client left out is *late*: it downloaded (the ledger counts it), it does not train here (its report
+    (:class:`~lightning_fl.federated.arrivals.clock.Clock`) and leaves out those its rule closes the round on before
+    they report. A client left out is *late*: it downloaded (the ledger counts it), it does not train here (its report
     would come after the round closed) and its upload never arrives, as with an unavailable client; the round's
     mechanisms see only the clients that report in time. Under central DP that is the rule the docs state for clients
     that do not reply: the denominator stays the expected number of clients, and a late client adds zero.
