@@ -29,17 +29,34 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import lightning as L
 
 from lightning_fl.privacy import population
 from lightning_fl.privacy.base import Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
+from lightning_fl.privacy.population import Ledger
 
 RELEASES = "releases.csv"
 HEADER = "round,epsilon,delta,record_epsilon_max,unix_time\n"
 
 
-def private(trainer: Any) -> bool:
+class PrivateRun(Protocol):
+    """What the budget reads and sets of the trainer whose run it accounts (a
+    :class:`~lightning_fl.federated.FederatedTrainer`)."""
+
+    fabric: L.Fabric
+    privacy: Privacy | None
+    dp_sgd: DPSGD | None
+    privacy_ledger: str | None
+    population: str | None
+    population_ledger: Ledger | None
+    draw: str | None
+    log_dir: Path | None
+
+
+def private(trainer: PrivateRun) -> bool:
     return trainer.privacy is not None or trainer.dp_sgd is not None
 
 
@@ -143,7 +160,7 @@ def ledger_problems(a: dict[str, Any]) -> list[str]:
     return problems
 
 
-def open_ledger(trainer: Any, datamodule: Any) -> None:
+def open_ledger(trainer: PrivateRun, datamodule: Any) -> None:
     """Open the ledger of the population ``trainer`` draws on (a private run only), for this draw (one ``fit``)."""
     trainer.population_ledger, trainer.draw = None, uuid.uuid4().hex[:12]
     if not private(trainer) or not trainer.fabric.is_global_zero:
@@ -156,7 +173,7 @@ def open_ledger(trainer: Any, datamodule: Any) -> None:
         population.user_view(trainer.privacy, ledger.releases(), ledger.path)
 
 
-def charge(trainer: Any, completed: int, metrics: dict[str, float]) -> dict[str, float]:
+def charge(trainer: PrivateRun, completed: int, metrics: dict[str, float]) -> dict[str, float]:
     """Append round ``completed``'s release to the population's ledger (before its checkpoint is written); the
     population's totals over every run that drew on it, as metrics (the same on every process)."""
     privacy, dp_sgd, ledger, out = trainer.privacy, trainer.dp_sgd, trainer.population_ledger, {}
@@ -180,7 +197,7 @@ def charge(trainer: Any, completed: int, metrics: dict[str, float]) -> dict[str,
     return out
 
 
-def stop_reason(trainer: Any) -> str | None:
+def stop_reason(trainer: PrivateRun) -> str | None:
     """Why the next round must not run: the privacy budget, read from the population's ledger (every run that drew
     on it), not from this run's accountant alone. ``None``: it may run."""
     privacy, ledger = trainer.privacy, trainer.population_ledger
