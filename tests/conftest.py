@@ -43,6 +43,13 @@ def _package_logs_reach_caplog(caplog):
     logger.propagate = propagate
 
 
+@pytest.fixture(autouse=True)
+def _privacy_ledger_per_test(tmp_path_factory, monkeypatch):
+    """Every test's private runs charge a population ledger of their own (never the user's cache, never another
+    test's): a test that shares one between runs says so."""
+    monkeypatch.setenv("LIGHTNING_FL_PRIVACY_LEDGER", str(tmp_path_factory.mktemp("privacy_ledger")))
+
+
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch):
     """Run inside an empty folder so ``runs/`` and ``data/`` land in tmp_path."""

@@ -161,8 +161,8 @@ def test_the_canaries_never_reach_the_model(tmp_path):
     for name, t in without.global_state.items():
         assert torch.equal(t, with_audit.global_state[name]), name
     local = {"clip_norm": 1.0, "noise_multiplier": 2.0, "noise_seed": 0}
-    with_audit, _, _ = audited(tmp_path, "lwith", LocalDP(**local))
-    without, _, _ = audited(tmp_path, "lwithout", LocalDP(**local), audit=False)
+    with_audit, _, _ = audited(tmp_path, "lwith", LocalDP(**local), population="local")  # (not central DP's ledger)
+    without, _, _ = audited(tmp_path, "lwithout", LocalDP(**local), audit=False, population="local")
     assert all(torch.equal(t, with_audit.global_state[n]) for n, t in without.global_state.items())
     record = {"max_grad_norm": 1.0, "noise_multiplier": 2.0, "noise_seed": 0}
     with_audit, _, _ = audited(tmp_path, "rwith", DPSGD(**record))

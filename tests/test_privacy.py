@@ -212,7 +212,7 @@ def test_central_dp_bounds_the_step_whatever_the_codec_did_and_local_dp_encodes_
     # two rounds, each a mean of at most m = 4 clipped updates over m: the state moved by at most 2 S
     assert 0 < float((states[1] - states[0]).double().norm()) <= 2 * bound * (1 + 1e-6)
     local = fit(make_trainer(tmp_path / "l", rounds=1, logger=False, codec=make_codec(),
-                             privacy=LocalDP(clip_norm=0.1, epsilon=4.0), **DP_ARGS))  # fmt: skip
+                             privacy=LocalDP(clip_norm=0.1, epsilon=4.0), population="local", **DP_ARGS))  # fmt: skip
     assert torch.isfinite(local.global_state["mapping.latent"]).all()
     assert local.history[-1]["privacy/epsilon"] == pytest.approx(4.0, rel=1e-6)
 
@@ -291,14 +291,16 @@ def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_a_resume_ke
             noise_seed=0,
         )
 
-    full = fit(make_trainer(tmp_path / "a", rounds=4, name="dp", privacy=private(), **DP_ARGS))
+    # (the reference run draws on a population of its own: the runs below are charged for theirs alone)
+    full = fit(make_trainer(tmp_path / "a", rounds=4, name="dp", privacy=private(), population="full", **DP_ARGS))
     eps = [h["privacy/epsilon"] for h in full.history[1:]]
     capsys.readouterr()
     limit = (eps[1] + eps[2]) / 2  # allows 2 rounds, not 3
     stopped = fit(make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(limit), **DP_ARGS))
     out = capsys.readouterr().out
     assert [h["round"] for h in stopped.history] == [0, 1, 2]
-    assert f"stopped before round 3: round 3 would spend epsilon {eps[2]:.4g}" in out and "max_epsilon" in out
+    said = "stopped before round 3: the population's round 3 (counting every run that drew on it) would spend epsilon"
+    assert f"{said} {eps[2]:.4g}" in out and "max_epsilon" in out
     ckpt = stopped.log_dir / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["round"] == 2
     again = fit(make_trainer(tmp_path / "b", rounds=4, name="dp", privacy=private(limit), **DP_ARGS),
@@ -630,15 +632,18 @@ def test_a_distributed_dp_run_reports_its_worst_clients_unamplified_epsilon(tmp_
         "clients_per_round": 8,
         **{k: v for k, v in DP_ARGS.items() if k != "clients_per_round"},
     }
+    # central DP's budget and the per-client ones do not add up in one ledger: a population each (a comparison)
     dist = fit(make_trainer(tmp_path / "d", privacy=DistributedDP(clip_norm=0.05, noise_multiplier=1.0), **args))
-    cent = fit(make_trainer(tmp_path / "c", privacy=CentralDP(clip_norm=0.05, noise_multiplier=1.0), **args))
+    central = CentralDP(clip_norm=0.05, noise_multiplier=1.0)
+    cent = fit(make_trainer(tmp_path / "c", privacy=central, population="c", **args))
     rounds_taken = {c: p / (1.0 / 2) ** -2 for c, p in dist.privacy.precision.items()}  # every share arrived: mu 1/2
     assert sum(rounds_taken.values()) == pytest.approx(2 * 8)  # 8 clients a round, 2 rounds
     most = round(max(rounds_taken.values()))
     assert dist.history[-1]["privacy/epsilon"] == pytest.approx(replace_one_gaussians(*[1.0] * most), rel=2e-3)
     assert cent.history[-1]["privacy/epsilon"] != dist.history[-1]["privacy/epsilon"]  # another accounting
     assert dist.local.upload_stage is dist.privacy
-    clean = [fit(make_trainer(tmp_path / name, privacy=kind(clip_norm=0.05, noise_multiplier=0.0), **args))
+    clean = [fit(make_trainer(tmp_path / name, privacy=kind(clip_norm=0.05, noise_multiplier=0.0), population=name,
+                              **args))
              for name, kind in (("d0", DistributedDP), ("c0", CentralDP))]  # fmt: skip
     a, b = (t.global_state["mapping.latent"] for t in clean)  # without noise: clipped on the client or the server
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -967,7 +972,8 @@ def test_central_dp_with_noise_seed_null_draws_its_cohorts_where_no_seed_reveals
         RoundRunner.sample = spy
         try:
             trainer = make_trainer(tmp_path, rounds=4, logger=False, name=name, sampling=sampling,
-                                   max_update_norm_ratio=None, clients_per_round=2, privacy=privacy)  # fmt: skip
+                                   max_update_norm_ratio=None, clients_per_round=2, privacy=privacy,
+                                   population=name if privacy is not None else None)  # fmt: skip
             fit(trainer, dm=make_dm(num_clients=12))
         finally:
             RoundRunner.sample = inner

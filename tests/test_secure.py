@@ -238,18 +238,74 @@ def test_the_client_in_every_invalid_sum_is_named_and_left_out_so_the_honest_cli
     with pytest.warns(UserWarning, match="secure aggregation failed") as caught:
         trainer.fit(make_model(), datamodule=make_dm(num_clients=8))
     said = [str(w.message) for w in caught if "secure aggregation failed" in str(w.message)]
-    left = [s for s in said if "client 2 was in all" in s and "left out of the secure rounds that follow" in s]
+    left = [s for s in said if "client 2 alone was in all" in s and "left out of the secure rounds that follow" in s]
     assert len(left) == 1 and trainer.round_runner.collection.suspects.left_out == {2}
     out = said.index(left[0])
-    assert all("suspects" in s for s in said[:out])  # named as one of the suspects before that
+    assert all("candidates" in s for s in said[:out])  # named as one of the candidates before that
     when = int(left[0].split(":")[0].removeprefix("round "))
     after = [h for h in trainer.history[1:] if h["round"] > when]
     assert sum(h["fed/round_skipped"] for h in trainer.history[1:]) == len(said) == out + 1
     assert len(after) >= 3 and all(h["fed/round_skipped"] == 0 for h in after)  # the honest clients train on
     # the record alone: two culprits leave no one in every invalid sum, and nothing is concluded from one sum
     record = Suspects()
-    assert record.record([0, 1, 2], valid=False) == "suspects (in every invalid secure sum so far, in no valid one): " \
-                                                    "[0, 1, 2]"  # fmt: skip
+    assert record.record([0, 1, 2], valid=False).startswith(
+        "candidates (in every invalid secure sum so far, a hostile client among them): [0, 1, 2]; no one"
+    )
     assert record.record([0, 3], valid=True) is None
     assert record.record([3, 4], valid=False).startswith("no client was in every invalid secure sum")
     assert not record.left_out
+
+
+def test_a_valid_sum_clears_no_one_so_a_hostile_client_cannot_frame_an_honest_one():
+    """Issue 72, item 6: client 7 spoils only the sums that include client 4. Its own valid sums (without 4) once
+    cleared it, leaving 4 alone as the suspect, left out after two invalid sums; now both stay candidates and no one
+    is left out, while a client alone in every invalid sum still is."""
+    from lightning_fl.federated.suspects import Suspects
+
+    record = Suspects()
+    assert record.record([1, 4, 5, 7], valid=False).endswith(
+        "[1, 4, 5, 7]; no one is left out while more than one client is in every invalid sum"
+    )
+    assert record.record([0, 2, 3, 7], valid=True) is None  # the attacker's round without its victim
+    said = record.record([2, 4, 6, 7], valid=False)
+    assert "[4, 7]" in said and "no one is left out" in said and record.left_out == set()
+    assert record.candidates == [4, 7]
+    plain = Suspects()  # a client that spoils every sum it is in is alone in the intersection: left out
+    plain.record([1, 4, 5, 7], valid=False)
+    assert plain.record([0, 2, 3, 7], valid=False).startswith("client 7 alone was in all 2 invalid secure sums")
+    assert plain.left_out == {7}
+
+
+def test_a_client_that_spoils_only_the_rounds_of_a_chosen_client_gets_no_one_left_out(tmp_path, monkeypatch):
+    """Issue 72, item 6, the exact attack: client 7 shifts its masked vector by M/2 only in rounds whose cohort (which
+    a node learns when SecAgg+ shares keys) includes client 4. With the run's seed 0 and 4 of 8 clients a round, the
+    old rule (clear every client of a valid sum) left client 4 alone as the suspect after round 4 and left it out;
+    now 4 and 7 are named as candidates, no one is left out, and only the rounds with both lose their sum (the
+    denial of service SecAgg+ without proofs cannot prevent)."""
+    from conftest import make_dm, make_model, make_trainer
+    from lightning_fl.federated.transport import InProcess
+    from lightning_fl.privacy.secure import SecureAggregation
+
+    secure, attacker, victim = SecureAggregation(clipping_range=1.0), 7, 4
+    inner, cohorts = InProcess.replies, []
+
+    def framing(self, model, datamodule, state, clients, *args, **kwargs):
+        cohorts.append(list(clients))
+        for reply in inner(self, model, datamodule, state, clients, *args, **kwargs):
+            if reply.client == attacker and victim in clients and reply.payload is not None:
+                q = reply.payload.tensors["secure"].parts["q"]
+                reply.payload.tensors["secure"].parts["q"] = torch.remainder(q + secure.M // 2, secure.M)
+            yield reply
+
+    monkeypatch.setattr(InProcess, "replies", framing)
+    trainer = make_trainer(tmp_path, rounds=5, max_update_norm_ratio=None, check_identity=False, logger=False,
+                           secure_aggregation=secure, clients_per_round=4)  # fmt: skip
+    with pytest.warns(UserWarning, match="secure aggregation failed") as caught:
+        trainer.fit(make_model(), datamodule=make_dm(num_clients=8))
+    said = [str(w.message) for w in caught if "secure aggregation failed" in str(w.message)]
+    both = [i for i, c in enumerate(cohorts) if attacker in c and victim in c]
+    assert len(both) >= 2 and any(attacker in c and victim not in c for c in cohorts[: both[1]])  # the old trap
+    assert trainer.round_runner.collection.suspects.left_out == set()  # the victim is not framed
+    assert len(said) == len(both) and "[4, 7]" in said[-1] and "no one is left out" in said[-1]
+    skipped = [h["round"] - 1 for h in trainer.history[1:] if h["fed/round_skipped"]]
+    assert skipped == both  # every other round aggregates, the victim's rounds without the attacker included

@@ -1,6 +1,9 @@
 """The arguments of :class:`~lightning_fl.federated.FederatedTrainer` (the CLI's ``trainer.*`` keys) as a typed
 dataclass, checked when it is made: every impossible value or combination, one line each naming the key and what to
-write instead, raised together."""
+write instead, raised together.
+
+Kept as one file: the fields are one table, the CLI's ``trainer.*`` keys with their documentation, and their checks
+read them together (a combination of keys is refused as often as one value)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from lightning_fl.compress.base import FP32, Codec
 from lightning_fl.compress.error_feedback import UpdateCompressor
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated.attacks import Attack
+from lightning_fl.federated.budget import ledger_problems
 from lightning_fl.federated.buffered import FedBuff, buffered_problems
 from lightning_fl.federated.callbacks import Callback
 from lightning_fl.federated.clock import Clock
@@ -83,6 +87,13 @@ class TrainerArguments:
     """Canary clients that measure what the released states leak (``PrivacyAudit``: Andrew et al.'s one-shot
     epsilon-hat and Steinke et al.'s one-run lower bound), printed beside the accountant's epsilon and written to
     ``privacy_audit.json``; needs ``privacy`` or ``dp_sgd``. ``null``: no audit. See docs/privacy.md."""
+    privacy_ledger: str | None = None
+    """Folder of the population privacy ledgers a private run charges (every released round of every run drawing on
+    the same data set and partition, docs/privacy.md, "The population's ledger"); ``null``: the environment variable
+    ``LIGHTNING_FL_PRIVACY_LEDGER``, else ``<user cache>/lightning_fl/privacy_ledger``."""
+    population: str | None = None
+    """A label that starts a new private population deliberately (e.g. data collected anew under the same settings):
+    its ledger starts empty. ``null``: the data module's identity alone names the population."""
     secure_aggregation: SecureAggregation | None = None
     """The server learns only the sum of each round's updates (``SecureAggregation``: SecAgg+'s clipping, quantisation
     and modular sum); linear, unweighted strategies only. ``null``: off."""
@@ -288,6 +299,7 @@ def trainer_problems(a: dict[str, Any]) -> list[str]:
             "trainer.unprotected_statistics labels the statistics a private run keeps out of its logs, and this run "
             "has no trainer.privacy or trainer.dp_sgd (it logs them as they are): remove the key"
         )
+    problems += ledger_problems(a)
     if a["unprotected_statistics"] not in (True, False):
         problems.append(f"trainer.unprotected_statistics must be true or false, got {a['unprotected_statistics']!r}")
     if a["privacy_audit"] is not None and a["privacy"] is None and a["dp_sgd"] is None:

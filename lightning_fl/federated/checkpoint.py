@@ -9,8 +9,8 @@ Each checkpoint carries the SHA-256 of its content: it catches a flipped bit or 
 edit (whoever edits the file can recompute it). With the environment variable ``LIGHTNING_FL_CHECKPOINT_KEY``
 set, every checkpoint also carries an HMAC-SHA256 of that digest under the key, and reading one requires a
 valid HMAC under the same key: an edit by anyone without the key is refused (keep the key away from whoever can
-write the run folder). A private run's budget is also checked against what it logged on every resume
-(:mod:`lightning_fl.federated.budget`).
+write the run folder). A private run's budget is also checked against what it logged on every resume, and a resume of
+any copy of any checkpoint is charged to the population's privacy ledger (:mod:`lightning_fl.federated.budget`).
 """
 
 from __future__ import annotations
@@ -217,9 +217,7 @@ def restore_trainer(trainer: Any, path: Path, model: Any, seed: int, fingerprint
     if fabric.is_global_zero:
         try:
             ckpt = load_round(path, expect, list(trainer.global_state), trainer.rounds)
-            problem = budget.check_release(trainer.log_dir, int(ckpt["round"]), path, budget.private(trainer))
-            if problem is not None:
-                raise CheckpointError(f"cannot resume from {path}: {problem}")
+            budget.warn_rewind(trainer.log_dir, int(ckpt["round"]), path, budget.private(trainer))
         except CheckpointError as err:
             error = str(err)
     ckpt, error = fabric.broadcast((ckpt, error))

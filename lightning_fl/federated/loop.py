@@ -37,8 +37,8 @@ import torch
 from lightning_fl import runs, threads
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.errors import ConfigError
+from lightning_fl.federated import budget, setup
 from lightning_fl.federated import checkpoint as round_ckpt
-from lightning_fl.federated import setup
 from lightning_fl.federated.arguments import TrainerArguments
 from lightning_fl.federated.buffered_run import runner_of
 from lightning_fl.federated.callbacks import CollapseAlarm, ProgressReport, TensorBoardText
@@ -84,6 +84,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self.ledger: ByteLedger | None = None
         self.current_round = 0
         self.stopped: str | None = None  # why the rounds stopped early (the privacy budget)
+        self.population_ledger = None  # a private run's population ledger (federated.budget), on rank 0
+        self.draw: str | None = None  # this fit's id in the ledger
         self.alarm: str | None = None  # the collapse warning (CollapseAlarm)
         if self.transport is None:  # in process: the simulation
             self.transport = InProcess(self.cohort_size, self.client_batching)
@@ -114,6 +116,7 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
             self._check_plan(datamodule.num_clients)
         seed, num_clients = self._run_seed(), datamodule.num_clients
         fingerprint = self._set_up_rounds(model, hooks, num_clients, seed)
+        budget.open_ledger(self, datamodule)  # a private run's population (its budget, whichever run spends it)
         if ckpt is not None and self.privacy_audit is not None:  # (its canaries' scores live in memory only)
             raise ConfigError("trainer.privacy_audit covers one uninterrupted run: resume without it, or start afresh")
         start = 0 if ckpt is None else round_ckpt.restore_trainer(self, ckpt, model, seed, fingerprint, num_clients)
@@ -131,13 +134,15 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         started, count = time.perf_counter(), self._clients_per_round(num_clients)
         count = count if self.clock is None else self.clock.sampled_count(count, num_clients)  # over-selection
         for r in range(start, self.rounds):
-            if self.privacy is not None and (reason := self.privacy.stop_reason()) is not None:
+            if (reason := budget.stop_reason(self)) is not None:
                 self.stopped = f"stopped before round {r + 1}: {reason}"
                 self.fabric.print(self.stopped)
                 break
             self.current_round, t0 = r, time.perf_counter()
             self.global_state, metrics = self.round_runner.run(model, datamodule, self.global_state, r, seed, count)
             model.load_federated_state(self.global_state)
+            if budget.private(self):  # in the population's ledger before anything else is written
+                metrics.update(budget.charge(self, r + 1, metrics))
             metrics["time/clients_and_server_s"] = time.perf_counter() - t0  # the round without evaluation
             if (clocked := metrics.get("time/simulated_round_s")) is not None:  # summed over the (resumed) history
                 metrics["time/simulated_elapsed_s"] = self.history[-1].get("time/simulated_elapsed_s", 0.0) + clocked

@@ -143,12 +143,17 @@ def run_summary(
         lines.append(f"  privacy: user-level epsilon {eps:.4g}{at} after {int(last['round'])} rounds (noise multiplier "
                      f"{last.get('privacy/noise_multiplier', float('nan')):.4g})")  # fmt: skip
         lines += [f"    {line}" for line in privacy.splitlines()]
+        if "privacy/population_epsilon" in last:
+            lines.append(population_line(last["privacy/population_epsilon"], last.get("privacy/population_rounds")))
     if "privacy/record_epsilon_max" in last:
         worst, median = last["privacy/record_epsilon_max"], last.get("privacy/record_epsilon_median", float("nan"))
         lines.append(f"  record-level DP-SGD: worst client's epsilon {worst:.4g} at delta "
                      f"{last.get('privacy/record_delta', float('nan')):.3g}, median {median:.4g} (every client: "
                      "dp_sgd_clients.csv)")  # fmt: skip
         lines += [f"    {line}" for line in record_privacy.splitlines()]
+        if "privacy/record_population_epsilon_max" in last:
+            worst = last["privacy/record_population_epsilon_max"]
+            lines.append(f"    the population, every run that drew on it: worst client's epsilon {worst:.4g}")
     if any(k.startswith("unprotected/") for k in last):  # trainer.unprotected_statistics
         lines.append(UNPROTECTED)
     lines += [f"  {line}" for line in audit or []]
@@ -162,6 +167,12 @@ def run_summary(
     if logger:
         lines.append(f"  TensorBoard: tensorboard --logdir {log_dir.parent}")
     return "\n".join(lines)
+
+
+def population_line(epsilon: float, rounds: float | None) -> str:
+    """What the population (the data set and partition) has spent, by every run that drew on it."""
+    released = f" over {int(rounds)} released rounds" if rounds is not None else ""
+    return f"    the population (data set and partition), every run that drew on it: epsilon {epsilon:.4g}{released}"
 
 
 def write_client_epsilons(dp_sgd: Any, path: Path) -> None:

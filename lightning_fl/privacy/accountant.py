@@ -65,10 +65,13 @@ def dp_accounting():
 class RoundEvent:
     """One round's release: the update sum's own noise multiplier (std / S) and, with adaptive clipping, the
     count query's standard deviation ``count_std`` (0: no count query). Together they are as private as one
-    Gaussian query with multiplier ``(noise_multiplier^-2 + (2 count_std)^-2)^-1/2``."""
+    Gaussian query with multiplier ``(noise_multiplier^-2 + (2 count_std)^-2)^-1/2``. ``expected_clients``: the
+    clients a round of another run expected, where it differs from the accountant's (a population's ledger composes
+    the rounds of every run that drew on it); ``None``: the accountant's."""
 
     noise_multiplier: float
     count_std: float = 0.0
+    expected_clients: float | None = None
 
 
 class Accountant:
@@ -129,10 +132,11 @@ class Accountant:
             else:  # PLD takes one Gaussian under a sampling event: two Gaussians on the same data are one, exactly
                 both = (inner.noise_multiplier**-2 + counting.noise_multiplier**-2) ** -0.5
                 inner = dpa.GaussianDpEvent(both)
+        m = self.expected_clients if event.expected_clients is None else event.expected_clients
         if self.sampling == "poisson":
-            sampled = dpa.PoissonSampledDpEvent(self.expected_clients / self.num_clients, inner)
+            sampled = dpa.PoissonSampledDpEvent(m / self.num_clients, inner)
         else:
-            sampled = dpa.SampledWithoutReplacementDpEvent(self.num_clients, int(self.expected_clients), inner)
+            sampled = dpa.SampledWithoutReplacementDpEvent(self.num_clients, int(m), inner)
         return dpa.SelfComposedDpEvent(sampled, count) if count != 1 else sampled
 
     def _fresh(self) -> Any:

@@ -67,6 +67,9 @@ class Privacy:
     amplified: ClassVar[bool] = False
     #: Seed of the mechanism's draws (``None``: the operating system's secure generator).
     noise_seed: int | None = None
+    #: What the round just accounted released, for the population's ledger (set by the round's privacy stage,
+    #: :func:`lightning_fl.privacy.population.user_release`; ``None``: nothing).
+    released: dict[str, Any] | None = None
 
     def setup(self, plan: Plan) -> None:
         """Check the run's other settings and prepare (calibrate noise, build the accountant) before round 1."""

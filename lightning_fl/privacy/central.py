@@ -100,6 +100,8 @@ class CentralDP(Privacy):
 
     central = True
     amplified = True
+    #: What the next round is, in a budget-stop message (``None``: this run's next; a population's ledger says its own).
+    scope: str | None = None
     #: The modules of the ``privacy`` extra it needs (checked when it is made): the accountant's.
     needs: tuple[str, ...] = ("dp_accounting",)
 
@@ -240,9 +242,10 @@ class CentralDP(Privacy):
         after = self.accountant.epsilon(self.delta, (self.event(), 1)) if self.z > 0 else math.inf
         if after <= self.max_epsilon:
             return None
+        what = self.scope or f"round {self.accountant.num_rounds + 1}"
         return (
-            f"round {self.accountant.num_rounds + 1} would spend epsilon {after:.4g} at delta {self.delta:.3g}, more "
-            f"than trainer.privacy.max_epsilon={self.max_epsilon:g}"
+            f"{what} would spend epsilon {after:.4g} at delta {self.delta:.3g}, more than trainer.privacy."
+            f"max_epsilon={self.max_epsilon:g}"
         )
 
     # ------------------------------------------------------------------------------------------ state

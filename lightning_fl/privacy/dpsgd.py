@@ -41,6 +41,9 @@ its batch statistics mix records (and its running statistics are unprotected); u
 With ``target_epsilon`` every client gets the noise multiplier that makes its own ``T`` steps over ``rounds``
 participations (``trainer.rounds``: a client that takes part in every round, the cross-silo case) spend exactly
 ``target_epsilon``; a client sampled in fewer rounds spends less, and the run logs what each one has spent.
+
+Kept as one file: a client's plan, the accountant that prices it and the generators that draw its batches and noise
+are one mechanism, each read with the others.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class DPSGD:
     """
 
     canaries: Any = None  # the privacy audit's record canaries (``trainer.privacy_audit`` without ``privacy``)
+    released: dict[str, Any] | None = None  # the round's release, for the population's ledger (set by its stage)
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from lightning_fl.federated.local import LocalTraining
 from lightning_fl.federated.stages.base import Stage
 from lightning_fl.federated.transport import Reply
 from lightning_fl.federated.uploads import Entry, Round, Total
+from lightning_fl.privacy import population
 from lightning_fl.privacy.base import Privacy
 from lightning_fl.privacy.dpsgd import DPSGD
 
@@ -53,7 +54,9 @@ class CentralPrivacy(Stage):
         return Total(mean, 1.0, total.count, updates=True, released=True)  # (dividing by 1.0 changes no bit)
 
     def end_round(self, rnd: Round) -> None:
-        rnd.metrics.update(self.privacy.end_round(rnd.index, [] if self.refused else rnd.folded))
+        released = [] if self.refused else rnd.folded
+        rnd.metrics.update(self.privacy.end_round(rnd.index, released))
+        self.privacy.released = None if self.refused else population.user_release(self.privacy, released)
 
     def __repr__(self) -> str:
         return f"CentralPrivacy({self.privacy!r})"
@@ -69,6 +72,7 @@ class ClientPrivacy(Stage):
     def end_round(self, rnd: Round) -> None:
         released = [e.client for e in rnd.answered if e.up]
         rnd.metrics.update(self.privacy.end_round(rnd.index, released))
+        self.privacy.released = population.user_release(self.privacy, released)
 
     def __repr__(self) -> str:
         return f"ClientPrivacy({self.privacy!r})"
@@ -92,6 +96,7 @@ class RecordPrivacy(Stage):
 
     def end_round(self, rnd: Round) -> None:
         rnd.metrics.update(self.dp_sgd.end_round(rnd.available, rnd.datamodule, self.local))
+        self.dp_sgd.released = population.record_release(self.dp_sgd, rnd.available)
 
     def __repr__(self) -> str:
         return f"RecordPrivacy({self.dp_sgd!r})"
