@@ -28,8 +28,9 @@ _ROLE = re.compile(r":(?:class|meth|func|attr|data|mod|obj|exc):`(~?)([^`]+)`")
 
 
 def plain_roles(text: str) -> str:
-    """``text`` with the docstrings' Sphinx roles as a terminal shows them: ``:class:`~a.b.C``` as ``C``, without the
-    ``~`` the whole path (``a.b.C``); a function's or method's name gets ``()``, as Sphinx writes it."""
+    """``text`` with the docstrings' Sphinx roles (class, meth, func, attr, data, mod, obj, exc) as a terminal shows
+    them: a target written with a leading ``~`` as its last name, else its whole dotted path; a function's or method's
+    name gets ``()``, as Sphinx writes it."""
 
     def plain(match: re.Match) -> str:
         role, short, target = match.group(0)[1:5], match.group(1), match.group(2)
