@@ -123,7 +123,12 @@ def test_training_the_extractor_shows_progress(tmp_path, monkeypatch, caplog):
     assert batches[:2] == ["feature extractor epoch 1/2: batch 1/2", "feature extractor epoch 1/2: batch 2/2"]
     assert epochs == ["feature extractor epoch 1/2", "feature extractor epoch 2/2"]
     extracting = [line for line in lines if line.startswith("extracting ")]
-    assert extracting == ["extracting train features: 128/128 images", "extracting test features: 360/360 images"]
+    assert extracting == [  # a line when each split starts, then its progress
+        "extracting train features: 128 images through FeatureExtractor",
+        "extracting train features: 128/128 images",
+        "extracting test features: 360 images through FeatureExtractor",
+        "extracting test features: 360/360 images",
+    ]
 
 
 def test_cache_key_follows_seed_classes_and_initial_weights(tmp_path):

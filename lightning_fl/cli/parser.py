@@ -28,8 +28,9 @@ _ROLE = re.compile(r":(?:class|meth|func|attr|data|mod|obj|exc):`(~?)([^`]+)`")
 
 
 def plain_roles(text: str) -> str:
-    """``text`` with the docstrings' Sphinx roles as a terminal shows them: a class role on ``~a.b.C`` as ``C``, without
-    the ``~`` the whole path (``a.b.C``); a function's or method's name gets ``()``, as Sphinx writes it."""
+    """``text`` with the docstrings' Sphinx roles (class, meth, func, attr, data, mod, obj, exc) as a terminal shows
+    them: a target written with a leading ``~`` as its last name, else its whole dotted path; a function's or method's
+    name gets ``()``, as Sphinx writes it."""
 
     def plain(match: re.Match) -> str:
         role, short, target = match.group(0)[1:5], match.group(1), match.group(2)
@@ -96,9 +97,9 @@ def build_parsers(*, field_docs: bool = False) -> tuple[ArgumentParser, dict[str
     """The root parser and the subcommands' parsers by name, every plug-in imported so short class names resolve.
 
     ``field_docs``: a class's help (``--KEY.help CLASS``) shows the docstrings under dataclass fields too, as Sphinx
-    and mkdocstrings read them (:class:`~lightning_fl.federated.trainer.arguments.TrainerArguments` documents its
-    fields so). Off unless help is asked for (:func:`asks_for_help`): to find them, jsonargparse reads the source of
-    every class it meets and of each of its bases, torch's and Lightning's included (0.8 s of CPU more to parse
+    and mkdocstrings read them (:class:`~lightning_fl.federated.arguments.TrainerArguments` documents its fields so).
+    Off unless help is asked for (:func:`asks_for_help`): to find them, jsonargparse reads the source of every class
+    it meets and of each of its bases, torch's and Lightning's included (0.8 s of CPU more to parse
     ``configs/quickstart.yaml``; 0.05 s more for ``--trainer.help FederatedTrainer``, 0.4 s for a LightningModule's
     help), for help that a run never prints. jsonargparse keeps this setting for the whole process, so every call
     sets it.
