@@ -97,7 +97,8 @@ def build_parsers(*, field_docs: bool = False) -> tuple[ArgumentParser, dict[str
     """The root parser and the subcommands' parsers by name, every plug-in imported so short class names resolve.
 
     ``field_docs``: a class's help (``--KEY.help CLASS``) shows the docstrings under dataclass fields too, as Sphinx
-    and mkdocstrings read them (:class:`~lightning_fl.federated.arguments.TrainerArguments` documents its fields so).
+    and mkdocstrings read them (:class:`~lightning_fl.federated.trainer.arguments.TrainerArguments` documents its
+    fields so).
     Off unless help is asked for (:func:`asks_for_help`): to find them, jsonargparse reads the source of every class
     it meets and of each of its bases, torch's and Lightning's included (0.8 s of CPU more to parse
     ``configs/quickstart.yaml``; 0.05 s more for ``--trainer.help FederatedTrainer``, 0.4 s for a LightningModule's
