@@ -32,6 +32,21 @@ def private_run(tmp_path, rounds, privacy=None, **kwargs):
     return make_trainer(tmp_path, **args)
 
 
+@pytest.fixture(scope="module")
+def four_rounds(tmp_path_factory):
+    """One private 4-round run, trained once for the tests that only edit its checkpoint: each edits a copy (its
+    ledger its own, not the per-test one: a module fixture runs before it is set)."""
+    root = tmp_path_factory.mktemp("four_rounds")
+    fit(private_run(root, 4, privacy_ledger=str(root / "ledger")))
+    return root
+
+
+def run_copy(root, tmp_path):
+    """A copy of the run under ``root`` in ``tmp_path``; its run folder."""
+    shutil.copytree(root, tmp_path, dirs_exist_ok=True)
+    return tmp_path / "runs" / "dp" / "version_0"
+
+
 def edited(path, edit):
     """The checkpoint at ``path`` edited by ``edit`` and its plain digest recomputed, as an editor would."""
     ckpt = torch.load(path, weights_only=True)
@@ -223,11 +238,10 @@ def test_a_run_without_privacy_may_resume_an_earlier_checkpoint_and_is_told_what
         ),
     ],
 )
-def test_an_accountant_edited_with_its_digest_recomputed_is_refused(tmp_path, what, edit, message):
+def test_an_accountant_edited_with_its_digest_recomputed_is_refused(four_rounds, tmp_path, what, edit, message):
     """The red team's edit: fewer rounds in the accountant (epsilon 41.6 -> 25.9 in their run), the plain digest
     recomputed; the resume compares the budget with the round count and with what the run logged."""
-    run = fit(private_run(tmp_path, 4))
-    last = run.log_dir / "checkpoints" / "last.ckpt"
+    last = run_copy(four_rounds, tmp_path) / "checkpoints" / "last.ckpt"
     edited(last, edit)
     with pytest.raises(CheckpointError, match=message + r".*the checkpoint was edited after it was written"):
         fit(private_run(tmp_path, 6), ckpt_path=str(last))
