@@ -197,6 +197,39 @@ def test_the_command_line_fits_then_exports_the_instruction_config(tiny_chat_lla
     assert "--out hf exists and is not an empty folder; give a new folder" in capsys.readouterr().err
 
 
+#: What each other shipped instruction config needs beyond :func:`tiny_instruction_args` to fit the tiny model:
+#: FLITE's and Fed-SB's sizes must fit the tiny model's 32- and 64-wide layers, and Fed-SB's adapters come from
+#: the task's public records.
+OTHER_INSTRUCTION_CONFIGS = {
+    "flite": ["--model.init_args.latent_dim", "16", "--model.init_args.rank", "16"],
+    "fedavg": [],
+    "fed_sb": [
+        "--data.init_args.source.init_args.public_per_task",
+        "4",
+        "--model.init_args.rank",
+        "4",
+        "--model.init_args.public_records",
+        "4",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_INSTRUCTION_CONFIGS))
+def test_each_instruction_config_fits_scores_and_exports_on_the_tiny_model(name, tiny_chat_llama, in_tmp, capsys):
+    """configs/smollm2_instruct_{flite,fed_sb,fedavg}.yaml as shipped (their method, recipe, strategy and scoring),
+    the tiny chat model in SmolLM2's place: a round fits, the base and final models are scored on the task, and
+    the export is a folder transformers loads."""
+    config = str(CONFIGS / f"smollm2_instruct_{name}.yaml")
+    args = ["--config", config, *tiny_instruction_args(tiny_chat_llama), *OTHER_INSTRUCTION_CONFIGS[name]]
+    assert run_cli("fit", *args) == 0
+    fit_out = capsys.readouterr().out
+    assert "test/exact_match: " in fit_out and "val/exact_match: " in fit_out
+    ckpt = next(Path("runs").rglob("last.ckpt"))
+    saved = str(ckpt.parent.parent / "config.yaml")
+    assert run_cli("export", "--config", saved, "--ckpt_path", str(ckpt), "--out", "hf") == 0
+    transformers.AutoModelForCausalLM.from_pretrained("hf", local_files_only=True)
+
+
 @pytest.mark.slow
 def test_smollm2_fine_tuned_with_lora_exports_a_model_transformers_generates_from_as_we_do(tmp_path, monkeypatch):
     """SmolLM2 itself (fetched once, 98 MB): one round of LoRA on the built-in task, exported, loaded by plain
