@@ -165,7 +165,10 @@ def test_a_run_is_deterministic_and_resumes_bit_for_bit(tmp_path, codec):
         assert simulated(other.history) == simulated(full.history)
         assert torch.equal(other.ledger.up, full.ledger.up) and torch.equal(other.ledger.down, full.ledger.down)
     steps = full.history[1:]
-    assert max(h["fed/staleness_max"] for h in steps) > 0 and all(h["fed/clients"] == 2 for h in steps)
+    assert max(h["fed/staleness_max"] for h in steps) > 0 and all(h["fed/aggregated_clients"] == 2 for h in steps)
+    # fed/clients: those drawn into a free slot (4 at first and one after the step's first arrival, then the two
+    # freed slots of each step); three in flight as a step ends (the last arrival's slot fills at the next)
+    assert [h["fed/clients"] for h in steps] == [5, 2, 2, 2] and all(h["fed/in_flight"] == 3 for h in steps)
     assert [h["time/simulated_elapsed_s"] for h in steps] == pytest.approx(
         torch.tensor([h["time/simulated_round_s"] for h in steps]).cumsum(0).tolist()
     )
@@ -214,7 +217,7 @@ def test_resuming_across_kinds_of_run_is_one_line(tmp_path):
     ("kwargs", "message"),
     [
         ({"clock": None}, "trainer.buffered needs trainer.clock"),
-        ({"transport": CraftedClients(None)}, "trainer.buffered is simulated in process"),
+        ({"transport": CraftedClients(None)}, "trainer.transport CraftedClients runs synchronous rounds"),
         (
             {"secure_aggregation": SecureAggregation(), "max_update_norm_ratio": None},
             "trainer.secure_aggregation sums one cohort's uploads",

@@ -1,0 +1,200 @@
+"""FedBuff on Flower (``trainer.buffered`` over the Flower transport): the same buffered policy fed by the nodes'
+replies as they come, against the in-process run replaying the same order of arrivals.
+
+:class:`LaggingGrid` answers each train message at once (the real ClientApp, in this process) but keeps the reply
+in the SuperLink's store, unseen, for a number of pulls set per node, so replies arrive out of order and updates
+grow stale, deterministically. It also fails the test if a node ever has two train messages out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr")
+
+from test_flower import SMALL, LocalGrid, final, nodes, task_identity  # noqa: E402, F401
+
+from conftest import CONFIGS, run_cli  # noqa: E402
+from lightning_fl.errors import UserError  # noqa: E402
+from lightning_fl.federated.arrivals import Buffered  # noqa: E402
+from lightning_fl.federated.arrivals.sources import Replayed  # noqa: E402
+from lightning_fl.flower import messages  # noqa: E402
+from lightning_fl.flower.server import serve  # noqa: E402
+
+#: FedBuff with 3 of 4 clients training and a step every 2 updates, 5 steps; the clock is for the in-process side
+#: (the ServerApp drops it: the replies arrive when they do).
+FEDBUFF = [
+    "--trainer.rounds",
+    "5",
+    "--trainer.buffered",
+    "FedBuff",
+    "--trainer.buffered.concurrency",
+    "3",
+    "--trainer.buffered.buffer_size",
+    "2",
+    "--trainer.clock",
+    "Clock",
+]
+#: Pulls each node's successive replies wait (cycled): node 1 answers at once, node 3 late and later.
+LAGS = {1: [0], 2: [2, 0], 3: [4, 6, 1], 4: [1, 3]}
+
+
+class LaggingGrid(LocalGrid):
+    """A :class:`LocalGrid` whose train replies wait ``lags[node]`` pulls (its successive messages cycle through the
+    list) before a pull can see them; ``crash_at``: the server version (1-based, as sent) whose first pull raises, as
+    a server killed in the middle of that step would stop."""
+
+    def __init__(self, node_configs, lags, crash_at: int | None = None) -> None:
+        super().__init__(node_configs)
+        self.lags = {node: itertools.cycle(lag) for node, lag in lags.items()}
+        self.crash_at = crash_at
+        self.held: dict[str, list] = {}  # message id -> [pulls left, the reply]
+        self.out: dict[int, str] = {}  # node -> the id of its train message out
+        self.trains: list[tuple[int, int]] = []  # (node, round as sent: the server version + 1)
+
+    def push_messages(self, messages_):
+        messages_ = list(messages_)
+        for m in messages_:
+            if m.metadata.message_type == messages.TRAIN:
+                node = m.metadata.dst_node_id
+                assert node not in self.out, f"node {node} was sent a second message while one is out"
+                self.trains.append((node, int(m.metadata.group_id)))
+        ids = super().push_messages(messages_)
+        for m in messages_:
+            if m.metadata.message_type == messages.TRAIN and m.metadata.message_id in self.store:
+                node = m.metadata.dst_node_id
+                self.out[node] = m.metadata.message_id
+                self.held[m.metadata.message_id] = [next(self.lags[node]), self.store.pop(m.metadata.message_id)]
+        return ids
+
+    def pull_messages(self, message_ids):
+        if self.crash_at is not None and any(version >= self.crash_at for _, version in self.trains):
+            raise KeyboardInterrupt("the server is killed")
+        for message_id, held in list(self.held.items()):
+            if held[0] <= 0:
+                self.store[message_id] = self.held.pop(message_id)[1]
+            held[0] -= 1
+        got = super().pull_messages(message_ids)
+        for reply in got:
+            self.out = {n: i for n, i in self.out.items() if i != reply.metadata.reply_to_message_id}
+        return got
+
+
+def on_flower(tmp, grid, *extra, name="flower"):
+    overrides = [*SMALL, *FEDBUFF, "--trainer.default_root_dir", str(tmp / "runs"), "--trainer.name", name, *extra]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer = serve(
+            grid, str(CONFIGS / "quickstart.yaml"), overrides, round_timeout=60.0, hello_timeout=5, wait_for_nodes=0
+        )
+    return trainer, final(tmp / "runs", name)
+
+
+def replayed(tmp, monkeypatch, order, name="replayed"):
+    """The same config in process, its arrivals in ``order`` (:class:`Replayed`)."""
+    from lightning_fl.federated.trainer import loop
+
+    def replaying(settings, local, target):
+        return Buffered(settings.buffered, settings.clock, local, Replayed(order))
+
+    monkeypatch.setattr(loop, "round_arrivals", replaying)
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *SMALL, *FEDBUFF]
+    assert run_cli(*args, "--trainer.default_root_dir", str(tmp / "runs"), "--trainer.name", name) == 0
+    return final(tmp / "runs", name)
+
+
+def arrived(checkpoint) -> list[tuple[int, int]]:
+    return [tuple(row) for row in checkpoint["buffered"]["arrived"].tolist()]
+
+
+def test_fedbuff_on_flower_equals_the_in_process_run_replaying_its_arrivals(in_tmp, monkeypatch):
+    """Five FedBuff steps over four nodes whose replies come out of order: every step folds the first two replies
+    pulled, discounted by their staleness; three clients train at every moment, a node never has two messages out.
+    The in-process run replaying the recorded order starts the same clients from the same states and ends at the
+    same global state, bit for bit (the same float32 training and float64 folds; the test allows float32 rounding,
+    1e-6 absolute, which it does not need), with the same payload bytes in the ledger."""
+    grid = LaggingGrid(nodes(), LAGS)
+    _, got = on_flower(in_tmp, grid)
+    order = arrived(got)
+    steps = got["history"][1:]
+    assert len(order) == 10 and len(steps) == 5
+    assert max(h["fed/staleness_max"] for h in steps) >= 2  # the lags made updates stale
+    assert [h["fed/aggregated_clients"] for h in steps] == [2.0] * 5
+    # every train message is one start (fed/clients), each from the version it names; the one still out at the end
+    # is the in-flight count
+    assert len(grid.trains) == sum(h["fed/clients"] for h in steps) and steps[-1]["fed/in_flight"] == len(grid.out)
+    reference = replayed(in_tmp, monkeypatch, order)
+    assert arrived(reference) == order
+    for n, value in reference["global_state"].items():
+        torch.testing.assert_close(got["global_state"][n], value, rtol=0, atol=1e-6)
+        assert torch.equal(got["global_state"][n], value), n
+    assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
+    assert torch.equal(got["ledger"]["down"], reference["ledger"]["down"])
+    assert [h["fed/clients"] for h in steps] == [h["fed/clients"] for h in reference["history"][1:]]
+    # every message counted once: a download message per start, an upload message per update aggregated
+    assert int((got["ledger"]["msg_down"] > 0).sum()) == 4
+    per_start = got["ledger"]["msg_down"].sum() / len(grid.trains)
+    assert got["ledger"]["msg_down"].sum() == per_start * len(grid.trains) and per_start > 768
+    assert got["ledger"]["msg_up"].sum() > got["ledger"]["up"].sum() > 0
+
+
+def test_a_fedbuff_server_killed_mid_step_resumes_from_its_checkpoint(in_tmp, monkeypatch):
+    """The ServerApp dies in the middle of step 3 (a pull raises); a new one resumes from step 2's checkpoint, sends
+    the clients that were still out their messages again (the same version's state: the same upload) and finishes.
+    The whole run, its order of arrivals read from the last checkpoint, equals the in-process replay of that order."""
+    first = LaggingGrid(nodes(), LAGS, crash_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        on_flower(in_tmp, first, name="killed")
+    saved = final(in_tmp / "runs", "killed")
+    assert saved["round"] == 2
+    out = sorted((f["client"], f["version"]) for f in saved["buffered"]["in_flight"] if not f["arrived"])
+    assert out, "no message was out at the checkpoint: nothing to send again"
+    second = LaggingGrid(nodes(), LAGS)
+    _, got = on_flower(in_tmp, second, "--trainer.resume", "true", name="killed")
+    resent = sorted((node - 1, version - 1) for node, version in second.trains if version <= 2)
+    assert resent == out  # sent again, each from the version it started from
+    assert got["round"] == 5 and arrived(got)[: len(arrived(saved))] == arrived(saved)
+    reference = replayed(in_tmp, monkeypatch, arrived(got))
+    for n, value in reference["global_state"].items():
+        torch.testing.assert_close(got["global_state"][n], value, rtol=0, atol=1e-6)
+
+
+def test_fedbuff_on_flower_refuses_what_it_cannot_serve_in_one_line(in_tmp):
+    """A quorum (synchronous k-of-n rounds) and FedBuff; DP with FedBuff (its accountant's sampling assumption): one
+    line each, naming the key and the fix, before any message is sent."""
+    grid = LaggingGrid(nodes(), LAGS)
+    cases = [
+        ({"quorum": 2}, [], "run config 'quorum' 2 closes synchronous rounds at k of n, and trainer.buffered steps"),
+        (
+            {},
+            ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0"],
+            "trainer.privacy's accountant and fixed denominator assume that a round's uploads are that round's own "
+            r"sample .*: remove trainer.privacy or trainer.buffered",
+        ),
+        (
+            {},
+            ["--trainer.dp_sgd", "DPSGD", "--trainer.dp_sgd.noise_multiplier", "1.0"],
+            "trainer.dp_sgd's per-client accounting counts each client in the round",
+        ),
+    ]
+    for kwargs, extra, message in cases:
+        overrides = [*SMALL, *FEDBUFF, *extra]
+        with pytest.raises(UserError, match=message) as err:  # (a ConfigError, or the build's line: exit code 2)
+            serve(grid, str(CONFIGS / "quickstart.yaml"), overrides, wait_for_nodes=0, **kwargs)
+        assert "\n" not in str(err.value)
+    assert not grid.sent
+
+
+def test_fedbuff_with_dp_exits_2_with_one_line(in_tmp, capsys):
+    """The command line: FedBuff with central DP stops before any work with exit code 2 and one line (then the
+    command line's usual hint on --print_config and --help)."""
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *SMALL, *FEDBUFF]
+    privacy = ["--trainer.privacy", "CentralDP", "--trainer.privacy.noise_multiplier", "1.0"]
+    assert run_cli(*args, *privacy) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: fit: could not build the config: trainer.privacy's accountant"), err
+    assert err[0].endswith("remove trainer.privacy or trainer.buffered") and err[1:] == [err[-1]], err  # (+ the hint)
