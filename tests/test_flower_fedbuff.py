@@ -16,6 +16,8 @@ import torch
 
 flwr = pytest.importorskip("flwr")
 
+from flwr.app import Error, Message  # noqa: E402
+from flwr.common.constant import ErrorCode  # noqa: E402
 from test_flower import SMALL, LocalGrid, final, nodes, task_identity  # noqa: E402, F401
 
 from conftest import CONFIGS, run_cli  # noqa: E402
@@ -48,13 +50,15 @@ class LaggingGrid(LocalGrid):
     list) before a pull can see them; ``crash_at``: the server version (1-based, as sent) whose first pull raises, as
     a server killed in the middle of that step would stop."""
 
-    def __init__(self, node_configs, lags, crash_at: int | None = None) -> None:
-        super().__init__(node_configs)
+    def __init__(self, node_configs, lags, crash_at: int | None = None, tamper=None) -> None:
+        super().__init__(node_configs, tamper)
         self.lags = {node: itertools.cycle(lag) for node, lag in lags.items()}
         self.crash_at = crash_at
         self.held: dict[str, list] = {}  # message id -> [pulls left, the reply]
         self.out: dict[int, str] = {}  # node -> the id of its train message out
         self.trains: list[tuple[int, int]] = []  # (node, round as sent: the server version + 1)
+        self.down_bytes: dict[tuple[int, str], int] = {}  # (node, message id) -> bytes of its train message
+        self.up_bytes: dict[tuple[int, str], int] = {}  # the same for each train reply pulled
 
     def push_messages(self, messages_):
         messages_ = list(messages_)
@@ -68,6 +72,7 @@ class LaggingGrid(LocalGrid):
             if m.metadata.message_type == messages.TRAIN and m.metadata.message_id in self.store:
                 node = m.metadata.dst_node_id
                 self.out[node] = m.metadata.message_id
+                self.down_bytes[node, m.metadata.message_id] = messages.message_bytes(m)
                 self.held[m.metadata.message_id] = [next(self.lags[node]), self.store.pop(m.metadata.message_id)]
         return ids
 
@@ -80,7 +85,10 @@ class LaggingGrid(LocalGrid):
             held[0] -= 1
         got = super().pull_messages(message_ids)
         for reply in got:
-            self.out = {n: i for n, i in self.out.items() if i != reply.metadata.reply_to_message_id}
+            answered = reply.metadata.reply_to_message_id
+            for node in [n for n, i in self.out.items() if i == answered]:
+                del self.out[node]
+                self.up_bytes[node, answered] = messages.message_bytes(reply)
         return got
 
 
@@ -135,11 +143,39 @@ def test_fedbuff_on_flower_equals_the_in_process_run_replaying_its_arrivals(in_t
     assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
     assert torch.equal(got["ledger"]["down"], reference["ledger"]["down"])
     assert [h["fed/clients"] for h in steps] == [h["fed/clients"] for h in reference["history"][1:]]
-    # every message counted once: a download message per start, an upload message per update aggregated
-    assert int((got["ledger"]["msg_down"] > 0).sum()) == 4
-    per_start = got["ledger"]["msg_down"].sum() / len(grid.trains)
-    assert got["ledger"]["msg_down"].sum() == per_start * len(grid.trains) and per_start > 768
-    assert got["ledger"]["msg_up"].sum() > got["ledger"]["up"].sum() > 0
+    # every message counted once: each train message sent in the step that sent it, each reply in the step that
+    # aggregated it (those pulled but not yet aggregated wait in the checkpoint, with their size)
+    waiting = sum(f["message_up"] for f in got["buffered"]["in_flight"] if f["arrived"])
+    for direction, sizes in (("msg_down", grid.down_bytes), ("msg_up", grid.up_bytes)):
+        assert int(got["ledger"][direction].sum()) == sum(sizes.values()) - (waiting if direction == "msg_up" else 0)
+        for client in range(4):
+            counted = sum(size for (node, _), size in sizes.items() if node == client + 1)
+            assert int(got["ledger"][direction][client]) <= counted and counted > 0
+
+
+def test_a_node_that_leaves_mid_training_frees_its_slot_and_its_download_is_counted(in_tmp):
+    """Node 1's first train reply (it answers at once: in the step that sent it) is the SuperLink's "node
+    unavailable": that flight is lost (``fed/lost_clients``), never aggregated; its slot starts another client, the
+    node is introduced again and trains later, and the run still steps every two updates. The lost flight's download
+    is in the ledger of the step that sent it."""
+
+    def leaves_once(reply, message):
+        if not seen:
+            seen.append(message.metadata.message_id)
+            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="gone"), reply_to=message)
+        return reply
+
+    seen: list[str] = []
+    grid = LaggingGrid(nodes(), LAGS, tamper={1: leaves_once})
+    _, got = on_flower(in_tmp, grid)
+    steps = got["history"][1:]
+    assert sum(h["fed/lost_clients"] for h in steps) == 1 and [h["fed/aggregated_clients"] for h in steps] == [2] * 5
+    assert steps[0]["fed/lost_clients"] == 1 and sum(1 for node, _ in grid.trains if node == 1) >= 2  # (back later)
+    assert int(got["ledger"]["msg_down"].sum()) == sum(grid.down_bytes.values())
+    # node 1 (client 0): every message it was sent is the lost one, an update aggregated, or still out at the end
+    sent = sum(1 for node, _ in grid.trains if node == 1)
+    aggregated = sum(1 for client, _ in arrived(got) if client == 0)
+    assert sent == 1 + aggregated + sum(1 for f in got["buffered"]["in_flight"] if f["client"] == 0)
 
 
 def test_a_fedbuff_server_killed_mid_step_resumes_from_its_checkpoint(in_tmp, monkeypatch):

@@ -151,11 +151,10 @@ class Buffered(Arrivals):
         self.arrived += [(f.client, f.version) for f in buffer]
         rnd.sampled = sorted(started)  # the clients drawn into a free slot during this step
         rnd.available = sorted(f.client for f in buffer)
-        # downloaded now, arriving later (or lost on the way)
-        flying = {f.client: f for f in self.in_flight if f.version == rnd.index}
-        flying.update({f.client: f for f in lost if f.version == rnd.index})
-        rnd.pending = sorted(flying)
-        rnd.pending_messages = {c: f.msg_down for c, f in flying.items() if f.msg_down is not None}
+        # downloaded now, arriving later or lost on the way (a lost client may have started again since)
+        flying = sorted((f for f in self.in_flight + lost if f.version == rnd.index), key=lambda f: f.client)
+        rnd.pending = [f.client for f in flying]
+        rnd.pending_messages = [(f.client, f.msg_down) for f in flying if f.msg_down is not None]
         stale = [rnd.index - f.version for f in buffer]
         rnd.metrics["fed/staleness_mean"] = float(np.mean(stale))
         rnd.metrics["fed/staleness_max"] = float(max(stale))
@@ -168,8 +167,8 @@ class Buffered(Arrivals):
         discount."""
         for f in self.buffer:
             tau = rnd.index - f.version
-            if tau == 0:
-                yield replace(f.reply, message_down=f.msg_down)
+            if tau == 0:  # (a transport's reply carries the bytes of the message it answers)
+                yield f.reply
             else:
                 then = {n: t.to(rnd.state[n].device) for n, t in self.states[f.version].items()}
                 yield replace(

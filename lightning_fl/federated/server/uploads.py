@@ -122,8 +122,9 @@ class Round:
     away: list[int] = field(default_factory=list)  # sampled but unavailable (dropout)
     available: list[int] = field(default_factory=list)
     late: list[int] = field(default_factory=list)  # sampled, downloaded, but left out by the clock's rule
-    pending: list[int] = field(default_factory=list)  # downloaded this round, replying in a later one (FedBuff)
-    pending_messages: dict[int, int] = field(default_factory=dict)  # their messages' bytes, where a transport sent one
+    # downloaded this round, replying in a later one or never (FedBuff; a client lost and started again: twice)
+    pending: list[int] = field(default_factory=list)
+    pending_messages: list[tuple[int, int]] = field(default_factory=list)  # (client, bytes of a message it was sent)
     entries: dict[int, Entry] = field(default_factory=dict)
     rows: Rows | None = None  # ``None``: the round streams its uploads into ``running``
     running: GroupedSums | None = None
@@ -231,7 +232,7 @@ def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Cal
                 ledger.record_message(e.client, direction, size)
     for c in rnd.away + rnd.late + rnd.pending:
         ledger.record(c, "down", down(c))
-    for c, size in rnd.pending_messages.items():
+    for c, size in rnd.pending_messages:
         ledger.record_message(c, "down", size)
 
 
