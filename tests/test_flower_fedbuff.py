@@ -234,3 +234,35 @@ def test_fedbuff_with_dp_exits_2_with_one_line(in_tmp, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("error: fit: could not build the config: trainer.privacy's accountant"), err
     assert err[0].endswith("remove trainer.privacy or trainer.buffered") and err[1:] == [err[-1]], err  # (+ the hint)
+
+
+class SlowHello(LaggingGrid):
+    """A :class:`LaggingGrid` whose SuperLink lists no node for its first ``after`` calls (nodes still starting)."""
+
+    def __init__(self, node_configs, lags, after: int) -> None:
+        super().__init__(node_configs, lags)
+        self.after, self.calls = after, 0
+
+    def get_node_ids(self):
+        self.calls += 1
+        return list(self.contexts) if self.calls > self.after else []
+
+
+def test_fedbuff_asks_nodes_again_until_one_serves_a_client_and_stops_in_one_line_when_none_does(in_tmp):
+    """No node is known when the first step would start: the ServerApp asks again (up to run config
+    'max-silent-rounds' times) and runs once they answer; when none ever does it stops with one line."""
+    grid = SlowHello(nodes(), LAGS, after=2)
+    _, got = on_flower(in_tmp, grid)
+    assert got["round"] == 5 and grid.calls > 3
+    never = SlowHello(nodes(), LAGS, after=10**9)
+    overrides = [*SMALL, *FEDBUFF, "--trainer.default_root_dir", str(in_tmp / "runs"), "--trainer.name", "never"]
+    with pytest.raises(UserError, match="no SuperNode said which client it serves in 2 attempts") as err:
+        serve(
+            never,
+            str(CONFIGS / "quickstart.yaml"),
+            overrides,
+            hello_timeout=0.05,
+            wait_for_nodes=0,
+            max_silent_rounds=2,
+        )
+    assert "\n" not in str(err.value) and "raise hello-timeout" in str(err.value) and not never.sent

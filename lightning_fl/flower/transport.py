@@ -262,8 +262,21 @@ class FlowerTransport(Transport):
 
     # ------------------------------------------------------------------------------------ FedBuff
     def reachable(self) -> set[int]:
-        """The clients a node serves now (new nodes introduced first)."""
+        """The clients a node serves now (new nodes introduced first). With none, the nodes are asked again (each
+        time waiting ``hello_timeout``), up to ``max_silent_rounds`` times; then the run stops with one line."""
         self.introduce()
+        attempt = 0
+        while not self.node_of:
+            attempt += 1
+            if self.max_silent_rounds is not None and attempt > self.max_silent_rounds:
+                raise UserError(
+                    f"trainer.buffered: no SuperNode said which client it serves in {attempt - 1} attempts (each "
+                    f"waiting run config 'hello-timeout', {self.hello_timeout:g} s): check that the SuperNodes run "
+                    "and reach this SuperLink, raise hello-timeout on a busy machine, then resume the run"
+                )
+            log(WARNING, "trainer.buffered: no SuperNode serves a client yet (attempt %d): asking again", attempt)
+            time.sleep(min(1.0, self.hello_timeout))
+            self.introduce()
         return set(self.node_of)
 
     def send(self, job: ClientJob, client: int) -> tuple[str, int] | None:

@@ -141,6 +141,19 @@ def stale_problems(a: dict[str, Any]) -> list[tuple[str, str]]:
     return [(key, why) for key, bad, why in rows if bad]
 
 
+def unclocked(a: dict[str, Any]) -> str | None:
+    """Why ``trainer.buffered`` cannot run in process as the trainer arguments ``a`` stand: no ``trainer.clock``
+    (``None``: it can). Asked when the fit starts, before any work, not when the trainer is made: a Flower ServerApp
+    gives the trainer its transport (the nodes' real arrivals, no clock needed) after the config has built it."""
+    if a.get("buffered") is None or a["clock"] is not None or getattr(a["transport"], "asynchronous", False):
+        return None
+    return (
+        "trainer.buffered needs trainer.clock in process: a client's time to finish (download, local steps, upload) "
+        "decides when its update arrives; set trainer.clock lightning_fl.federated.Clock (on Flower the replies "
+        "arrive when they do)"
+    )
+
+
 def buffered_problems(a: dict[str, Any]) -> list[str]:
     """What makes ``trainer.buffered`` impossible with the other trainer arguments ``a``: the first problem, in one
     line naming the key and the fix (docs/explanations/time.md says why each is refused)."""
@@ -158,11 +171,6 @@ def buffered_problems(a: dict[str, Any]) -> list[str]:
             asynchronous and clock is not None,
             "trainer.clock times FedBuff's arrivals in process; over trainer.transport they arrive in real time: "
             "remove trainer.clock",
-        ),
-        (
-            transport is None and clock is None,
-            "trainer.buffered needs trainer.clock in process: a client's time to finish (download, local steps, "
-            "upload) decides when its update arrives; set trainer.clock lightning_fl.federated.Clock",
         ),
         *((True, f"{why}: remove trainer.{key} or trainer.buffered") for key, why in stale_problems(a)),
         (
