@@ -309,7 +309,10 @@ class FlowerTransport(Transport):
             )
         out = []
         for message in replies:
-            ticket = message.metadata.reply_to_message_id
+            ticket = message.metadata.reply_to_message_id or None
+            if ticket is None:  # (the SuperLink answers for a vanished node under its own id: matched by node)
+                client = self.client_of.get(message.metadata.src_node_id)
+                ticket = next((t for t in tickets if t in self.out and self.out[t][0] == client), None)
             if ticket not in self.out or ticket not in tickets:
                 continue
             client, size = self.out.pop(ticket)
