@@ -5,6 +5,7 @@ the clients train and when they arrive, in process by the clock or on Flower's n
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -160,6 +161,12 @@ class Buffered(Arrivals):
         rnd.metrics["fed/staleness_max"] = float(max(stale))
         rnd.metrics["fed/in_flight"] = float(len(self.in_flight))
         rnd.metrics["fed/lost_clients"] = float(len(lost))
+        if lost:
+            warnings.warn(
+                f"step {rnd.index + 1}: client(s) {sorted(f.client for f in lost)} left before replying; their slots "
+                "started other clients",
+                stacklevel=2,
+            )
         self.source.step(rnd)
 
     def replies(self, rnd: Round, collection: Delivery, model: Any, share: list[int]) -> Iterator[Reply]:
