@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from conftest import make_dm, make_model, make_trainer
+from conftest import CONFIGS, make_dm, make_model, make_trainer, run_cli
 from helpers import CraftedClients, Population
 from lightning_fl.compress import FP32, Quantize, TopK
 from lightning_fl.errors import CheckpointError, ConfigError
@@ -165,7 +165,10 @@ def test_a_run_is_deterministic_and_resumes_bit_for_bit(tmp_path, codec):
         assert simulated(other.history) == simulated(full.history)
         assert torch.equal(other.ledger.up, full.ledger.up) and torch.equal(other.ledger.down, full.ledger.down)
     steps = full.history[1:]
-    assert max(h["fed/staleness_max"] for h in steps) > 0 and all(h["fed/clients"] == 2 for h in steps)
+    assert max(h["fed/staleness_max"] for h in steps) > 0 and all(h["fed/aggregated_clients"] == 2 for h in steps)
+    # fed/clients: those drawn into a free slot (4 at first and one after the step's first arrival, then the two
+    # freed slots of each step); three in flight as a step ends (the last arrival's slot fills at the next)
+    assert [h["fed/clients"] for h in steps] == [5, 2, 2, 2] and all(h["fed/in_flight"] == 3 for h in steps)
     assert [h["time/simulated_elapsed_s"] for h in steps] == pytest.approx(
         torch.tensor([h["time/simulated_round_s"] for h in steps]).cumsum(0).tolist()
     )
@@ -213,8 +216,7 @@ def test_resuming_across_kinds_of_run_is_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"clock": None}, "trainer.buffered needs trainer.clock"),
-        ({"transport": CraftedClients(None)}, "trainer.buffered is simulated in process"),
+        ({"transport": CraftedClients(None)}, "trainer.transport CraftedClients runs synchronous rounds"),
         (
             {"secure_aggregation": SecureAggregation(), "max_update_norm_ratio": None},
             "trainer.secure_aggregation sums one cohort's uploads",
@@ -229,7 +231,6 @@ def test_resuming_across_kinds_of_run_is_one_line(tmp_path):
         ({"clock": Clock(deadline_s=3.0)}, "trainer.clock.deadline_s and over_selection close synchronous rounds"),
     ],
     ids=[
-        "no-clock",
         "flower",
         "secure",
         "privacy",
@@ -246,6 +247,18 @@ def test_combinations_fedbuff_cannot_serve_are_refused_in_one_line(tmp_path, kwa
     with pytest.raises(ConfigError, match=message) as err:
         make_trainer(tmp_path, **{"buffered": FedBuff(2, 2), "clock": Clock(), **kwargs})
     assert "\n" not in str(err.value) and str(err.value).count("; trainer.") == 0
+
+
+def test_fedbuff_in_process_without_a_clock_stops_before_any_work_in_one_line(tmp_path):
+    """The clock is asked for when the fit starts (a Flower ServerApp sets the transport, which needs none, after the
+    config has built the trainer); the command line exits with code 2."""
+    trainer = make_trainer(tmp_path, buffered=FedBuff(2, 2))  # (made: the transport may still come)
+    with pytest.raises(ConfigError, match="trainer.buffered needs trainer.clock in process") as err:
+        trainer.fit(make_model(), datamodule=make_dm())
+    assert "\n" not in str(err.value) and trainer.fabric is None  # nothing launched
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.buffered", "FedBuff"]
+    buffered = ["--trainer.buffered.concurrency", "2", "--trainer.buffered.buffer_size", "2"]
+    assert run_cli(*args, *buffered, "--trainer.default_root_dir", str(tmp_path / "runs")) == 2
 
 
 def test_impossible_settings_name_the_key(tmp_path):

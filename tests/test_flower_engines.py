@@ -347,6 +347,73 @@ def test_a_quorum_round_proceeds_without_a_slow_supernode_and_folds_its_late_rep
     assert all(0 <= down - up <= 768 for down, up in zip(downs, ups, strict=True)), (downs, ups)
 
 
+# the in-process side of a FedBuff deployment: the same config, its arrivals in the order the deployment recorded
+# (argv: the order as JSON, then the command line)
+REPLAY = """
+import json, sys
+from lightning_fl.cli import main
+from lightning_fl.federated.arrivals import Buffered
+from lightning_fl.federated.arrivals.sources import Replayed
+from lightning_fl.federated.trainer import loop
+order = json.loads(sys.argv[1])
+loop.round_arrivals = lambda s, local, target: Buffered(s.buffered, s.clock, local, Replayed(order))
+main(sys.argv[2:])
+"""
+
+
+def test_fedbuff_on_a_deployment_equals_the_in_process_replay_of_its_arrivals(tmp_path):
+    """FedBuff on a real SuperLink with three SuperNodes (two clients training at once, a step per update, four
+    steps): the ServerApp sends each client one message at a time and folds each reply as it arrives, the second of
+    each pair stale by at least a step. The order it recorded (client, version), replayed in process, reaches the
+    same global state (to float32 rounding: 1e-6 absolute) and the same payload bytes."""
+    import json
+
+    import deployment as fd
+
+    fd.enable_subreaper()
+    env = environment(tmp_path)
+    extra = {k: env[k] for k in ("OMP_NUM_THREADS", "LIGHTNING_FL_CACHE")}
+    fedbuff = [
+        *DEPLOY[4:],
+        "--trainer.rounds",
+        "4",
+        "--data.num_clients",
+        "3",
+        "--trainer.buffered",
+        "FedBuff",
+        "--trainer.buffered.concurrency",
+        "2",
+        "--trainer.buffered.buffer_size",
+        "1",
+        "--trainer.clock",
+        "Clock",
+        "--trainer.default_root_dir",
+        str(tmp_path / "runs"),
+    ]
+    overrides = " ".join([*fedbuff, "--trainer.name", "deployed"])
+    with fd.FlowerDeployment(tmp_path / "flower", num_supernodes=3, extra_env=extra) as d:
+        settings = "round-timeout=300 hello-timeout=300"  # (a ClientApp may take minutes to import on a busy machine)
+        run_id = d.run_app(REPO, f'config="configs/quickstart.yaml" overrides="{overrides}" {settings}')
+        finish(d, run_id, timeout=1200)
+        logs = d.run_logs(run_id)
+    left = [p for p in fd.descendants(os.getpid()) if fd._alive(p)]
+    assert not left, "processes left running: " + ", ".join(map(str, left))
+    got = final_state(tmp_path, "deployed")
+    steps = got["history"][1:]
+    assert len(steps) == 4 and max(h["fed/staleness_max"] for h in steps) >= 1, steps
+    assert "trainer.clock is not used on Flower" in logs and "step 4: 1 updates aggregated" in logs, logs[-4000:]
+    order = [tuple(row) for row in got["buffered"]["arrived"].tolist()]
+    assert len(order) == 4
+    config = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), *fedbuff, "--trainer.name", "replayed"]
+    run(["-c", REPLAY, json.dumps(order), *config], tmp_path)
+    reference = final_state(tmp_path, "replayed")
+    assert [tuple(row) for row in reference["buffered"]["arrived"].tolist()] == order
+    for name, value in reference["global_state"].items():
+        torch.testing.assert_close(got["global_state"][name], value, rtol=0, atol=1e-6)
+    assert torch.equal(got["ledger"]["up"], reference["ledger"]["up"])
+    assert torch.equal(got["ledger"]["down"], reference["ledger"]["down"])
+
+
 @pytest.mark.parametrize("database", [True, False], ids=["with-database", "in-memory"])
 def test_a_superlink_crash_and_restart(tmp_path, database):
     """kill -9 of the SuperLink (and its ServerApp) after round 2, then the same SuperLink started again and the

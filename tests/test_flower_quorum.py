@@ -176,6 +176,7 @@ def test_a_late_reply_of_a_client_the_round_did_not_sample_is_an_extra_upload_of
         torch.testing.assert_close(got["global_state"][n].double(), want, atol=1e-6, rtol=0)
     rounds = trainer.history[1:]
     assert [(h["fed/clients"], h["fed/lost_clients"], h["fed/stale_replies"]) for h in rounds] == [(2, 1, 0), (2, 0, 1)]
+    assert [h["fed/aggregated_clients"] for h in rounds] == [1.0, 3.0]  # fed/clients is the sample; this, the sum's
     assert got["ledger"]["down"].tolist() == [768, 0, 1536, 768] and got["ledger"]["up"].tolist() == [768, 0, 1536, 768]
 
 

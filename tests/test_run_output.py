@@ -156,3 +156,31 @@ def test_pretraining_a_base_shows_progress(in_tmp, capsys, monkeypatch):
     lines = [line for line in err.splitlines() if line.startswith("pretraining epoch ")]
     assert [line.split(":")[0] for line in lines] == ["pretraining epoch 1/2", "pretraining epoch 2/2"]
     assert all("val/acc " in line for line in lines)
+
+
+def test_the_summary_counts_the_rounds_that_kept_the_global_state(tmp_path, capsys):
+    """Two of four clients a round, client 0 hostile (NaN uploads, dropped by the gate) and FedAvg needing two
+    uploads: every round that sampled client 0 keeps the global state. The summary counts and names those rounds;
+    ``fed/clients`` is the round's sample (2) and ``fed/aggregated_clients`` the uploads it aggregated."""
+    from lightning_fl.federated import FedAvg, NaNUpload
+
+    trainer = make_trainer(
+        tmp_path,
+        rounds=6,
+        clients_per_round=2,
+        client_fraction=None,
+        strategy=FedAvg(min_clients=2),
+        attack=NaNUpload(clients=[0]),
+        max_update_norm_ratio=None,
+    )
+    with pytest.warns(UserWarning, match="the global state is unchanged"):
+        trainer.fit(make_model(), datamodule=make_dm(num_clients=4))
+    rounds = trainer.history[1:]
+    skipped = [int(h["round"]) for h in rounds if h["fed/round_skipped"]]
+    assert 0 < len(skipped) < 6  # (the seeded cohorts sample client 0 in some rounds, not all)
+    assert all(h["fed/clients"] == 2 for h in rounds)
+    assert [h["fed/aggregated_clients"] for h in rounds] == [1.0 if r in skipped else 2.0 for r in range(1, 7)]
+    line = f"  rounds skipped (the global state kept: too few accepted uploads, or a refused aggregate): {len(skipped)}"
+    shown = ", ".join(map(str, skipped))
+    assert f"{line} of 6 (round{'s' if len(skipped) > 1 else ''} {shown})" in capsys.readouterr().out.splitlines()
+    assert "rounds skipped" not in run_summary([{"round": 0}, {"round": 1, "fed/round_skipped": 0.0}], tmp_path, False)

@@ -14,7 +14,11 @@ stop with an error after this many such attempts in a row; default 3, 0: never).
 this many of the messages it sent have replied; 0, the default: all), ``max-staleness`` (rounds a message a round
 left behind may stay out; its reply, when it comes, is folded into the round it arrives in), ``staleness`` and
 ``staleness-exponent`` (the discount of a late reply, as FedBuff's): :mod:`lightning_fl.flower.late`. The trainer
-is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, resume and TensorBoard logs.
+is the config's ``FederatedTrainer``: same strategy, gate, ledger, checkpoints, resume and TensorBoard logs. A config
+with ``trainer.buffered`` runs FedBuff asynchronously on the nodes
+(:class:`~lightning_fl.federated.arrivals.sources.Delivered`: ``concurrency`` messages out, a step every
+``buffer_size`` replies, ``round-timeout`` the longest wait for the next reply); its ``trainer.clock``, which times
+the arrivals in process, is not used.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from lightning_fl.federated.trainer.loop import FederatedTrainer
 from lightning_fl.flower import late
 from lightning_fl.flower.transport import FlowerTransport
 
-ERROR = 40  # logging.ERROR
+INFO, ERROR = 20, 40  # logging.INFO, logging.ERROR
 
 
 def serve(
@@ -67,6 +71,11 @@ def serve(
     if trainer.devices not in (1, "1"):
         raise ConfigError(f"trainer.devices must be 1 on Flower (clients run on the SuperNodes), got {trainer.devices}")
     late.check(quorum, max_staleness, staleness, staleness_exponent)
+    if trainer.buffered is not None and quorum:
+        raise ConfigError(
+            f"run config 'quorum' {quorum} closes synchronous rounds at k of n, and trainer.buffered steps every "
+            "buffer_size replies as they come: set quorum 0"
+        )
     if quorum and (problem := late.quorum_problem(trainer)):
         raise ConfigError(f"run config 'quorum' {quorum}: {problem}")
     num_clients = getattr(run.data, "num_clients", None)
@@ -82,7 +91,11 @@ def serve(
         max_silent_rounds=max_silent_rounds,
         late=behind,
     )
-    trainer = dataclasses.replace(trainer, transport=transport)  # the config's trainer, rounds through Flower
+    replaced: dict[str, Any] = {"transport": transport}
+    if trainer.buffered is not None and trainer.clock is not None:  # (the nodes' replies arrive in real time)
+        log(INFO, "trainer.clock is not used on Flower: FedBuff's updates arrive when the SuperNodes reply")
+        replaced["clock"] = None
+    trainer = dataclasses.replace(trainer, **replaced)  # the config's trainer, rounds through Flower
     trainer.log_config(run.config_yaml)
     trainer.fit(run.model, datamodule=run.data, ckpt_path=run.ckpt_path)
     return trainer

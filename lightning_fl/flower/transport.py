@@ -5,12 +5,13 @@ Client ids are the data module's (0..K-1), as in the simulation. Each SuperNode 
 the start of the next round, and a node that left is forgotten. A sampled client with no node, or whose
 node does not answer within ``round_timeout``, is *lost* for that round (counted, logged, never fatal).
 
-Kept as one file: :class:`FlowerTransport` is one class, whose plain and secure rounds share its map of nodes, its
-late replies and its count of message bytes.
+Kept as one file: :class:`FlowerTransport` is one class, whose plain and secure rounds and FedBuff's asynchronous
+messages share its map of nodes, its late replies and its count of message bytes.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -54,6 +55,7 @@ class FlowerTransport(Transport):
 
     spreads_over_processes = False
     sums_securely = True
+    asynchronous = True  # (FedBuff: :meth:`send`, :meth:`arrived`)
 
     def __init__(
         self,
@@ -75,6 +77,8 @@ class FlowerTransport(Transport):
         self.refused: set[int] = set()  # nodes that could not serve (asked once; a fixed node rejoins under a new id)
         self.num_clients = 0
         self.fingerprint: str | None = None
+        self.out: dict[str, tuple[int, int]] = {}  # FedBuff: message id -> (client, bytes of the message)
+        self._records: dict[int, tuple[Any, dict[str, int]]] = {}  # version -> (its state's record, sizes)
 
     # ------------------------------------------------------------------------------------ nodes
     def open(self, *, num_clients: int, fingerprint: str | None, seed: int) -> None:
@@ -140,6 +144,21 @@ class FlowerTransport(Transport):
     def finished_round(self, round: int, metrics: dict[str, float]) -> None:
         """One line per round (``round``: 1-based, as logged) in the ServerApp's log (``flwr log``): who answered,
         accuracy, bytes. A completed round ends a streak of silent attempts."""
+        if "fed/in_flight" in metrics:  # FedBuff: a server step
+            log(
+                INFO,
+                "step %d: %.0f updates aggregated (staleness up to %.0f), %.0f clients started, %.0f in flight, "
+                "%.0f lost%s",
+                round,
+                metrics.get("fed/aggregated_clients", math.nan),
+                metrics["fed/staleness_max"],
+                metrics["fed/clients"],
+                metrics["fed/in_flight"],
+                metrics["fed/lost_clients"],
+                f"; val/acc {metrics['val/acc']:.4f}" if "val/acc" in metrics else "",
+            )
+            self.silent_rounds = 0
+            return
         answered = metrics["fed/clients"] - metrics["fed/unavailable_clients"] - metrics["fed/lost_clients"]
         rejected = metrics.get("fed/dropped_clients")  # (a private run keeps it out of its logs)
         parts = [
@@ -240,6 +259,66 @@ class FlowerTransport(Transport):
         for cid in sorted(stale):  # late replies of clients this round did not sample
             if (reply := self._read(cid, stale[cid][1], None)) is not None:
                 yield late.reply(stale[cid][0], reply)
+
+    # ------------------------------------------------------------------------------------ FedBuff
+    def reachable(self) -> set[int]:
+        """The clients a node serves now (new nodes introduced first). With none, the nodes are asked again (each
+        time waiting ``hello_timeout``), up to ``max_silent_rounds`` times; then the run stops with one line."""
+        self.introduce()
+        attempt = 0
+        while not self.node_of:
+            attempt += 1
+            if self.max_silent_rounds is not None and attempt > self.max_silent_rounds:
+                raise UserError(
+                    f"trainer.buffered: no SuperNode said which client it serves in {attempt - 1} attempts (each "
+                    f"waiting run config 'hello-timeout', {self.hello_timeout:g} s): check that the SuperNodes run "
+                    "and reach this SuperLink, raise hello-timeout on a busy machine, then resume the run"
+                )
+            log(WARNING, "trainer.buffered: no SuperNode serves a client yet (attempt %d): asking again", attempt)
+            time.sleep(min(1.0, self.hello_timeout))
+            self.introduce()
+        return set(self.node_of)
+
+    def send(self, job: ClientJob, client: int) -> tuple[str, int] | None:
+        """Push ``client``'s train message of ``job`` (server version ``job.round``) on its own: its message id and
+        bytes; ``None`` when no node serves it or the SuperLink did not take it."""
+        node = self.node_of.get(client)
+        if node is None:
+            return None
+        if job.round not in self._records:  # (one record and one count of the state's bytes per version)
+            self._records = {job.round: (wire_msg.state_to_record(job.state), {})}
+        arrays, sizes = self._records[job.round]
+        content = wire_msg.train_content(arrays, job.round, job.seed, client, self.fingerprint, self.num_clients)
+        message = Message(content=content, dst_node_id=node, message_type=wire_msg.TRAIN, group_id=str(job.round + 1))
+        size = wire_msg.message_bytes(message, sizes)
+        (message_id,) = self.grid.push_messages([message])
+        if not message_id:
+            return None
+        self.out[message_id] = (client, size)
+        return message_id, size
+
+    def arrived(self, tickets: Sequence[str]) -> list[tuple[str, Reply]]:
+        """The replies to the messages ``tickets`` pulled as soon as any is in (in the order pulled); a node that
+        left answers lost. None within ``round_timeout``: the run stops with a line saying what to do."""
+        replies = exchange(self.grid, [], self.round_timeout, pending=tickets)
+        if not replies:
+            raise UserError(
+                f"trainer.buffered: none of the {len(tickets)} clients in flight replied within run config "
+                f"'round-timeout' ({self.round_timeout:g} s): check the SuperNodes, raise round-timeout (0 waits "
+                "as long as it takes), then resume the run from its last checkpoint"
+            )
+        out = []
+        for message in replies:
+            ticket = message.metadata.reply_to_message_id or None
+            if ticket is None:  # (the SuperLink answers for a vanished node under its own id: matched by node)
+                client = self.client_of.get(message.metadata.src_node_id)
+                ticket = next((t for t in tickets if t in self.out and self.out[t][0] == client), None)
+            if ticket not in self.out or ticket not in tickets:
+                continue
+            client, size = self.out.pop(ticket)
+            reply = self._read(client, message, size) or Reply(client, lost=True, message_down=size)
+            out.append((ticket, reply))
+        return out
 
     def _read(self, cid: int, reply: Message | None, down: int | None) -> Reply | None:
         """A node's reply as the round reads it; ``None`` when it is lost (none, or its node is gone: then forgotten

@@ -12,8 +12,9 @@ are in it, it steps with
 the version it downloaded), ``s`` the staleness discount and ``w_i`` 1 (or the client's sample count under a weighted
 strategy): with ``w_i = 1`` the paper's ``(1/K) sum_i s(tau_i) Delta_i``. The strategy steps from ``current + Delta``
 as a round's mean upload, so FedAvg moves to ``x + Delta`` and FedAvgM or FedAdam use ``Delta`` as their
-pseudo-gradient. The simulation itself (the event loop over the clock's time) is the collection's arrival policy
-:class:`~lightning_fl.federated.arrivals.Buffered`: its rounds run through the one
+pseudo-gradient. The buffer itself is the collection's arrival policy
+:class:`~lightning_fl.federated.arrivals.Buffered`, fed in process by the clock's event loop and on Flower by the
+nodes' real replies (:mod:`lightning_fl.federated.arrivals.sources`): its rounds run through the one
 :class:`~lightning_fl.federated.server.round.RoundRunner` and every stage.
 """
 
@@ -38,8 +39,9 @@ def discount(staleness: str, exponent: float, tau: int) -> float:
 
 class FedBuff:
     """``trainer.buffered``: one server step (one of ``trainer.rounds``) every ``buffer_size`` client updates, with
-    ``concurrency`` clients training at once (module docstring). Needs ``trainer.clock``: a client's time to finish is
-    its download, local steps and upload on its own device and link.
+    ``concurrency`` clients training at once (module docstring). In process it needs ``trainer.clock``: a client's
+    time to finish is its download, local steps and upload on its own device and link; on Flower the replies arrive
+    when they do.
 
     Args:
         concurrency: Clients training at once (the paper's C); at most the number of clients.
@@ -112,8 +114,9 @@ def stale_problems(a: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "privacy",
             a["privacy"] is not None,
-            "trainer.privacy's accountant and fixed denominator assume sampled synchronous rounds, whose replies are "
-            "the round's own sample",
+            "trainer.privacy's accountant and fixed denominator assume that a round's uploads are that round's own "
+            "sample (fixed or Poisson, clients_per_round of num_clients), each trained from its state; a stale update "
+            "was drawn in another round and arrives when its client finishes, which no sampling rate describes",
         ),
         (
             "dp_sgd",
@@ -138,22 +141,36 @@ def stale_problems(a: dict[str, Any]) -> list[tuple[str, str]]:
     return [(key, why) for key, bad, why in rows if bad]
 
 
+def unclocked(a: dict[str, Any]) -> str | None:
+    """Why ``trainer.buffered`` cannot run in process as the trainer arguments ``a`` stand: no ``trainer.clock``
+    (``None``: it can). Asked when the fit starts, before any work, not when the trainer is made: a Flower ServerApp
+    gives the trainer its transport (the nodes' real arrivals, no clock needed) after the config has built it."""
+    if a.get("buffered") is None or a["clock"] is not None or getattr(a["transport"], "asynchronous", False):
+        return None
+    return (
+        "trainer.buffered needs trainer.clock in process: a client's time to finish (download, local steps, upload) "
+        "decides when its update arrives; set trainer.clock lightning_fl.federated.Clock (on Flower the replies "
+        "arrive when they do)"
+    )
+
+
 def buffered_problems(a: dict[str, Any]) -> list[str]:
     """What makes ``trainer.buffered`` impossible with the other trainer arguments ``a``: the first problem, in one
     line naming the key and the fix (docs/explanations/time.md says why each is refused)."""
     if a.get("buffered") is None:
         return []
-    clock = a["clock"]
+    clock, transport = a["clock"], a["transport"]
+    asynchronous = getattr(transport, "asynchronous", False)
     refused = [
         (
-            clock is None,
-            "trainer.buffered needs trainer.clock: a client's time to finish (download, local steps, "
-            "upload) decides when its update arrives; set trainer.clock lightning_fl.federated.Clock",
+            transport is not None and not asynchronous,
+            f"trainer.buffered runs in process or over a transport whose clients train on their own time (Flower's), "
+            f"and trainer.transport {type(transport).__name__} runs synchronous rounds: remove trainer.buffered",
         ),
         (
-            a["transport"] is not None,
-            "trainer.buffered is simulated in process; a Flower run's clients report in "
-            "synchronous rounds: remove trainer.buffered",
+            asynchronous and clock is not None,
+            "trainer.clock times FedBuff's arrivals in process; over trainer.transport they arrive in real time: "
+            "remove trainer.clock",
         ),
         *((True, f"{why}: remove trainer.{key} or trainer.buffered") for key, why in stale_problems(a)),
         (

@@ -108,6 +108,9 @@ class Transport(Callback):
     spreads_over_processes = True
     #: Whether :meth:`secure_round` is implemented (the server then sees only the sum of a round's uploads).
     sums_securely = False
+    #: Whether clients train on their own time, one message at a time (:meth:`send`, :meth:`arrived`): FedBuff's
+    #: arrivals are then the transport's real ones (:class:`~lightning_fl.federated.arrivals.sources.Delivered`).
+    asynchronous = False
 
     def open(self, *, num_clients: int, fingerprint: str | None, seed: int) -> None:
         """Called once before the first round of a fit (a network transport finds its clients here)."""
@@ -137,6 +140,21 @@ class Transport(Callback):
     def secure_round(self, job: ClientJob, clients: Sequence[int]) -> SecureRound:
         """Deliver a secure round (``job.local.secure``): the replies and the modular sum of the uploads only."""
         raise NotImplementedError(f"{type(self).__name__} cannot run secure rounds")
+
+    # ------------------------------------------------------------------------ asynchronous (``asynchronous``)
+    def reachable(self) -> set[int]:
+        """The clients a message can be sent to now."""
+        raise NotImplementedError(f"{type(self).__name__} does not run clients asynchronously")
+
+    def send(self, job: ClientJob, client: int) -> tuple[Any, int | None] | None:
+        """Send ``client`` the work ``job`` and return at once: a ticket for its reply and the bytes of the message
+        (``None`` if not measured); ``None`` when it cannot be sent."""
+        raise NotImplementedError(f"{type(self).__name__} does not run clients asynchronously")
+
+    def arrived(self, tickets: Sequence[Any]) -> list[tuple[Any, Reply]]:
+        """The replies to ``tickets`` that have arrived, as ``(ticket, reply)``, waiting until at least one has
+        (a lost one is a reply, ``lost``); raise when none comes within the transport's limit."""
+        raise NotImplementedError(f"{type(self).__name__} does not run clients asynchronously")
 
 
 class InProcess(Transport):

@@ -179,10 +179,12 @@ class RoundRunner:
             ((rnd.entry(c).norm, c) for c in aggregated if not math.isnan(rnd.entry(c).norm)), reverse=True
         )
         logged = mean_over_clients([e.logged for e in rnd.answered if e.client in aggregated])
-        rnd.unprotected.update({*logged, "fed/dropped_clients", "comm/rejected_bytes", "comm/cum_rejected_bytes"})
+        refused = {"fed/dropped_clients", "fed/aggregated_clients", "comm/rejected_bytes", "comm/cum_rejected_bytes"}
+        rnd.unprotected.update({*logged, *refused})
         rnd.metrics = {
             "fed/round": float(r + 1),
-            "fed/clients": float(len(sampled)),
+            "fed/clients": float(len(sampled)),  # sampled this round, in every mode (FedBuff: drawn into free slots)
+            "fed/aggregated_clients": float(len(aggregated)),  # uploads in its aggregate (late ones included)
             "fed/unavailable_clients": len(away),
             "fed/lost_clients": len(lost),
             "fed/kept_rows": self.kept_rows,  # uploads held at once (0: streamed into running sums)

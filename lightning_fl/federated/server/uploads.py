@@ -122,7 +122,9 @@ class Round:
     away: list[int] = field(default_factory=list)  # sampled but unavailable (dropout)
     available: list[int] = field(default_factory=list)
     late: list[int] = field(default_factory=list)  # sampled, downloaded, but left out by the clock's rule
-    pending: list[int] = field(default_factory=list)  # downloaded this round, replying in a later one (FedBuff)
+    # downloaded this round, replying in a later one or never (FedBuff; a client lost and started again: twice)
+    pending: list[int] = field(default_factory=list)
+    pending_messages: list[tuple[int, int]] = field(default_factory=list)  # (client, bytes of a message it was sent)
     entries: dict[int, Entry] = field(default_factory=dict)
     rows: Rows | None = None  # ``None``: the round streams its uploads into ``running``
     running: GroupedSums | None = None
@@ -218,7 +220,7 @@ def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Cal
     """Count a round's traffic: ``down(client)`` bytes to every sampled client (``rnd.away``: those unavailable;
     ``rnd.late``: those the clock left out; ``rnd.pending``: those whose reply comes in a later round) this round sent
     the global state, each reply's upload as aggregated or rejected (a late reply's in the round it arrives), and the
-    transport's message bytes where it measured them."""
+    transport's message bytes where it measured them (``rnd.pending_messages``: the pending clients')."""
     ledger.start_round()
     for e in rnd.in_order:
         if e.downloaded:
@@ -230,6 +232,8 @@ def record_bytes(ledger: ByteLedger, rnd: Round, aggregated: set[int], down: Cal
                 ledger.record_message(e.client, direction, size)
     for c in rnd.away + rnd.late + rnd.pending:
         ledger.record(c, "down", down(c))
+    for c, size in rnd.pending_messages:
+        ledger.record_message(c, "down", size)
 
 
 # ================================================================================ several processes

@@ -37,6 +37,7 @@ import torch
 
 from lightning_fl import runs, threads
 from lightning_fl.errors import ConfigError
+from lightning_fl.federated.arrivals.fedbuff import unclocked
 from lightning_fl.federated.clients.local import LocalTraining
 from lightning_fl.federated.clients.transport import InProcess
 from lightning_fl.federated.persistence import budget, round_checkpoint
@@ -108,6 +109,8 @@ class FederatedTrainer(TrainerArguments, TrainerLike):
         self.config_yaml = config_yaml
 
     def fit(self, model: L.LightningModule, *, datamodule: Any = None, ckpt_path: str | None = None) -> None:
+        if (problem := unclocked(vars(self))) is not None:  # (the transport is known now: a ServerApp sets it late)
+            raise ConfigError(problem)
         known = isinstance(getattr(datamodule, "num_clients", None), int)  # else it is known after setup
         if known:
             self._check_plan(datamodule.num_clients)  # before any work

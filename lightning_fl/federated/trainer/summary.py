@@ -56,8 +56,9 @@ def run_summary(
     stages: list[str] | None = None,
     data: list[str] | None = None,
 ) -> str:
-    """One line per evaluation metric (start, final, best round), the bytes, what each stage reports (the privacy
-    spent, the audit, the norm gate), why the run stopped early (``stopped``), and where the run's files are.
+    """One line per evaluation metric (start, final, best round), the bytes, the rounds skipped, what each stage
+    reports (the privacy spent, the audit, the norm gate), why the run stopped early (``stopped``), and where the
+    run's files are.
 
     Args:
         val_is_test: The data module's ``val/*`` is its test split (said first: each best round is then chosen on
@@ -98,6 +99,8 @@ def run_summary(
                 f"  bytes per client that took part ({count:,} of {clients:,} clients): {mean:,.0f} "
                 f"({mean / 2**20:.3f} MiB)"
             )
+    if skipped := skipped_line(history):
+        lines.append(f"  {skipped}")
     if any(k.startswith("unprotected/") for k in last):  # trainer.unprotected_statistics
         lines.append(UNPROTECTED)
     lines += [f"  {line}" for line in stages or []]
@@ -109,6 +112,20 @@ def run_summary(
     if logger:
         lines.append(f"  TensorBoard: tensorboard --logdir {log_dir.parent}")
     return "\n".join(lines)
+
+
+def skipped_line(history: list[dict[str, float]], shown: int = 8) -> str | None:
+    """The rounds that kept the global state (``fed/round_skipped``), counted and named (the first ``shown``);
+    ``None`` when none did."""
+    rounds = [h for h in history if h.get("round", 0) >= 1]
+    skipped = [int(h["round"]) for h in rounds if h.get("fed/round_skipped")]
+    if not skipped:
+        return None
+    named = ", ".join(map(str, skipped[:shown])) + (", ..." if len(skipped) > shown else "")
+    return (
+        f"rounds skipped (the global state kept: too few accepted uploads, or a refused aggregate): "
+        f"{len(skipped)} of {len(rounds)} (round{'s' if len(skipped) > 1 else ''} {named})"
+    )
 
 
 def evaluation_lines(metrics: dict[str, float], command: str, log_dir: Path | None, val_is_test: bool = False) -> str:

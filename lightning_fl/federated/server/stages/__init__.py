@@ -13,6 +13,7 @@ import lightning as L
 
 from lightning_fl.compress.downlink import Downlink
 from lightning_fl.federated.arrivals import Arrivals, Buffered, Timed, WaitForAll, layout_bytes
+from lightning_fl.federated.arrivals.sources import Delivered
 from lightning_fl.federated.clients.local import LocalTraining
 from lightning_fl.federated.server.stages.audit import CentralCanaries, LocalCanaries, RecordCanaryReport
 from lightning_fl.federated.server.stages.base import Stage, Step
@@ -107,9 +108,11 @@ WRITTEN_WITH = {
 
 def round_arrivals(settings: TrainerArguments, local: LocalTraining, target: int | None) -> Arrivals:
     """How the uploads of a run with ``settings`` arrive (:mod:`lightning_fl.federated.arrivals`): FedBuff's buffer
-    (``buffered``), rounds timed by the clock (``clock``: ``target`` reports close a round under over-selection), or
-    every reply."""
+    (``buffered``: fed by the clock in process, by the replies of an asynchronous transport on Flower), rounds timed
+    by the clock (``clock``: ``target`` reports close a round under over-selection), or every reply."""
     clock = settings.clock
+    if settings.buffered is not None and getattr(settings.transport, "asynchronous", False):
+        return Buffered(settings.buffered, None, local, Delivered())  # (its clients' real arrivals: Flower's)
     if settings.buffered is not None and clock is not None:
         return Buffered(settings.buffered, clock, local)
     if clock is not None:
