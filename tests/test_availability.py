@@ -185,15 +185,16 @@ def test_fedbuff_draws_among_the_available_and_frees_a_lost_clients_slot_when_it
     path = trace(tmp_path, ["0,0,100", "1,0,0.5", "2,1.5,100"])
     clock = Clock(step_s=0.5, **EXACT, availability=AvailabilityTrace(path), power_w=1.0)
     local = LocalTraining(epochs=1)
-    collection = Uploads(
-        CraftedClients(lambda c, r: u(c, r)), FP32(), local, arrivals=Buffered(FedBuff(2, 1), clock, local)
-    )
+    trained = []
+    crafted = CraftedClients(lambda c, r: trained.append((c, r)) or u(c, r))
+    collection = Uploads(crafted, FP32(), local, arrivals=Buffered(FedBuff(2, 1), clock, local))
     runner = RoundRunner(L.Fabric(accelerator="cpu", devices=1, loggers=[]), FedAvg(), collection, [], ByteLedger(4))
     state = {"a": torch.zeros(2, 2), "b": torch.ones(2)}
     x0, history = flatten(state, ["a", "b"]), []
     for r in range(3):
         state, metrics = runner.run(None, Durations([2, 2, 2, 2]), state, r, 0, 0)
         history.append(metrics)
+    assert sorted(trained) == [(0, 0), (0, 1), (0, 2), (2, 1)]  # (client 1 left before its steps ended)
     expected = x0 + u(0, 0) + u(0, 1) + u(2, 1) / math.sqrt(2)
     torch.testing.assert_close(flatten(state, ["a", "b"]), expected, rtol=0, atol=1e-7)
     assert [h["fed/offline_clients"] for h in history] == [1, 0, 0]
