@@ -312,3 +312,39 @@ def test_bad_availability_input_exits_2_with_one_line(in_tmp, capsys, args, expe
     line = err.splitlines()[0]  # (the next says how to see every key)
     for text in expected:
         assert text in line
+
+
+# ============================================================================ the time-to-accuracy tool
+def test_time_to_accuracy_counts_offline_clients_out_of_the_updates_and_tables_the_work_thrown_away():
+    from conftest import tool_module
+
+    tta = tool_module("time_to_accuracy")
+
+    def row(r, acc, offline, compute, wasted, seed=0):
+        out = {"round": r, "val/acc": acc, "fed/clients": 10.0, "fed/offline_clients": offline}
+        out.update({"time/simulated_elapsed_s": 6.0 * r, "work/compute_s": compute, "work/wasted_compute_s": wasted})
+        return {**out, "work/wasted_energy_j": 3.0 * wasted}
+
+    seeds = {0: [{"round": 0, "val/acc": 0.5}, row(1, 0.6, 2, 20.0, 5.0), row(2, 0.7, 1, 20.0, 3.0)]}
+    seeds[1] = [{"round": 0, "val/acc": 0.5}, row(1, 0.6, 0, 20.0, 1.0), row(2, 0.7, 0, 20.0, 1.0)]
+    assert tta.curve(seeds[0]) == [(0.0, 0.0, 0.5, 0), (6.0, 8.0, 0.6, 1), (12.0, 17.0, 0.7, 2)]
+    runs = {("flite", "over-selection-onoff"): seeds, ("flite", "sync"): {0: [{"round": 0, "val/acc": 0.5}]}}
+    assert tta.work(runs).splitlines()[2:] == [  # means over seeds of sums over rounds: 40 s, 5 s thrown away
+        "| flite | over-selection, clients on/off | 40.0 | 12.5% | 15.0 | 2 |"
+    ]
+    assert tta.work({("flite", "sync"): runs[("flite", "sync")]}) is None  # (runs without work/*: no table)
+
+
+def test_the_time_to_accuracy_studys_availability_case_parses_as_the_sweep_runs_it(in_tmp, capsys):
+    import yaml
+
+    spec = yaml.safe_load((CONFIGS.parent / "tools" / "sweeps" / "time_to_accuracy_fashion_mnist.yaml").read_text())
+    (case,) = [r for r in spec["runs"] if r["tags"]["close"] == "over-selection-onoff"]
+    config = str(CONFIGS.parent / case["config"].format(method="flite"))
+    assert run_cli("fit", "--config", config, *spec["common"], *case["args"], "--print_config") == 0
+    clock = yaml.safe_load(capsys.readouterr().out)["trainer"]["init_args"]["clock"]
+    assert clock["init_args"]["over_selection"] == 0.3
+    assert clock["init_args"]["availability"] == {
+        "class_path": "lightning_fl.federated.OnOff",
+        "init_args": {"mean_on_s": 30.0, "mean_off_s": 60.0},
+    }
