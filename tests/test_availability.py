@@ -152,6 +152,25 @@ def test_rounds_sample_the_available_clients_and_lose_those_that_go_offline(tmp_
     assert runner.ledger.down.tolist() == [48, 24, 48, 0, 48] and runner.ledger.up.tolist() == [48, 0, 48, 0, 0]
 
 
+def test_poisson_sampling_draws_the_available_clients_at_the_runs_rate(tmp_path):
+    # 8 clients, 4 of them never on; rate 4 / 8 = 0.5 each: 2 of the 4 available a round on average
+    path = trace(tmp_path, [f"{c},0,1e9" for c in range(4)])
+    fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[])
+    clock = Clock(step_s=1.0, **EXACT, availability=AvailabilityTrace(path))
+    transport = CraftedClients(lambda c, r: u(c, r))
+    runner = round_runner(
+        fabric, transport, local=LocalTraining(epochs=1), num_clients=8, clock=clock, sampling="poisson"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        sizes = [
+            runner.run(None, Durations([1] * 8), {"a": torch.zeros(2, 2), "b": torch.ones(2)}, r, 0, 4)[1]
+            for r in range(200)
+        ]
+    assert max(runner.ledger.down[4:].tolist()) == 0  # never sampled
+    assert np.mean([m["fed/clients"] for m in sizes]) == pytest.approx(2.0, abs=4 * math.sqrt(4 * 0.25 / 200))
+
+
 def test_a_deadline_wastes_what_late_clients_computed_until_it():
     runner, dm = timed_runner(None, [1, 3, 5], deadline_s=2.0)  # (no availability: every client always on)
     (metrics,) = run_rounds(runner, dm, 1, count=3)
