@@ -354,6 +354,21 @@ def test_time_to_accuracy_counts_offline_clients_out_of_the_updates_and_tables_t
     assert tta.work({("flite", "sync"): runs[("flite", "sync")]}) is None  # (runs without work/*: no table)
 
 
+def test_time_to_accuracy_reads_a_sweep_csv_with_its_environment_column(tmp_path):
+    from conftest import tool_module
+
+    path = tmp_path / "r.csv"
+    path.write_text(
+        "sweep,label,seed,environment,method,close,round,final,val/acc\n"
+        "s,a,0,torch=2.14.1 device=cpu,flite,over-selection-onoff,0,0,0.5\n"
+    )
+    rows = tool_module("time_to_accuracy").read(path)[("flite", "over-selection-onoff")][0]
+    assert rows == [
+        {"sweep": "s", "label": "a", "seed": 0.0, "environment": "torch=2.14.1 device=cpu", "method": "flite"}
+        | {"close": "over-selection-onoff", "round": 0.0, "final": 0.0, "val/acc": 0.5}
+    ]
+
+
 def test_the_time_to_accuracy_studys_availability_case_parses_as_the_sweep_runs_it(in_tmp, capsys):
     import yaml
 
@@ -365,5 +380,5 @@ def test_the_time_to_accuracy_studys_availability_case_parses_as_the_sweep_runs_
     assert clock["init_args"]["over_selection"] == 0.3
     assert clock["init_args"]["availability"] == {
         "class_path": "lightning_fl.federated.OnOff",
-        "init_args": {"mean_on_s": 30.0, "mean_off_s": 60.0},
+        "init_args": {"mean_on_s": 10.0, "mean_off_s": 20.0},
     }

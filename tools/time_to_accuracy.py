@@ -43,6 +43,10 @@ CLOSES = {
 NOT_AGGREGATED = ("fed/late_clients", "fed/offline_clients", "fed/unavailable_clients", "fed/dropped_clients")
 
 
+#: The sweep CSV's columns that are text (``environment``: the sweep tool's record of the machine).
+TEXT = ("sweep", "label", "method", "close", "environment")
+
+
 def _num(value: str) -> float | None:
     return float(value) if value not in ("", None) else None
 
@@ -52,7 +56,7 @@ def read(path: Path) -> dict[tuple[str, str], dict[int, list[dict]]]:
     runs: dict[tuple[str, str], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     with path.open() as f:
         for row in csv.DictReader(f):
-            parsed = {k: (_num(v) if k not in ("sweep", "label", "method", "close") else v) for k, v in row.items()}
+            parsed = {k: (v if k in TEXT else _num(v)) for k, v in row.items()}
             runs[(row["method"], row["close"])][int(row["seed"])].append(parsed)
     for seeds in runs.values():
         for rows in seeds.values():
