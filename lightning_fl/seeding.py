@@ -32,6 +32,7 @@ STREAM_DISTRIBUTED_NOISE = 21  # distributed DP: (noise_seed, seed, round, clien
 STREAM_SECURE_ROUNDING = 22  # secure aggregation's rounding: (rounding_seed, seed, round, client, stream)
 STREAM_CLOCK = 23  # a client's device speed and link (the simulated clock): (seed, client, stream)
 STREAM_FEDBUFF = 24  # FedBuff: the client that fills a free slot, by the count of starts: (seed, starts, stream)
+STREAM_AVAILABILITY = 25  # when a client is available (trainer.clock.availability): (seed, client, stream)
 
 
 def splitmix64(x: int) -> int:

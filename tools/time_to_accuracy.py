@@ -10,14 +10,18 @@ target is met within 1e-9, so that a sum's rounding does not decide). A second t
 goes: per method and way of closing, the medians over rounds and seeds of the simulated round (a FedBuff step for
 FedBuff) and of a round's median client download, compute and upload times (as ``trainer.clock`` logs them; FedBuff
 logs none). The figure draws the mean accuracy over seeds against simulated minutes (left) and against client
-updates (right), one colour per method and one line style per way of closing a round.
+updates (right), one colour per method and one line style per way of closing a round. Where the runs log the work
+their clients spent (``work/*``, ``trainer.clock``), a third table says how much of it was thrown away: per method and
+way of closing, the device seconds of training and their share spent by clients whose update was not aggregated
+(late, offline, unavailable or refused), the joules of that (``power_w`` times seconds: a model), and the clients
+that went offline (``trainer.clock.availability``), summed over rounds and averaged over seeds.
 
     python tools/time_to_accuracy.py docs/results/time_to_accuracy_fashion_mnist.csv --gain 0.0005 0.003 \
         --markdown docs/results/time_to_accuracy_fashion_mnist.md --figure docs/figures/time_to_accuracy.png \
         --title "Fashion-MNIST, 1,000 clients: time to accuracy on the simulated clock (3 seeds)"
 
-Client updates: a synchronous round aggregates ``fed/clients`` (those sampled) less the late, unavailable and refused
-ones; a FedBuff step logs the updates it aggregated as ``fed/clients``.
+Client updates: a synchronous round aggregates ``fed/clients`` (those sampled) less the late, offline, unavailable and
+refused ones; a FedBuff step logs the updates it aggregated as ``fed/clients``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,18 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-CLOSES = {"sync": "wait for all", "over-selection": "over-selection", "fedbuff": "FedBuff"}
+CLOSES = {
+    "sync": "wait for all",
+    "over-selection": "over-selection",
+    "over-selection-onoff": "over-selection, clients on/off",
+    "fedbuff": "FedBuff",
+}
+#: The synchronous round's clients that sent no aggregated update.
+NOT_AGGREGATED = ("fed/late_clients", "fed/offline_clients", "fed/unavailable_clients", "fed/dropped_clients")
+
+
+#: The sweep CSV's columns that are text (``environment``: the sweep tool's record of the machine).
+TEXT = ("sweep", "label", "method", "close", "environment")
 
 
 def _num(value: str) -> float | None:
@@ -41,7 +56,7 @@ def read(path: Path) -> dict[tuple[str, str], dict[int, list[dict]]]:
     runs: dict[tuple[str, str], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     with path.open() as f:
         for row in csv.DictReader(f):
-            parsed = {k: (_num(v) if k not in ("sweep", "label", "method", "close") else v) for k, v in row.items()}
+            parsed = {k: (v if k in TEXT else _num(v)) for k, v in row.items()}
             runs[(row["method"], row["close"])][int(row["seed"])].append(parsed)
     for seeds in runs.values():
         for rows in seeds.values():
@@ -56,8 +71,7 @@ def curve(rows: list[dict]) -> list[tuple[float, float, float, int]]:
         if r["round"] > 0:
             elapsed = r.get("time/simulated_elapsed_s") or elapsed
             updates += (
-                (r.get("fed/clients") or 0.0)
-                - sum(r.get(k) or 0.0 for k in ("fed/late_clients", "fed/unavailable_clients", "fed/dropped_clients"))
+                (r.get("fed/clients") or 0.0) - sum(r.get(k) or 0.0 for k in NOT_AGGREGATED)
                 if r.get("fed/staleness_max") is None
                 else (r.get("fed/clients") or 0.0)
             )  # (a FedBuff step: aggregated)
@@ -138,6 +152,28 @@ def parts(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def work(runs: dict) -> str | None:
+    """How much of the clients' work was thrown away (module docstring); ``None`` when no run logs ``work/*``."""
+    lines = [
+        "| method | round closes | device seconds of training | thrown away | thrown away (J) | clients gone offline |",
+        "|---|---|--:|--:|--:|--:|",
+    ]
+    for (method, close), seeds in ordered(runs):
+        sums = {
+            key: [sum(r.get(key) or 0.0 for r in rows if r["round"] > 0) for rows in seeds.values()]
+            for key in ("work/compute_s", "work/wasted_compute_s", "work/wasted_energy_j", "fed/offline_clients")
+        }
+        if not any(sums["work/compute_s"]):
+            continue
+        total, wasted = (sum(sums[k]) / len(seeds) for k in ("work/compute_s", "work/wasted_compute_s"))
+        joules, offline = (sum(sums[k]) / len(seeds) for k in ("work/wasted_energy_j", "fed/offline_clients"))
+        share = f"{100 * wasted / total:.1f}%" if total > 0 else "-"
+        lines.append(
+            f"| {method} | {CLOSES.get(close, close)} | {total:,.1f} | {share} | {joules:,.1f} | {offline:,.0f} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
 def figure(runs: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -145,7 +181,7 @@ def figure(runs: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     colours = {m: f"C{i}" for i, m in enumerate(sorted({m for m, _ in runs}))}
-    styles = {"sync": "-", "over-selection": "--", "fedbuff": ":"}
+    styles = {"sync": "-", "over-selection": "--", "over-selection-onoff": "-.", "fedbuff": ":"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for (method, close), seeds in sorted(runs.items()):
         curves = [curve(rows) for rows in seeds.values()]
@@ -179,6 +215,8 @@ def main() -> None:
     runs = read(args.csv)
     targets, flag = (args.gain, "--gain") if args.gain else (args.target, "--target")
     text = table(runs, targets, gain=bool(args.gain)) + "\n\nWhere a round's time goes (medians):\n\n" + parts(runs)
+    if (thrown := work(runs)) is not None:
+        text += "\n\nThe work thrown away (sums over the rounds, means over seeds):\n\n" + thrown
     print(text)
     if args.markdown is not None:
         command = f"python tools/time_to_accuracy.py {args.csv} {flag} {' '.join(map(str, targets))}"

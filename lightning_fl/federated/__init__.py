@@ -4,6 +4,7 @@ The contracts: a method is a :class:`FederatedModule`; a client's round is :func
 algorithm is a :class:`~lightning_fl.federated.server.strategies.Strategy`; :class:`FederatedTrainer` sequences rounds.
 """
 
+from lightning_fl.federated.arrivals.availability import Availability, AvailabilityTrace, Diurnal, OnOff
 from lightning_fl.federated.arrivals.clock import Clock
 from lightning_fl.federated.arrivals.fedbuff import FedBuff
 from lightning_fl.federated.clients.client import run_client
@@ -30,10 +31,13 @@ from lightning_fl.federated.trainer.setup import FactorMismatchError
 __all__ = [
     "ALIE",
     "Attack",
+    "Availability",
+    "AvailabilityTrace",
     "ByteLedger",
     "ClientJob",
     "ClientResult",
     "Clock",
+    "Diurnal",
     "FactorMismatchError",
     "FedAdagrad",
     "FedAdam",
@@ -49,6 +53,7 @@ __all__ = [
     "Median",
     "ModuleHooks",
     "NaNUpload",
+    "OnOff",
     "Scaling",
     "SignFlip",
     "Strategy",

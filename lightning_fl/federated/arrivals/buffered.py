@@ -5,7 +5,6 @@ the clients train and when they arrive, in process by the clock or on Flower's n
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,6 +38,7 @@ class Flight:
     reply: Reply | None = None
     ticket: Any = None  # the transport's handle while its message is out (not saved: a restart sends it again)
     msg_down: int | None = None  # the bytes of the message that sent it the state (a transport's)
+    compute_s: float = 0.0  # compute seconds its device spent (the clock's; lost: before it left)
 
     def saved(self) -> dict[str, Any]:
         reply = self.reply if self.reply is not None else Reply(self.client)
@@ -56,11 +56,14 @@ class Flight:
             "failure": reply.failure,
             "lost": reply.lost,
             "message_up": reply.message_up,
+            "compute_s": self.compute_s,
         }
 
     @classmethod
     def loaded(cls, d: dict[str, Any]) -> Flight:
-        flight = cls(int(d["client"]), int(d["version"]), float(d["finish_s"]))
+        flight = cls(
+            int(d["client"]), int(d["version"]), float(d["finish_s"]), compute_s=float(d.get("compute_s", 0.0))
+        )
         if d.get("arrived", True):
             payload = None if d["payload"] is None else wire.loads(d["payload"].numpy().tobytes())
             logged = {k: (float(v[0]), float(v[1])) for k, v in d["logged"].items()}
@@ -85,6 +88,12 @@ class Buffered(Arrivals):
     its round as a reply of staleness ``r - version``, discounted by ``s(tau)`` (module docstring), through every
     stage. Given the same order of arrivals (``arrived``), every source starts the same clients from the same states:
     a Flower run replayed in process (:class:`~.sources.Replayed`) reaches the same global state.
+
+    With ``clock.availability`` (in process) a new client is drawn among those also available at that moment, a
+    free slot with none waits until one comes online, and a client whose availability ends before its upload is in
+    is lost when it leaves (it is not trained if it leaves before its local steps end): its slot frees then, and its
+    work is thrown away (``fed/offline_clients``, ``work/*``). A client lost and back online within the step may
+    train twice from the same version.
 
     The byte ledger counts a download in the round its client starts and an upload in the round it arrives.
     Everything the next round depends on (the clients in flight with the replies already in and the states they
@@ -117,6 +126,7 @@ class Buffered(Arrivals):
         self.states: dict[int, State] = {}  # version -> the global state its clients started from (while in flight)
         self.starts = 0
         self.buffer: list[Flight] = []
+        self.lost: list[Flight] = []  # the step's flights that left before replying
         #: ``(client, version)`` of every arrival the steps took, first to last (what :class:`~.sources.Replayed`
         #: replays).
         self.arrived: list[tuple[int, int]] = []
@@ -138,6 +148,11 @@ class Buffered(Arrivals):
         buffer: list[Flight] = []
         lost: list[Flight] = []
         while len(buffer) < self.buffered.buffer_size:
+            if len(self.in_flight) < self.buffered.concurrency and self.source.wake(
+                rnd, self._free(rnd, buffer), self.in_flight
+            ):  # a free slot's client comes online before the next arrival
+                started += self._fill(rnd, collection, model, buffer)
+                continue
             if not self.in_flight:
                 raise ConfigError(
                     "trainer.buffered has no client in flight and none to start: every client is in the buffer "
@@ -160,14 +175,8 @@ class Buffered(Arrivals):
         rnd.metrics["fed/staleness_mean"] = float(np.mean(stale))
         rnd.metrics["fed/staleness_max"] = float(max(stale))
         rnd.metrics["fed/in_flight"] = float(len(self.in_flight))
-        rnd.metrics["fed/lost_clients"] = float(len(lost))
-        if lost:
-            warnings.warn(
-                f"step {rnd.index + 1}: client(s) {sorted(f.client for f in lost)} left before replying; their slots "
-                "started other clients",
-                stacklevel=2,
-            )
-        self.source.step(rnd)
+        self.lost = lost
+        self.source.step(rnd, lost)
 
     def replies(self, rnd: Round, collection: Delivery, model: Any, share: list[int]) -> Iterator[Reply]:
         """The buffer's replies in order of arrival; a stale one with the state it was trained from and its
@@ -188,7 +197,8 @@ class Buffered(Arrivals):
                 )
 
     def end_round(self, rnd: Round) -> None:
-        self.buffer = []
+        self.source.end_step(rnd, self.buffer, self.lost)
+        self.buffer, self.lost = [], []
         needed = {f.version for f in self.in_flight}
         self.states = {v: s for v, s in self.states.items() if v in needed}
 
@@ -203,12 +213,8 @@ class Buffered(Arrivals):
         """Start clients in the free slots (drawn from those neither in flight nor in ``buffer``) from the round's
         state; the clients started."""
         started = []
-        reachable = self.source.reachable(collection, rnd.datamodule.num_clients)
         while len(self.in_flight) < self.buffered.concurrency:
-            busy = {f.client for f in self.in_flight} | {f.client for f in buffer}
-            free = [
-                c for c in range(rnd.datamodule.num_clients) if c not in busy and (reachable is None or c in reachable)
-            ]
+            free = self.source.reachable(rnd, collection, self._free(rnd, buffer))
             if not free:
                 break
             rng = np.random.default_rng(derive_seed(rnd.seed, self.starts, STREAM_FEDBUFF))
@@ -218,6 +224,11 @@ class Buffered(Arrivals):
             self.in_flight.append(flight)
             started.append(flight.client)
         return started
+
+    def _free(self, rnd: Round, buffer: list[Flight]) -> list[int]:
+        """The clients neither in flight nor in ``buffer``."""
+        busy = {f.client for f in self.in_flight + buffer}
+        return [c for c in range(rnd.datamodule.num_clients) if c not in busy]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next round depends on (the class docstring)."""

@@ -22,6 +22,13 @@ The server's own work is not modelled (it is the same for every method). How a r
   ``m``, and the round closes when ``m`` have reported (or at the deadline, if sooner): the protocol of Bonawitz et al.,
   "Towards Federated Learning at Scale: System Design" (MLSys 2019), which selects about 130% of the target.
 
+With ``availability`` (:mod:`lightning_fl.federated.arrivals.availability`) clients come and go: a client that goes
+offline before its upload is in never reports, and the server learns it when the client leaves, so a round waiting
+for all closes when every client has reported or left. A client works until it reports, leaves, or the round closes
+(the server then tells it to stop): the compute seconds it spent are :attr:`Timing.spent_s`, and those of a client
+whose update is not aggregated are thrown away. Device energy is a model: ``power_w`` watts while a client computes
+(the radio's energy is not modelled).
+
 Defaults, and why. Device speeds are log-normal: Meta's production system found client execution times log-normal
 (Huba et al., "PAPAYA: Practical, Private, and Scalable Federated Learning", MLSys 2022), and FedScale's runtime draws
 them so with a tail skew of 0.6 (Lai et al., "FedScale", ICML 2022): ``device_sigma = 0.6``. Links: Ookla's Speedtest
@@ -29,6 +36,8 @@ Global Index gave mobile means of 35.96 Mbit/s down, 11.22 Mbit/s up and 40 ms l
 ``down_mbps = 36``, ``up_mbps = 11``, ``latency_s = 0.04``; the spread between countries' medians is wide (3 Mbit/s to
 over 100 Mbit/s down), and ``link_sigma = 1.0`` (a factor of e either way for one client in three) is our choice.
 ``step_s = 0.05`` (50 ms per local step of a small CNN on a phone) is our choice too: set it for your model and devices.
+``power_w = 3.0`` (a phone's processor under a sustained load draws watts, not tens of them) is our choice, stated as
+a model: joules are ``power_w`` times compute seconds, the same figure for every device.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_fl.errors import ConfigError
+from lightning_fl.federated.arrivals.availability import Availability
 from lightning_fl.seeding import STREAM_CLOCK, derive_seed
 
 
@@ -55,13 +65,17 @@ class Links:
 class Timing:
     """A round's clients' times (seconds, one entry per client, in the order given) and when the round closes.
 
-    ``on_time[i]``: client ``i`` reported before the round closed (its upload is aggregated)."""
+    ``on_time[i]``: client ``i`` reported before the round closed (its upload is aggregated); ``offline[i]``: it went
+    offline before it reported, and before the round closed; ``spent_s[i]``: the compute seconds it spent before it
+    reported, left or the round closed (its whole ``compute_s`` if it reported)."""
 
     download_s: np.ndarray
     compute_s: np.ndarray
     upload_s: np.ndarray
     close_s: float
     on_time: np.ndarray
+    offline: np.ndarray
+    spent_s: np.ndarray
 
     @property
     def finish_s(self) -> np.ndarray:
@@ -82,6 +96,10 @@ class Clock:
             ``null``: no deadline.
         over_selection: Sample ``ceil((1 + over_selection) * m)`` clients and close the round when ``m`` have reported
             (``m``: ``clients_per_round``); 0: sample ``m`` and wait for them (or the deadline).
+        availability: When each client is available (:class:`~lightning_fl.federated.arrivals.availability.OnOff`,
+            :class:`~lightning_fl.federated.arrivals.availability.Diurnal` or
+            :class:`~lightning_fl.federated.arrivals.availability.AvailabilityTrace`); ``null``: always.
+        power_w: Watts a device draws while it trains (a model: joules are ``power_w`` times compute seconds).
     """
 
     def __init__(
@@ -94,10 +112,13 @@ class Clock:
         latency_s: float = 0.04,
         deadline_s: float | None = None,
         over_selection: float = 0.0,
+        availability: Availability | None = None,
+        power_w: float = 3.0,
     ) -> None:
         self.step_s, self.device_sigma = step_s, device_sigma
         self.down_mbps, self.up_mbps, self.link_sigma, self.latency_s = down_mbps, up_mbps, link_sigma, latency_s
         self.deadline_s, self.over_selection = deadline_s, over_selection
+        self.availability, self.power_w = availability, power_w
         if problems := self.problems():
             raise ConfigError("; ".join(problems))
 
@@ -109,6 +130,7 @@ class Clock:
             "link_sigma": self.link_sigma,
             "latency_s": self.latency_s,
             "over_selection": self.over_selection,
+            "power_w": self.power_w,
         }
         out = [
             f"trainer.clock.{k} must be a finite number > 0, got {v}"
@@ -122,6 +144,11 @@ class Clock:
         ]
         if self.deadline_s is not None and (not _finite(self.deadline_s) or self.deadline_s <= 0):
             out.append(f"trainer.clock.deadline_s must be a number of seconds > 0 or null, got {self.deadline_s}")
+        if self.availability is not None and not isinstance(self.availability, Availability):
+            out.append(
+                f"trainer.clock.availability must be OnOff, Diurnal, AvailabilityTrace or null, got "
+                f"{type(self.availability).__name__}"
+            )
         return out
 
     # ============================================================================ who is sampled
@@ -150,6 +177,7 @@ class Clock:
         down_bytes: np.ndarray,
         up_bytes: np.ndarray,
         target: int | None = None,
+        until_s: np.ndarray | None = None,
     ) -> Timing:
         """When each of ``clients`` (in this order) finishes, and when the round closes under the run's rule.
 
@@ -160,22 +188,30 @@ class Clock:
             down_bytes: Bytes each downloads.
             up_bytes: Bytes each uploads.
             target: Reports that close the round (over-selection); ``None``: every client's.
+            until_s: Seconds after the round starts at which each client goes offline (``inf``: it stays);
+                ``None``: every client stays.
         """
         speed = self.links(seed, clients)
         down = self.latency_s + 8.0 * np.asarray(down_bytes, dtype=np.float64) / speed.down_bps
         compute = np.asarray(steps, dtype=np.float64) * speed.step_s
         up = self.latency_s + 8.0 * np.asarray(up_bytes, dtype=np.float64) / speed.up_bps
         finish = down + compute + up
-        close = float(finish.max()) if len(clients) else 0.0
-        if target is not None and 0 < target < len(clients):
-            close = float(np.sort(finish)[target - 1])  # the target-th report
+        until = np.full(len(clients), np.inf) if until_s is None else np.asarray(until_s, dtype=np.float64)
+        leaves = until < finish  # it goes offline before its upload is in: it never reports
+        reports = np.where(leaves, np.inf, finish)
+        close = float(np.minimum(finish, until).max()) if len(clients) else 0.0  # all reported or left
+        if target is not None and 0 < target <= int((~leaves).sum()) and target < len(clients):
+            close = float(np.sort(reports)[target - 1])  # the target-th report
         if self.deadline_s is not None:
             close = min(close, float(self.deadline_s))
-        on_time = finish <= close
+        on_time = reports <= close
         if target is not None and int(on_time.sum()) > target:  # reports at the closing instant: first in client order
-            at_close = finish == close
-            on_time = (finish < close) | (at_close & (np.cumsum(at_close) <= target - int((finish < close).sum())))
-        return Timing(down, compute, up, close, on_time)
+            at_close = reports == close
+            on_time = (reports < close) | (at_close & (np.cumsum(at_close) <= target - int((reports < close).sum())))
+        offline = leaves & (until <= close)
+        stop = np.where(on_time, finish, np.minimum(until, close))  # when it stopped working for the round
+        spent = np.clip(stop - down, 0.0, compute)
+        return Timing(down, compute, up, close, on_time, offline, spent)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in vars(self).items())

@@ -119,19 +119,25 @@ class RoundRunner:
             and float(np.random.default_rng(derive_seed(seed, r, client, STREAM_DROPOUT)).random()) < dropout
         )
 
-    def sample(self, r: int, num_clients: int, count: int, seed: int) -> list[int]:
+    def sample(self, r: int, num_clients: int, count: int, seed: int, pool: list[int] | None = None) -> list[int]:
         """Round ``r``'s clients: ``count`` without replacement (``fixed``), or each with probability
-        ``count / num_clients`` (``poisson``); from the run's seed, or secret (``settings.secret_cohorts``)."""
+        ``count / num_clients`` (``poisson``); from the run's seed, or secret (``settings.secret_cohorts``).
+        ``pool``: draw among these clients only (the available ones), ``fixed`` at most all of them."""
         drawn = None if self.settings.secret_cohorts else seed
-        if self.settings.sampling == "poisson":
-            cohort = self.strategy.sample_poisson(r, num_clients, count / num_clients, drawn)
-        else:
-            cohort = self.strategy.sample(r, num_clients, count, drawn)
+        n = num_clients if pool is None else len(pool)
+        if pool == []:
+            cohort = []
+        elif self.settings.sampling == "poisson":
+            cohort = self.strategy.sample_poisson(r, n, count / num_clients, drawn)
+        else:  # (more than the data holds: refused by the strategy's sample)
+            cohort = self.strategy.sample(r, n, count if pool is None else min(count, n), drawn)
+        cohort = cohort if pool is None else [pool[i] for i in cohort]
         return cohort if drawn is not None else rank_zeros(self.fabric, cohort)  # the same cohort on every process
 
     def draw(self, rnd: Round, count: int) -> None:
-        """Round ``rnd``'s ``count`` sampled clients, and which of them are unavailable (the default arrivals)."""
-        rnd.sampled = self.sample(rnd.index, rnd.datamodule.num_clients, count, rnd.seed)
+        """Round ``rnd``'s ``count`` sampled clients (among ``rnd.eligible``, if set), and which of them are
+        unavailable (the default arrivals)."""
+        rnd.sampled = self.sample(rnd.index, rnd.datamodule.num_clients, count, rnd.seed, rnd.eligible)
         rnd.away = [c for c in rnd.sampled if self.unavailable(rnd.seed, rnd.index, c)]
         rnd.available = [c for c in rnd.sampled if c not in rnd.away]
 

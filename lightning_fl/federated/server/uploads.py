@@ -118,10 +118,11 @@ class Round:
     datamodule: Any = None
     upload_policy: str = "drop"
     full_bytes: int = 0
+    eligible: list[int] | None = None  # the clients that may be sampled (``None``: all; the clock's availability)
     sampled: list[int] = field(default_factory=list)
     away: list[int] = field(default_factory=list)  # sampled but unavailable (dropout)
     available: list[int] = field(default_factory=list)
-    late: list[int] = field(default_factory=list)  # sampled, downloaded, but left out by the clock's rule
+    late: list[int] = field(default_factory=list)  # sampled, downloaded, but left out by the clock (late or offline)
     # downloaded this round, replying in a later one or never (FedBuff; a client lost and started again: twice)
     pending: list[int] = field(default_factory=list)
     pending_messages: list[tuple[int, int]] = field(default_factory=list)  # (client, bytes of a message it was sent)

@@ -185,6 +185,13 @@ def clock_problems(a: dict[str, Any]) -> list[str]:
             "trainer.clock simulates the time of rounds run in process; a Flower run's rounds take real time "
             "(time/round_s): remove trainer.clock"
         ]
+    if clock.availability is not None and (a["privacy"] is not None or a["dp_sgd"] is not None):
+        key = "privacy" if a["privacy"] is not None else "dp_sgd"
+        return [
+            f"trainer.clock.availability samples only the clients available when a round starts, and trainer.{key}'s "
+            "accountant assumes every client can be sampled in every round: remove trainer.clock.availability or "
+            f"trainer.{key}"
+        ]
     if clock.over_selection > 0 and a["privacy"] is not None:
         return [
             f"trainer.clock.over_selection {clock.over_selection} samples more clients than trainer.privacy's "

@@ -103,6 +103,7 @@ WRITTEN_WITH = {
     "downlink": "it was written with trainer.compressed_downloads (its clients hold the broadcasts' state, the server "
     "a downlink memory); set trainer.compressed_downloads true",
     "buffered": "it was written with trainer.buffered (FedBuff's clients in flight); set the same trainer.buffered",
+    "clock": "it was written with trainer.clock.availability (its simulated time); set the same trainer.clock",
 }
 
 
