@@ -326,6 +326,40 @@ def test_the_how_to_runs_as_written_with_a_tiny_model_in_smollm2s_place(tiny_cha
     assert printed.getvalue() == ours.eval().generate_text("What is the capital of Spain?", 16, chat=True) + "\n"
 
 
+def test_the_llm_tutorial_ends_with_text_generated_by_plain_transformers(tiny_chat_llama, in_tmp, capsys):
+    """docs/tutorials/llm.md, section 7: its fit and export commands as written (the tiny chat model put in
+    SmolLM2's place and the run shrunk by overrides), then its Python, which must print our model's answers."""
+    import ast
+    import contextlib
+    import io
+    import shlex
+
+    from conftest import REPO
+
+    page = (REPO / "docs" / "tutorials" / "llm.md").read_text().split("## 7. ", 1)[1]
+    (in_tmp / "configs").mkdir()
+    (in_tmp / "configs" / "smollm2_instruct_lora.yaml").write_text((CONFIGS / "smollm2_instruct_lora.yaml").read_text())
+    commands = [" ".join(b.split("```", 1)[0].replace("\\\n", " ").split()) for b in page.split("```bash\n")[1:]]
+    fit, export = (shlex.split(c)[3:] for c in commands)  # (after "python -m lightning_fl")
+    assert run_cli(*fit, *tiny_instruction_args(tiny_chat_llama)) == 0
+    assert "test/exact_match: " in capsys.readouterr().out
+    assert run_cli(*export) == 0
+    python = page.split("```python\n", 1)[1].split("```", 1)[0]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(python, "llm.md", "exec"), {})
+    from lightning_fl.cli import build
+    from lightning_fl.federated.persistence.checkpoint import load_for_evaluation
+
+    folder = in_tmp / "runs" / "smollm2_instruct_lora" / "version_0"
+    ours = build(["validate", "--config", str(folder / "config.yaml")]).model.eval()
+    load_for_evaluation(ours, folder / "checkpoints" / "last.ckpt", torch.device("cpu"))
+    loop = next(node for node in ast.walk(ast.parse(python)) if isinstance(node, ast.For))
+    questions = [ast.literal_eval(q) for q in loop.iter.elts]
+    assert len(questions) == 3
+    assert printed.getvalue() == "".join(f"{q} -> {ours.generate_text(q, 16, chat=True)}\n" for q in questions)
+
+
 @pytest.mark.parametrize(
     "private",
     [
