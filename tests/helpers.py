@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning as L
@@ -71,6 +72,25 @@ class Population:
 
     def __init__(self, num_clients: int) -> None:
         self.num_clients = num_clients
+
+
+class Durations(Population):
+    """Clients that each run ``steps[c]`` local steps (one epoch of that many batches)."""
+
+    def __init__(self, steps: list[int]) -> None:
+        super().__init__(len(steps))
+        self.steps = steps
+
+    def client_dataloader(self, client: int, seed: int = 0):
+        return range(self.steps[client])
+
+
+def quiet_fit(trainer: Any, model: Any, dm: Any, **kwargs: Any) -> Any:
+    """``trainer.fit`` with every warning silenced; the trainer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=dm, **kwargs)
+    return trainer
 
 
 def round_runner(

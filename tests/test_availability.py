@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS, make_dm, make_model, make_trainer, run_cli
-from helpers import CraftedClients, Population, round_runner
+from helpers import CraftedClients, Durations, quiet_fit, round_runner
 from lightning_fl.compress import FP32
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import (
@@ -42,23 +42,6 @@ def trace(tmp_path, rows, name="trace.csv"):
     path.write_text("client,start_s,end_s\n" + "".join(f"{r}\n" for r in rows))
     return path
 
-
-def quiet_fit(trainer, model, dm, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, datamodule=dm, **kwargs)
-    return trainer
-
-
-class Durations(Population):
-    """Clients that each run ``steps[c]`` local steps (one epoch of that many batches)."""
-
-    def __init__(self, steps):
-        super().__init__(len(steps))
-        self.steps = steps
-
-    def client_dataloader(self, client, seed=0):
-        return range(self.steps[client])
 
 
 def u(c, r):

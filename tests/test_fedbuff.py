@@ -3,14 +3,13 @@ clients (staleness discounts on the right updates, in order of arrival, ties in 
 determinism, bitwise resume, the methods and codecs it runs with, and the combinations it refuses."""
 
 import math
-import warnings
 
 import lightning as L
 import pytest
 import torch
 
 from conftest import CONFIGS, make_dm, make_model, make_trainer, run_cli
-from helpers import CraftedClients, Population
+from helpers import CraftedClients, Durations, quiet_fit
 from lightning_fl.compress import FP32, Quantize, TopK
 from lightning_fl.errors import CheckpointError, ConfigError
 from lightning_fl.federated import ByteLedger, Clock, FedAvg, FedAvgM, FedBuff, LocalTraining, Median, SignFlip
@@ -29,22 +28,6 @@ D = 6  # the crafted state: a (2, 2) and b (2,), float32: 24 bytes down and up
 EXACT = {"step_s": 0.5, "device_sigma": 0.0, "link_sigma": 0.0, "latency_s": 0.0, "down_mbps": 1e6, "up_mbps": 1e6}
 
 
-def quiet_fit(trainer, model, dm, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, datamodule=dm, **kwargs)
-    return trainer
-
-
-class Durations(Population):
-    """Clients that each run ``steps[c]`` local steps (one epoch of that many batches)."""
-
-    def __init__(self, steps: list[int]) -> None:
-        super().__init__(len(steps))
-        self.steps = steps
-
-    def client_dataloader(self, client: int, seed: int = 0):
-        return range(self.steps[client])
 
 
 def u(c: int, r: int) -> torch.Tensor:
