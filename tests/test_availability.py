@@ -43,7 +43,6 @@ def trace(tmp_path, rows, name="trace.csv"):
     return path
 
 
-
 def u(c, r):
     """Client ``c``'s crafted update from server version ``r`` (exact in binary)."""
     out = torch.zeros(D)

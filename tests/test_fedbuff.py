@@ -28,8 +28,6 @@ D = 6  # the crafted state: a (2, 2) and b (2,), float32: 24 bytes down and up
 EXACT = {"step_s": 0.5, "device_sigma": 0.0, "link_sigma": 0.0, "latency_s": 0.0, "down_mbps": 1e6, "up_mbps": 1e6}
 
 
-
-
 def u(c: int, r: int) -> torch.Tensor:
     """Client ``c``'s crafted update when it starts at server version ``r`` (exact in binary)."""
     out = torch.zeros(D, dtype=torch.float64)
