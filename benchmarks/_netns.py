@@ -24,8 +24,13 @@ Use::
         ns.set_rate(None)                             # no limit (the tbf removed), or another rate
 
 On exit (also when the body raises) it stops every process it started and every process left in the namespace (by
-PID: SIGTERM, a bounded wait, SIGKILL), then deletes the namespace. :func:`unavailable` says in one line why this
-machine cannot do it (not root, no ``ip``, ``ip netns add`` refused).
+PID: SIGTERM, a bounded wait, SIGKILL), then deletes the namespace.
+
+:class:`Star` is the other topology: a server namespace and one namespace per client, each client joined to the
+server by a veth pair of its own shaped at both ends, so every client has a link of its own and nothing is shared
+(``benchmarks/shaped_links.py``); :func:`link_seconds` times one TCP transfer over a client's link.
+
+:func:`unavailable` says in one line why this machine cannot do it (not root, no ``ip``, ``ip netns add`` refused).
 """
 
 from __future__ import annotations

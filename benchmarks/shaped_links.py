@@ -19,26 +19,35 @@ at each of ``--rates`` Mbit/s both ways, then (``--drawn``) every client at the 
 link model draws for it (``Clock(down_mbps, up_mbps, link_sigma).links(seed, clients)``). Round 1 of a run is
 warm-up; rounds 2..R are timed.
 
-Measured per round: its wall time without evaluation (``time/clients_and_server_s``, the ServerApp's clock), each
-client's compute (its warm worker's "served in" time for the round's message: decoding, local training, encoding),
-the messages' bytes (``comm/msg_client_*``), and the bytes each link carried (the server end's counters, read by a
-callback the ServerApp runs, :class:`LinkStamps`).
+Measured per round: its wall time without evaluation (``time/clients_and_server_s``, the ServerApp's clock), the
+messages' bytes (``comm/msg_client_*``), the bytes each link carried (the server end's counters, read by a callback
+the ServerApp runs, :class:`LinkStamps`), each warm worker's "served in" time (decoding, training, encoding), and
+each client's phases, from its SuperNode's log with every line time-stamped (:func:`node_timeline`,
+:func:`phases`): the download (from the message's metadata to its content pulled), the *setup* (from the metadata
+to the ClientApp's process up: Flower starts it at once, so it runs while the content downloads), the *app* time
+after both (the ClientApp pulls the message from its SuperNode, its worker trains, it pushes the reply, and the
+SuperNode notices it within 0.5 s), and the upload.
 
 Predicted per round, by the clock (:meth:`lightning_fl.federated.arrivals.clock.Clock.timing` with the round's links
-given): every client downloads its message at its down rate, computes, and uploads at its up rate; the round closes
-when the last has reported. Its inputs: the messages' bytes, each client's rates, and
+given, :func:`predict_round`): every client downloads its message at its down rate while its setup runs, computes,
+and uploads at its up rate; the round closes when the last has reported::
 
-- its compute term: each client's compute, measured in that same round (``pred_s``), or its median in the method's
-  runs without a limit (``ahead_s``: a prediction made before the limited run, so it carries the load's noise);
-- its latency: Flower's fixed waits per message (the SuperNode's 3 s sleep between polls, its 0.5 s check for the
-  ClientApp's reply, the ClientApp's process start, the ServerApp's polls), which are not the network's but are what
-  the clock's ``latency_s`` adds to every message: set per method to half the median of (round - slowest
-  client's compute) over the method's rounds without a limit (the calibration; those rounds' error is ~0 by design).
+    finish_c = latency + max(8 * down_bytes / down_bps_c, setup_c) + app_c + latency + 8 * up_bytes / up_bps_c
+
+Its inputs: the messages' bytes, each client's rates, and
+
+- its setup and compute terms: each client's setup and app times, measured in that same round (so the machine's
+  load, which makes them vary by a factor of 2 or more, is the same as in the round they predict); or their
+  medians in the method's rounds without a limit ("ahead": a prediction made before the limited run, which carries
+  the load's noise); or ("without setup", the clock before ``setup_s``) setup + app as compute, after the download;
+- its latency: Flower's waits outside the client, per message (the SuperNode's 3 s sleep between polls, the
+  ServerApp's pushes, polls and aggregation): half the median of (round - the longest client's download-to-upload
+  time) over the method's rounds without a limit (:func:`latency_from`, the calibration).
 
 Reported per method and case: (predicted - measured) / measured of the median round, and the error per round (min,
 max). Usage (as root; needs ``ip netns`` and ``tc``)::
 
-    python benchmarks/shaped_links.py                           # 3 methods x (none, 100, 10, 1 Mbit/s, drawn)
+    python benchmarks/shaped_links.py --drawn 4 2 1             # 3 methods x (none, 100, 10, 1 Mbit/s, drawn)
     python benchmarks/shaped_links.py --methods fedavg --rates 1 --rounds 3 --repeats 1   # quicker
     python benchmarks/shaped_links.py --from-json docs/results/shaped_links.json          # tables only
 
@@ -445,6 +454,9 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
         timed = {case: [r for run in runs if run["case"] == case for r in run["rounds"][1:]] for case in raw["cases"]}
         timed = {case: [p for r in rs if (p := phases(r)) is not None] for case, rs in timed.items()}
         base = timed["none"]
+        if not base:  # nothing to calibrate on: say so, and go on with the other methods
+            print(f"{method}: no timed round without a limit has every client's phases; not predicted")
+            continue
         latency = latency_from(base)
         k = len(base[0]["setup_s"])
         ahead = {key: [statistics.median(r[key][i] for r in base) for i in range(k)] for key in ("setup_s", "app_s")}
@@ -588,11 +600,15 @@ def write(raw: dict[str, Any], out: Path, regenerated: str | None = None) -> Non
         "joined to the server's by a veth pair shaped at both ends (tbf, bucket 2 frames = 3,028 bytes, queue 200 ms "
         f"of the rate and at least 64 KiB: benchmarks/_netns.py); SuperExec poll {settings['superexec_poll']:g} s; "
         f"{rounds} rounds per run (round 1 warm-up), {settings['repeats']} run(s) per method and case, the cases "
-        "alternated; every process with OMP_NUM_THREADS=1. Round = `time/clients_and_server_s`; compute = each "
-        "client's warm worker serving the round's message; predicted = the clock (Clock.timing) with each client's "
-        "compute of that round, its message bytes and rates, and a latency per message calibrated per method on the "
-        "rounds without a limit; ahead = the same with each client's median compute without a limit; error = "
-        "(predicted - measured) / measured; load = the 1-minute load average when the case's runs started (median).",
+        "alternated; every process with OMP_NUM_THREADS=1. Round = `time/clients_and_server_s`; the phases are the "
+        "slowest client's per round (median over the rounds), from its SuperNode's time-stamped log: download (bytes / "
+        "rate of the message in brackets), upload, setup (the ClientApp's process start, which overlaps the download) "
+        "and app (the ClientApp's work after both); predicted = the clock (Clock.timing) with each client's setup and "
+        "app of that round, its message bytes and rates, and a latency per message calibrated per method on the "
+        "rounds without a limit (latency_s in the CSV); without setup = the same with setup + app as compute after "
+        "the download (the clock before setup_s); ahead = with each client's median setup and app without a limit; "
+        "error = (predicted - measured) / measured of the median round; load = the 1-minute load average when the "
+        "case's runs started (median).",
         "",
         f"Link check (one TCP transfer of {raw['link_check'][0]['bytes']:,} bytes over client 0's link; bytes / "
         f"rate in brackets): {checks}.",

@@ -613,6 +613,7 @@ def test_the_shaped_links_benchmark_predicts_with_the_clocks_formula_and_reads_i
     log = tmp_path / "supernode0.log"
     log.write_text(
         "100.000 INFO :      [RUN 7, ROUND 2]\n100.100 INFO :      Receiving: train message (ID: a)\n"
+        "101.000 INFO :      Start `flwr-clientapp` process\n"
         "101.600 INFO :      Received successfully\nno time stamp: Sent successfully\n"
         "104.000 INFO :      [RUN 7, ROUND 2]\n104.000 INFO :      Sending: train message (ID: b)\n"
         "105.500 INFO :      Sent successfully\n106.000 INFO :      [RUN 7]\n106.100 INFO :      Receiving: query m\n"
@@ -620,10 +621,14 @@ def test_the_shaped_links_benchmark_predicts_with_the_clocks_formula_and_reads_i
         encoding="utf-8",
     )
     timeline = shaped_links.node_timeline(log, 0)
-    assert timeline == {2: {"receiving": 100.1, "received": 101.6, "sending": 104.0, "sent": 105.5}}
-    r = shaped_links.phases({"round_s": 7.0, "node": [timeline[2]]})
-    assert r["down_s"] == pytest.approx([1.5]) and r["compute_s"] == pytest.approx([2.4])
+    assert timeline == {2: {"receiving": 100.1, "started": 101.0, "received": 101.6, "sending": 104.0, "sent": 105.5}}
+    r = shaped_links.phases({"round_s": 7.0, "node": [timeline[2]], "msg_client_down_bytes": 125_000.0})
+    assert r["down_s"] == pytest.approx([1.5]) and r["setup_s"] == pytest.approx([0.9])
+    assert r["app_s"] == pytest.approx([2.4])  # from the download's end (after the setup's)
     assert r["up_s"] == pytest.approx([1.5]) and r["busy_s"] == pytest.approx([5.4])
+    r["msg_client_up_bytes"] = 0.0  # 1 s down at 1 Mbit/s, the 0.9 s setup under it; or both, one after the other
+    assert shaped_links.pred(r, [(1.0, None)], 0.5) == pytest.approx(0.5 + 1.0 + 2.4 + 0.5)
+    assert shaped_links.pred(r, [(1.0, None)], 0.5, setup=False) == pytest.approx(0.5 + 1.0 + 0.9 + 2.4 + 0.5)
     assert shaped_links.phases({"round_s": 7.0, "node": [timeline[2], {"receiving": 1.0}]}) is None
     worker = tmp_path / "worker0.log"
     worker.write_text(
