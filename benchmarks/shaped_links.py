@@ -585,7 +585,7 @@ def write(raw: dict[str, Any], out: Path, regenerated: str | None = None) -> Non
         for c in raw["link_check"]
     )
     drops = "; ".join(
-        f"`{dev}`: {m.group(0)}"
+        f"`{dev}`: {m.group(0)})"
         for dev, text_ in raw["qdiscs"].items()
         if (m := re.search(r"Sent \d+ bytes \d+ pkt \(dropped \d+", text_))
     )
