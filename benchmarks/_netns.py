@@ -24,8 +24,13 @@ Use::
         ns.set_rate(None)                             # no limit (the tbf removed), or another rate
 
 On exit (also when the body raises) it stops every process it started and every process left in the namespace (by
-PID: SIGTERM, a bounded wait, SIGKILL), then deletes the namespace. :func:`unavailable` says in one line why this
-machine cannot do it (not root, no ``ip``, ``ip netns add`` refused).
+PID: SIGTERM, a bounded wait, SIGKILL), then deletes the namespace.
+
+:class:`Star` is the other topology: a server namespace and one namespace per client, each client joined to the
+server by a veth pair of its own shaped at both ends, so every client has a link of its own and nothing is shared
+(``benchmarks/shaped_links.py``); :func:`link_seconds` times one TCP transfer over a client's link.
+
+:func:`unavailable` says in one line why this machine cannot do it (not root, no ``ip``, ``ip netns add`` refused).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 
 def tbf_settings(rate_mbit: float) -> dict[str, str]:
@@ -236,6 +242,150 @@ class Namespace:
         return Path("/run/netns", self.name).exists() or self.name in _run(["ip", "netns", "list"]).stdout.split()
 
 
+MTU_BYTES = 1514  # an Ethernet frame of a 1500-byte MTU, as tbf counts it
+
+
+def link_tbf_settings(rate_mbit: float, burst_packets: int = 2) -> dict[str, str]:
+    """``tc ... tbf`` arguments for a client's own link at ``rate_mbit`` Mbit/s: a bucket of ``burst_packets`` full
+    frames (3,028 bytes by default: smaller than any message but FLITE's, so a message meets the rate instead of
+    crossing at once), and a queue of 200 ms of the rate (at least 64 KiB) so that TCP's window, not drops, fills it."""
+    rate_bytes = rate_mbit * 1e6 / 8
+    burst = burst_packets * MTU_BYTES
+    limit = max(64 * 1024, int(rate_bytes * 0.2)) + burst
+    return {"rate": f"{rate_mbit * 1e6:.0f}bit", "burst": str(burst), "limit": str(limit)}
+
+
+class Star:
+    """A server namespace and one namespace per client, each client joined to the server by a veth pair of its
+    own, shaped at both ends: the server's end (what the client downloads) and the client's end (what it uploads)
+    each get a ``tbf`` (:func:`link_tbf_settings`), so every client has a link of its own and nothing is shared.
+
+    Client ``i``'s pair is ``10.77.i.1/24`` (the server's end, in the server namespace) and ``10.77.i.2/24`` (its end,
+    in its namespace); every namespace has its own ``lo`` up, so the processes of one side talk to each other off
+    the shaped links. As root::
+
+        ip netns add S; ip netns add Ci
+        ip link add sI netns S type veth peer name cI netns Ci
+        ip -n S addr add 10.77.i.1/24 dev sI; ip -n S link set sI up   (and the client's end, and lo, likewise)
+        ip -n S tc qdisc replace dev sI root tbf rate DOWN burst B limit L
+        ip -n Ci tc qdisc replace dev cI root tbf rate UP burst B limit L
+
+    On exit (also when the body raises) it stops every process left in its namespaces and deletes them, which
+    deletes their veths too.
+
+    Args:
+        clients: How many client namespaces (and links).
+        prefix: The namespaces' names start with this (a random tag follows).
+    """
+
+    def __init__(self, clients: int, prefix: str = "lfl") -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.server = Namespace(prefix=f"{prefix}-s{tag}")
+        self.clients = [Namespace(prefix=f"{prefix}-c{i}{tag}") for i in range(clients)]
+        self.server_dev = [f"ls{tag}{i}" for i in range(clients)]  # at most 15 characters
+        self.client_dev = [f"lc{tag}{i}" for i in range(clients)]
+        self.rates: list[tuple[float | None, float | None]] = [(None, None)] * clients
+
+    def describe(self) -> dict[str, Any]:
+        """The names of its namespaces and devices, for :meth:`attach` in another process."""
+        return {
+            "server": self.server.name,
+            "clients": [ns.name for ns in self.clients],
+            "server_dev": self.server_dev,
+            "client_dev": self.client_dev,
+        }
+
+    @classmethod
+    def attach(cls, desc: dict[str, Any]) -> Star:
+        """A handle on a star another process made (:meth:`describe`): it runs commands in its namespaces and sets
+        its rates, and never deletes them (:meth:`close` stops nothing and deletes nothing)."""
+        star = cls.__new__(cls)
+        star.server = Namespace()
+        star.server.name = desc["server"]
+        star.clients = []
+        for name in desc["clients"]:
+            star.clients.append(Namespace())
+            star.clients[-1].name = name
+        star.server_dev, star.client_dev = list(desc["server_dev"]), list(desc["client_dev"])
+        star.rates = [(None, None)] * len(star.clients)
+        return star
+
+    @staticmethod
+    def server_ip(i: int) -> str:
+        return f"10.77.{i}.1"
+
+    @staticmethod
+    def client_ip(i: int) -> str:
+        return f"10.77.{i}.2"
+
+    def __enter__(self) -> Star:
+        try:
+            for ns in (self.server, *self.clients):
+                ns.__enter__()
+            for i, ns in enumerate(self.clients):
+                s, c = self.server_dev[i], self.client_dev[i]
+                self.server._check(
+                    [
+                        "ip",
+                        "link",
+                        "add",
+                        s,
+                        "netns",
+                        self.server.name,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        c,
+                        "netns",
+                        ns.name,
+                    ]
+                )
+                for space, dev, ip in ((self.server, s, self.server_ip(i)), (ns, c, self.client_ip(i))):
+                    space._check(["ip", "-n", space.name, "addr", "add", f"{ip}/24", "dev", dev])
+                    space._check(["ip", "-n", space.name, "link", "set", dev, "up"])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def set_rates(self, i: int, down_mbit: float | None, up_mbit: float | None) -> None:
+        """Shape client ``i``'s link: ``down_mbit`` Mbit/s from the server, ``up_mbit`` to it (``None``: no limit)."""
+        for space, dev, rate in (
+            (self.server, self.server_dev[i], down_mbit),
+            (self.clients[i], self.client_dev[i], up_mbit),
+        ):
+            if rate is None:
+                _run(space.inside(["tc", "qdisc", "del", "dev", dev, "root"]))  # harmless when none
+            else:
+                kv = [x for pair in link_tbf_settings(rate).items() for x in pair]
+                space._check(space.inside(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", *kv]))
+        self.rates[i] = (down_mbit, up_mbit)
+
+    def qdiscs(self) -> dict[str, str]:
+        """``tc -s qdisc show`` of each shaped end, by device name: the settings, bytes sent, drops, overlimits."""
+        out = {}
+        for i, ns in enumerate(self.clients):
+            for space, dev in ((self.server, self.server_dev[i]), (ns, self.client_dev[i])):
+                out[dev] = _run(space.inside(["tc", "-s", "qdisc", "show", "dev", dev])).stdout
+        return out
+
+    def close(self) -> None:
+        """Stop what runs in the namespaces and delete them (the clients' first, then the server's). Idempotent;
+        raises at the end if a namespace could not be deleted."""
+        errors = []
+        for ns in (*self.clients, self.server):
+            try:
+                ns.close()
+            except RuntimeError as err:
+                errors.append(str(err))
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+
 TRANSFER = r"""
 import socket, sys, threading, time
 n = int(sys.argv[1])
@@ -267,6 +417,55 @@ def transfer_seconds(ns: Namespace, nbytes: int, timeout: float = 60.0) -> float
     if done.returncode != 0:
         raise RuntimeError(f"transfer failed: {done.stderr.strip()}")
     return float(done.stdout.strip().splitlines()[-1])
+
+
+RECEIVE = r"""
+import socket, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+server = socket.create_server((host, port))
+print("listening", flush=True)
+conn, _ = server.accept()
+got = 0
+while got < n:
+    chunk = conn.recv(1 << 16)
+    if not chunk:
+        break
+    got += len(chunk)
+conn.sendall(b"k")
+conn.close()
+"""
+
+SEND = r"""
+import socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+data = bytes(n)
+t0 = time.perf_counter()
+with socket.create_connection((host, port)) as c:
+    c.sendall(data)
+    c.recv(1)
+print(time.perf_counter() - t0)
+"""
+
+
+def link_seconds(star: Star, i: int, nbytes: int, up: bool, port: int = 47000, timeout: float = 120.0) -> float:
+    """Seconds one TCP transfer of ``nbytes`` over client ``i``'s link takes (connect to the receiver's ack): from
+    the server to the client (``up=False``) or from the client to the server."""
+    sender, receiver = (star.clients[i], star.server) if up else (star.server, star.clients[i])
+    host = star.server_ip(i) if up else star.client_ip(i)
+    recv = receiver.popen(
+        [sys.executable, "-c", RECEIVE, host, str(port), str(nbytes)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert recv.stdout is not None
+        if recv.stdout.readline().strip() != "listening":
+            raise RuntimeError("the receiver did not start")
+        done = sender.run([sys.executable, "-c", SEND, host, str(port), str(nbytes)], timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"transfer failed: {done.stderr.strip()}")
+        return float(done.stdout.strip().splitlines()[-1])
+    finally:
+        stop_pids([recv.pid], grace=2.0)
+        recv.wait(timeout=5)
 
 
 if __name__ == "__main__":  # python benchmarks/_netns.py: each rate's transfer time against bytes / rate

@@ -303,6 +303,31 @@ CASES = {
         outputs=["rate_limited_rounds.csv", "rate_limited_rounds.md", "rate_limited_rounds.json"],
         needs="flwr",
     ),
+    "shaped_links.py": Case(
+        [
+            "--methods",
+            "flite",
+            "--rates",
+            "10",
+            "--rounds",
+            "2",
+            "--repeats",
+            "1",
+            "--check-bytes",
+            "20000",
+            "--run-timeout",
+            "300",
+            "--workdir",
+            "work",
+            "--out",
+            "shaped_links",
+        ],
+        "wrote shaped_links.csv",
+        slow=True,  # root and ip netns: a Flower deployment over a namespace per client
+        timeout=900.0,
+        outputs=["shaped_links.csv", "shaped_links.md", "shaped_links.json"],
+        needs="flwr",
+    ),
     "gpu_check.py": Case(
         ["--out", "gc", "--tiny", "--accelerator", "cpu", "--parts", "flite", "smollm2", "--limit", "flite=120"],
         "every part ok",
@@ -568,6 +593,50 @@ def test_the_harness_alternates_the_sides_and_reports_min_and_median():
     ratio = _harness.ratios(fake, "a", "b")
     assert ratio["wall"]["min"] == 2.0 and ratio["wall"]["median"] == 4.0 and ratio["cpu"]["max"] == 3.0
     assert _harness.summarise(fake, per=2)["a"]["wall"] == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 2}
+
+
+def test_the_shaped_links_benchmark_predicts_with_the_clocks_formula_and_reads_its_logs(tmp_path):
+    """benchmarks/shaped_links.py's pure parts: the prediction is the clock's round (latency, download at the client's
+    down rate, its compute, latency, upload at its up rate; the slowest client closes it), the latency is calibrated
+    from rounds without a limit, and the SuperNodes' and workers' logs are read into per-client phases."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import shaped_links
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    # client 0: 0.5 + 1 s down (125 kB at 1 Mbit/s), 1 s, 0.5 + 1 s up = 4.0 s; client 1: 0.5 + 0.1 + 2 + 0.5 + 0
+    got = shaped_links.predict_round([1.0, 2.0], [125_000, 125_000], [125_000, 0], [1.0, 10.0], [1.0, None], 0.5)
+    assert got == pytest.approx(4.0)
+    assert shaped_links.predict_round([1.0, 2.0], [125_000] * 2, [0, 0], [None, None], [None, None], 0.0) == 2.0
+    rounds = [{"round_s": 10.0, "busy_s": [4.0, 6.0]}, {"round_s": 9.0, "busy_s": [5.0, 3.0]}]
+    assert shaped_links.latency_from([*rounds, {"round_s": 20.0, "busy_s": [2.0, 2.0]}]) == pytest.approx(2.0)
+    log = tmp_path / "supernode0.log"
+    log.write_text(
+        "100.000 INFO :      [RUN 7, ROUND 2]\n100.100 INFO :      Receiving: train message (ID: a)\n"
+        "101.000 INFO :      Start `flwr-clientapp` process\n"
+        "101.600 INFO :      Received successfully\nno time stamp: Sent successfully\n"
+        "104.000 INFO :      [RUN 7, ROUND 2]\n104.000 INFO :      Sending: train message (ID: b)\n"
+        "105.500 INFO :      Sent successfully\n106.000 INFO :      [RUN 7]\n106.100 INFO :      Receiving: query m\n"
+        "106.200 INFO :      Received successfully\n",
+        encoding="utf-8",
+    )
+    timeline = shaped_links.node_timeline(log, 0)
+    assert timeline == {2: {"receiving": 100.1, "started": 101.0, "received": 101.6, "sending": 104.0, "sent": 105.5}}
+    r = shaped_links.phases({"round_s": 7.0, "node": [timeline[2]], "msg_client_down_bytes": 125_000.0})
+    assert r["down_s"] == pytest.approx([1.5]) and r["setup_s"] == pytest.approx([0.9])
+    assert r["app_s"] == pytest.approx([2.4])  # from the download's end (after the setup's)
+    assert r["up_s"] == pytest.approx([1.5]) and r["busy_s"] == pytest.approx([5.4])
+    r["msg_client_up_bytes"] = 0.0  # 1 s down at 1 Mbit/s, the 0.9 s setup under it; or both, one after the other
+    assert shaped_links.pred(r, [(1.0, None)], 0.5) == pytest.approx(0.5 + 1.0 + 2.4 + 0.5)
+    assert shaped_links.pred(r, [(1.0, None)], 0.5, setup=False) == pytest.approx(0.5 + 1.0 + 0.9 + 2.4 + 0.5)
+    assert shaped_links.phases({"round_s": 7.0, "node": [timeline[2], {"receiving": 1.0}]}) is None
+    worker = tmp_path / "worker0.log"
+    worker.write_text(
+        "[lightning_fl.flower.worker] hello (round -) served in 0.20 s\n"
+        "[lightning_fl.flower.worker] train (round 3) served in 1.25 s\n",
+        encoding="utf-8",
+    )
+    assert shaped_links.worker_compute(worker, 0) == {3: 1.25}
 
 
 def test_what_a_benchmark_writes_names_no_folder_of_the_machine_it_ran_on(tmp_path, capsys):

@@ -14,7 +14,7 @@ from conftest import make_dm, make_model, make_trainer
 from helpers import CraftedClients, Population, round_runner
 from lightning_fl.errors import ConfigError
 from lightning_fl.federated import FedAvg, LocalTraining
-from lightning_fl.federated.arrivals.clock import Clock
+from lightning_fl.federated.arrivals.clock import Clock, Links
 from lightning_fl.privacy import CentralDP, Plan
 
 D = 6  # the crafted rounds' state: a (2, 2) and b (2,), float32: 24 bytes down and up
@@ -53,6 +53,34 @@ def test_a_round_takes_download_steps_and_upload_in_closed_form():
     # client 3: 0.1 + 8e6 / 2e6 = 4.1 s down, 4 * 0.5 = 2 s of steps, 0.1 + 8000 / 5e5 = 0.116 s up
     assert t.finish_s.tolist() == pytest.approx([4.1 + 2.0 + 0.116, 4.1 + 1.0 + 0.1 + 4.0])
     assert t.close_s == pytest.approx(9.2) and t.on_time.tolist() == [True, True]
+
+
+def test_given_links_replace_the_drawn_ones():
+    clock = Clock(latency_s=0.5)
+    links = Links(step_s=np.array([1.0, 3.0]), down_bps=np.array([1e6, np.inf]), up_bps=np.array([2e6, 8e6]))
+    t = clock.timing(0, [0, 1], np.array([2, 1]), np.array([250_000, 10**6]), np.array([500_000, 10**6]), links=links)
+    # client 0: 0.5 + 2 s down, 2 s of steps, 0.5 + 2 s up; client 1: 0.5 + 0 s down, 3 s, 0.5 + 1 s up
+    assert t.finish_s.tolist() == pytest.approx([7.0, 5.0])
+    assert t.close_s == pytest.approx(7.0)
+    assert clock.timing(0, [0, 1], np.array([2, 1]), np.zeros(2), np.zeros(2)).compute_s.tolist() != [2.0, 3.0]
+
+
+def test_a_setup_runs_while_the_client_downloads_and_its_compute_starts_when_both_are_done():
+    kwargs = {"step_s": 1.0, "device_sigma": 0.0, "down_mbps": 1.0, "up_mbps": 1.0, "link_sigma": 0.0}
+    clock = Clock(**kwargs, latency_s=0.5, setup_s=2.0)
+    steps, down, up = np.array([1, 1]), np.array([125_000, 500_000]), np.zeros(2)
+    t = clock.timing(0, [0, 1], steps, down, up)
+    # client 0: 0.5 + max(1 s download, 2 s setup) + 1 s + 0.5; client 1: 0.5 + max(4 s download, 2 s) + 1 s + 0.5
+    assert t.download_s.tolist() == pytest.approx([1.5, 4.5]) and t.ready_s.tolist() == pytest.approx([2.5, 4.5])
+    assert t.finish_s.tolist() == pytest.approx([4.0, 6.0]) and t.close_s == pytest.approx(6.0)
+    plain = Clock(**kwargs, latency_s=0.5).timing(0, [0, 1], steps, down, up)  # no setup: the download alone
+    assert plain.finish_s.tolist() == pytest.approx([3.0, 6.0])
+    links = Links(np.ones(2), np.full(2, 1e6), np.full(2, 1e6), setup_s=np.array([0.0, 6.0]))  # per client
+    assert clock.timing(0, [0, 1], steps, down, up, links=links).ready_s.tolist() == pytest.approx([1.5, 6.5])
+    late = Clock(**kwargs, latency_s=0.5, setup_s=2.0, deadline_s=3.0).timing(0, [0, 1], steps, down, up)
+    assert late.on_time.tolist() == [False, False] and late.spent_s.tolist() == pytest.approx([0.5, 0.0])
+    with pytest.raises(ConfigError, match="setup_s"):
+        Clock(setup_s=-1.0)
 
 
 def test_each_client_keeps_its_speeds_whoever_it_is_sampled_with_and_the_seed_changes_them():

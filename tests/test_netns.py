@@ -68,3 +68,32 @@ def test_a_command_past_its_timeout_is_stopped():
             ns.run(["sleep", "60"], timeout=0.5)
         assert ns.pids() == []
     assert not ns.exists()
+
+
+def test_a_star_gives_each_client_a_shaped_link_of_its_own_and_goes_also_when_the_body_raises():
+    size, rate = 400_000, 8.0  # 0.4 s at 8 Mbit/s
+    ideal = 8 * size / (rate * 1e6)
+    seen: dict = {}
+
+    def body() -> None:
+        with _netns.Star(2) as star:
+            seen["star"] = star
+            star.set_rates(0, rate, None)  # client 0: shaped down, not up; client 1: not at all
+            down = _netns.link_seconds(star, 0, size, up=False, timeout=30)
+            assert ideal * 0.7 <= down < 20 * ideal, f"{size:,} bytes at {rate} Mbit/s took {down:.3f} s"
+            assert _netns.link_seconds(star, 0, size, up=True, timeout=30) < 0.7 * ideal
+            assert _netns.link_seconds(star, 1, size, up=False, timeout=30) < 0.7 * ideal
+            assert "tbf" in star.qdiscs()[star.server_dev[0]] and "tbf" not in star.qdiscs()[star.client_dev[0]]
+            attached = _netns.Star.attach(star.describe())  # another process's handle: sets rates, deletes nothing
+            attached.set_rates(1, None, rate)
+            assert "tbf" in star.qdiscs()[star.client_dev[1]]
+            attached.close()
+            assert star.server.exists() and all(ns.exists() for ns in star.clients)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        body()
+    star = seen["star"]
+    assert not star.server.exists() and not any(ns.exists() for ns in star.clients)
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True, timeout=10).stdout
+    assert not any(dev in links for dev in star.server_dev + star.client_dev)  # the veths went with them

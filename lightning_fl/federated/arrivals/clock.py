@@ -6,11 +6,14 @@ run (a device is a device):
 
 * a compute time per local step, ``step_s`` times a log-normal factor of spread ``device_sigma`` (median 1);
 * a download and an upload bandwidth, log-normal around the medians ``down_mbps`` and ``up_mbps`` (spread
-  ``link_sigma``), and a latency ``latency_s`` per message.
+  ``link_sigma``), and a latency ``latency_s`` per message;
+* a setup time ``setup_s`` per round (0 by default): getting ready to train (starting its runtime, loading its
+  model), which runs while the download does, from the moment the round's message reaches the client.
 
-A client's round is its download, its local steps and its upload, one after the other::
+A client's round is its download (or its setup, if longer), its local steps and its upload, one after the other::
 
-    finish_c = latency + 8 * down_bytes_c / down_bps_c  +  steps_c * step_s_c  +  latency + 8 * up_bytes_c / up_bps_c
+    finish_c = latency + max(8 * down_bytes_c / down_bps_c, setup_s)  +  steps_c * step_s_c
+               + latency + 8 * up_bytes_c / up_bps_c
 
 with the byte ledger's exact bytes (the global state, or the compressed broadcasts it missed; the codec's upload).
 The server's own work is not modelled (it is the same for every method). How a round closes:
@@ -37,7 +40,10 @@ Global Index gave mobile means of 35.96 Mbit/s down, 11.22 Mbit/s up and 40 ms l
 over 100 Mbit/s down), and ``link_sigma = 1.0`` (a factor of e either way for one client in three) is our choice.
 ``step_s = 0.05`` (50 ms per local step of a small CNN on a phone) is our choice too: set it for your model and devices.
 ``power_w = 3.0`` (a phone's processor under a sustained load draws watts, not tens of them) is our choice, stated as
-a model: joules are ``power_w`` times compute seconds, the same figure for every device.
+a model: joules are ``power_w`` times compute seconds, the same figure for every device. ``setup_s = 0``: a device
+that is ready when its message arrives. On Flower it is not: a SuperNode starts the ClientApp's process once a
+message's metadata is in, while the content downloads, so a round on a slow link hides the process's start
+(measured: docs/results-systems.md, "A shaped link per client").
 """
 
 from __future__ import annotations
@@ -54,11 +60,13 @@ from lightning_fl.seeding import STREAM_CLOCK, derive_seed
 
 @dataclass(frozen=True)
 class Links:
-    """The drawn speeds of some clients, one entry per client: seconds per local step, bits per second down and up."""
+    """The drawn speeds of some clients, one entry per client: seconds per local step, bits per second down and up,
+    and seconds of setup per round (``None``: the clock's ``setup_s`` for every client)."""
 
     step_s: np.ndarray
     down_bps: np.ndarray
     up_bps: np.ndarray
+    setup_s: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,8 @@ class Timing:
 
     ``on_time[i]``: client ``i`` reported before the round closed (its upload is aggregated); ``offline[i]``: it went
     offline before it reported, and before the round closed; ``spent_s[i]``: the compute seconds it spent before it
-    reported, left or the round closed (its whole ``compute_s`` if it reported)."""
+    reported, left or the round closed (its whole ``compute_s`` if it reported); ``ready_s[i]``: when it starts to
+    compute (its download done, and its setup)."""
 
     download_s: np.ndarray
     compute_s: np.ndarray
@@ -76,10 +85,11 @@ class Timing:
     on_time: np.ndarray
     offline: np.ndarray
     spent_s: np.ndarray
+    ready_s: np.ndarray
 
     @property
     def finish_s(self) -> np.ndarray:
-        return self.download_s + self.compute_s + self.upload_s
+        return self.ready_s + self.compute_s + self.upload_s
 
 
 class Clock:
@@ -100,6 +110,7 @@ class Clock:
             :class:`~lightning_fl.federated.arrivals.availability.Diurnal` or
             :class:`~lightning_fl.federated.arrivals.availability.AvailabilityTrace`); ``null``: always.
         power_w: Watts a device draws while it trains (a model: joules are ``power_w`` times compute seconds).
+        setup_s: Seconds a client spends getting ready for a round while its download runs (the module docstring).
     """
 
     def __init__(
@@ -114,11 +125,12 @@ class Clock:
         over_selection: float = 0.0,
         availability: Availability | None = None,
         power_w: float = 3.0,
+        setup_s: float = 0.0,
     ) -> None:
         self.step_s, self.device_sigma = step_s, device_sigma
         self.down_mbps, self.up_mbps, self.link_sigma, self.latency_s = down_mbps, up_mbps, link_sigma, latency_s
         self.deadline_s, self.over_selection = deadline_s, over_selection
-        self.availability, self.power_w = availability, power_w
+        self.availability, self.power_w, self.setup_s = availability, power_w, setup_s
         if problems := self.problems():
             raise ConfigError("; ".join(problems))
 
@@ -131,6 +143,7 @@ class Clock:
             "latency_s": self.latency_s,
             "over_selection": self.over_selection,
             "power_w": self.power_w,
+            "setup_s": self.setup_s,
         }
         out = [
             f"trainer.clock.{k} must be a finite number > 0, got {v}"
@@ -166,6 +179,7 @@ class Clock:
             step_s=self.step_s * np.exp(self.device_sigma * draws[:, 0]),
             down_bps=self.down_mbps * 1e6 * np.exp(self.link_sigma * draws[:, 1]),
             up_bps=self.up_mbps * 1e6 * np.exp(self.link_sigma * draws[:, 2]),
+            setup_s=np.full(len(clients), float(self.setup_s)),
         )
 
     # ============================================================================ a round
@@ -178,6 +192,7 @@ class Clock:
         up_bytes: np.ndarray,
         target: int | None = None,
         until_s: np.ndarray | None = None,
+        links: Links | None = None,
     ) -> Timing:
         """When each of ``clients`` (in this order) finishes, and when the round closes under the run's rule.
 
@@ -190,12 +205,16 @@ class Clock:
             target: Reports that close the round (over-selection); ``None``: every client's.
             until_s: Seconds after the round starts at which each client goes offline (``inf``: it stays);
                 ``None``: every client stays.
+            links: The clients' speeds, one entry each in the order of ``clients`` (measured ones, say), instead
+                of those drawn from ``seed``; ``None``: drawn (:meth:`links`).
         """
-        speed = self.links(seed, clients)
+        speed = self.links(seed, clients) if links is None else links
         down = self.latency_s + 8.0 * np.asarray(down_bytes, dtype=np.float64) / speed.down_bps
+        setup = np.full(len(clients), float(self.setup_s)) if speed.setup_s is None else speed.setup_s
+        ready = np.maximum(down, self.latency_s + setup)  # (setup 0: the download)
         compute = np.asarray(steps, dtype=np.float64) * speed.step_s
         up = self.latency_s + 8.0 * np.asarray(up_bytes, dtype=np.float64) / speed.up_bps
-        finish = down + compute + up
+        finish = ready + compute + up
         until = np.full(len(clients), np.inf) if until_s is None else np.asarray(until_s, dtype=np.float64)
         leaves = until < finish  # it goes offline before its upload is in: it never reports
         reports = np.where(leaves, np.inf, finish)
@@ -210,8 +229,8 @@ class Clock:
             on_time = (reports < close) | (at_close & (np.cumsum(at_close) <= target - int((reports < close).sum())))
         offline = leaves & (until <= close)
         stop = np.where(on_time, finish, np.minimum(until, close))  # when it stopped working for the round
-        spent = np.clip(stop - down, 0.0, compute)
-        return Timing(down, compute, up, close, on_time, offline, spent)
+        spent = np.clip(stop - ready, 0.0, compute)
+        return Timing(down, compute, up, close, on_time, offline, spent, ready)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in vars(self).items())

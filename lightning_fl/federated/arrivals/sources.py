@@ -146,7 +146,7 @@ class Clocked(Source):
         if self.clock.availability is not None:
             until = np.array([self.clock.availability.until(rnd.seed, client, self.now_s) - self.now_s])
             work = self.clock.timing(rnd.seed, [client], steps, down, np.zeros(1), until_s=until)
-            if work.offline[0] and until[0] < work.download_s[0] + work.compute_s[0]:  # leaves before it trained
+            if work.offline[0] and until[0] < work.ready_s[0] + work.compute_s[0]:  # leaves before it trained
                 flight.reply, flight.finish_s = Reply(client, lost=True), self.now_s + float(until[0])
                 flight.compute_s = float(work.spent_s[0])
                 return
