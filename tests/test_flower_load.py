@@ -1,12 +1,16 @@
-"""Flower on a busy machine: waits that extend while the nodes show progress, and advice that fits the engine and
-names the setting to raise.
+"""Flower on a busy machine: waits that extend while the nodes show progress, advice that fits the engine and names
+the setting to raise, and no process left behind by a stopped SuperNode.
 
-The waits run on a virtual clock (no sleeping). The tests that start Flower's processes (marked slow) are in
-tests/test_flower_engines.py.
+The waits run on a virtual clock (no sleeping).
+The tests that start Flower's processes (marked slow) are in tests/test_flower_engines.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import time
 import warnings
 
@@ -19,6 +23,7 @@ from flwr.app.error import Error
 from flwr.common.constant import ErrorCode
 from test_flower import task_identity  # noqa: F401
 
+from conftest import REPO
 from lightning_fl.errors import UserError
 from lightning_fl.flower import messages
 from lightning_fl.flower.transport import FlowerTransport
@@ -166,3 +171,56 @@ def test_the_line_a_run_stopped_by_silence_ends_with_fits_the_engine_and_names_t
     assert "\n" not in line and all(w in line for w in words), line
     assert engine == "deployment" or "SuperLink" not in line
     assert ("max-silent-rounds" in line) and (("--max-silent-rounds" in line) == (engine == "simulation"))
+
+
+# ------------------------------------------------------------------------------------------ python -m ...supernode
+# a process group whose leader exits at once and leaves two processes in it: "a" ignores SIGTERM, "b" does not; the
+# driver (its own process, so that what it reaps is its own) stops the group and says how long that took
+GROUP = """
+import os, pathlib, subprocess, sys, time
+from lightning_fl.flower.supernode import stop_group
+ready = pathlib.Path(sys.argv[1])
+wait = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(600)"
+ignore = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + wait
+spawn = "; ".join([
+    "import subprocess, sys",
+    "[subprocess.Popen([sys.executable, '-c', c, sys.argv[3] + n]) for c, n in zip(sys.argv[1:3], 'ab')]",
+])
+leader = subprocess.Popen([sys.executable, "-c", spawn, ignore, wait, str(ready)], start_new_session=True)
+print(leader.pid, flush=True)
+leader.wait(timeout=60)
+deadline = time.monotonic() + 60
+while not all(pathlib.Path(f"{ready}{n}").exists() for n in "ab") and time.monotonic() < deadline:
+    time.sleep(0.05)
+started = time.monotonic()
+stop_group(leader.pid, grace=1.0)
+try:
+    os.killpg(leader.pid, 0)
+    print("left")
+except ProcessLookupError:
+    print(f"stopped in {time.monotonic() - started:.1f} s")
+"""
+
+
+def test_what_a_stopped_supernode_leaves_in_its_group_is_stopped_sigkill_after_the_grace(tmp_path):
+    """A process group whose leader has exited and left two processes (as a SuperNode leaves its SuperExec and a
+    busy ClientApp): one ends on SIGTERM, the other ignores it and is killed once the grace (1 s) has passed."""
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = tmp_path / "out"
+    with open(out, "w", encoding="utf-8") as sink:
+        driver = subprocess.Popen([sys.executable, "-c", GROUP, str(tmp_path / "ready-")], env=env, stdout=sink)
+    try:
+        driver.wait(timeout=180)
+    finally:  # (whatever the driver left: its group, by the id it wrote first)
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=30)
+        group = out.read_text().split()[:1]
+        if group and group[0].isdigit():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(group[0]), signal.SIGKILL)
+    lines = out.read_text().splitlines()
+    assert driver.returncode == 0 and lines[1].startswith("stopped in "), lines
+    assert float(lines[1].split()[2]) >= 1.0  # (the one that ignores SIGTERM outlived it)
