@@ -1,7 +1,7 @@
 """Flower on a busy machine: waits that extend while the nodes show progress, advice that fits the engine and names
-the setting to raise, and no process left behind by a stopped SuperNode.
+the setting to raise, a non-zero exit for a failed run, and no process left behind by a stopped SuperNode.
 
-The waits run on a virtual clock (no sleeping).
+The waits run on a virtual clock (no sleeping); the commands run against a stand-in ``flwr`` (a script on PATH).
 The tests that start Flower's processes (marked slow) are in tests/test_flower_engines.py.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -171,6 +172,63 @@ def test_the_line_a_run_stopped_by_silence_ends_with_fits_the_engine_and_names_t
     assert "\n" not in line and all(w in line for w in words), line
     assert engine == "deployment" or "SuperLink" not in line
     assert ("max-silent-rounds" in line) and (("--max-silent-rounds" in line) == (engine == "simulation"))
+
+
+# ------------------------------------------------------------------------------------------ python -m ...submit
+FAKE_FLWR = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_FLWR_CALLS"], "a") as f:
+    f.write(" ".join(args) + "\\n")
+if args[0] == "run":
+    print("Loading project configuration...")
+    print(json.dumps({{"success": os.environ["FAKE_START"] == "ok", "run-id": "42"}}))
+elif args[0] == "log":
+    print("the ServerApp's log")
+elif args[0] == "ls":
+    print(json.dumps({{"runs": [{{"run-id": "42", "status": os.environ["FAKE_STATUS"], "status-details": "why"}}]}}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("start", "final", "code", "line"),
+    [
+        ("ok", "finished:completed", 0, None),
+        ("ok", "finished:failed", 2, "error: run 42 did not complete: its status is finished:failed (why); its log: "),
+        ("ok", "finished:stopped", 2, "error: run 42 did not complete: its status is finished:stopped"),
+        ("refused", "finished:completed", 2, "error: the run did not start: "),
+    ],
+    ids=["completed", "failed", "stopped", "not-started"],
+)
+def test_submit_exits_non_zero_unless_the_run_completed(tmp_path, start, final, code, line):
+    """``flwr run --stream`` returns 0 for a run whose ServerApp failed; ``python -m lightning_fl.flower.submit``
+    submits, streams the log, reads the final status and exits 2 with one line unless the run completed."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    fake = folder / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable), encoding="utf-8")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    calls = tmp_path / "calls"
+    env = dict(os.environ, PATH=f"{folder}{os.pathsep}{os.environ['PATH']}", FAKE_FLWR_CALLS=str(calls))
+    env.update(FAKE_START=start, FAKE_STATUS=final, PYTHONPATH=str(REPO))
+    got = subprocess.run(
+        [sys.executable, "-m", "lightning_fl.flower.submit", ".", "my-link", "--run-config", "quorum=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == code, got.stderr
+    errors = got.stderr.strip().splitlines()
+    if line is None:
+        assert not errors and "run 42 finished:completed" in got.stdout
+    else:
+        assert len(errors) == 1 and errors[0].startswith(line), got.stderr
+    sent = calls.read_text().splitlines()
+    assert sent[0] == "run . my-link --run-config quorum=2 --format json"
+    if start == "ok":
+        assert sent[1:] == ["log 42 my-link --stream", "ls my-link --run-id 42 --format json"]
+        assert "the ServerApp's log" in got.stdout
 
 
 # ------------------------------------------------------------------------------------------ python -m ...supernode
