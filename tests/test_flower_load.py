@@ -39,9 +39,11 @@ class SlowNodes:
         self.out: dict[str, tuple[float, Message]] = {}  # message id -> (when its answer is in, the answer)
         self.asked: list[int] = []
         self.crash: dict[int, int] = {}  # node -> how many of its answers are Flower's "ClientApp stopped responding"
+        self.untaken: set[int] = set()  # nodes whose questions the SuperLink does not take (push returns no id)
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+        assert self.now < 10_000, "still waiting after 10,000 (virtual) seconds"
 
     def get_node_ids(self) -> list[int]:
         return [n for n in self.nodes if self.joins.get(n, 0.0) <= self.now]
@@ -60,7 +62,7 @@ class SlowNodes:
                 record = ConfigRecord({"partition-id": node - 1, "refusal": ""})
                 answer = Message(RecordDict({messages.RUN: record}), reply_to=message)
                 self.out[message.metadata.message_id] = (self.now + self.answers[node], answer)
-            ids.append(message.metadata.message_id)
+            ids.append("" if node in self.untaken else message.metadata.message_id)
         return ids
 
     def pull_messages(self, ids):
@@ -123,6 +125,16 @@ def test_a_node_that_never_answers_ends_the_wait_one_window_after_the_last_progr
     grid2 = slow({1: 1.0, 2: 1.0, 3: 1.0})
     with pytest.warns(UserWarning, match=r"within --hello-timeout \(60 s without progress.*raise --hello-timeout"):
         opened(grid2, engine="simulation")
+
+
+def test_a_question_the_superlink_does_not_take_is_asked_again_but_is_no_progress(slow):
+    """Node 4's questions are never taken (no message id) and node 3 never answers: node 4 is asked again at each
+    look, yet the wait for node 3 still ends one window (60 s) after the last answer."""
+    grid = slow({1: 1.0, 2: 1.0})
+    grid.untaken.add(4)
+    with pytest.warns(UserWarning, match=r"client\(s\) \[2, 3\] have no SuperNode yet"):
+        transport = opened(grid)
+    assert sorted(transport.node_of) == [0, 1] and 61.0 <= grid.now < 62.0 and grid.asked.count(4) > 1
 
 
 def answer_of(grid: SlowNodes, node: int) -> Message:

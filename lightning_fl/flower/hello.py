@@ -51,15 +51,15 @@ class Hellos:
         self.overdue: set[int] = set()  # nodes whose question outlived a whole window: not waited for again
 
     def ask_new(self, nodes: Iterable[int]) -> bool:
-        """Ask each of ``nodes`` not asked yet; whether any was asked."""
+        """Ask each of ``nodes`` not asked yet; whether the SuperLink took any question (one it did not take is
+        asked again next time, and is no progress)."""
         new = [n for n in sorted(set(nodes)) if n not in self.out]
         if not new:
             return False
         messages = [self.ask(n) for n in new]
-        for node, message_id in zip(new, self.grid.push_messages(messages), strict=True):
-            if message_id:  # (a question the SuperLink did not take is asked again next time)
-                self.out[node] = message_id
-        return True
+        taken = {n: i for n, i in zip(new, self.grid.push_messages(messages), strict=True) if i}
+        self.out.update(taken)
+        return bool(taken)
 
     def forget(self, node: int) -> None:
         self.out.pop(node, None)
