@@ -1019,15 +1019,22 @@ def _yaml(tmp_path, *extra) -> str:
     return build([*args, *extra]).config_yaml
 
 
-@pytest.mark.parametrize("flag", ["--hello-timeout", "--round-timeout"])
-def test_the_simulation_entry_refuses_a_bad_wait_in_one_line(flag, capsys):
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--hello-timeout", "nan", "must be a finite number of seconds"),
+        ("--round-timeout", "nan", "must be a finite number of seconds"),
+        ("--max-silent-rounds", "-1", "must be a whole number >= 0"),
+    ],
+)
+def test_the_simulation_entry_refuses_a_bad_wait_in_one_line(flag, value, why, capsys):
     from lightning_fl.flower.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["--config", str(CONFIGS / "quickstart.yaml"), flag, "nan"])
+        main(["--config", str(CONFIGS / "quickstart.yaml"), flag, value])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"{flag} must be a finite number of seconds" in err
+    assert len(err.splitlines()) == 1 and f"{flag} {why}" in err
 
 
 def test_silent_attempts_count_in_a_row_and_a_completed_round_ends_the_streak():
