@@ -410,7 +410,7 @@ def test_a_quorum_round_proceeds_without_a_slow_supernode_and_folds_its_late_rep
             "5",
             "--data.num_clients",
             "3",
-            timeout="120",
+            timeout="0",  # (a round waits for its quorum as long as that takes: round 1 never closes at 1 of 3)
             run_config="quorum=2 max-staleness=4",
         )
         checkpoint, deadline = tmp_path / "runs" / "quorum", time.monotonic() + 1200
