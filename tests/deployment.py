@@ -1,9 +1,10 @@
 """A Flower deployment on 127.0.0.1 for tests: a SuperLink, N SuperNodes, ``flwr run``, and a clean teardown.
 
 flwr 1.42's SuperLink serves its Fleet, Control and ServerAppIo APIs over HTTP on one port; each SuperNode
-serves its ClientAppIo API on another. Every port is free (bound to 0 first), every wait is bounded, each
-process gets its own ``FLWR_HOME`` under the test's folder, and teardown stops every process started here
-and its descendants by PID (found through /proc; orphans are reaped, as this process is a subreaper).
+serves its ClientAppIo API on another. Every port is free (bound to 0 first), every wait is bounded (by limits a
+loaded machine meets: two minutes for a process to listen), each process gets its own ``FLWR_HOME`` under the
+test's folder, and teardown stops every process started here and its descendants by PID (found through /proc;
+orphans are reaped, as this process is a subreaper).
 
 Insecure by default; ``tls=make_tls(folder)`` serves the SuperLink over HTTPS (the SuperNodes and the ``flwr``
 CLI trust the test's CA) and ``node_auth=True`` adds ``--enable-supernode-auth``: each SuperNode gets an EC key
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 BIN = Path(sys.executable).parent  # venv bin: flower-superlink, flwr, flower-superexec...
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -287,6 +289,7 @@ class FlowerDeployment:
     extra_env: dict[str, str] = field(default_factory=dict)
     node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # node idx -> more environment for its tree
     workers: bool = False  # a warm worker (python -m lightning_fl.flower.worker) beside each SuperNode
+    launcher: bool = False  # start each SuperNode through python -m lightning_fl.flower.supernode
     superlink_args: list[str] = field(default_factory=list)  # more flower-superlink options (e.g. --database)
     superlink_cwd: Path | None = None  # ServerApp inherits this cwd
     tls: TLS | None = None  # HTTPS with these files instead of --insecure (make_tls)
@@ -353,7 +356,7 @@ class FlowerDeployment:
         return p
 
     # ------------------------------------------------------------ start
-    def start_superlink(self, timeout: float = 30.0) -> None:
+    def start_superlink(self, timeout: float = 120.0) -> None:
         if self.tls:
             security = [
                 "--ssl-ca-certfile",
@@ -426,7 +429,7 @@ class FlowerDeployment:
     def start_supernode(
         self,
         idx: int,
-        timeout: float = 30.0,
+        timeout: float = 120.0,
         register: bool = True,
         key: bool = True,
         trust_ca: bool = True,
@@ -449,10 +452,15 @@ class FlowerDeployment:
             if register and idx not in self.node_ids:
                 self.register(idx)
             security += ["--auth-supernode-private-key", str(self.node_key(idx)[0])]
+        start, env = [str(BIN / "flower-supernode")], dict(self.node_env.get(idx) or {})
+        if self.launcher:  # (this checkout's lightning_fl, whatever the environment has installed)
+            start = [sys.executable, "-m", "lightning_fl.flower.supernode"]
+            path = env.get("PYTHONPATH", self.env(self.workdir).get("PYTHONPATH", ""))
+            env["PYTHONPATH"] = os.pathsep.join([str(REPO), path])
         self._spawn(
             name,
             [
-                str(BIN / "flower-supernode"),
+                *start,
                 *security,
                 "--superlink",
                 self.address,
@@ -465,7 +473,7 @@ class FlowerDeployment:
             ],
             home=self.workdir / f"home-{name}",  # separate FLWR_HOME per node (FAB install race)
             cwd=self.workdir,
-            env=self.node_env.get(idx),
+            env=env,
         )
         if wait:  # the node's own Runtime API: plain HTTP on 127.0.0.1 (no --ssl-certfile), also under TLS
             wait_http_ok(f"http://127.0.0.1:{port}/health", timeout)
@@ -507,7 +515,7 @@ class FlowerDeployment:
         payload = json.loads(cp.stdout) if cp.stdout.strip() else {}
         return [int(n["node-id"]) for n in payload.get("nodes", []) if n["status"] == "online"]
 
-    def wait_nodes(self, n: int, timeout: float = 30.0) -> list[int]:
+    def wait_nodes(self, n: int, timeout: float = 120.0) -> list[int]:
         deadline = time.time() + timeout
         nodes: list[int] = []
         while time.time() < deadline:

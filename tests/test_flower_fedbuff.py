@@ -270,4 +270,4 @@ def test_fedbuff_asks_nodes_again_until_one_serves_a_client_and_stops_in_one_lin
             wait_for_nodes=0,
             max_silent_rounds=2,
         )
-    assert "\n" not in str(err.value) and "raise hello-timeout" in str(err.value) and not never.sent
+    assert "\n" not in str(err.value) and "raise run config 'hello-timeout'" in str(err.value) and not never.sent

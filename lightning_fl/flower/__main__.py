@@ -16,6 +16,7 @@ import sys
 import warnings
 
 from lightning_fl.errors import UserError
+from lightning_fl.flower.hello import HELLO_TIMEOUT
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +25,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--supernodes", type=int, default=None, help="Virtual SuperNodes (default: data.num_clients).")
     parser.add_argument("--cpus-per-client", type=float, default=1.0, help="Ray CPUs per ClientApp (default 1).")
     parser.add_argument("--round-timeout", type=float, default=0.0, help="Seconds to wait for replies (0: all).")
-    parser.add_argument("--hello-timeout", type=float, default=60.0, help="Seconds a new node has to say its client.")
+    parser.add_argument(
+        "--hello-timeout",
+        type=float,
+        default=HELLO_TIMEOUT,
+        help="Seconds the wait for the nodes to say their client may pass without progress (default %(default)g).",
+    )
+    parser.add_argument(
+        "--max-silent-rounds",
+        type=int,
+        default=3,
+        help="Stop after this many attempts in a row at a round no client replied to (0: never; default 3).",
+    )
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         from flwr.simulation import run_simulation
@@ -44,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"--{name.replace('_', '-')} must be a finite number of seconds "
                     f"{'> 0' if name == 'hello_timeout' else '>= 0'}, got {value}"
                 )
+        if args.max_silent_rounds < 0:
+            raise UserError(f"--max-silent-rounds must be a whole number >= 0, got {args.max_silent_rounds}")
         outcome: dict = {}
         server = server_app(
             config=args.config,
@@ -51,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
             round_timeout=args.round_timeout or None,
             outcome=outcome,
             hello_timeout=args.hello_timeout,
+            max_silent_rounds=args.max_silent_rounds or None,
+            engine="simulation",
         )
         resources = {"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0}}
         # Ray's servers (GCS, raylet, workers, runtime-env agent) listen on all interfaces unless Ray's node IP is

@@ -7,9 +7,10 @@ YAML and the usual dotted overrides::
 
 Keys: ``config`` (a YAML path, relative to the app folder or absolute), ``overrides`` (CLI arguments, as
 after ``python -m lightning_fl fit``), ``round-timeout`` (seconds to wait for a round's replies; 0 waits
-for all), ``wait-for-nodes`` (seconds to wait before round 1 until every client has a node), ``hello-timeout``
-(seconds a new node has to say which client it serves; default 60: raise it on a busy machine, where a ClientApp
-process takes long to import) and ``max-silent-rounds`` (a round without one reply is not done and runs again;
+for all), ``wait-for-nodes`` (seconds to wait before round 1 for a node to connect for every client, since the last
+one connected), ``hello-timeout`` (seconds the wait for new nodes to say which client they serve may pass without
+progress, a node answering or joining; default 300: raise it on a very busy machine, where a ClientApp process takes
+long to import) and ``max-silent-rounds`` (a round without one reply is not done and runs again;
 stop with an error after this many such attempts in a row; default 3, 0: never). ``quorum`` (a round proceeds once
 this many of the messages it sent have replied; 0, the default: all), ``max-staleness`` (rounds a message a round
 left behind may stay out; its reply, when it comes, is folded into the round it arrives in), ``staleness`` and
@@ -36,6 +37,7 @@ from flwr.serverapp import Grid, ServerApp
 from lightning_fl.errors import ConfigError, UserError
 from lightning_fl.federated.trainer.loop import FederatedTrainer
 from lightning_fl.flower import late
+from lightning_fl.flower.hello import HELLO_TIMEOUT, WAIT_FOR_NODES
 from lightning_fl.flower.transport import FlowerTransport
 
 INFO, ERROR = 20, 40  # logging.INFO, logging.ERROR
@@ -46,16 +48,18 @@ def serve(
     config: str,
     overrides: str | list[str] = "",
     round_timeout: float | None = None,
-    wait_for_nodes: float = 60.0,
+    wait_for_nodes: float = WAIT_FOR_NODES,
     app_dir: str | Path | None = None,
-    hello_timeout: float = 60.0,
+    hello_timeout: float = HELLO_TIMEOUT,
     max_silent_rounds: int | None = 3,
     quorum: int = 0,
     max_staleness: int = 4,
     staleness: str = "sqrt",
     staleness_exponent: float = 0.5,
+    engine: str = "deployment",
 ) -> FederatedTrainer:
-    """Build the run from ``config`` and ``overrides`` and fit it with clients reached through ``grid``."""
+    """Build the run from ``config`` and ``overrides`` and fit it with clients reached through ``grid`` (``engine``:
+    ``"deployment"`` or ``"simulation"``, how advice names the settings)."""
     from lightning_fl.cli import build
 
     path = Path(config).expanduser()
@@ -90,6 +94,7 @@ def serve(
         wait_for_nodes=wait_for_nodes,
         max_silent_rounds=max_silent_rounds,
         late=behind,
+        engine=engine,
     )
     replaced: dict[str, Any] = {"transport": transport}
     if trainer.buffered is not None and trainer.clock is not None:  # (the nodes' replies arrive in real time)
@@ -107,8 +112,8 @@ RUN_CONFIG = {
     "config": "configs/quickstart.yaml",
     "overrides": "",
     "round-timeout": 0.0,
-    "wait-for-nodes": 60.0,
-    "hello-timeout": 60.0,
+    "wait-for-nodes": WAIT_FOR_NODES,
+    "hello-timeout": HELLO_TIMEOUT,
     "max-silent-rounds": 3,
     "quorum": 0,
     "max-staleness": 4,

@@ -1,8 +1,9 @@
 """The Flower transport: a round's global state goes to SuperNodes as Flower messages, payload bytes come back.
 
 Client ids are the data module's (0..K-1), as in the simulation. Each SuperNode says which client it is
-(its node config's ``partition-id``) when the server first sees it; nodes that join later are introduced at
-the start of the next round, and a node that left is forgotten. A sampled client with no node, or whose
+(its node config's ``partition-id``) when the server first sees it, and the server waits for the answers while the
+nodes show progress (:mod:`lightning_fl.flower.hello`); nodes that join later are introduced at the start of the
+next round, and a node that left is forgotten. A sampled client with no node, or whose
 node does not answer within ``round_timeout``, is *lost* for that round (counted, logged, never fatal).
 
 Kept as one file: :class:`FlowerTransport` is one class, whose plain and secure rounds and FedBuff's asynchronous
@@ -29,9 +30,11 @@ from lightning_fl.federated.clients.transport import Reply, SecureRound, Transpo
 from lightning_fl.flower import messages as wire_msg
 from lightning_fl.flower import secure as secagg
 from lightning_fl.flower.grid import exchange  # (also lightning_fl.flower.transport.exchange, as before)
+from lightning_fl.flower.hello import ENGINES, HELLO_TIMEOUT, WAIT_FOR_NODES, Hellos, setting
 from lightning_fl.flower.late import LateReplies
 
 NODE_UNAVAILABLE = ErrorCode.NODE_UNAVAILABLE
+ASK_AGAIN = 2  # times a node whose ClientApp Flower reported as stopped responding to its hello is asked again
 INFO, WARNING = 20, 30  # logging.INFO, logging.WARNING
 
 
@@ -43,9 +46,11 @@ class FlowerTransport(Transport):
         config_yaml: The run's resolved config, sent once to every node so it builds the same run.
         round_timeout: Seconds to wait for a round's replies (``None``: until every reply arrives). A round whose
             replies do not all arrive in time says so; replies that come later are never matched to another round.
-        hello_timeout: Seconds to wait for new nodes to say which client they are (a node whose ClientApp is
-            still importing on a busy machine needs more).
-        wait_for_nodes: Seconds to wait, before the first round, until a node answers for every client.
+        hello_timeout: Seconds the wait for new nodes to say which client they are may pass without progress (a
+            node answering or joining starts it again; :mod:`lightning_fl.flower.hello`).
+        wait_for_nodes: Seconds to wait, before the first round, for a node to connect for every client (each node
+            that connects starts it again).
+        engine: ``"deployment"`` or ``"simulation"``: how the advice names the settings to raise.
         max_silent_rounds: A round in which no sampled client replies is not done (nothing is aggregated,
             released, accounted or saved) and runs again; stop the run with an error after this many silent attempts
             in a row (the last completed round's checkpoint is saved, so it resumes); ``None`` or 0: keep trying.
@@ -62,16 +67,20 @@ class FlowerTransport(Transport):
         grid: Grid,
         config_yaml: str,
         round_timeout: float | None = None,
-        hello_timeout: float = 60.0,
-        wait_for_nodes: float = 60.0,
+        hello_timeout: float = HELLO_TIMEOUT,
+        wait_for_nodes: float = WAIT_FOR_NODES,
         max_silent_rounds: int | None = 3,
         late: LateReplies | None = None,
+        engine: str = "deployment",
     ) -> None:
-        self.grid, self.config_yaml, self.late = grid, config_yaml, late
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        self.grid, self.config_yaml, self.late, self.engine = grid, config_yaml, late, engine
         self.round_timeout, self.hello_timeout, self.wait_for_nodes = round_timeout, hello_timeout, wait_for_nodes
         self.max_silent_rounds = max_silent_rounds or None
         self.silent_rounds = 0  # attempts in a row in which no sampled client replied
-        self.unanswered: set[int] = set()  # nodes asked which client they are that have not answered yet
+        self.hellos = Hellos(grid, self._hello)  # nodes asked which client they are that have not answered yet
+        self.crashed: dict[int, int] = {}  # node -> hellos Flower answered "ClientApp stopped responding" for
         self.node_of: dict[int, int] = {}  # client id -> node id
         self.client_of: dict[int, int] = {}  # node id -> client id
         self.refused: set[int] = set()  # nodes that could not serve (asked once; a fixed node rejoins under a new id)
@@ -82,51 +91,78 @@ class FlowerTransport(Transport):
 
     # ------------------------------------------------------------------------------------ nodes
     def open(self, *, num_clients: int, fingerprint: str | None, seed: int) -> None:
+        """Wait, before the first round, until a node answers for every client: while nodes answer or join (each
+        starts ``hello_timeout`` again), or, with nobody to ask, ``wait_for_nodes`` since the last node joined."""
         self.num_clients, self.fingerprint = num_clients, fingerprint
-        deadline = time.monotonic() + self.wait_for_nodes
+        last = time.monotonic()
         while True:
-            self.introduce()
-            if len(self.node_of) >= num_clients or time.monotonic() >= deadline:
+            known = (len(self.node_of), set(self.hellos.out), set(self.refused))
+            self.introduce(wait=True)
+            if len(self.node_of) >= num_clients:
+                break
+            if known != (len(self.node_of), set(self.hellos.out), set(self.refused)):
+                last = time.monotonic()
+            if self.hellos.overdue or time.monotonic() - last >= self.wait_for_nodes:
                 break
             time.sleep(0.5)
         if len(self.node_of) < num_clients:
             missing = sorted(set(range(num_clients)) - set(self.node_of))
             why = (
-                f"{len(self.unanswered)} connected SuperNode(s) did not say which client they serve within "
-                f"run config 'hello-timeout' ({self.hello_timeout:g} s; they are asked again each round)"
-                if self.unanswered
-                else f"no SuperNode answered for them within run config 'wait-for-nodes' ({self.wait_for_nodes:g} s)"
+                f"{len(self.hellos.out)} connected SuperNode(s) did not say which client they serve within "
+                f"{self.setting('hello-timeout')} ({self.hello_timeout:g} s without progress; their answers are "
+                "taken whenever they come)"
+                if self.hellos.out
+                else f"no SuperNode answered for them within {self.setting('wait-for-nodes')} "
+                f"({self.wait_for_nodes:g} s)"
             )
             warnings.warn(
-                f"client(s) {missing} have no SuperNode yet: {why}; until one answers they miss rounds", stacklevel=2
+                f"client(s) {missing} have no SuperNode yet: {why}; until one answers they miss rounds "
+                f"(on a busy machine, raise {self.setting('hello-timeout')})",
+                stacklevel=2,
             )
 
-    def introduce(self) -> None:
-        """Forget nodes that left; ask new ones which client they are (and give them the run's config)."""
-        nodes = set(self.grid.get_node_ids())
-        for node in [n for n in self.client_of if n not in nodes]:
-            self.node_of.pop(self.client_of.pop(node), None)
-        new = sorted(nodes - set(self.client_of) - self.refused)
-        if not new:
+    def setting(self, key: str) -> str:
+        """How the run sets ``key`` on its engine (:func:`lightning_fl.flower.hello.setting`)."""
+        return setting(self.engine, key)
+
+    def _hello(self, node: int) -> Message:
+        return Message(content=wire_msg.hello_content(self.config_yaml), dst_node_id=node, message_type=wire_msg.HELLO)
+
+    def introduce(self, wait: bool = True) -> None:
+        """Forget nodes that left; ask new ones which client they are (and give them the run's config); take the
+        answers in. ``wait``: wait for those asked and not yet overdue while they show progress
+        (:meth:`Hellos.collect`); else only take the answers already in."""
+
+        def connected() -> set[int]:
+            nodes = set(self.grid.get_node_ids())
+            for node in [n for n in self.client_of if n not in nodes]:
+                self.node_of.pop(self.client_of.pop(node), None)
+            return nodes
+
+        def wanted(node: int) -> bool:
+            return node not in self.client_of and node not in self.refused
+
+        self.hellos.ask_new(n for n in connected() if wanted(n))
+        self.hellos.collect(self.hello_timeout if wait else 0.0, connected, self._answer, wanted)
+
+    def _answer(self, reply: Message) -> None:
+        node = reply.metadata.src_node_id
+        if reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_CRASHED:  # (e.g. its heartbeat lapsed)
+            self.crashed[node] = self.crashed.get(node, 0) + 1
+            if self.crashed[node] <= ASK_AGAIN:
+                why = f"SuperNode {node}'s ClientApp stopped responding to its hello: asked again"
+                warnings.warn(why, stacklevel=2)
+                return
+        client, problem = self._read_hello(reply)
+        if problem is not None:
+            self.refused.add(node)
+            warnings.warn(f"SuperNode {node} is not used: {problem}", stacklevel=2)
             return
-        hello = [
-            Message(content=wire_msg.hello_content(self.config_yaml), dst_node_id=n, message_type=wire_msg.HELLO)
-            for n in new
-        ]
-        self.unanswered = set(new)
-        for reply in exchange(self.grid, hello, self.hello_timeout):
-            node = reply.metadata.src_node_id
-            self.unanswered.discard(node)
-            client, problem = self._read_hello(reply)
-            if problem is not None:
-                self.refused.add(node)
-                warnings.warn(f"SuperNode {node} is not used: {problem}", stacklevel=2)
-                continue
-            old = self.node_of.get(client)
-            if old is not None:  # a node that came back under a new id replaces the one it was
-                self.client_of.pop(old, None)
-                warnings.warn(f"SuperNode {node} now serves client {client} (was SuperNode {old})", stacklevel=2)
-            self.node_of[client], self.client_of[node] = node, client
+        old = self.node_of.get(client)
+        if old is not None:  # a node that came back under a new id replaces the one it was
+            self.client_of.pop(old, None)
+            warnings.warn(f"SuperNode {node} now serves client {client} (was SuperNode {old})", stacklevel=2)
+        self.node_of[client], self.client_of[node] = node, client
 
     def _read_hello(self, reply: Message) -> tuple[int, str | None]:
         if reply.has_error():
@@ -186,15 +222,35 @@ class FlowerTransport(Transport):
             n,
             f" of {limit}" if limit else "",
         )
+        self.hellos.overdue.clear()  # (the next attempt waits for the nodes' answers again)
         if limit is not None and n >= limit:
-            nodes = sorted(self.client_of) or "none"
-            raise UserError(
-                f"no sampled client replied in {n} attempts in a row at round {round} (SuperNodes known: {nodes}): "
-                "check that the SuperNodes run and reach this SuperLink (after a SuperLink restart, restart them "
-                f"too), then resume the run (its checkpoint of round {round - 1} is saved; the silent attempts "
-                "released and spent nothing); run config 'max-silent-rounds' sets how many attempts to allow "
-                "(0: never stop)"
+            raise UserError(self._silent_advice(n, round))
+
+    def _silent_advice(self, n: int, round: int) -> str:
+        """The one line a run stopped by silent attempts ends with: what to check and which setting to raise, as
+        the engine in use spells it."""
+        nodes = sorted(self.client_of) or "none"
+        saved = f"its checkpoint of round {round - 1} is saved; the silent attempts released and spent nothing"
+        attempts = f"{self.setting('max-silent-rounds')} sets how many attempts to allow (0: never stop)"
+        head = f"no sampled client replied in {n} attempts in a row at round {round}"
+        if self.hellos.out:  # nodes connected that have not said which client they serve
+            return (
+                f"{head}: {len(self.hellos.out)} SuperNode(s) did not say which client they serve within "
+                f"{self.setting('hello-timeout')} ({self.hello_timeout:g} s without progress): on a busy machine "
+                f"a ClientApp takes long to start; raise {self.setting('hello-timeout')}, then "
+                + ("run again with --trainer.resume auto" if self.engine == "simulation" else "resume the run")
+                + f" ({saved}); {attempts}"
             )
+        if self.engine == "simulation":
+            return (
+                f"{head} (virtual SuperNodes serving a client: {nodes}): their ClientApps failed or did not answer "
+                f"(see the log above); on a busy machine raise --hello-timeout and --round-timeout, then run again "
+                f"with --trainer.resume auto ({saved}); {attempts}"
+            )
+        return (
+            f"{head} (SuperNodes known: {nodes}): check that the SuperNodes run and reach this SuperLink (after a "
+            f"SuperLink restart, restart them too), then resume the run ({saved}); {attempts}"
+        )
 
     def replies(self, job: ClientJob, clients: Sequence[int]) -> Iterator[Reply]:
         state, round, seed = job.state, job.round, job.seed
@@ -262,20 +318,23 @@ class FlowerTransport(Transport):
 
     # ------------------------------------------------------------------------------------ FedBuff
     def reachable(self) -> set[int]:
-        """The clients a node serves now (new nodes introduced first). With none, the nodes are asked again (each
-        time waiting ``hello_timeout``), up to ``max_silent_rounds`` times; then the run stops with one line."""
+        """The clients a node serves now (new nodes introduced first). With none, the wait for the nodes' answers
+        starts again (each time up to ``hello_timeout`` without progress), up to ``max_silent_rounds`` times; then
+        the run stops with one line."""
         self.introduce()
         attempt = 0
         while not self.node_of:
             attempt += 1
             if self.max_silent_rounds is not None and attempt > self.max_silent_rounds:
+                key = self.setting("hello-timeout")
                 raise UserError(
                     f"trainer.buffered: no SuperNode said which client it serves in {attempt - 1} attempts (each "
-                    f"waiting run config 'hello-timeout', {self.hello_timeout:g} s): check that the SuperNodes run "
-                    "and reach this SuperLink, raise hello-timeout on a busy machine, then resume the run"
+                    f"waiting {key}, {self.hello_timeout:g} s without progress): check that the SuperNodes run "
+                    f"and reach this SuperLink, raise {key} on a busy machine, then resume the run"
                 )
-            log(WARNING, "trainer.buffered: no SuperNode serves a client yet (attempt %d): asking again", attempt)
+            log(WARNING, "trainer.buffered: no SuperNode serves a client yet (attempt %d): waiting again", attempt)
             time.sleep(min(1.0, self.hello_timeout))
+            self.hellos.overdue.clear()
             self.introduce()
         return set(self.node_of)
 
