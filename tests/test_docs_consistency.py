@@ -420,3 +420,20 @@ def test_the_private_studies_csvs_publish_no_statistic_of_the_clients_raw_update
             private.append(path.name)
             assert not set(rows[0]) & set(sweep.UNPROTECTED_COLUMNS), path.name
     assert len(private) == 9 and {"smollm2_dp_frontier.csv", "dp_sgd_fashion_mnist.csv"} <= set(private), private
+
+
+def test_the_instruction_studys_paired_differences_are_what_paired_seeds_gives():
+    """The per-seed differences, their mean, SE and ratio quoted for the 3-seed instruction study (FLITE less LoRA,
+    test exact match and the answers' test perplexity) are tools/paired_seeds.py's on the stored CSV."""
+    paired_seeds = tool_module("paired_seeds")
+    text = (DOCS / "results-llm.md").read_text()
+    path = DOCS / "results" / "smollm2_instruct.csv"
+    got = paired_seeds.paired(paired_seeds.accuracies(path, "test/exact_match"), "flite_d1444", "lora_r1", metric="x")
+    last = got["last"]
+    seeds = ", ".join(f"{x:+.3f}".replace("+", "") for x in last["per_seed"])
+    mean, se, ratio = last["mean"], last["se"], last["ratio"]
+    quoted = f"paired by seed: {seeds}; mean {mean:.3f}, standard error {se:.3f}, **{ratio:.1f} SE**"
+    assert " ".join(quoted.split()) in " ".join(text.split()), quoted
+    ppl = paired_seeds.paired(paired_seeds.accuracies(path, "test/ppl"), "flite_d1444", "lora_r1", metric="test/ppl")
+    quoted = f"FLITE less LoRA {ppl['last']['mean']:+.3f}, SE {ppl['last']['se']:.3f} (`--metric test/ppl`)"
+    assert " ".join(quoted.split()) in " ".join(text.split()), quoted
