@@ -29,7 +29,9 @@ the same network, benchmarks/_pfl_side.py), the same clients in every round (our
 sampler replays), the same batches in the same order (each client's images as our client's loader serves them in that
 round, written before any timing), the same number of steps and the same optimiser. After the last round each side
 writes its global weights, and the report gives the largest difference between ours and pfl's (float32 rounding:
-the two sum in different orders). The sides:
+the two sum in different orders). (The runs docs/results-systems.md publishes predate this: pfl drew its users with
+the ``minimize_reuse`` sampler and read each user's images in a fixed order, and ours trained with Adam's weight decay
+of 5e-4, pfl's without.) The sides:
 
 - **ours**: ``FederatedTrainer`` with full weights (everything a round does: sampling, the client runner, encoding,
   the gate, the fold, the ledger, the round checkpoint, and with ``--evaluate`` the validation);
@@ -47,7 +49,9 @@ warm-up round, then waits; the sides then take turns one round at a time (the or
 reporting the CPU seconds (``time.process_time``) of its round from the end of its previous one, so a neighbour's
 load falls on all sides alike. The report: CPU seconds per round (min and median over ``--rounds`` rounds) and per
 round of the alternation the ratios ours / pfl, latent / ours and lockstep / ours (min and median). Goals (issue on
-time, section 6): ours <= pfl; latent <= 1.3x ours.
+time, section 6): ours <= pfl; latent <= 1.3x ours. ``--sides`` picks the sides that run (all four by default: pfl's
+is left out, said in one line, where pfl cannot be installed); ``--table`` writes the table, ``--json`` every round's
+numbers, the machine and the commit.
 
 ``--grid`` runs the settings of ``GRID`` one after another (each its own processes and its own alternation of
 ``--rounds`` rounds; give at least 4), from the published workload to the one users run (SGD with momentum, GroupNorm,
