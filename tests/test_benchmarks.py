@@ -10,6 +10,7 @@ settings, so they are ``slow`` (``pytest -m slow``); by default only their optio
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -485,41 +486,113 @@ def test_client_overhead_pairs_every_timed_round_with_a_floor_on_the_cross_devic
     assert all(math.isfinite(x) and x > 0 for x in _numbers(seconds))
 
 
+def pfl_comparison():
+    """benchmarks/pfl_comparison.py as a module (its folder on the path while it imports)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import pfl_comparison
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return pfl_comparison
+
+
+def pfl_or_skip() -> None:
+    """Make (once) the virtual environment with pfl 0.6.0 the benchmark runs pfl in, or skip the test."""
+    from pathlib import Path
+
+    if pfl_comparison().pfl_python(Path.home() / ".cache" / "lightning_fl" / "pfl-venv") is None:
+        pytest.skip("pfl[pytorch]==0.6.0 cannot be installed here")
+
+
+TINY_PFL = ["--data", "synthetic", "--population", "8", "--per-client", "12", "--clients", "4", "--batch", "4"]
+
+
 @pytest.mark.slow
 def test_pfl_comparison_alternates_ours_and_pfl_on_the_same_clients(tmp_path):
     """benchmarks/pfl_comparison.py at a tiny size: every side reports a CPU time per timed round, pfl's included
-    (skipped if pfl 0.6.0 cannot be installed here), and the ratios are per round of the alternation."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from pfl_comparison import pfl_python
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    from pathlib import Path
-
-    if pfl_python(Path.home() / ".cache" / "lightning_fl" / "pfl-venv") is None:
-        pytest.skip("pfl[pytorch]==0.6.0 cannot be installed here")
-    args = [
-        "--data",
-        "synthetic",
-        "--population",
-        "8",
-        "--per-client",
-        "8",
-        "--clients",
-        "2",
-        "--batch",
-        "4",
-        "--rounds",
-        "2",
-        "--json",
-        "pfl.json",
-    ]
+    (skipped if pfl 0.6.0 cannot be installed here), the ratios are per round of the alternation, and with the
+    defaults (Adam, the plain CNN, pfl fed from slices) ours and pfl's global weights end equal up to float32 rounding
+    (Adam's normalised steps carry it further than SGD's)."""
+    pfl_or_skip()
+    args = [*TINY_PFL, "--rounds", "2", "--json", "pfl.json"]
     proc = run_script("pfl_comparison.py", args, tmp_path, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "pfl.json").read_text())["results"]
     assert results["sides"] == ["ours", "pfl", "latent", "lockstep"] and results["pfl"] == "0.6.0"
     assert all(len(v) == 2 and min(v) > 0 for v in results["cpu_seconds_per_round"].values())
     assert set(results["ratios"]) == {"ours/pfl", "latent/ours", "lockstep/ours", "latent/pfl", "lockstep/pfl"}
+    setting = {k: results["setting"][k] for k in ("optimizer", "lr", "model", "evaluate", "identity_check", "pfl_feed")}
+    assert setting == {
+        "optimizer": "adam",
+        "lr": 0.01,
+        "model": "plain",
+        "evaluate": False,
+        "identity_check": "on",
+        "pfl_feed": "slices",
+    }
+    weights = results["weights"]
+    assert weights["rounds"] == 3 and weights["max_abs_update"] > 0.01
+    assert weights["max_abs_difference"] < 1e-4, weights
+
+
+@pytest.mark.slow
+def test_pfl_comparison_trains_the_same_weights_on_both_sides_on_the_users_workload(tmp_path):
+    """The workload users run (SGD with momentum 0.9 at 0.05, the GroupNorm CNN, the server evaluating every round,
+    pfl fed through its documented ``FederatedDataset(make_dataset_fn, user_sampler)`` path): after a warm-up and a
+    timed round from the same initial weights, on the same clients' batches in the same order, ours and pfl's global
+    weights agree to float32 rounding, while training moved them by far more than that."""
+    pfl_or_skip()
+    args = [*TINY_PFL, "--rounds", "1", "--sides", "ours", "pfl", "--optimizer", "sgd-momentum", "--model", "groupnorm"]
+    args += ["--evaluate", "--eval-images", "16", "--pfl-feed", "dataset", "--json", "pfl.json", "--table", "pfl.md"]
+    proc = run_script("pfl_comparison.py", args, tmp_path, 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "pfl.json").read_text())["results"]
+    assert results["setting"]["lr"] == 0.05 and results["setting"]["momentum"] == 0.9
+    assert results["settings"]["eval_images"] == 16
+    weights = results["weights"]
+    assert weights["rounds"] == 2 and weights["max_abs_update"] > 0.01, weights
+    assert weights["max_abs_difference"] < 1e-6, weights
+    assert "Global weights after 2 rounds, ours against pfl's" in (tmp_path / "pfl.md").read_text()
+
+
+def test_the_pfl_comparison_grid_goes_from_the_published_workload_to_the_users_one_factor_at_a_time():
+    """``--grid``'s settings start at the published runs' workload, end at the users' (pfl fed as its documentation
+    feeds it) and change one choice from each to the next; its table has a row per setting with every ratio."""
+    module = pfl_comparison()
+    grid = module.GRID
+    assert grid[0] == {
+        "optimizer": "adam",
+        "model": "plain",
+        "evaluate": False,
+        "identity_check": "off",
+        "pfl_feed": "slices",
+    }
+    assert grid[-1] == {
+        "optimizer": "sgd-momentum",
+        "model": "groupnorm",
+        "evaluate": True,
+        "identity_check": "on",
+        "pfl_feed": "dataset",
+    }
+    assert all(sum(a[k] != b[k] for k in a) == 1 for a, b in itertools.pairwise(grid))
+    spread = {"min": 1.0, "median": 1.5, "max": 2.0}
+    runs = [
+        {
+            "setting": {**choice, "lr": 0.05, "momentum": 0.9, "tag": f"s{i}"},
+            "rounds": 4,
+            "summary": dict.fromkeys(("ours", "pfl", "latent", "lockstep"), spread),
+            "ratios": dict.fromkeys(("ours/pfl", "latent/ours", "lockstep/ours"), spread),
+            "weights": {"rounds": 5, "max_abs_difference": 2e-8, "max_abs_update": 0.1, "max_abs_weight": 1.0},
+        }
+        for i, choice in enumerate(grid)
+    ]
+    lines = module.grid_table(runs)
+    rows = [line for line in lines if line.startswith("| ")]
+    assert len(rows) == 2 + len(grid)
+    assert rows[0].count("|") == rows[1].count("|") == rows[2].count("|") == 14
+    assert "**ours / pfl**" in rows[0] and "weights apart" in rows[0]
+    assert rows[-1].startswith("| sgd-momentum | groupnorm | every round | on | dataset | 1.000 / 1.500 |")
+    assert rows[-1].endswith("| 1.000 / **1.500** | 2.0e-08 |")
 
 
 def test_the_cohort_rule_grid_reports_each_point_with_the_rules_decision(tmp_path):
