@@ -238,6 +238,19 @@ class AugmentedSynthetic(Synthetic):
     hflip = True
 
 
+class PerSample(torch.utils.data.Dataset):
+    """A dataset's samples one call each (no ``__getitems__``): what a ``DataLoader`` does without batched reads."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+
 @pytest.mark.parametrize("augment", [False, True])
 @pytest.mark.parametrize("batch_size", [24, 32, 7, 150])  # 120 samples: a batch size that divides it, two not, one over
 def test_in_memory_client_batches_equal_the_data_loader(augment, batch_size):
@@ -252,7 +265,9 @@ def test_in_memory_client_batches_equal_the_data_loader(augment, batch_size):
     fast = dm.client_dataloader(3, seed=11)
     assert dm.client_num_samples(3) == 120
     assert isinstance(fast, InMemoryBatches) and len(fast) == -(-120 // batch_size)
-    subset = TransformedSubset(dm._train, dm.client_indices(3), source.transform(train=True, augment=augment))
+    subset = PerSample(
+        TransformedSubset(dm._train, dm.client_indices(3), source.transform(train=True, augment=augment))
+    )
     generator = torch.Generator().manual_seed(11)
     slow = DataLoader(subset, batch_size=batch_size, shuffle=True, generator=generator)
 
@@ -330,3 +345,57 @@ def test_public_samples_shrinks_only_the_pretraining_split():
         make_dm(public_fraction=0.2, public_samples=1000).setup()
     with pytest.raises(ConfigError, match="data.public_samples must be >= 1"):
         make_dm(public_fraction=0.2, public_samples=0)
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_a_loaders_batch_is_read_and_transformed_at_once_with_the_per_sample_values_and_draws(augment, monkeypatch):
+    """``DataLoader(TransformedSubset)`` of a split in memory transforms each batch in one call, and gives the
+    batches, labels and global draws (augmentation) of a sample-by-sample read; a transform of another kind and a
+    split not in memory are read sample by sample."""
+    from torch.utils.data import DataLoader
+
+    from lightning_fl.data.datamodule import TransformedSubset
+    from lightning_fl.data.sources import ImageTransform, LabeledImages
+
+    source = AugmentedSynthetic(train_size=300, test_size=100)
+    dm = make_dm(source=source, batch_size=16, augment=augment)
+    indices = dm.split_indices("clients")[:70]
+    transform = source.transform(train=True, augment=augment)
+    calls = []
+    batch = ImageTransform.batch
+    monkeypatch.setattr(ImageTransform, "batch", lambda self, images: calls.append(len(images)) or batch(self, images))
+
+    def read(dataset):
+        torch.manual_seed(3)
+        return list(DataLoader(dataset, batch_size=16)), torch.rand(2)
+
+    (got, got_next), (want, want_next) = (
+        read(TransformedSubset(dm._train, indices, transform)),
+        read(PerSample(TransformedSubset(dm._train, indices, transform))),
+    )
+    assert calls == [16, 16, 16, 16, 6] + [1] * 70  # 5 batches at once, then the 70 images one by one
+    assert len(got) == len(want) == 5 and torch.equal(got_next, want_next)
+    for (x1, y1), (x2, y2) in zip(got, want, strict=True):
+        assert x1.dtype == x2.dtype == torch.float32 and torch.equal(x1, x2) and torch.equal(y1, y2)
+
+    class Other(ImageTransform):
+        pass
+
+    class NotInMemory(LabeledImages):
+        def __init__(self, images):
+            self.images = images
+
+        def __len__(self):
+            return len(self.images)
+
+        def __getitem__(self, i):
+            return self.images[i]
+
+    for subset in (
+        TransformedSubset(
+            dm._train, indices, Other(transform.mean.flatten().tolist(), transform.std.flatten().tolist())
+        ),
+        TransformedSubset(NotInMemory(dm._train), indices, transform),
+    ):
+        calls.clear()
+        assert len(list(DataLoader(subset, batch_size=16))) == 5 and calls == [1] * 70

@@ -22,7 +22,13 @@ from lightning_fl.trainer_api import lazy_instance
 
 
 class TransformedSubset(Dataset):
-    """``base[indices[i]]`` with a per-sample transform applied to the image."""
+    """``base[indices[i]]`` with a per-sample transform applied to the image.
+
+    A ``DataLoader`` asks for a batch's samples at once (:meth:`__getitems__`): from a split held in memory and with
+    exactly our transform, they are gathered and transformed as one batch, with the values and global draws of the
+    per-sample path (:meth:`ImageTransform.batch`). An evaluation then makes a few tensor operations per batch, not
+    a few per image.
+    """
 
     def __init__(self, base: LabeledImages, indices: np.ndarray, transform: ImageTransform) -> None:
         self.base = base
@@ -35,6 +41,15 @@ class TransformedSubset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         image, label = self.base[int(self.indices[i])]
         return self.transform(image), label
+
+    def __getitems__(self, batch: list[int]) -> list[tuple[torch.Tensor, int]]:
+        """The samples at positions ``batch``, as ``[self[i] for i in batch]`` gives them."""
+        # Exactly our transform: a subclass may redefine what it does to one image.
+        if not isinstance(self.base, TensorImages) or type(self.transform) is not ImageTransform:
+            return [self[i] for i in batch]
+        picked = torch.from_numpy(self.indices[np.asarray(batch, dtype=np.int64)])
+        images = self.transform.batch(self.base.images.index_select(0, picked))
+        return list(zip(images.unbind(0), self.base.targets[picked.numpy()].tolist(), strict=True))
 
 
 class InMemoryBatches:
