@@ -379,7 +379,7 @@ def test_a_loaders_batch_is_read_and_transformed_at_once_with_the_per_sample_val
         assert x1.dtype == x2.dtype == torch.float32 and torch.equal(x1, x2) and torch.equal(y1, y2)
 
     class Other(ImageTransform):
-        pass
+        """A transform of another kind (a subclass may redefine one image's): read sample by sample."""
 
     class NotInMemory(LabeledImages):
         def __init__(self, images):
