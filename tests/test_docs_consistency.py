@@ -272,8 +272,9 @@ def summary_block(text: str, where: str) -> list[str]:
 
 #: How far a number of the quickstart's summary may move between machines, by the line's metric: ECE and loss move
 #: in the third decimal with the CPU's vector instructions and torch's thread count (measured: 0.0194 -> 0.0161 on
-#: one machine, 0.0185 -> 0.0122 on another, one thread each), and a best accuracy tied between two rounds may be
-#: reached one round earlier. Accuracies, bytes and every word are exact.
+#: one machine, 0.0185 -> 0.0122 on another, one thread each), so the round of their best value, near-flat over many
+#: rounds, moves too (ECE's best at round 26 on one machine, 23 on another) and is not compared; a best accuracy tied
+#: between two rounds may be reached one round earlier. Accuracies, bytes and every word are exact.
 DRIFT = {"val/ece:": 0.005, "val/loss:": 0.003}
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
@@ -289,6 +290,8 @@ def same_summary(shown: list[str], printed: list[str]) -> bool:
         for a, b in zip(NUMBER.findall(page), NUMBER.findall(run), strict=True):
             x, y = float(a.replace(",", "")), float(b.replace(",", ""))
             best_round = metric in ("val/acc:", *DRIFT) and page.endswith(f"(round {a})")
+            if best_round and metric in DRIFT:
+                continue
             if not (x == y or (metric in DRIFT and abs(x - y) <= DRIFT[metric]) or (best_round and abs(x - y) <= 1)):
                 return False
     return True
@@ -306,6 +309,7 @@ def test_the_quickstart_summary_matches_a_page_up_to_what_moves_between_machines
         shown[2],
     ]
     assert same_summary(shown, other_machine)
+    assert same_summary(shown, [shown[0], other_machine[1].replace("(round 26)", "(round 23)"), shown[2]])
     for wrong in (
         [shown[0].replace("0.9639", "0.9611"), *shown[1:]],  # an accuracy
         [shown[0].replace("(round 18)", "(round 12)"), *shown[1:]],  # a best round far off
