@@ -1029,3 +1029,34 @@ def test_paired_seeds_differences_per_seed_at_the_best_and_last_round(tmp_path):
     assert got["a"]["best"]["per_seed"] == pytest.approx([10.0])  # 0.90-0.80
     assert got["a"]["last"]["per_seed"] == pytest.approx([5.0])  # 0.85-0.80
     assert got["b"]["best"]["per_seed"] == pytest.approx([-1.0, 10.0])  # 0.86-0.87; 0.70-0.60
+
+
+def test_suite_time_compares_two_trees_on_the_tests_they_share(tmp_path, capsys):
+    """tools/suite_time.py: per run wall and CPU from /usr/bin/time, pytest's counts, and per-test seconds summed
+    (setup, call and teardown) over the tests every run has; new / old per pair; mismatched or missing logs exit 2."""
+    suite_time = tool_module("suite_time")
+
+    def write(name, tests, tail, times):
+        lines = ["============ slowest durations ============"]
+        lines += [f"{s}s {phase}     tests/test_a.py::{t}" for t, phases in tests.items() for phase, s in phases]
+        (tmp_path / f"{name}.log").write_text("\n".join([*lines, tail]) + "\n")
+        (tmp_path / f"{name}.time").write_text(f"Command exited with non-zero status 1\n{times}\n")
+
+    old_tests = {"a": [("call", 2.0), ("setup", 0.5)], "b": [("call", 1.0)]}
+    write("old1", old_tests, "1 failed, 2 passed in 9.0s", "wall 10.00 user 15.00 sys 1.00")
+    new_tests = {"a": [("call", 2.5)], "b": [("call", 1.5), ("teardown", 0.5)], "c": [("call", 9.0)]}
+    write("new1", new_tests, "3 passed, 1 skipped in 12.0s", "wall 12.00 user 18.00 sys 2.00")
+    result = suite_time.compare([suite_time.run_of(tmp_path / "old1.log")], [suite_time.run_of(tmp_path / "new1.log")])
+    assert result["shared_tests"] == 2  # "c" is the new tree's only
+    old, new = result["runs"]
+    assert (old["wall_s"], old["cpu_s"], old["passed"], old["failed"]) == (10.0, 16.0, 2, 1)
+    assert (new["passed"], new["skipped"], new["shared_tests_s"]) == (3, 1, 4.5)
+    assert old["shared_tests_s"] == 3.5
+    assert result["new_over_old"]["shared_tests_s"]["pairs"] == [round(4.5 / 3.5, 3)]
+    assert result["new_over_old"]["cpu_s"]["median"] == 1.25
+    assert suite_time.main(["--old", str(tmp_path / "old1.log"), "--new", str(tmp_path / "new1.log")]) == 0
+    assert "new / old wall_s: [1.2]" in capsys.readouterr().out
+    both = ["--old", str(tmp_path / "old1.log"), str(tmp_path / "old1.log"), "--new", str(tmp_path / "new1.log")]
+    assert suite_time.main(both) == 2
+    assert suite_time.main(["--old", str(tmp_path / "gone.log"), "--new", str(tmp_path / "new1.log")]) == 2
+    assert "no log at" in capsys.readouterr().out
