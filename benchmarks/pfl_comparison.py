@@ -59,9 +59,9 @@ evaluation every round, the identity check on, pfl fed as its documentation feed
 writes one table: a row per setting, with ours / pfl, latent / ours and lockstep / ours (min / median) and the
 weights' difference; ``--json`` holds every round of every setting.
 
-    python benchmarks/pfl_comparison.py --rounds 8 --json docs/results/pfl_comparison.json \\
-        --table docs/results/pfl_comparison.md
-    python benchmarks/pfl_comparison.py --rounds 8 --grid --json pfl_grid.json --table pfl_grid.md
+    python benchmarks/pfl_comparison.py --rounds 8 --grid --json docs/results/pfl_comparison_grid.json \\
+        --table docs/results/pfl_comparison_grid.md
+    python benchmarks/pfl_comparison.py --rounds 8 --json pfl.json --table pfl.md
     python benchmarks/pfl_comparison.py --optimizer sgd-momentum --model groupnorm --evaluate --pfl-feed dataset
 """
 
